@@ -1,0 +1,1 @@
+"""jaxserve: an LLM inference and serving engine in JAX."""

@@ -1,0 +1,235 @@
+"""Model configuration: one frozen dataclass read from a Hugging Face `config.json`.
+
+The decoder family is Llama-shaped. The four supported architectures differ only in a
+few switches, all of which live here:
+
+| architecture        | QKV bias | q/k RMSNorm | sliding window | rope scaling   |
+|---------------------|----------|-------------|----------------|----------------|
+| LlamaForCausalLM    | optional | no          | no             | llama3, linear |
+| MistralForCausalLM  | no       | no          | optional       | no             |
+| Qwen2ForCausalLM    | yes      | no          | optional       | linear         |
+| Qwen3ForCausalLM    | optional | yes         | optional       | linear         |
+
+Anything outside that table is refused with an error that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for an architecture or a feature this engine does not have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long context (None in ModelConfig: plain)."""
+
+    rope_type: str  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k and v projections
+    o_proj_bias: bool = False  # Llama's and Qwen3's attention_bias also bias o_proj
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per KV head (1: multi-head, num_heads: multi-query)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V bytes one token occupies in the cache, over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Rotary inverse frequencies [head_dim // 2] in float32, scaled as configured."""
+        exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim
+        inv_freq = (1.0 / (np.float32(self.rope_theta) ** exponents)).astype(np.float32)
+        s = self.rope_scaling
+        if s is None:
+            return inv_freq
+        if s.rope_type == "linear":
+            return (inv_freq / np.float32(s.factor)).astype(np.float32)
+        # llama3: long wavelengths are divided by `factor`, short ones kept, and the band
+        # between them interpolated smoothly.
+        low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+    # -- construction -------------------------------------------------------------
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config dict, refusing what the engine cannot run."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else _architecture_from_model_type(hf.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        _refuse_unsupported_fields(hf)
+
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        bias = bool(hf.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or bias,
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(hf, arch),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _architecture_from_model_type(model_type: str | None) -> str:
+    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    if model_type not in by_type:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported")
+    return by_type[model_type]
+
+
+def _refuse_unsupported_fields(hf: dict[str, Any]) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+    if hf.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    if hf.get("pretraining_tp", 1) != 1:
+        raise UnsupportedModelError(f"pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
+    quant = hf.get("quantization_config")
+    if quant:
+        raise UnsupportedModelError(
+            f"quantization_config (quant_method={quant.get('quant_method')!r}) is not supported; "
+            "use an unquantized checkpoint or a GGUF file"
+        )
+    layer_types = hf.get("layer_types")
+    if layer_types and len(set(layer_types)) > 1:
+        raise UnsupportedModelError(
+            f"layer_types mixes {sorted(set(layer_types))}; per-layer attention types are not supported"
+        )
+    if hf.get("use_sliding_window") and 0 < hf.get("max_window_layers", 0) < hf["num_hidden_layers"]:
+        raise UnsupportedModelError(
+            f"max_window_layers={hf['max_window_layers']} (sliding window on some layers only) is not supported"
+        )
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    # Older configs say rope_theta + rope_scaling; transformers 5 writes rope_parameters.
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    return params
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    return float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    p = _rope_params(hf)
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return None
+    if rope_type == "linear":
+        return RopeScaling("linear", float(p["factor"]))
+    return RopeScaling(
+        "llama3",
+        float(p["factor"]),
+        float(p.get("low_freq_factor", 1.0)),
+        float(p.get("high_freq_factor", 4.0)),
+        int(p.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_window(hf: dict[str, Any], arch: str) -> int | None:
+    window = hf.get("sliding_window")
+    if window is None or arch == "LlamaForCausalLM":
+        return None
+    if arch.startswith("Qwen"):
+        # Qwen slides only when asked to, and only from layer max_window_layers on.
+        if not hf.get("use_sliding_window") or hf.get("max_window_layers", 0) >= hf["num_hidden_layers"]:
+            return None
+    return int(window)

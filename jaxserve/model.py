@@ -1,0 +1,161 @@
+"""The decoder family: Llama, Mistral, Qwen2 and Qwen3 as one config-driven Flax NNX model.
+
+Parameter names follow Hugging Face (`layers.self_attn.q_proj.kernel` is
+`model.layers.{i}.self_attn.q_proj.weight`, transposed), so weight loading is a rename.
+The layers are stacked on a leading axis and run with `lax.scan`, so compile time does
+not grow with depth. Shapes: T tokens on the flat axis, D hidden, H query heads,
+KV key/value heads, Dh head_dim, S sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache
+from jaxserve.model_inputs import ModelInputs
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+AttentionFn = Callable[..., jax.Array]  # the signature of ragged_paged_attention_reference
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * h.astype(x.dtype)
+
+
+def _linear(cfg_dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half convention. x: [T, heads, Dh]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, h, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(dtype, d, h * dh, cfg.attention_bias, rngs)
+        self.k_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs)
+        self.v_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs)
+        self.o_proj = _linear(dtype, h * dh, d, cfg.o_proj_bias, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, inputs: ModelInputs, k_pages, v_pages, block_offset, inv_freq, attention: AttentionFn):
+        cfg = self.cfg
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, inputs.positions, inv_freq)
+        k = apply_rope(k, inputs.positions, inv_freq)
+
+        # Write this step's K/V first; attention then reads the whole context from pages.
+        page_size = k_pages.shape[1]
+        slots = inputs.slot_mapping + block_offset * page_size
+        k_pages = _write_slots(k_pages, slots, k)
+        v_pages = _write_slots(v_pages, slots, v)
+        out = attention(
+            q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
+            sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
+        )
+        return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages
+
+
+def _write_slots(pages: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """pages[slot // page_size, slot % page_size] = values, for each token."""
+    flat = pages.reshape(-1, *pages.shape[2:])
+    flat = flat.at[slots].set(values.astype(pages.dtype), mode="promise_in_bounds")
+    return flat.reshape(pages.shape)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(dtype, d, f, False, rngs)
+        self.up_proj = _linear(dtype, d, f, False, rngs)
+        self.down_proj = _linear(dtype, f, d, False, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+
+class DecoderLM(nnx.Module):
+    """Embeddings, a stack of decoder layers, the final norm and the LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, dtype, rngs)
+
+        self.layers = make_layers(rngs)  # every parameter has a leading [L] axis
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(dtype, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+    def __call__(
+        self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits [len(logits_indices), vocab] in float32, and the cache with this step's K/V."""
+        cfg = self.cfg
+        x = self.embed_tokens(inputs.input_ids)  # [T, D]
+        inv_freq = jnp.asarray(cfg.rope_inv_freq())
+        num_layers, num_blocks = kv.k.shape[:2]
+        # Fold layers into the page axis: layer l owns pages [l * num_blocks, (l + 1) * num_blocks).
+        k_pages = kv.k.reshape(num_layers * num_blocks, *kv.k.shape[2:])
+        v_pages = kv.v.reshape(num_layers * num_blocks, *kv.v.shape[2:])
+
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def one_layer(carry, state):
+            x, k_pages, v_pages, layer_idx = carry
+            layer = nnx.merge(layer_def, state)
+            h, k_pages, v_pages = layer.self_attn(
+                layer.input_layernorm(x), inputs, k_pages, v_pages, layer_idx * num_blocks, inv_freq, attention
+            )
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return (x, k_pages, v_pages, layer_idx + 1), None
+
+        (x, k_pages, v_pages, _), _ = jax.lax.scan(one_layer, (x, k_pages, v_pages, jnp.int32(0)), layer_state)
+
+        x = self.norm(x[inputs.logits_indices])  # [S, D]: norm is per token, gather first
+        if cfg.tie_word_embeddings:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32), KVCache(k_pages.reshape(kv.k.shape), v_pages.reshape(kv.v.shape))

@@ -1,0 +1,133 @@
+"""A GGUF file (llama.cpp's format) as a Hugging Face-style config and tensors.
+
+Quantized tensors are dequantized with the `gguf` package. llama.cpp stores the Q and K
+projections of Llama-architecture models with the rows of each head interleaved for its
+rotary kernel; we undo that permutation so the weights match Hugging Face's layout.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from jaxserve.config import UnsupportedModelError
+from jaxserve.weights.params import WeightError
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IN_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GGUFFile:
+    def __init__(self, path: str | Path):
+        from gguf import GGUFReader  # imported here: only GGUF users pay for it
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {self.path}")
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises assorted errors on a damaged file
+            raise WeightError(f"{self.path} is not a readable GGUF file (damaged or truncated?): {e}") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in _ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+            )
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def hf_config(self) -> dict[str, Any]:
+        """The metadata as the dict a Hugging Face config.json would hold."""
+        a = self.arch
+        num_heads = self.field(f"{a}.attention.head_count")
+        hidden = self.field(f"{a}.embedding_length")
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise UnsupportedModelError("GGUF rope_freqs (llama3 rope scaling) is not supported; use the HF folder")
+        cfg = {
+            "architectures": [_ARCHITECTURES[a]],
+            "vocab_size": self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens")),
+            "hidden_size": hidden,
+            "intermediate_size": self.field(f"{a}.feed_forward_length"),
+            "num_hidden_layers": self.field(f"{a}.block_count"),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": self.field(f"{a}.attention.head_count_kv", num_heads),
+            "head_dim": self.field(f"{a}.attention.key_length", hidden // num_heads),
+            "max_position_embeddings": self.field(f"{a}.context_length", 4096),
+            "rms_norm_eps": self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self.field(f"{a}.rope.freq_base", 10000.0),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+        }
+        scaling = self.field(f"{a}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
+            cfg["rope_scaling"] = {"type": "linear", "factor": self.field(f"{a}.rope.scaling.factor")}
+        return cfg
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.reader.tensors)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, float32 array in Hugging Face layout) for every tensor."""
+        from gguf import dequantize
+
+        cfg = self.hf_config()
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            try:
+                array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            except Exception as e:
+                raise WeightError(f"{self.path}: tensor {t.name!r} could not be read: {e}") from e
+            array = array.reshape(tuple(int(n) for n in reversed(t.shape)))
+            if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+                array = unpermute_rotary(array, cfg["num_attention_heads"])
+            elif self.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+                array = unpermute_rotary(array, cfg["num_key_value_heads"])
+            yield name, array
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if not m or m.group(2) not in _IN_LAYER:
+        raise WeightError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_IN_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of a Q or K projection ([out, ...]).
+
+    llama.cpp reorders each head's rows from [first half, second half] (Hugging Face's
+    rotate-half pairs) to interleaved pairs; this puts them back.
+    """
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

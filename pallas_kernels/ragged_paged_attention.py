@@ -1,0 +1,123 @@
+"""Ragged paged attention: many sequences' new tokens, back to back, over a paged KV cache.
+
+The flat token axis holds every scheduled sequence's new tokens (prefill chunks and
+decode tokens alike); sequence `s` owns tokens `query_start_loc[s]:query_start_loc[s+1]`,
+which are the last `q_len` positions of its `kv_lens[s]`-token context. Its K/V live in
+the pages `block_tables[s, :cdiv(kv_lens[s], page_size)]`, already written for this
+step's tokens. Attention is causal within a sequence, optionally limited to a sliding
+window and soft-capped.
+
+This module holds the pure-JAX version (XLA gathers and einsums). It is the CPU serving
+path and the oracle for the Pallas kernel, which has the same signature.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # int32 [S]: context length of each sequence, this step's tokens included
+    block_tables: jax.Array,  # int32 [S, max_pages]: page ids of each sequence, in order
+    query_start_loc: jax.Array,  # int32 [S + 1]: cumulative new-token counts
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    query_tile: int | None = None,
+    kv_chunk_pages: int | None = None,
+) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
+    """Attention of every new token over its own sequence's paged context.
+
+    The flat tokens are cut into query tiles of `query_tile` tokens, each inside one
+    sequence (a sequence of q_len tokens takes cdiv(q_len, query_tile) tiles). Each tile
+    walks its sequence's pages `kv_chunk_pages` at a time with an online softmax, so
+    memory stays bounded and the loop runs only as far as the longest context.
+    """
+    q, k_pages, v_pages, kv_lens, block_tables, query_start_loc = map(
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc))
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs = kv_lens.shape[0]
+    groups = num_heads // num_kv_heads
+    tq = query_tile or default_query_tile(num_tokens, num_seqs)
+    chunk_pages = kv_chunk_pages or max(1, 256 // page_size)
+    chunk = chunk_pages * page_size
+
+    # -- cut the flat tokens into per-sequence query tiles --------------------------
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    tiles_per_seq = (q_lens + tq - 1) // tq
+    tile_end = jnp.cumsum(tiles_per_seq)
+    num_tiles = num_tokens // tq + num_seqs  # static bound on sum(cdiv(q_len, tq))
+    tile_ids = jnp.arange(num_tiles)
+    seq = jnp.searchsorted(tile_end, tile_ids, side="right")  # [NT]; == S for spare tiles
+    tile_valid = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    first_q = (tile_ids - (tile_end[seq] - tiles_per_seq[seq])) * tq  # offset in the sequence
+    q_off = first_q[:, None] + jnp.arange(tq)[None, :]  # [NT, TQ]
+    q_valid = tile_valid[:, None] & (q_off < q_lens[seq][:, None])
+    token = jnp.where(q_valid, query_start_loc[seq][:, None] + q_off, num_tokens)
+    q_pos = (kv_lens[seq] - q_lens[seq])[:, None] + q_off  # position of each query token
+    seq_len = jnp.where(tile_valid, kv_lens[seq], 0)  # [NT]
+
+    # [NT, TQ, H, D] -> [NT, KV, G, TQ, D], scaled once up front.
+    qt = q.astype(jnp.float32)[jnp.minimum(token, num_tokens - 1)] * sm_scale
+    qt = qt.reshape(num_tiles, tq, num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
+
+    # Pad the block table so every chunk slice is in bounds (dynamic_slice would clamp).
+    max_pages = block_tables.shape[1]
+    padded_pages = -(-max_pages // chunk_pages) * chunk_pages
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - max_pages)))[seq]  # [NT, P']
+
+    def body(c, carry):
+        m, l, acc = carry  # [NT, KV, G, TQ], same, [NT, KV, G, TQ, D]
+        pages = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
+        k = k_pages[pages].reshape(num_tiles, chunk, num_kv_heads, head_dim).astype(jnp.float32)
+        v = v_pages[pages].reshape(num_tiles, chunk, num_kv_heads, head_dim).astype(jnp.float32)
+        kv_pos = c * chunk + jnp.arange(chunk)  # [C]
+        in_seq = kv_pos[None, :] < seq_len[:, None]  # [NT, C]
+        # NOTE: slots past the context may hold anything (NaN in tests); zero them so
+        # that 0 * garbage never reaches the output.
+        v = jnp.where(in_seq[:, :, None, None], v, 0.0)
+
+        s = jnp.einsum("nkgqd,nckd->nkgqc", qt, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = in_seq[:, None, :] & q_valid[:, :, None] & (kv_pos[None, None, :] <= q_pos[:, :, None])
+        if sliding_window is not None:
+            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask = mask[:, None, None]  # [NT, 1, 1, TQ, C]
+        s = jnp.where(mask, s, -jnp.inf)
+
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key yet
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.exp(m - m_safe)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("nkgqc,nckd->nkgqd", p, v)
+        return m_new, l, acc
+
+    shape = (num_tiles, num_kv_heads, groups, tq)
+    init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+    num_chunks = (jnp.max(seq_len) + chunk - 1) // chunk
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NT, KV, G, TQ, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tq, num_heads, head_dim)
+    result = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
+    return result.at[token.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+
+
+def default_query_tile(num_tokens: int, num_seqs: int) -> int:
+    """Query tile length for a (token, sequence) bucket: about tokens per sequence.
+
+    Decode-heavy buckets (one token per sequence) get tiles of 1, so no work is spent on
+    empty query rows; prefill-heavy ones get long tiles, so the context is gathered
+    once per tile rather than once per token.
+    """
+    per_seq = max(1, num_tokens // max(1, num_seqs))
+    return 1 << (per_seq.bit_length() - 1)  # round down to a power of two

@@ -1,0 +1,116 @@
+"""Random ragged paged-attention cases and a dense NumPy oracle that knows nothing of pages.
+
+Shared by the reference's tests and the Pallas kernel's tests. Every page that no
+sequence owns, and every slot past a sequence's context, is NaN: an out-of-bounds read
+shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class AttentionCase:
+    q: np.ndarray  # [T, H, D]
+    k_pages: np.ndarray  # [P, page_size, KV, D]
+    v_pages: np.ndarray
+    kv_lens: np.ndarray  # [S]
+    block_tables: np.ndarray  # [S, max_pages]
+    query_start_loc: np.ndarray  # [S + 1]
+    dense_k: list[np.ndarray]  # per sequence [kv_len, KV, D]
+    dense_v: list[np.ndarray]
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+def make_case(
+    rng: np.random.Generator,
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    num_pages: int | None = None,
+    max_pages: int | None = None,
+    pad_tokens: int = 0,
+    pad_seqs: int = 0,
+    share_first_page: bool = False,
+    dtype=np.float32,
+) -> AttentionCase:
+    """Sequences with the given new-token and context lengths, pages in scrambled order.
+
+    `share_first_page` makes every sequence start with the same page (a shared prefix),
+    so its first page_size positions hold the same K/V in all of them.
+    """
+    assert all(q <= kv for q, kv in zip(q_lens, kv_lens))
+    pages_needed = [-(-kv // page_size) for kv in kv_lens]
+    max_pages = max_pages or max(max(pages_needed), 1)
+    distinct = sum(pages_needed) - (len(kv_lens) - 1 if share_first_page else 0)
+    num_pages = num_pages or distinct + 3  # a few pages nobody owns
+    k_pages = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan, dtype)
+    v_pages = np.full_like(k_pages, np.nan)
+    free = list(rng.permutation(num_pages))
+    shared = None
+    if share_first_page:
+        shared = free.pop()
+        k_pages[shared] = rng.standard_normal(k_pages.shape[1:]).astype(dtype)
+        v_pages[shared] = rng.standard_normal(v_pages.shape[1:]).astype(dtype)
+    tables = np.zeros((len(kv_lens) + pad_seqs, max_pages), np.int32)
+    dense_k, dense_v = [], []
+    for s, kv in enumerate(kv_lens):
+        k = rng.standard_normal((kv, num_kv_heads, head_dim)).astype(dtype)
+        v = rng.standard_normal((kv, num_kv_heads, head_dim)).astype(dtype)
+        for i in range(pages_needed[s]):
+            rows = slice(i * page_size, min(kv, (i + 1) * page_size))
+            n = rows.stop - rows.start
+            if i == 0 and shared is not None:
+                page = shared
+                k[rows], v[rows] = k_pages[page, :n], v_pages[page, :n]
+            else:
+                page = free.pop()
+                k_pages[page, :n], v_pages[page, :n] = k[rows], v[rows]
+            tables[s, i] = page
+        dense_k.append(k)
+        dense_v.append(v)
+    qsl = np.zeros(len(kv_lens) + pad_seqs + 1, np.int32)
+    qsl[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+    qsl[len(q_lens) + 1 :] = qsl[len(q_lens)]
+    num_tokens = int(qsl[-1]) + pad_tokens
+    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(dtype)
+    lens = np.array(list(kv_lens) + [0] * pad_seqs, np.int32)
+    return AttentionCase(q, k_pages, v_pages, lens, tables, qsl, dense_k, dense_v)
+
+
+def dense_attention(
+    case: AttentionCase, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+) -> np.ndarray:
+    """float64 attention, one sequence at a time over its dense K/V. Padding rows are 0."""
+    num_tokens, num_heads, head_dim = case.q.shape
+    groups = num_heads // case.k_pages.shape[2]
+    out = np.zeros((num_tokens, num_heads, head_dim))
+    for s, (k, v) in enumerate(zip(case.dense_k, case.dense_v)):
+        start, end = case.query_start_loc[s], case.query_start_loc[s + 1]
+        kv_len = len(k)
+        for t in range(start, end):
+            pos = kv_len - (end - start) + (t - start)
+            keys = np.arange(kv_len)
+            allowed = keys <= pos
+            if sliding_window is not None:
+                allowed &= keys > pos - sliding_window
+            for h in range(num_heads):
+                kh = k[:, h // groups].astype(np.float64)
+                vh = v[:, h // groups].astype(np.float64)
+                scores = kh @ case.q[t, h].astype(np.float64) * sm_scale
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
+                scores = np.where(allowed, scores, -np.inf)
+                p = np.exp(scores - scores.max())
+                out[t, h] = (p / p.sum()) @ vh
+    return out

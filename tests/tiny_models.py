@@ -1,0 +1,59 @@
+"""Random tiny Hugging Face checkpoints, built with torch from a config and a fixed seed.
+
+Weights are drawn at a scale that gives logits of order one (the default 0.02 init
+gives near-uniform logits, against which any error bound is met by accident).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BASE = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+)
+
+# name -> (architecture, config overrides)
+TINY_MODELS = {
+    "llama": ("LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama-tied-mqa-llama3rope": ("LlamaForCausalLM", dict(
+        tie_word_embeddings=True, num_key_value_heads=1,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=32))),
+    "llama-bias-mha": ("LlamaForCausalLM", dict(attention_bias=True, num_key_value_heads=4)),
+    "mistral-window": ("MistralForCausalLM", dict(sliding_window=7, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
+    "qwen3-tied": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True, num_key_value_heads=1)),
+}
+
+
+def make_tiny_model(name: str, folder: Path, seed: int = 0, dtype: str = "float32"):
+    """Write `config.json` + `model.safetensors` for TINY_MODELS[name]; return the torch model."""
+    import torch
+    import transformers
+
+    arch, overrides = TINY_MODELS[name]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(**{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model = model.to(getattr(torch, dtype))
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def hf_config_dict(folder: Path) -> dict:
+    with open(folder / "config.json") as f:
+        return json.load(f)
