@@ -1,0 +1,15 @@
+"""Host-side scheduling: requests, the KV block manager and continuous batching.
+
+Pure Python and NumPy: nothing here imports jax (a test checks).
+"""
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
+from scheduler.step_batch import SamplingBatch, StepBatch
+
+__all__ = [
+    "KVCacheManager", "Request", "RequestStatus", "SamplingBatch", "SamplingParams", "Scheduler",
+    "SchedulerConfig", "StepBatch", "StepResult",
+]

@@ -1,0 +1,104 @@
+"""One request's state: counters that catch up, not phases.
+
+A request's tokens are its prompt followed by what it has generated. Each step the
+scheduler gives it some of the tokens it has not computed yet (a prefill chunk, a whole
+prompt, or the one token sampled last step); `num_computed_tokens` catches up to
+`num_tokens`, and whenever it reaches it the step samples one more token.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+import time
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3  # an end-of-sequence token, a stop token or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model's context
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        priority: int = 0,
+        arrival_time: float | None = None,
+        fork_of: Request | None = None,
+        seed: int | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority  # lower is served first
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrival_counter)  # ties in arrival_time break by this
+        # n > 1: the other samples wait for this one's prompt, then share its blocks.
+        self.fork_of = fork_of
+        # The random stream of this request alone: sampling never depends on the batch.
+        if seed is None:
+            seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
+        self.seed = seed % 2**32
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.stop_reason: int | str | None = None  # the stop token or string that ended it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Service order: priority, then first come first served."""
+        return (self.priority, self.arrival_time, self.arrival_order)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, out={self.num_output_tokens})")

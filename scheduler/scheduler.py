@@ -1,0 +1,280 @@
+"""Continuous batching: every step retires finished requests and admits waiting ones.
+
+    batch = scheduler.schedule()          # which tokens run this step (a StepBatch)
+    sampled = runner.execute(batch)       # one token per scheduled row
+    results = scheduler.update(batch, sampled)
+
+There are no prefill and decode phases: each running request has uncomputed tokens
+(a whole prompt, the rest of a chunked prompt, or the one token sampled last step) and
+gets as many as the token budget allows. Running decodes are served first, so their
+inter-token latency stays bounded while long prompts are prefilled in chunks. When the
+block pool runs dry, the latest-admitted request is preempted: its blocks are freed and
+it is recomputed later (the prefix cache often makes that cheap).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import NamedTuple
+
+from scheduler.batch_builder import banned_token_ids, build_step_batch
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import Request, RequestStatus
+from scheduler.step_batch import MAX_BANNED_TOKENS, StepBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # per layer, the null block included
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    # Most tokens one request's prefill may take in a step (0: whatever budget is left).
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"{self.max_num_batched_tokens=} must be >= {self.max_num_seqs=}")
+        if self.block_size < 1 or self.num_blocks < 2:
+            raise ValueError(f"{self.block_size=} must be >= 1 and {self.num_blocks=} >= 2")
+
+
+class StepResult(NamedTuple):
+    """A request that sampled a token this step (`row` indexes the step's outputs), or
+    that the scheduler ended without one (`row` is None)."""
+
+    request: Request
+    row: int | None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # in admission order
+        self.forks: dict[str, list[Request]] = {}  # parent id -> samples waiting for its prompt
+        self.ended_without_token: list[Request] = []  # reported by the next update()
+        self.num_preemptions = 0
+
+    # -- requests in and out ----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError (and queues nothing) if it can never run."""
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        parent = request.fork_of
+        if parent is not None and parent.request_id in self.requests and parent.num_output_tokens == 0:
+            self.forks.setdefault(parent.request_id, []).append(request)
+        else:
+            self._enqueue(request)
+
+    def check_request(self, request: Request) -> None:
+        cfg = self.config
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the model's context is {cfg.max_model_len} tokens "
+                "(prompt plus at least one generated token)"
+            )
+        if self.kv.blocks_needed(n + 1) > cfg.num_blocks - 1:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the KV cache holds at most "
+                f"{(cfg.num_blocks - 1) * cfg.block_size} tokens in all; raise the KV-cache memory"
+            )
+        if request.sampling_params.min_tokens and len(banned_token_ids(request)) > MAX_BANNED_TOKENS:
+            raise ValueError(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop_token_ids (with eos) are supported")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks; False if it is unknown or done."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.stop_reason = stop_reason
+        self._finish(request, status)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> StepBatch | None:
+        """Pick this step's tokens; None when nothing can run."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, tuple[Request, int]] = {}
+        preempted = False
+
+        # Running requests: decodes first (stable sort keeps admission order), then chunks.
+        for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(req, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self._pick_victim()
+                if victim is req and len(self.running) == 1:
+                    # Alone and still out of room: its context outgrew the whole KV cache.
+                    self._finish(req, RequestStatus.FINISHED_LENGTH)
+                    self.ended_without_token.append(req)
+                    break
+                preempted = True
+                self._preempt(victim)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)[1]
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = (req, n)
+                budget -= n
+
+        # Admit waiting requests in service order while there is room.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            holds_blocks = bool(self.kv.tables.get(req.request_id))  # a forked sample
+            cached = [] if holds_blocks else self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * cfg.block_size
+            n = min(req.num_uncomputed_tokens - num_cached, budget, self._chunk_limit)
+            while (allocated := self.kv.allocate_slots(req, n, cached)) is None:
+                # Forked samples that have not run yet hold blocks only provisionally.
+                holders = [r for r in self.waiting if r is not req and self.kv.tables.get(r.request_id)]
+                if not holders:
+                    break
+                self._preempt(holders[-1])
+            if allocated is None:
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.pop(0)
+            req.num_computed_tokens += num_cached
+            if req.num_preemptions == 0 and not holds_blocks:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = (req, n)
+            budget -= n
+
+        if not scheduled:
+            return None  # NOTE: requests ended above are reported by the next update()
+        rows = list(scheduled.values())
+        tables = [self.kv.block_ids(r.request_id) for r, _ in rows]
+        return build_step_batch(rows, tables, cfg.block_size, self.kv.take_copies())
+
+    def update(self, batch: StepBatch, sampled_token_ids) -> list[StepResult]:
+        """Write a step's results back: advance counters, append tokens, finish requests."""
+        results = [StepResult(req, None) for req in self.ended_without_token]
+        self.ended_without_token.clear()
+        for row, (request_id, n) in enumerate(zip(batch.request_ids, batch.num_scheduled_tokens)):
+            req = self.requests.get(request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted (or preempted) while the step ran
+            req.num_computed_tokens += int(n)
+            self.kv.cache_full_blocks(req)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that did not reach the end: nothing sampled
+            token = int(sampled_token_ids[row])
+            req.output_token_ids.append(token)
+            self._release_forks(req, fork=True)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status)
+            results.append(StepResult(req, row))
+        return results
+
+    # -- helpers ----------------------------------------------------------------------
+
+    @property
+    def _chunk_limit(self) -> int:
+        return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        return min(req.num_uncomputed_tokens, budget, self._chunk_limit)
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _pick_victim(self) -> Request:
+        """Who gives up its blocks: a forked sample still waiting to run, else the least
+        important running request, and among equals the latest admitted."""
+        holders = [r for r in self.waiting if self.kv.tables.get(r.request_id)]
+        if holders:
+            return holders[-1]
+        return max(reversed(self.running), key=lambda r: r.priority)
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's blocks; it is recomputed from its first token when readmitted."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            req.status = RequestStatus.PREEMPTED
+            self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:  # a sample still waiting for its parent's prompt
+            siblings = self.forks.get(req.fork_of.request_id, []) if req.fork_of else []
+            if req in siblings:
+                siblings.remove(req)
+        self._release_forks(req, fork=False)
+        self.kv.free(req)
+        req.status = status
+        del self.requests[req.request_id]
+
+    def _release_forks(self, parent: Request, fork: bool) -> None:
+        """Start the samples waiting on `parent`: sharing its prompt's blocks once the prompt
+        is computed (`fork`), or from scratch if the parent ends before that."""
+        for child in self.forks.pop(parent.request_id, []):
+            if fork:
+                # The child re-runs the last prompt token to sample its own first token; its
+                # write goes to a copy of the shared last block (copy-on-write).
+                child.num_computed_tokens = parent.num_prompt_tokens - 1
+                self.kv.fork(parent, child, parent.num_prompt_tokens)
+            self._enqueue(child)
+
+    # -- introspection ----------------------------------------------------------------
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        pool = self.kv.pool
+        return pool.hits / pool.queries if pool.queries else 0.0
+
+    def check_integrity(self) -> None:
+        """Assert the invariants the property tests rely on."""
+        self.kv.check_integrity()
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
+        assert len(self.running) <= self.config.max_num_seqs
+        holders = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert set(self.kv.tables) <= holders, "a request that is not queued holds blocks"
+        queued = self.running + self.waiting + [c for cs in self.forks.values() for c in cs]
+        assert sorted(r.request_id for r in queued) == sorted(self.requests), "request bookkeeping is off"

@@ -1,0 +1,68 @@
+"""What the scheduler hands the model runner for one step: plain NumPy, no padding.
+
+The runner pads T (tokens) and S (sequences) up to its compiled buckets. Layout of the
+flat token axis for three sequences, a prefill chunk of 3 and two decodes:
+
+    input_ids        [ a0 a1 a2 | b7 | c4 ]
+    positions        [  0  1  2 |  7 |  4 ]
+    query_start_loc  [0,         3,   4,   5]
+    seq_lens         [  3,        8,   5   ]   context after this step
+    logits_indices   [  2,        3,   4   ]   each sequence's last new token
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MAX_BANNED_TOKENS = 16  # eos + stop_token_ids suppressed while min_tokens is not reached
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-sequence sampling parameters, one row per scheduled sequence."""
+
+    temperature: np.ndarray  # float32 [S]; 0 = greedy
+    top_p: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int32 [S]; 0 = off
+    min_p: np.ndarray  # float32 [S]
+    presence_penalty: np.ndarray  # float32 [S]
+    frequency_penalty: np.ndarray  # float32 [S]
+    repetition_penalty: np.ndarray  # float32 [S]
+    seeds: np.ndarray  # uint32 [S]
+    output_index: np.ndarray  # int32 [S]: index of the token being sampled (RNG stream position)
+    banned_token_ids: np.ndarray  # int32 [S, MAX_BANNED_TOKENS]: masked out where `ban` is set
+    ban: np.ndarray  # bool [S]
+    num_logprobs: int  # the most top logprobs any sequence asked for (0: none)
+    # Token history for penalties, only when some sequence uses them.
+    history: np.ndarray | None = None  # int32 [S, W]: prompt then output tokens, zero padded
+    history_lens: np.ndarray | None = None  # int32 [S]
+    prompt_lens: np.ndarray | None = None  # int32 [S]
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(np.all(self.temperature == 0))
+
+
+@dataclasses.dataclass
+class StepBatch:
+    request_ids: list[str]  # [S] in row order
+    num_scheduled_tokens: np.ndarray  # int32 [S]
+    input_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    slot_mapping: np.ndarray  # int32 [T]: block_id * block_size + offset
+    query_start_loc: np.ndarray  # int32 [S + 1]
+    seq_lens: np.ndarray  # int32 [S]
+    block_tables: np.ndarray  # int32 [S, max_blocks in this step]
+    logits_indices: np.ndarray  # int32 [S]
+    sampling: SamplingBatch
+    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies, done before the step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)

@@ -1,0 +1,121 @@
+"""Block manager: exact block ids, reference counts, prefix hits and copy-on-write."""
+
+import pytest
+
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.block_pool import BlockPool
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+def make(num_blocks=8, block_size=4, **kw):
+    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=8,
+                                     max_num_batched_tokens=64, max_model_len=64, **kw))
+
+
+def step(s, token=7):
+    batch = s.schedule()
+    s.update(batch, [token] * batch.num_seqs)
+    s.check_integrity()
+    return batch
+
+
+def refs(s):
+    return {b.block_id: b.ref_count for b in s.kv.pool.blocks if b.ref_count}
+
+
+def test_allocation_is_lazy_and_wastes_under_one_block():
+    s = make()
+    s.add_request(Request("a", list(range(10)), GREEDY))
+    batch = step(s)
+    assert s.kv.block_ids("a") == [1, 2, 3]  # 10 tokens: two full blocks and one partial
+    assert batch.slot_mapping.tolist() == [4 + i for i in range(4)] + [8 + i for i in range(4)] + [12, 13]
+    step(s)  # token 11 goes into block 3, still no new block
+    assert s.kv.block_ids("a") == [1, 2, 3]
+
+
+def test_prefix_hit_reuses_cached_blocks_after_the_owner_finished():
+    s = make()
+    s.add_request(Request("a", list(range(10)), GREEDY.replace(max_tokens=1)))
+    step(s)
+    assert not s.has_unfinished and s.kv.num_free_blocks == 7
+    # Free order is least recently freed first; a's blocks went back last block first.
+    assert list(s.kv.pool.free) == [4, 5, 6, 7, 3, 2, 1]
+    s.add_request(Request("b", list(range(8)) + [50, 51, 52], GREEDY))
+    batch = s.schedule()
+    assert s.kv.block_ids("b") == [1, 2, 4]  # two cached blocks, one fresh
+    assert batch.input_ids.tolist() == [50, 51, 52]  # only the uncached tokens run
+    assert batch.positions.tolist() == [8, 9, 10]
+    assert s.requests["b"].num_cached_tokens == 8
+
+
+def test_a_full_cached_prompt_still_computes_its_last_token():
+    s = make()
+    s.add_request(Request("a", list(range(8)), GREEDY.replace(max_tokens=1)))
+    step(s)
+    s.add_request(Request("b", list(range(8)), GREEDY))
+    batch = s.schedule()
+    assert batch.input_ids.tolist() == [4, 5, 6, 7]  # block 2 is recomputed, so a logit exists
+    assert s.kv.block_ids("b")[0] == 1
+
+
+def test_hash_collision_is_not_a_hit():
+    pool = BlockPool(4)
+    (block,) = pool.allocate(1)
+    pool.register(block, 1234, (1, 2))
+    assert pool.lookup(1234, (1, 2)) is block
+    assert pool.lookup(1234, (9, 9)) is None
+
+
+def test_forked_samples_share_the_prompt_and_copy_on_write():
+    s = make()
+    parent = Request("p", list(range(6)), GREEDY.replace(n=3))
+    s.add_request(parent)
+    for i in (1, 2):
+        s.add_request(Request(f"p#{i}", list(range(6)), GREEDY, fork_of=parent))
+    step(s)  # the parent's prompt: blocks 1, 2; then both samples fork onto them
+    assert s.kv.block_ids("p") == s.kv.block_ids("p#1") == s.kv.block_ids("p#2") == [1, 2]
+    assert refs(s) == {1: 3, 2: 3}
+    batch = s.schedule()
+    # The parent writes token 6 into shared block 2 -> copy to 3; sample 1 re-runs token 5
+    # in block 2 -> copy to 4; sample 2 is then block 2's only holder and writes in place.
+    assert batch.block_copies == [(2, 3), (2, 4)]
+    assert [s.kv.block_ids(r) for r in ("p", "p#1", "p#2")] == [[1, 3], [1, 4], [1, 2]]
+    assert refs(s) == {1: 3, 2: 1, 3: 1, 4: 1}
+    assert batch.positions.tolist() == [6, 5, 5]
+    s.update(batch, [1, 2, 3])
+    s.check_integrity()
+    assert [r.output_token_ids for r in (parent, s.requests["p#1"], s.requests["p#2"])] == [[7, 1], [2], [3]]
+
+
+def test_samples_of_an_aborted_parent_start_from_scratch():
+    s = make()
+    parent = Request("p", list(range(6)), GREEDY.replace(n=2))
+    s.add_request(parent)
+    s.add_request(Request("p#1", list(range(6)), GREEDY, fork_of=parent))
+    s.abort_request("p")
+    batch = s.schedule()
+    assert batch.request_ids == ["p#1"] and batch.positions.tolist() == list(range(6))
+
+
+def test_preemption_takes_the_latest_admitted_and_it_resumes_identically():
+    s = make(num_blocks=5)  # 4 usable blocks of 4 tokens
+    s.add_request(Request("a", list(range(7)), GREEDY.replace(max_tokens=6)))
+    s.add_request(Request("b", list(range(20, 27)), GREEDY.replace(max_tokens=6)))
+    step(s)
+    assert s.kv.block_ids("a") == [1, 2] and s.kv.block_ids("b") == [3, 4]
+    batch = step(s)  # both write position 7, still inside their second block
+    assert s.num_preemptions == 0
+    batch = s.schedule()  # position 8 needs a third block each: b (latest) is preempted
+    assert batch.request_ids == ["a"] and s.num_preemptions == 1
+    b = s.waiting[0]
+    assert b.request_id == "b" and b.num_computed_tokens == 0 and b.output_token_ids == [7, 7]
+
+
+def test_pool_too_small_for_the_prompt_is_refused_up_front():
+    s = make(num_blocks=3)
+    with pytest.raises(ValueError, match="KV cache holds at most 8 tokens"):
+        s.add_request(Request("a", list(range(8)), GREEDY))
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        make().add_request(Request("a", list(range(64)), GREEDY))
+    assert make().has_unfinished is False
