@@ -172,10 +172,15 @@ class Scheduler:
         tables = [self.kv.block_ids(r.request_id) for r, _ in rows]
         return build_step_batch(rows, tables, cfg.block_size, self.kv.take_copies())
 
-    def update(self, batch: StepBatch, sampled_token_ids) -> list[StepResult]:
-        """Write a step's results back: advance counters, append tokens, finish requests."""
+    def update(self, batch: StepBatch | None, sampled_token_ids=()) -> list[StepResult]:
+        """Write a step's results back: advance counters, append tokens, finish requests.
+
+        Call it after every schedule(), with batch None when that returned None.
+        """
         results = [StepResult(req, None) for req in self.ended_without_token]
         self.ended_without_token.clear()
+        if batch is None:
+            return results
         for row, (request_id, n) in enumerate(zip(batch.request_ids, batch.num_scheduled_tokens)):
             req = self.requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:

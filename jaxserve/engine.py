@@ -1,0 +1,151 @@
+"""The engine: requests in, one scheduled and jitted step at a time, outputs out.
+
+    engine = LLMEngine.from_model()                # the embedded default model
+    engine.add_request("r1", "The capital of France is", SamplingParams(temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.outputs[0].new_text, end="")
+
+Each step is the design's three lines: `scheduler.schedule()`, `runner.execute(batch)`,
+`scheduler.update(batch, tokens)`; then the output processor turns tokens into text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax.numpy as jnp
+
+from jaxserve.backend import select_attention
+from jaxserve.kv_cache import num_blocks_for_memory
+from jaxserve.model_runner import ModelRunner
+from jaxserve.output_processor import OutputProcessor
+from jaxserve.outputs import RequestOutput
+from jaxserve.weights import LoadedModel, load_model
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    num_blocks: int | None = None  # overrides kv_cache_memory
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
+    warm_up: bool = True
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        mcfg = loaded.config
+        dtype = loaded.model.dtype
+        num_blocks = config.num_blocks or num_blocks_for_memory(mcfg, config.kv_cache_memory, config.block_size, dtype)
+        capacity = (num_blocks - 1) * config.block_size
+        max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if max_model_len > capacity:
+            logger.warning("max_model_len %d is more than the KV cache holds; using %d", max_model_len, capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ))
+        self.attention_backend, attention = select_attention(config.attention_backend)
+        self.runner = ModelRunner(
+            loaded.model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
+                    self.runner.kv.nbytes / 2**20)
+        if config.warm_up:
+            self.runner.warm_up()
+
+    @classmethod
+    def from_model(cls, model: str | None = None, *, dtype="float32", cache_dir=None, progress: bool = True,
+                   **engine_kwargs) -> LLMEngine:
+        """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields."""
+        loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress)
+        return cls(loaded, EngineConfig(**engine_kwargs))
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | dict | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError for bad input; nothing is queued then."""
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        params = params or SamplingParams()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        eos = self.loaded.config.eos_token_ids
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            samples.append(Request(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params,
+                                   eos_token_ids=eos, priority=priority, arrival_time=arrival,
+                                   fork_of=samples[0] if i else None, seed=seed))
+        for req in samples:  # validate all before queueing any
+            self.scheduler.check_request(req)
+        if any(r.request_id in self.outputs.groups for r in samples):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.outputs.add(request_id, prompt_text, prompt_ids, samples, arrival)
+        for req in samples:
+            self.scheduler.add_request(req)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a prompt is a string or a list of token ids")
+        vocab = self.loaded.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return None, list(prompt)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and all its samples, freeing their KV blocks."""
+        group = self.outputs.abort(request_id)
+        if group is None:
+            return False
+        for req in reversed(group.samples):
+            self.scheduler.abort_request(req.request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; outputs for every request that progressed or finished."""
+        batch = self.scheduler.schedule()
+        output = self.runner.execute(batch) if batch is not None else None
+        results = self.scheduler.update(batch, output.token_ids if output is not None else ())
+        return self.outputs.process(results, output, self.scheduler)
+
+    def generate_all(self) -> list[RequestOutput]:
+        """Step until every request is done; the final output of each, in finishing order."""
+        finished = []
+        while self.has_unfinished():
+            finished += [o for o in self.step() if o.finished]
+        return finished
+
+    @property
+    def compilations(self) -> int:
+        return self.runner.compilations.count

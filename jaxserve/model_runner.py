@@ -1,0 +1,208 @@
+"""Runs a scheduler `StepBatch` on the device: pad to a bucket, one jitted model call, sample.
+
+Shapes are padded to a fixed set of buckets so the number of compiled programs is known:
+token counts T are powers of two from MIN_TOKENS up to max_num_batched_tokens, and the
+sequence count is S = min(T, max_num_seqs) for each T. Every bucket is compiled by
+`warm_up()`; `compilations` counts XLA compiles so tests can show none happen later.
+
+The model and the sampler are two jitted functions dispatched back to back (the logits
+never leave the device): the model's programs depend only on T, the sampler's on S and
+on whether penalties are in use, so the compiled set is their sum, not their product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.kv_cache import KVCache, allocate_kv_cache
+from jaxserve.model import AttentionFn, DecoderLM
+from jaxserve.model_inputs import ModelInputs
+from jaxserve.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
+from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
+
+logger = logging.getLogger(__name__)
+
+# NOTE: at T=1, XLA on the CPU rewrites the KV write (a scatter) into a dynamic-update-slice
+# that makes it copy the whole cache every layer (about 8x slower per decode step on the
+# default model); 8 tokens is the smallest bucket.
+MIN_TOKENS = 8
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """One row per scheduled sequence (padding rows removed)."""
+
+    token_ids: np.ndarray  # int32 [S]
+    logprobs: np.ndarray  # float32 [S]
+    top_logprob_ids: np.ndarray | None  # int32 [S, k] when some sequence asked for logprobs
+    top_logprobs: np.ndarray | None
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    buckets, t = [], MIN_TOKENS
+    while t < max_num_batched_tokens:
+        buckets.append(t)
+        t *= 2
+    return buckets + [max(max_num_batched_tokens, MIN_TOKENS)]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        attention: AttentionFn,
+        kv_dtype=None,
+    ):
+        self.config = model.cfg
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buckets = token_buckets(max_num_batched_tokens)
+        # NOTE: arrays are committed to the device up front: jit keys its cache on whether an
+        # argument is committed, and the donated cache comes back committed after step one.
+        device = jax.devices()[0]
+        kv = allocate_kv_cache(self.config, num_blocks, block_size, kv_dtype or model.dtype)
+        self.kv: KVCache = jax.device_put(kv, device)
+        graphdef, params = nnx.split(model)
+        self.params = jax.device_put(params, device)
+
+        def forward(params, kv, inputs):
+            return nnx.merge(graphdef, params)(inputs, kv, attention=attention)
+
+        # jit is applied here, once; the step functions stay plain functions.
+        self._forward = jax.jit(forward, donate_argnames=("kv",))
+        self._sample = jax.jit(sample)
+        self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
+        self.compilations = CompileCounter()
+
+    # -- buckets ------------------------------------------------------------------------
+
+    def bucket_for(self, num_tokens: int) -> tuple[int, int]:
+        """(T, S) of the smallest bucket holding `num_tokens` tokens."""
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t, min(t, self.max_num_seqs)
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def warm_up(self) -> None:
+        """Compile every bucket now, so that serving never waits on the compiler."""
+        for t in self.buckets:
+            s = min(t, self.max_num_seqs)
+            inputs = self._pad_inputs(None, t, s)
+            logits, self.kv = self._forward(self.params, self.kv, inputs)
+            for penalties in (False, True):
+                self._sample(logits, _dummy_sampling(s, penalties, self.max_model_len)).token_ids.block_until_ready()
+        self.kv = self._copy_blocks(self.kv, np.zeros((self.max_num_seqs, 2), np.int32))
+        jax.block_until_ready(self.kv)
+        logger.info("compiled %d token buckets %s", len(self.buckets), self.buckets)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        if batch.block_copies:
+            self._run_copies(batch.block_copies)
+        t, s = self.bucket_for(batch.num_tokens)
+        logits, self.kv = self._forward(self.params, self.kv, self._pad_inputs(batch, t, s))
+        out: SamplerOutput = self._sample(logits, self._pad_sampling(batch.sampling, s))
+        n, k = batch.num_seqs, batch.sampling.num_logprobs
+        token_ids = np.asarray(out.token_ids)[:n]
+        logprobs = np.asarray(out.logprobs)[:n]
+        if k:
+            return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, :k],
+                                np.asarray(out.top_logprobs)[:n, :k])
+        return RunnerOutput(token_ids, logprobs, None, None)
+
+    def _run_copies(self, copies: list[tuple[int, int]]) -> None:
+        pairs = np.zeros((max(self.max_num_seqs, len(copies)), 2), np.int32)  # (0, 0): null onto itself
+        pairs[: len(copies)] = copies
+        self.kv = self._copy_blocks(self.kv, pairs)
+
+    def _pad_inputs(self, batch: StepBatch | None, t: int, s: int) -> ModelInputs:
+        ids, pos, slots = (np.zeros(t, np.int32) for _ in range(3))
+        qsl = np.zeros(s + 1, np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
+        logits_at = np.zeros(s, np.int32)
+        if batch is not None:
+            n, m = batch.num_tokens, batch.num_seqs
+            ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
+            qsl[: m + 1] = batch.query_start_loc
+            qsl[m + 1 :] = n  # padding sequences have no tokens
+            seq_lens[:m] = batch.seq_lens
+            tables[:m, : batch.block_tables.shape[1]] = batch.block_tables
+            logits_at[:m] = batch.logits_indices
+        return ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at)
+
+    def _pad_sampling(self, b: SamplingBatch, s: int) -> SamplingMetadata:
+        def pad(a, fill=0):
+            out = np.full((s, *a.shape[1:]), fill, a.dtype)
+            out[: len(a)] = a
+            return out
+
+        meta = SamplingMetadata(
+            temperature=pad(b.temperature), top_p=pad(b.top_p, 1), top_k=pad(b.top_k), min_p=pad(b.min_p),
+            presence_penalty=pad(b.presence_penalty), frequency_penalty=pad(b.frequency_penalty),
+            repetition_penalty=pad(b.repetition_penalty, 1), seeds=pad(b.seeds), output_index=pad(b.output_index),
+            banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.num_logprobs > 0),
+        )
+        if b.history is not None:
+            history = np.zeros((s, self.max_model_len), np.int32)
+            history[: len(b.history), : b.history.shape[1]] = b.history
+            meta.history, meta.history_lens, meta.prompt_lens = history, pad(b.history_lens), pad(b.prompt_lens)
+        return meta
+
+
+def copy_blocks(kv: KVCache, pairs: jax.Array) -> KVCache:
+    """kv[:, dst] = kv[:, src] for each (src, dst) row, in every layer (copy-on-write)."""
+    src, dst = pairs[:, 0], pairs[:, 1]
+    return KVCache(kv.k.at[:, dst].set(kv.k[:, src]), kv.v.at[:, dst].set(kv.v[:, src]))
+
+
+def _dummy_sampling(s: int, penalties: bool, width: int) -> SamplingMetadata:
+    f, i = np.zeros(s, np.float32), np.zeros(s, np.int32)
+    meta = SamplingMetadata(f, f + 1, i, f, f, f, f + 1, i.astype(np.uint32), i,
+                            np.zeros((s, MAX_BANNED_TOKENS), np.int32), np.zeros(s, bool), np.bool_(False))
+    if penalties:
+        meta.history, meta.history_lens, meta.prompt_lens = np.zeros((s, width), np.int32), i, i
+    return meta
+
+
+class CompileCounter:
+    """Counts XLA compilations in this process, from jax's own monitoring events."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    def __init__(self):
+        with CompileCounter._lock:
+            if not CompileCounter._installed:
+                jax.monitoring.register_event_duration_secs_listener(CompileCounter._on_event)
+                CompileCounter._installed = True
+
+    @staticmethod
+    def _on_event(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with CompileCounter._lock:
+                CompileCounter._count += 1
+
+    @property
+    def count(self) -> int:
+        return CompileCounter._count
+
+
+__all__ = ["ModelRunner", "RunnerOutput", "MAX_LOGPROBS", "token_buckets"]

@@ -1,0 +1,131 @@
+"""Turns the scheduler's per-step results into `RequestOutput`s: text, logprobs, timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.model_runner import RunnerOutput
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from scheduler import Request, RequestStatus, Scheduler, StepResult
+
+
+@dataclasses.dataclass
+class RequestGroup:
+    """A user request and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    logprobs: list[list[dict[int, float]]]
+    cumulative_logprobs: list[float]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+        self._sample: dict[str, tuple[RequestGroup, int]] = {}  # sample request id -> (group, index)
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], samples: list[Request],
+            arrival_time: float) -> None:
+        stop = samples[0].sampling_params.stop
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, stop) if self.tokenizer else None
+                  for _ in samples]
+        group = RequestGroup(request_id, prompt, prompt_ids, samples, detoks, [[] for _ in samples],
+                             [0.0] * len(samples), RequestMetrics(arrival_time))
+        self.groups[request_id] = group
+        for i, req in enumerate(samples):
+            self._sample[req.request_id] = (group, i)
+
+    def process(self, results: list[StepResult], output: RunnerOutput | None, scheduler: Scheduler) -> list[RequestOutput]:
+        now = time.monotonic()
+        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        for req, row in results:
+            if req.request_id not in self._sample:
+                continue  # aborted by the user
+            group, i = self._sample[req.request_id]
+            text, new_ids = "", []
+            if row is not None:
+                token = req.output_token_ids[-1]
+                new_ids = [token]
+                self._record_logprobs(group, i, req, token, output, row)
+                self._record_time(group, i, now)
+                detok = group.detokenizers[i]
+                if detok is not None:
+                    text = detok.push(token)
+                    if detok.stop_reason is not None:
+                        self._stop_on_string(req, detok.stop_reason, scheduler)
+            if req.is_finished and group.detokenizers[i] is not None:
+                text += group.detokenizers[i].finish()
+            deltas.setdefault(group.request_id, {})[i] = (text, new_ids)
+
+        outputs = []
+        for request_id, changed in deltas.items():
+            group = self.groups[request_id]
+            outputs.append(self._request_output(group, changed, now))
+            if group.finished:
+                self._forget(group)
+        return outputs
+
+    def _record_logprobs(self, group, i, req, token, output, row) -> None:
+        logprob = float(output.logprobs[row])
+        group.cumulative_logprobs[i] += logprob
+        k = req.sampling_params.logprobs
+        if k is not None:
+            entry = {}
+            if k and output.top_logprob_ids is not None:
+                entry = dict(zip(output.top_logprob_ids[row, :k].tolist(), output.top_logprobs[row, :k].tolist()))
+            entry[token] = logprob
+            group.logprobs[i].append(entry)
+
+    @staticmethod
+    def _record_time(group: RequestGroup, i: int, now: float) -> None:
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if i == 0:
+            m.token_times.append(now)
+
+    @staticmethod
+    def _stop_on_string(req: Request, stop: str, scheduler: Scheduler) -> None:
+        if not scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop):
+            # It ended this very step for another reason; the stop string still wins.
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+
+    def _request_output(self, group: RequestGroup, changed: dict[int, tuple[str, list[int]]], now: float) -> RequestOutput:
+        completions = []
+        for i, req in enumerate(group.samples):
+            detok = group.detokenizers[i]
+            new_text, new_ids = changed.get(i, ("", []))
+            completions.append(CompletionOutput(
+                index=i, text=detok.text if detok else "", token_ids=list(req.output_token_ids),
+                cumulative_logprob=group.cumulative_logprobs[i],
+                logprobs=group.logprobs[i] if req.sampling_params.logprobs is not None else None,
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                new_text=new_text, new_token_ids=new_ids,
+            ))
+        if group.finished:
+            group.metrics.finished_time = now
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
+                             group.samples[0].num_cached_tokens, group.metrics)
+
+    def abort(self, request_id: str) -> RequestGroup | None:
+        group = self.groups.get(request_id)
+        if group is not None:
+            self._forget(group)
+        return group
+
+    def _forget(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for req in group.samples:
+            self._sample.pop(req.request_id, None)

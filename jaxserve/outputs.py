@@ -1,0 +1,49 @@
+"""What the engine returns for a request: its samples' text, tokens, logprobs and timings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of a request's `n` samples, as of the latest step."""
+
+    index: int
+    text: str  # everything generated so far (stop string excluded)
+    token_ids: list[int]
+    cumulative_logprob: float
+    # Per generated token: the top alternatives and the sampled token, {token_id: logprob}.
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    new_text: str = ""  # what this step added to `text` (for streaming)
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)  # of the first sample
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

@@ -1,0 +1,130 @@
+"""On-device sampling with per-sequence parameters, vectorized over the batch.
+
+Order of operations (vLLM's): penalties on the raw logits, then the tokens banned until
+`min_tokens`, then greedy argmax or temperature, top-k, top-p and min-p and a draw.
+Logprobs are those of the raw model output. Each row draws from its own random stream,
+`fold_in(key(seed), output_index)`, so a request's samples never depend on the batch.
+
+A draw is one uniform number per row, inverted through the row's CDF: exact, and far
+cheaper on a CPU than one Gumbel variate per vocabulary entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MAX_LOGPROBS = 20  # top logprobs are always computed this wide, then cut per request
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingMetadata:
+    """Device copy of `scheduler.SamplingBatch`, padded to the sequence bucket S."""
+
+    temperature: jax.Array  # f32 [S]
+    top_p: jax.Array  # f32 [S]
+    top_k: jax.Array  # i32 [S]
+    min_p: jax.Array  # f32 [S]
+    presence_penalty: jax.Array  # f32 [S]
+    frequency_penalty: jax.Array  # f32 [S]
+    repetition_penalty: jax.Array  # f32 [S]
+    seeds: jax.Array  # u32 [S]
+    output_index: jax.Array  # i32 [S]
+    banned_token_ids: jax.Array  # i32 [S, B]
+    ban: jax.Array  # bool [S]
+    want_logprobs: jax.Array  # bool []: compute the top-MAX_LOGPROBS table
+    # None when no sequence uses penalties (a separately compiled variant).
+    history: jax.Array | None = None  # i32 [S, W]
+    history_lens: jax.Array | None = None  # i32 [S]
+    prompt_lens: jax.Array | None = None  # i32 [S]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: jax.Array  # i32 [S]
+    logprobs: jax.Array  # f32 [S]: log-probability of the sampled token
+    top_logprob_ids: jax.Array  # i32 [S, MAX_LOGPROBS] (zeros unless want_logprobs)
+    top_logprobs: jax.Array  # f32 [S, MAX_LOGPROBS]
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+    """logits: f32 [S, V] straight from the model."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if meta.history is not None:
+        logits = apply_penalties(logits, meta)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    banned = jnp.where(meta.ban[:, None], meta.banned_token_ids, logits.shape[1])  # V: out of range
+    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_ids = jax.lax.cond(
+        jnp.all(meta.temperature == 0), lambda: greedy,
+        lambda: jnp.where(meta.temperature == 0, greedy, _draw(logits, meta)),
+    )
+
+    def top_table():
+        values, ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+        return ids.astype(jnp.int32), values
+
+    def no_table():
+        shape = (logits.shape[0], MAX_LOGPROBS)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+
+    top_ids, top_values = jax.lax.cond(meta.want_logprobs, top_table, no_table)
+    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=1)[:, 0]
+    return SamplerOutput(token_ids, chosen, top_ids, top_values)
+
+
+def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Repetition penalty over prompt and output; presence and frequency over output only."""
+    num_seqs, vocab = logits.shape
+    pos = jnp.arange(meta.history.shape[1])[None, :]
+    in_history = pos < meta.history_lens[:, None]
+    is_output = in_history & (pos >= meta.prompt_lens[:, None])
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], meta.history.shape)
+    tokens = jnp.where(in_history, meta.history, vocab)  # padding lands out of range: dropped
+    seen = jnp.zeros((num_seqs, vocab), bool).at[rows, tokens].set(True, mode="drop")
+    counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, tokens].add(is_output.astype(jnp.float32), mode="drop")
+
+    rep = meta.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - meta.frequency_penalty[:, None] * counts
+    return logits - meta.presence_penalty[:, None] * (counts > 0)
+
+
+def _draw(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    temperature = jnp.where(meta.temperature > 0, meta.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    needs_filter = jnp.any((meta.top_k > 0) | (meta.top_p < 1) | (meta.min_p > 0))
+    logits = jax.lax.cond(needs_filter, _filter, lambda l, m: l, logits, meta)
+
+    probs = jax.nn.softmax(logits, axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(meta.seeds, meta.output_index)
+    u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
+    # The first token whose CDF passes u; zero-probability tokens span empty intervals.
+    token = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u)
+    return jnp.minimum(token, logits.shape[1] - 1).astype(jnp.int32)
+
+
+def _filter(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Mask out what top-k, then top-p, then min-p exclude (rows with them off keep all)."""
+    vocab = logits.shape[1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)[:, None]
+    in_top_k = rank < k
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & (mass_before < meta.top_p[:, None])  # rank 0 is always kept
+    num_kept = keep.sum(axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(sorted_desc, num_kept - 1, axis=-1)
+    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+
+    probs = jax.nn.softmax(logits, axis=-1)
+    floor = meta.min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    return jnp.where(probs >= floor, logits, -jnp.inf)
