@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.backend import select_attention
@@ -24,6 +26,7 @@ from jaxserve.model_runner import ModelRunner
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.weights import LoadedModel, load_model
+from jaxserve.weights.load import default_cache_dir
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
+    token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
     warm_up: bool = True
 
 
@@ -67,6 +71,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
+            buckets=list(config.token_buckets) if config.token_buckets else None,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
@@ -78,6 +83,7 @@ class LLMEngine:
     def from_model(cls, model: str | None = None, *, dtype="float32", cache_dir=None, progress: bool = True,
                    **engine_kwargs) -> LLMEngine:
         """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields."""
+        enable_compilation_cache(cache_dir)
         loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress)
         return cls(loaded, EngineConfig(**engine_kwargs))
 
@@ -149,3 +155,12 @@ class LLMEngine:
     @property
     def compilations(self) -> int:
         return self.runner.compilations.count
+
+
+def enable_compilation_cache(cache_dir=None) -> None:
+    """Keep compiled XLA programs on disk next to the converted weights, so a second start
+    skips most of the warm-up compile."""
+    path = Path(cache_dir or default_cache_dir()) / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -65,13 +65,17 @@ class ModelRunner:
         max_model_len: int,
         attention: AttentionFn,
         kv_dtype=None,
+        buckets: list[int] | None = None,
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = sorted(buckets) if buckets else token_buckets(max_num_batched_tokens)
+        if self.buckets[-1] < max_num_batched_tokens or self.buckets[0] < MIN_TOKENS:
+            raise ValueError(f"token buckets {self.buckets} must lie in [{MIN_TOKENS}, ...] and reach "
+                             f"{max_num_batched_tokens=}")
         # NOTE: arrays are committed to the device up front: jit keys its cache on whether an
         # argument is committed, and the donated cache comes back committed after step one.
         device = jax.devices()[0]

@@ -80,15 +80,15 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= cfg.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but the model's context is {cfg.max_model_len} tokens "
-                "(prompt plus at least one generated token)"
-            )
         if self.kv.blocks_needed(n + 1) > cfg.num_blocks - 1:
             raise ValueError(
                 f"the prompt has {n} tokens, but the KV cache holds at most "
                 f"{(cfg.num_blocks - 1) * cfg.block_size} tokens in all; raise the KV-cache memory"
+            )
+        if n >= cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the model's context is {cfg.max_model_len} tokens "
+                "(prompt plus at least one generated token)"
             )
         if request.sampling_params.min_tokens and len(banned_token_ids(request)) > MAX_BANNED_TOKENS:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop_token_ids (with eos) are supported")

@@ -1,0 +1,3 @@
+from jaxserve.generate import main
+
+raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""`python -m jaxserve.generate "prompt"`: stream a continuation from the command line.
+
+With no --model this is the embedded default model (SmolLM2-135M-Instruct). One prompt
+streams to stdout as it is generated; several (--prompts-file, one per line) run as one
+continuously batched batch and print as each finishes. A summary goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from jaxserve.default_model import DefaultModelMissing
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts-file)")
+    p.add_argument("--prompts-file", help="a file of prompts, one per line, run as one batch")
+    p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cache-dir", help="where converted weights and compiled programs are kept "
+                                       "(default $JAXSERVE_CACHE or ~/.cache/jaxserve)")
+    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
+    args = p.parse_args(argv)
+    if (args.prompt is None) == (args.prompts_file is None):
+        p.error("give exactly one of a prompt or --prompts-file")
+    return args
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    with open(args.prompts_file) as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{args.prompts_file} has no prompts")
+    return prompts
+
+
+def buckets_for(prompt_lens: list[int], limit: int = 2048) -> tuple[int, ...]:
+    """Just the two programs this run needs: all prompts at once, and one token each."""
+    def pow2(n):
+        return 1 << max(3, (n - 1).bit_length())
+    return tuple(sorted({pow2(len(prompt_lens)), min(pow2(sum(prompt_lens)), limit)}))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
+    from jaxserve.weights import load_model
+    from scheduler import SamplingParams
+
+    prompts = read_prompts(args)
+    try:
+        enable_compilation_cache(args.cache_dir)
+        loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=sys.stderr.isatty())
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        print("error: this model has no tokenizer", file=sys.stderr)
+        return 2
+    if args.chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+    lens = [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    buckets = buckets_for(lens)
+    engine = LLMEngine(loaded, EngineConfig(
+        max_num_seqs=buckets[0], max_num_batched_tokens=buckets[-1], token_buckets=buckets,
+        max_model_len=max(lens) + args.max_tokens + 1, attention_backend=args.attention_backend,
+        kv_cache_memory=256 << 20,
+    ))
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    stream = len(prompts) == 1
+    finished = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if stream:
+                print(out.outputs[0].new_text, end="", flush=True)
+            elif out.finished:
+                print(f"--- [{out.request_id}] {prompts[int(out.request_id)]!r}\n{out.outputs[0].text}", flush=True)
+            if out.finished:
+                finished.append(out)
+    if stream:
+        print(flush=True)
+    print(summary(finished), file=sys.stderr)
+    return 0
+
+
+def summary(outputs) -> str:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttft = max(o.metrics.time_to_first_token for o in outputs)
+    decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    decode_time = max(o.metrics.last_token_time for o in outputs) - min(o.metrics.first_token_time for o in outputs)
+    rate = decode_tokens / decode_time if decode_time > 0 else float("nan")
+    return (f"prompt tokens: {prompt_tokens}, generated tokens: {generated}, "
+            f"time to first token: {ttft * 1000:.0f} ms, decode: {rate:.1f} tokens/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
