@@ -26,15 +26,16 @@ class APIError(Exception):
     """An error to answer with `status` and an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None) -> dict:
@@ -51,29 +52,44 @@ def model_not_found(model: str) -> APIError:
                     code="model_not_found", param="model")
 
 
-def from_value_error(error: ValueError, param_names: dict[str, str] | None = None) -> APIError:
+def from_value_error(error: ValueError, param_names: dict[str, str] | None = None,
+                     default_param: str | None = None) -> APIError:
     """A 400 for the engine's ValueError. Its messages start with the field name
     ("temperature must be >= 0, ..."), which becomes `param` (renamed to the API's name)."""
     message = str(error)
     match = re.match(r"(\w+) must\b", message)
-    param = match.group(1) if match else None
+    param = match.group(1) if match else default_param
     if param and param_names:
         param = param_names.get(param, param)
     return bad_request(message, param=param)
 
 
-def _validation_message(error: dict) -> tuple[str, str | None]:
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+# Pydantic adds the union member or validator it tried to a field's location
+# ("prompt", "list[int]"); those are not parameters a client can name.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|json-or-python|list\[.*|dict\[.*|.*-.*)$")
+
+
+def _param(error: dict) -> str | None:
+    loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
+    return ".".join(loc) or None
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    error = errors[0]
     if error.get("type") == "json_invalid":
         return ("We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
                 "HTTP library correctly. The OpenAI API expects a JSON payload.)"), None
-    param = ".".join(loc) or None
-    msg = error.get("msg", "invalid value")
+    param = _param(error)
     if error.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     value = error.get("input")
     shown = json.dumps(value)[:100] if _jsonable(value) else repr(value)[:100]
-    return (f"Invalid value for '{param}': {msg} (got {shown})." if param else f"Invalid request body: {msg}."), param
+    message = f"Invalid value for '{param}': {error.get('msg', 'invalid value')} (got {shown})." if param else \
+        f"Invalid request body: {error.get('msg', 'invalid value')}."
+    others = sum(1 for e in errors[1:] if _param(e) != param)  # a union's other members are one error
+    if others:
+        message += f" ({others} more error(s) in the request)"
+    return message, param
 
 
 def _jsonable(value) -> bool:
@@ -93,10 +109,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        message, param = _validation_message(errors[0]) if errors else ("Invalid request.", None)
-        if len(errors) > 1:
-            message += f" ({len(errors) - 1} more error(s) in the request)"
+        errors = list(exc.errors())
+        message, param = _validation_message(errors) if errors else ("Invalid request.", None)
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -119,6 +119,9 @@ class TuningConfig:
         if (rows := self.query_tile * groups) > ROWS_PER_WG * self.num_compute_wgs:
             raise ValueError(f"{self.query_tile=} * {groups=} = {rows} query rows exceed "
                              f"{ROWS_PER_WG} * {self.num_compute_wgs=}")
+        if self.num_compute_wgs == 2 and rows <= ROWS_PER_WG:
+            raise ValueError(f"{self.query_tile=} * {groups=} = {rows} query rows leave the second "
+                             f"of {self.num_compute_wgs=} idle")
         if self.block_kv % page_size:
             raise ValueError(f"{self.block_kv=} must be a multiple of {page_size=}")
 

@@ -19,3 +19,29 @@ def tiny_llama(tiny_llama_dir):
     from jaxserve.weights import load_model
 
     return load_model(str(tiny_llama_dir), use_cache=False, progress=False)
+
+
+@pytest.fixture(scope="session")
+def weights_cache(tmp_path_factory) -> Path:
+    """A private cache dir for converted weights and compiled programs."""
+    return tmp_path_factory.mktemp("jaxserve-cache")
+
+
+@pytest.fixture(scope="session")
+def default_model(weights_cache):
+    """The embedded SmolLM2-135M-Instruct, converted once per session."""
+    from jaxserve.weights import load_model
+
+    return load_model(None, cache_dir=weights_cache, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own reading of the same GGUF file (its dequantizer and un-permutation)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.default_model import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

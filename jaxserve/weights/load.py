@@ -26,11 +26,12 @@ from jaxserve.default_model import default_model_path
 from jaxserve.model import DecoderLM
 from jaxserve.weights import safetensors_reader
 from jaxserve.weights.gguf_reader import GGUFFile
+from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
 from jaxserve.weights.params import ParamAssembler, build_model, model_params
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the converted layout changes, so old caches are ignored
+CACHE_FORMAT = 2  # bump when the converted layout changes, so old caches are ignored
 
 
 @dataclasses.dataclass
@@ -106,8 +107,8 @@ def _cache_key(source: Path, dtype) -> str:
 
 
 def _convert(source: Path, dtype, progress: bool) -> LoadedModel:
-    if source.is_file():
-        gguf = GGUFFile(source)
+    gguf = GGUFFile(source) if source.is_file() else None
+    if gguf is not None:
         hf_config = gguf.hf_config()
         tensors, total = gguf.tensors(), gguf.num_tensors
     else:
@@ -120,18 +121,24 @@ def _convert(source: Path, dtype, progress: bool) -> LoadedModel:
     for name, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
                              disable=not progress, leave=False):
         assembler.add(name, tensor)
-    return LoadedModel(config, assembler.build(), _load_tokenizer(source), str(source), False, hf_config)
+    return LoadedModel(config, assembler.build(), _load_tokenizer(source, gguf), str(source), False, hf_config)
 
 
-def _load_tokenizer(source: Path):
-    from transformers import AutoTokenizer
-
-    if source.is_file():  # GGUF: transformers builds the tokenizer from the file's metadata
-        return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    if not any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        logger.warning("%s has no tokenizer; prompts must be given as token ids", source)
+def _load_tokenizer(source: Path, gguf: GGUFFile | None):
+    if gguf is not None:
+        return tokenizer_from_gguf(gguf.field)
+    if not (source / "tokenizer.json").is_file():
+        logger.warning("%s has no tokenizer.json; prompts must be given as token ids", source)
         return None
-    return AutoTokenizer.from_pretrained(str(source))
+    return _fast_tokenizer(source)
+
+
+def _fast_tokenizer(folder: Path):
+    # NOTE: PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when it is
+    # installed, and the engine never needs it.
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
 def _save(entry: Path, loaded: LoadedModel) -> None:
@@ -153,7 +160,6 @@ def _save(entry: Path, loaded: LoadedModel) -> None:
 
 def _restore(entry: Path, source: Path, dtype) -> LoadedModel:
     import orbax.checkpoint as ocp
-    from transformers import AutoTokenizer
 
     with open(entry / "config.json") as f:
         hf_config = json.load(f)
@@ -164,6 +170,5 @@ def _restore(entry: Path, source: Path, dtype) -> LoadedModel:
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(entry.resolve() / "params", target)
     model = build_model(graphdef, state, params)
-    has_tokenizer = (entry / "tokenizer").is_dir()
-    tokenizer = AutoTokenizer.from_pretrained(str(entry / "tokenizer")) if has_tokenizer else None
+    tokenizer = _fast_tokenizer(entry / "tokenizer") if (entry / "tokenizer").is_dir() else None
     return LoadedModel(config, model, tokenizer, str(source), True, hf_config)

@@ -1,0 +1,94 @@
+"""`python -m api` (console script `jaxserve-serve`): serve a model over the OpenAI API.
+
+    python -m api                                   # the embedded default model on 127.0.0.1:8000
+    python -m api --model ./Qwen3-0.6B --port 9000 --api-key secret --max-num-seqs 64 --kv-cache-memory 4GiB
+
+With --port 0 the system picks a free port; the line `jaxserve: serving MODEL on URL` on
+stdout says which (tests read it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import socket
+import sys
+
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+         "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'67108864', '64MiB', '1.5GiB' -> bytes (K/M/G are binary units, as for memory)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 4GiB)")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m api", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: from the model file)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $JAXSERVE_API_KEY)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (default 512)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by the KV cache)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
+                   help="bytes for the KV cache, e.g. 512MiB (default 1GiB)")
+    p.add_argument("--num-blocks", type=int, help="KV-cache blocks (overrides --kv-cache-memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="answer 503 when this many requests wait beyond the free batch slots (default: no limit)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE "
+                                       "or ~/.cache/jaxserve)")
+    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default=None)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from api.server import create_app
+    from jaxserve.default_model import DefaultModelMissing
+    from jaxserve.engine import LLMEngine
+
+    engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_model_len=args.max_model_len, block_size=args.block_size,
+                         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
+                         enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend)
+    try:
+        engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                                      progress=sys.stderr.isatty(), **engine_kwargs)
+    except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting)
+
+    # Bind first, so --port 0 can report the port it got before serving.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(f"jaxserve: serving {app.state.server.model_name} on {url}", flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The FastAPI app: OpenAI-compatible routes over an `LLMEngine` running in its own thread.
+
+    app = create_app(LLMEngine.from_model(), api_key="secret", max_waiting=64)
+    uvicorn.run(app)            # or: python -m api
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
+GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
+(Prometheus text). With an API key, every /v1 request needs `Authorization: Bearer <key>`;
+/health and /metrics stay open, as in vLLM, so probes and scrapers need no secret.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from api import chat, completions
+from api.engine_loop import EngineLoop
+from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers, model_not_found
+from api.logprobs import TokenText
+from api.metrics import Metrics
+from api.serving import ServerState
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def default_model_name(engine) -> str:
+    """The name clients pass as `model`: the GGUF file's or the model folder's name."""
+    source = Path(engine.loaded.source)
+    name = source.stem if source.is_file() else source.name
+    return name.split(".")[0] if source.suffix == ".gguf" else name  # "X.Q4_1.gguf" -> "X"
+
+
+def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
+               max_waiting: int | None = None) -> FastAPI:
+    """An app serving `engine` (an LLMEngine). The engine thread starts with the app's lifespan."""
+    model_name = model_name or default_model_name(engine)
+    engine_loop = EngineLoop(engine, Metrics(model_name), max_waiting=max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+
+    app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = ServerState(engine_loop, engine.tokenizer, model_name, engine.max_model_len,
+                                   engine.loaded.config.vocab_size, TokenText(engine.tokenizer))
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.is_alive:
+            return JSONResponse(error_body(f"the engine has stopped: {engine_loop.error!r}", SERVER_ERROR,
+                                           code="engine_dead"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine_loop.metrics.render(engine_loop.stats), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        return {"object": "list", "data": [_model_card(request.app.state.server)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str, request: Request):
+        state: ServerState = request.app.state.server
+        if model != state.model_name:
+            raise model_not_found(model)
+        return _model_card(state)
+
+    return app
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+            "max_model_len": state.max_model_len}
+
+
+class APIKeyMiddleware:
+    """Refuses /v1 requests without `Authorization: Bearer <api_key>` (a pure ASGI middleware,
+    so streamed responses pass through untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            error = self._check(dict(scope["headers"]).get(b"authorization", b""))
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, header: bytes) -> APIError | None:
+        scheme, _, token = header.partition(b" ")
+        if not header:
+            message = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
+                       "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            message = "Incorrect API key provided."
+        else:
+            return None
+        return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,220 @@
+"""What the completions and chat endpoints share: starting engine requests, following their
+output into choices and usage, server-sent events, and aborting when the client goes away.
+
+A call with P prompts and `n` samples runs P engine requests; choice `p * n + i` is sample
+`i` of prompt `p` (OpenAI's order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from api.engine_loop import EngineDeadError, EngineLoop, Generation, QueueFullError, SampleDelta, StepDelta
+from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
+from api.logprobs import TokenText
+from scheduler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the route handlers need, kept on `app.state.server`."""
+
+    engine_loop: EngineLoop
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    token_text: TokenText
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
+        # NOTE: no special tokens added, exactly as the engine itself encodes a string prompt.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, what: str) -> int:
+        """The output limit (None: the rest of the context); a 400 if the request cannot fit.
+
+        A limit below 1 passes here and is refused by SamplingParams with its own message.
+        """
+        limit = self.max_model_len
+        wanted = max_tokens if max_tokens is not None else max(1, limit - num_prompt_tokens)
+        if num_prompt_tokens + wanted > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the {what}, {wanted} in the "
+                f"completion). Please reduce the length of the {what} or completion.",
+                what, code="context_length_exceeded")
+        return wanted
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def start_generation(state: ServerState, call_id: str, prompts: list[list[int]], params: SamplingParams,
+                           *, arrival_time: float, priority: int, param_names: dict[str, str],
+                           prompt_param: str) -> Generation:
+    """Queue the call's engine requests; every refusal becomes an APIError (and nothing runs).
+
+    The sampling fields were checked already, so the engine's other ValueErrors are about
+    the prompt (`prompt_param`: empty, too long, token ids out of range).
+    """
+    # NOTE: the engine does not range-check stop_token_ids, and with min_tokens they reach the
+    # device as int32 (an overflow there would stop the engine for everyone), so check here.
+    bad = [t for t in params.stop_token_ids if t >= state.vocab_size]
+    if bad:
+        raise bad_request(f"stop_token_ids must be below the vocabulary size {state.vocab_size}, got {bad}",
+                          "stop_token_ids")
+    ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
+    generation = state.engine_loop.generation(ids)
+    try:
+        await generation.add(prompts, params, arrival_time=arrival_time, priority=priority)
+    except BaseException as e:
+        generation.close()
+        if isinstance(e, ValueError):
+            raise from_value_error(e, param_names, prompt_param) from None
+        if isinstance(e, QueueFullError):
+            raise APIError(503, str(e), type=SERVER_ERROR, code="server_overloaded") from None
+        if isinstance(e, EngineDeadError):
+            raise APIError(503, str(e), type=SERVER_ERROR, code="engine_dead") from None
+        raise
+    return generation
+
+
+@dataclasses.dataclass
+class Choice:
+    """One choice as it stands: what was generated so far, and how it ended."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    text: str = ""  # the engine's final text (set when finished)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False  # a streamed chunk has been sent for it
+
+
+class Tally:
+    """Follows a call's StepDeltas: per-choice progress and the usage totals."""
+
+    def __init__(self, request_ids: list[str], n: int, prompt_lens: list[int]):
+        self.n = n
+        self.prompt_index = {rid: p for p, rid in enumerate(request_ids)}
+        self.prompt_lens = prompt_lens
+        self.choices = [Choice() for _ in range(len(request_ids) * n)]
+        self.cached_tokens = dict.fromkeys(request_ids, 0)
+
+    def update(self, delta: StepDelta) -> list[tuple[int, SampleDelta]]:
+        """Record one delta; returns (choice index, sample delta) for each sample that changed."""
+        self.cached_tokens[delta.request_id] = delta.num_cached_tokens
+        changed = []
+        for sample in delta.samples:
+            index = self.prompt_index[delta.request_id] * self.n + sample.index
+            choice = self.choices[index]
+            choice.token_ids += sample.new_token_ids
+            if sample.new_logprobs:
+                choice.logprobs += sample.new_logprobs
+            if sample.finish_reason is not None:
+                choice.text, choice.finish_reason, choice.stop_reason = sample.text, sample.finish_reason, \
+                    sample.stop_reason
+            changed.append((index, sample))
+        return changed
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_lens)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+
+
+async def collect(generation: Generation, tally: Tally) -> Tally:
+    try:
+        async with generation:
+            async for delta in generation:
+                tally.update(delta)
+    except EngineDeadError as e:
+        raise APIError(500, str(e), type=SERVER_ERROR, code="engine_dead") from None
+    return tally
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Await `work`, but cancel it if the client disconnects first (then None).
+
+    Cancelling a `collect` leaves its `async with generation`, which aborts the engine
+    requests, so a client that gives up on a long non-streamed call frees its blocks.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    logger.info("client disconnected from %s; request aborted", request.url.path)
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """A `text/event-stream` response that calls `on_close` however it ends.
+
+    Starlette cancels the body when the client disconnects; this makes sure the engine
+    requests are aborted then (and after errors), not only when the stream runs to its end.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+            await self.body_iterator.aclose()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_error(error: BaseException) -> str:
+    """An error after the 200 header went out: OpenAI clients raise it from the stream."""
+    if isinstance(error, APIError):
+        return sse(error.body())
+    logger.error("stream failed: %r", error)
+    return sse(error_body(f"{type(error).__name__}: {error}", SERVER_ERROR, code="internal_error"))
+
+
+def disconnected_response() -> Response:
+    # Nobody reads it; 499 is nginx's "client closed request", which shows in access logs.
+    return Response(status_code=499)

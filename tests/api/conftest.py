@@ -1,0 +1,144 @@
+"""A real server on loopback: `python -m api` in a subprocess, on the default model.
+
+One server serves the whole session (`server`); tests that need other limits start their
+own per module with `run_server`. Tests talk to it with the real `openai` client and httpx,
+and read its state (free KV blocks, running requests) from /metrics, as an operator would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+# Small limits keep warm-up compiles and memory down on a 2-core CI machine.
+SMALL_ENGINE = ["--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--kv-cache-memory", "64MiB"]
+START_TIMEOUT = 900  # a first run converts the weights and compiles every bucket
+
+
+@dataclasses.dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+    api_key: str | None
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=kw.pop("timeout", 300), **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
+                                  timeout=kw.pop("timeout", 300), **kw)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics, parsed by prometheus_client: `name` or `name{label="v"}` -> value."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+                key = s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+                out[key] = s.value
+        return out
+
+    def wait_idle(self, timeout: float = 120) -> dict[str, float]:
+        """Metrics once nothing runs or waits (the engine applies aborts between steps)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
+            if idle and m["jaxserve:kv_cache_free_blocks"] == m["jaxserve:kv_cache_total_blocks"]:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle after {timeout} s: {m}")
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def run_server(log_dir: Path, *args: str, api_key: str | None = API_KEY):
+    log = log_dir / "server.log"
+    cmd = [sys.executable, "-m", "api", "--port", "0", "--no-access-log", *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("JAXSERVE_API_KEY", None)
+    # NOTE: output goes to a file, not a pipe: nobody reads a pipe while tests run, and a full
+    # one would block the server.
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = _wait_for_url(process, log)
+        _wait_healthy(url, process, log)
+        yield Server(url, process, log, api_key)
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_for_url(process: subprocess.Popen, log: Path) -> str:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        match = re.search(r"jaxserve: serving \S+ on (http://\S+)", log.read_text())
+        if match:
+            return match.group(1)
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"server did not start in {START_TIMEOUT} s:\n{log.read_text()[-4000:]}")
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log: Path) -> None:
+    for _ in range(300):
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        if process.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise RuntimeError(f"server never became healthy:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    """The shared server: default model, small engine limits, API key required."""
+    with run_server(tmp_path_factory.mktemp("server"), *SMALL_ENGINE) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer, read here from the GGUF by transformers: an oracle
+    for prompt token counts and the chat template that does not go through the server."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.default_model import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

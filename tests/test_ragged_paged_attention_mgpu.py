@@ -1,0 +1,316 @@
+"""The Mosaic GPU ragged paged attention kernel, tested without a GPU in two ways.
+
+1. Run under the Mosaic GPU interpreter (with its race detector) on small shapes, against
+   the dense float64 oracle and the pure-JAX reference: mixed prefill + decode batches,
+   ragged lengths, contexts ending mid-page and mid-block, scrambled block tables, a
+   shared first page, padding tokens and sequences, GQA 1 / 3 / 8, window and soft-cap,
+   flash-decoding splits, one and two compute warpgroups. Unused pages and slots are NaN.
+2. Lowered for CUDA with `jax.export` at production shapes; Mosaic GPU targets sm_90
+   when no GPU is present and checks the shared-memory budget (227 KiB) while lowering.
+
+With JAXSERVE_MGPU_ON_GPU=1 (benchmarks/gpu_check.sh) the same cases run compiled on
+the GPU instead of interpreted, and production-shape cases are added against the
+reference.
+"""
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from tests.attention_cases import dense_attention, make_case
+
+ON_GPU = os.environ.get("JAXSERVE_MGPU_ON_GPU") == "1"
+if ON_GPU and jax.devices()[0].platform != "gpu":
+    pytest.skip("JAXSERVE_MGPU_ON_GPU=1 but there is no GPU", allow_module_level=True)
+
+ARGS = ("q", "k_pages", "v_pages", "kv_lens", "block_tables", "query_start_loc")
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def run_kernel(case, **kwargs):
+    interpret = None if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
+    out = mgpu.ragged_paged_attention(*(jnp.asarray(getattr(case, a)) for a in ARGS), interpret=interpret, **kwargs)
+    return np.asarray(out.astype(jnp.float32), np.float64)
+
+
+def run_reference(case, **kwargs):
+    out = ragged_paged_attention_reference(*(jnp.asarray(getattr(case, a)) for a in ARGS), **kwargs)
+    return np.asarray(out.astype(jnp.float32), np.float64)
+
+
+def small_config(**kwargs):
+    """Few CTAs (each walks many work units) and 64-token kv blocks: quick to interpret."""
+    return mgpu.TuningConfig(**{"block_kv": 64, "num_ctas": 3, "min_split_blocks": 1, **kwargs})
+
+
+def check(case, *, config, tol=BF16_TOL, **kwargs):
+    got = run_kernel(case, config=config, **kwargs)
+    assert np.isfinite(got).all()
+    want = dense_attention(case, **kwargs)
+    np.testing.assert_allclose(got, want, **tol)
+    np.testing.assert_allclose(got, run_reference(case, **kwargs), **tol)
+    pad = case.num_real_tokens
+    assert not got[pad:].any(), "padding tokens must give zeros"
+
+
+# -- 1. interpreted (or, with JAXSERVE_MGPU_ON_GPU=1, compiled) ---------------------
+
+
+@pytest.mark.parametrize("groups", [1, 3, 8])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (24, None), (None, 2.0), (40, 3.0)])
+def test_mixed_prefill_and_decode(groups, window, soft_cap):
+    rng = np.random.default_rng(groups * 100 + (window or 0))
+    # A prefill, a chunk continuing an earlier prefill, decodes and a 3-token verification;
+    # contexts end mid-page (ps 8), on a block boundary (64) and past several blocks; one
+    # padding sequence and three padding tokens.
+    case = make_case(rng, [13, 5, 1, 1, 3], [70, 150, 9, 64, 200], num_heads=2 * groups, num_kv_heads=2,
+                     head_dim=64, page_size=8, pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    check(case, config=small_config(query_tile=4), sm_scale=0.125, sliding_window=window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("kv_lens", [[600], [1000, 17, 130]])
+def test_flash_decoding_splits(kv_lens):
+    """Few sequences, more CTAs than tiles: each context is split and the parts combined."""
+    rng = np.random.default_rng(len(kv_lens))
+    case = make_case(rng, [1] * len(kv_lens), kv_lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, pad_tokens=1, dtype=jnp.bfloat16)
+    config = small_config(num_ctas=8)
+    plan = mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=case.q.shape[0], num_kv_heads=2,
+                          config=config)
+    items = np.asarray(plan.item_tile)[: int(plan.num_items[0])]
+    assert np.bincount(items).max() > 1, "expected a context split over several items"
+    check(case, config=config, sm_scale=0.125)
+    check(case, config=config, sm_scale=0.125, sliding_window=300)
+
+
+@pytest.mark.parametrize("groups,query_tile", [(8, 16), (3, 40)])
+def test_two_compute_warpgroups(groups, query_tile):
+    """Tiles of 128 and 120 rows: two compute warpgroups share each K/V block."""
+    rng = np.random.default_rng(groups)
+    case = make_case(rng, [40, 1, 7], [100, 130, 7], num_heads=2 * groups, num_kv_heads=2, head_dim=64,
+                     page_size=8, share_first_page=True, dtype=jnp.bfloat16)
+    config = small_config(query_tile=query_tile, num_compute_wgs=2)
+    check(case, config=config, sm_scale=0.125)
+    check(case, config=config, sm_scale=0.125, sliding_window=33, soft_cap=5.0)
+
+
+def test_decode_batch_with_padding():
+    """One token per sequence (tiles of 1 token, G rows), padding tokens and sequences."""
+    rng = np.random.default_rng(3)
+    kv_lens = [1, 16, 64, 65, 127, 128, 129, 300]
+    case = make_case(rng, [1] * len(kv_lens), kv_lens, num_heads=8, num_kv_heads=1, head_dim=64,
+                     page_size=16, pad_tokens=5, pad_seqs=2, dtype=jnp.bfloat16)
+    check(case, config=small_config(block_kv=128), sm_scale=0.3)
+
+
+@pytest.mark.parametrize("page_size,block_kv", [(16, 128), (32, 64), (64, 128)])
+def test_page_sizes_head_dim_128(page_size, block_kv):
+    rng = np.random.default_rng(page_size)
+    case = make_case(rng, [9, 1, 2], [9, 200, 131], num_heads=4, num_kv_heads=2, head_dim=128,
+                     page_size=page_size, dtype=jnp.bfloat16)
+    check(case, config=small_config(block_kv=block_kv, query_tile=2, max_concurrent_steps=2),
+          sm_scale=128**-0.5)
+
+
+def test_float16_and_default_config():
+    rng = np.random.default_rng(5)
+    case = make_case(rng, [6, 1, 1], [50, 77, 3], num_heads=6, num_kv_heads=2, head_dim=64,
+                     page_size=16, dtype=jnp.float16)
+    config = None if ON_GPU else small_config(query_tile=2)  # the default's 132 CTAs interpret slowly
+    check(case, config=config, tol=dict(atol=5e-3, rtol=5e-3), sm_scale=0.125, soft_cap=4.0)
+
+
+def test_plan_reused_under_jit():
+    """A plan is a pytree computed once per step and passed to every layer's call."""
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [3, 1], [40, 90], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+                     dtype=jnp.bfloat16)
+    config = small_config(query_tile=2)
+    interpret = None if ON_GPU else plgpu.InterpretGPUParams()
+
+    @jax.jit
+    def two_layers(q, k_pages, v_pages, kv_lens, block_tables, query_start_loc):
+        plan = mgpu.plan_work(kv_lens, query_start_loc, num_tokens=q.shape[0], num_kv_heads=2, config=config)
+        attend = functools.partial(mgpu.ragged_paged_attention, sm_scale=0.125, plan=plan, interpret=interpret)
+        first = attend(q, k_pages, v_pages, kv_lens, block_tables, query_start_loc)
+        return first, attend(first, k_pages, v_pages, kv_lens, block_tables, query_start_loc)
+
+    first, second = two_layers(*(jnp.asarray(getattr(case, a)) for a in ARGS))
+    np.testing.assert_allclose(np.asarray(first, np.float32), dense_attention(case, sm_scale=0.125), **BF16_TOL)
+    case.q = np.asarray(first)
+    np.testing.assert_allclose(np.asarray(second, np.float32), dense_attention(case, sm_scale=0.125), **BF16_TOL)
+
+
+# -- plan and validation (no kernel) ------------------------------------------------
+
+
+def test_plan_covers_every_block_once():
+    rng = np.random.default_rng(2)
+    q_lens, kv_lens = [37, 1, 1, 0, 9], [37, 5000, 300, 0, 40]
+    case = make_case(rng, q_lens, kv_lens, num_heads=2, num_kv_heads=1, head_dim=8, page_size=16)
+    config = mgpu.TuningConfig(block_kv=128, query_tile=8, num_ctas=16, min_split_blocks=1)
+    plan = jax.tree.map(np.asarray, mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=48 + 2,
+                                                   num_kv_heads=1, config=config, sliding_window=1000))
+    work = plan.work[: int(plan.num_items[0])]
+    for tile in range(plan.tile_tokens.shape[0]):
+        mine = work[plan.item_tile[: len(work)] == tile]
+        tokens = plan.tile_tokens[tile][plan.tile_tokens[tile] < 50]
+        if not len(tokens):
+            assert not len(mine)
+            continue
+        seq = mine[0, 1]
+        last_pos = kv_lens[seq] - q_lens[seq] + (tokens[-1] - case.query_start_loc[seq])
+        first_key = max(0, last_pos - (len(tokens) - 1) - 1000 + 1)
+        blocks = sorted(b for lo, hi in mine[:, 2:4] for b in range(lo, hi))
+        assert blocks == list(range(first_key // 128, last_pos // 128 + 1)), tile
+    # Every real token finds its own slot; padding tokens are marked.
+    assert plan.token_valid[:48].all() and not plan.token_valid[48:].any()
+    assert (plan.tile_tokens.reshape(-1)[plan.token_row[:48]] == np.arange(48)).all()
+
+
+def test_unsupported_inputs_raise_clear_errors():
+    q = jnp.zeros((4, 8, 64), jnp.float32)
+    pages = jnp.zeros((4, 16, 2, 64), jnp.float32)
+    assert "bf16" in mgpu.unsupported_reason(q, pages)
+    with pytest.raises(NotImplementedError, match="bf16"):
+        mgpu.ragged_paged_attention(q, pages, pages, jnp.ones(1, jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                                    jnp.array([0, 1], jnp.int32), sm_scale=1.0)
+    bf = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    assert "head_dim" in mgpu.unsupported_reason(bf((4, 8, 32)), bf((4, 16, 2, 32)))
+    assert "page_size" in mgpu.unsupported_reason(bf((4, 8, 64)), bf((4, 12, 2, 64)))
+    assert mgpu.is_supported(bf((4, 8, 128)), bf((4, 16, 2, 128)))
+    with pytest.raises(ValueError, match="block_kv"):
+        mgpu.TuningConfig(block_kv=96)
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        mgpu.TuningConfig(max_concurrent_steps=1)
+    too_tall = mgpu.TuningConfig(query_tile=32, num_compute_wgs=1)
+    assert "query rows" in mgpu.unsupported_reason(bf((4, 8, 64)), bf((4, 16, 2, 64)), config=too_tall)
+    idle_wg = mgpu.TuningConfig(query_tile=4, num_compute_wgs=2)
+    assert "idle" in mgpu.unsupported_reason(bf((4, 8, 64)), bf((4, 16, 2, 64)), config=idle_wg)
+    too_deep = mgpu.TuningConfig(block_kv=256, max_concurrent_steps=4)
+    assert "shared memory" in mgpu.unsupported_reason(bf((4, 8, 128)), bf((4, 16, 2, 128)), config=too_deep)
+
+
+# -- 2. lowered for an H100 / H200 at production shapes ----------------------------
+
+# (name, tokens, seqs, context, page_size, head_dim, window, soft_cap)
+PRODUCTION = [
+    ("decode_b1_32k", 1, 1, 32768, 16, 128, None, None),
+    ("decode_b8_32k", 8, 8, 32768, 16, 128, None, None),
+    ("decode_b64_8k", 64, 64, 8192, 16, 128, None, None),
+    ("decode_b256_4k", 256, 256, 4096, 16, 128, None, None),
+    ("decode_b64_8k_window_cap", 64, 64, 8192, 16, 128, 4096, 30.0),
+    ("decode_b64_page32", 64, 64, 8192, 32, 128, None, None),
+    ("decode_b64_page64", 64, 64, 8192, 64, 128, None, None),
+    ("verify_b64_k4", 256, 64, 8192, 16, 128, None, None),
+    ("mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0),
+    ("prefill_8k_tokens_4_seqs", 8192, 4, 32768, 16, 128, None, None),
+    ("prefill_window_cap", 2048, 2, 16384, 16, 128, 1024, 30.0),
+    ("decode_b1_32k_hd64", 1, 1, 32768, 16, 64, None, None),
+    ("prefill_hd64_page64", 4096, 2, 8192, 64, 64, 512, None),
+]
+
+
+def lower_for_cuda(num_tokens, num_seqs, context, page_size, head_dim, window, soft_cap, *,
+                   num_heads=32, num_kv_heads=8, config=None, dtype=jnp.bfloat16):
+    """jax.export for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated)."""
+    max_pages = -(-context // page_size)
+    num_pages = num_seqs * max_pages + 1
+    config = config or mgpu.default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size)
+    fn = functools.partial(mgpu.ragged_paged_attention, sm_scale=head_dim**-0.5, sliding_window=window,
+                           soft_cap=soft_cap, config=config)
+    pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), dtype)
+    args = (jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype), pages, pages,
+            jax.ShapeDtypeStruct((num_seqs,), jnp.int32), jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
+    with _record_smem() as smem:
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    return exported, config, smem
+
+
+class _record_smem:
+    """Records the shared memory Mosaic GPU allocates while lowering (a private hook)."""
+
+    def __enter__(self):
+        from jax.experimental.mosaic.gpu import core as mosaic_core
+        self.sizes = []
+        self.core, self.original = mosaic_core, getattr(mosaic_core, "_smem_tree_size", None)
+        if self.original is not None:
+            def spy(tree):
+                self.sizes.append(self.original(tree))
+                return self.sizes[-1]
+            mosaic_core._smem_tree_size = spy
+        return self.sizes
+
+    def __exit__(self, *exc):
+        if self.original is not None:
+            self.core._smem_tree_size = self.original
+
+
+@pytest.mark.parametrize("name,tokens,seqs,context,page_size,head_dim,window,soft_cap", PRODUCTION,
+                         ids=[p[0] for p in PRODUCTION])
+def test_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap):
+    exported, config, smem = lower_for_cuda(tokens, seqs, context, page_size, head_dim, window, soft_cap)
+    assert exported.platforms == ("cuda",)
+    assert "mosaic_gpu" in exported.mlir_module()
+    if smem:  # the hook exists in jax 0.11.2 and 0.12
+        assert smem == [config.smem_bytes(head_dim)], (smem, config)
+        assert smem[0] <= mgpu.SMEM_BYTES
+
+
+@pytest.mark.parametrize("p_via_smem", [False, True])
+@pytest.mark.parametrize("block_kv,steps,wgs", [(64, 4, 1), (128, 2, 2), (256, 2, 1)])
+def test_lowers_other_configs(p_via_smem, block_kv, steps, wgs):
+    config = mgpu.TuningConfig(block_kv=block_kv, max_concurrent_steps=steps, num_compute_wgs=wgs,
+                               query_tile=32 if wgs == 2 else 1, p_via_smem=p_via_smem)
+    if config.smem_bytes(128) > mgpu.SMEM_BYTES:
+        with pytest.raises(NotImplementedError, match="shared memory"):
+            lower_for_cuda(64, 4, 4096, 16, 128, None, None, config=config)
+        return
+    _, _, smem = lower_for_cuda(64, 4, 4096, 16, 128, 512, 20.0, config=config)
+    if smem:
+        assert smem == [config.smem_bytes(128)]
+
+
+def test_shared_memory_overflow_is_caught_when_lowering(monkeypatch):
+    """A config past 227 KiB fails at lowering, not on the GPU (shown with our own check off)."""
+    config = mgpu.TuningConfig(block_kv=256, max_concurrent_steps=3)
+    assert config.smem_bytes(128) > mgpu.SMEM_BYTES
+    monkeypatch.setattr(mgpu, "unsupported_reason", lambda *args, **kwargs: None)
+    with pytest.raises(Exception, match="shared memory"):
+        lower_for_cuda(8, 8, 4096, 16, 128, None, None, config=config)
+
+
+# -- production shapes on a real GPU (JAXSERVE_MGPU_ON_GPU=1) ------------------------
+
+GPU_CASES = [
+    ("decode_b1_32k", [1], [32768], None, None),
+    ("decode_b8_mixed_lengths", [1] * 8, [1, 17, 300, 2048, 4095, 4096, 9000, 32768], None, None),
+    ("decode_b64_window_cap", [1] * 64, list(range(100, 64 * 1000, 1000)), 4096, 30.0),
+    ("mixed_prefill_decode", [512, 100, 1, 1, 4], [512, 3000, 7000, 16, 8000], None, None),
+    ("prefill_chunk_window", [1024, 300], [5000, 300], 1024, 20.0),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
+@pytest.mark.parametrize("p_via_smem", [False, True])
+@pytest.mark.parametrize("name,q_lens,kv_lens,window,soft_cap", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft_cap, p_via_smem):
+    rng = np.random.default_rng(len(name))
+    case = make_case(rng, q_lens, kv_lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    tokens, seqs = case.q.shape[0], len(case.kv_lens)
+    config = dataclasses.replace(mgpu.default_config(tokens, seqs, 32, 8, 128, 16), p_via_smem=p_via_smem)
+    kwargs = dict(sm_scale=128**-0.5, sliding_window=window, soft_cap=soft_cap)
+    got = run_kernel(case, config=config, **kwargs)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, run_reference(case, **kwargs), **BF16_TOL)
+    assert not got[case.num_real_tokens:].any()
