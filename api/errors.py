@@ -70,8 +70,14 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|json-or-python|list\[.*|dict\
 
 
 def _param(error: dict) -> str | None:
-    loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
-    return ".".join(loc) or None
+    """The location as a client writes it: `messages[0].role`."""
+    param = ""
+    for part in error.get("loc", ()):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part != "body" and not _TYPE_TAG.match(part):
+            param += f".{part}" if param else part
+    return param or None
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -27,14 +27,15 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.tables: dict[str, list[Block]] = {}
+        self.tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
         self.block_hashes: dict[str, list[Hashable]] = {}  # chained hashes of each request's full blocks
+        self.num_registered: dict[str, int] = {}  # leading full blocks already offered to the cache
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
 
     # -- queries --------------------------------------------------------------------
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, ())]
+        return self.tables.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -70,13 +71,19 @@ class KVCacheManager:
         """Register the request's computed, full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        table = self.tables.get(request.request_id, [])
+        rid = request.request_id
+        table = self.tables.get(rid, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        done = self.num_registered.get(rid, 0)
+        if num_full <= done:
+            return  # the common case: no block filled up this step
         hashes = self._hashes(request, num_full)
         tokens = request.all_token_ids
-        for i in range(num_full):
-            if table[i].block_hash is None:
-                self.pool.register(table[i], hashes[i], tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+        for i in range(done, num_full):
+            block = self.pool.blocks[table[i]]
+            if block.block_hash is None:
+                self.pool.register(block, hashes[i], tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+        self.num_registered[rid] = num_full
 
     def _hashes(self, request: Request, num_blocks: int) -> list[Hashable]:
         hashes = self.block_hashes.setdefault(request.request_id, [])
@@ -89,57 +96,62 @@ class KVCacheManager:
 
     # -- allocation -----------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> list[Block] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `cached` are prefix-cache hits to adopt first (only when the request holds no
-        blocks yet). Returns the newly allocated blocks, or None (and changes nothing)
-        if the pool cannot serve the request now.
+        blocks yet). Returns the ids of newly allocated blocks, or None (and changes
+        nothing) if the pool cannot serve the request now.
         """
         table = self.tables.get(request.request_id, [])
+        bs = self.block_size
+        first_write = request.num_computed_tokens + len(cached) * bs
+        num_new_blocks = max(0, -(-(first_write + num_new_tokens) // bs) - len(table) - len(cached))
+        write_block = first_write // bs
+        cow = num_new_tokens > 0 and write_block < len(table) and self.pool.blocks[table[write_block]].ref_count > 1
+        if not (num_new_blocks or cow or cached) and table:
+            return []  # the common decode step: room in the last block, which is ours alone
         assert not cached or not table, "prefix hits are adopted only by a request without blocks"
-        first_write = request.num_computed_tokens + len(cached) * self.block_size
-        new_total = first_write + num_new_tokens
-        num_new_blocks = max(0, self.blocks_needed(new_total) - len(table) - len(cached))
-        write_block = first_write // self.block_size
-        cow = write_block < len(table) and table[write_block].ref_count > 1 and num_new_tokens > 0
         revived = sum(1 for b in cached if b.ref_count == 0)  # cached blocks now in the free list
         if num_new_blocks + cow + revived > self.pool.num_free:
             return None
 
         self.tables[request.request_id] = table
         self.pool.touch(cached)
-        table.extend(cached)
+        table.extend(b.block_id for b in cached)
         if cow:
             (copy,) = self.pool.allocate(1)
-            shared = table[write_block]
+            shared = self.pool.blocks[table[write_block]]
             self.copies.append((shared.block_id, copy.block_id))
             self.pool.release([shared])
-            table[write_block] = copy
-        new_blocks = self.pool.allocate(num_new_blocks)
-        table.extend(new_blocks)
-        return new_blocks
+            table[write_block] = copy.block_id
+        new_ids = [b.block_id for b in self.pool.allocate(num_new_blocks)]
+        table.extend(new_ids)
+        return new_ids
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Let `child` share the parent's blocks holding its first `num_tokens` tokens."""
         assert child.request_id not in self.tables
         shared = self.tables[parent.request_id][: self.blocks_needed(num_tokens)]
-        self.pool.touch(shared)
+        self.pool.touch(self.pool.blocks[i] for i in shared)
         self.tables[child.request_id] = list(shared)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first (so the tail is evicted first)."""
-        table = self.tables.pop(request.request_id, [])
-        self.pool.release(reversed(table))
-        self.block_hashes.pop(request.request_id, None)
+        rid = request.request_id
+        table = self.tables.pop(rid, [])
+        self.pool.release(self.pool.blocks[i] for i in reversed(table))
+        self.block_hashes.pop(rid, None)
+        self.num_registered.pop(rid, None)
         # A copy into a block this request no longer holds must not run.
-        freed = {b.block_id for b in table if b.ref_count == 0}
-        self.copies = [(src, dst) for src, dst in self.copies if dst not in freed]
+        freed = {i for i in table if self.pool.blocks[i].ref_count == 0}
+        if freed:
+            self.copies = [(src, dst) for src, dst in self.copies if dst not in freed]
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
         return copies
 
     def check_integrity(self) -> None:
-        refs = Counter(b.block_id for table in self.tables.values() for b in table)
+        refs = Counter(i for table in self.tables.values() for i in table)
         self.pool.check_integrity(dict(refs))

@@ -52,6 +52,9 @@ class Request:
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # Prompt then output, kept as one list: the hot paths read it every step.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.priority = priority  # lower is served first
@@ -70,9 +73,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_output_tokens(self) -> int:
@@ -80,11 +83,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return len(self.all_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

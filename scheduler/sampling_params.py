@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 
@@ -73,6 +74,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    # Column order of `row`, as the runner's sampling arrays expect them.
+    ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")
+
+    @functools.cached_property
+    def row(self) -> tuple[float, ...]:
+        """The per-token sampling numbers, ROW_FIELDS in order (built once, read every step)."""
+        return tuple(float(getattr(self, name)) for name in self.ROW_FIELDS)
 
     @property
     def uses_penalties(self) -> bool:

@@ -18,6 +18,8 @@ import bisect
 import dataclasses
 from typing import NamedTuple
 
+import numpy as np
+
 from scheduler.batch_builder import banned_token_ids, build_step_batch
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
@@ -118,8 +120,10 @@ class Scheduler:
         scheduled: dict[str, tuple[Request, int]] = {}
         preempted = False
 
-        # Running requests: decodes first (stable sort keeps admission order), then chunks.
-        for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
+        # Running requests: decodes first, then prefill chunks, each in admission order.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + chunks:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
@@ -169,7 +173,7 @@ class Scheduler:
         if not scheduled:
             return None  # NOTE: requests ended above are reported by the next update()
         rows = list(scheduled.values())
-        tables = [self.kv.block_ids(r.request_id) for r, _ in rows]
+        tables = [self.kv.tables[r.request_id] for r, _ in rows]
         return build_step_batch(rows, tables, cfg.block_size, self.kv.take_copies())
 
     def update(self, batch: StepBatch | None, sampled_token_ids=()) -> list[StepResult]:
@@ -181,17 +185,20 @@ class Scheduler:
         self.ended_without_token.clear()
         if batch is None:
             return results
-        for row, (request_id, n) in enumerate(zip(batch.request_ids, batch.num_scheduled_tokens)):
+        tokens = np.asarray(sampled_token_ids).tolist()  # Python ints, once, not per row
+        counts = batch.num_scheduled_tokens.tolist()
+        for row, (request_id, n) in enumerate(zip(batch.request_ids, counts)):
             req = self.requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
-            req.num_computed_tokens += int(n)
+            req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that did not reach the end: nothing sampled
-            token = int(sampled_token_ids[row])
-            req.output_token_ids.append(token)
-            self._release_forks(req, fork=True)
+            token = tokens[row]
+            req.append_output(token)
+            if self.forks:
+                self._release_forks(req, fork=True)
             status = self._stop_status(req, token)
             if status is not None:
                 self._finish(req, status)
@@ -205,17 +212,18 @@ class Scheduler:
         return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
 
     def _chunk(self, req: Request, budget: int) -> int:
-        return min(req.num_uncomputed_tokens, budget, self._chunk_limit)
+        return min(len(req.all_token_ids) - req.num_computed_tokens, budget, self._chunk_limit)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
-        if req.num_output_tokens >= p.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_output >= p.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -37,27 +37,22 @@ class Server:
     api_key: str | None
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
-                             timeout=kw.pop("timeout", 300), **kw)
+        return openai.OpenAI(**self._client_args(kw))
 
     def async_client(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
-                                  timeout=kw.pop("timeout", 300), **kw)
+        return openai.AsyncOpenAI(**self._client_args(kw))
+
+    def _client_args(self, kw: dict) -> dict:
+        # No retries: a test must see the first answer (the client retries 5xx by default).
+        return {"base_url": f"{self.url}/v1", "api_key": self.api_key or "none", "max_retries": 0, "timeout": 300,
+                **kw}
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics, parsed by prometheus_client: `name` or `name{label="v"}` -> value."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = {k: v for k, v in s.labels.items() if k != "model_name"}
-                key = s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-                out[key] = s.value
-        return out
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
 
     def wait_idle(self, timeout: float = 120) -> dict[str, float]:
         """Metrics once nothing runs or waits (the engine applies aborts between steps)."""
@@ -70,6 +65,18 @@ class Server:
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle after {timeout} s: {m}")
             time.sleep(0.1)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every sample of a /metrics page, parsed by prometheus_client (so the format is checked
+    too): `name` or `name{label="v"}` (model_name left out) -> value."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            key = s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+            out[key] = s.value
+    return out
 
 
 @contextlib.contextmanager

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one command for a lent H100 / H200 (under 5 minutes):
+#   1. versions and nvidia-smi;
+#   2. the Mosaic GPU attention kernel against the references, compiled on the GPU
+#      (tests/test_ragged_paged_attention_mgpu.py with JAXSERVE_MGPU_ON_GPU=1: the
+#      interpreter's small cases plus production shapes, P from registers and via smem);
+#   3. the kernel microbenchmark (benchmarks/kernels.py), JSON and PNG into $OUT.
+# Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
+#
+#     bash benchmarks/gpu_check.sh            # results in ${OUT:-benchmarks/results}
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+PYTHON="${PYTHON:-python}"
+mkdir -p "$OUT"
+
+echo "== versions"
+"$PYTHON" - <<'EOF'
+import sys, jax, jaxlib
+print("python", sys.version.split()[0], "| jax", jax.__version__, "| jaxlib", jaxlib.__version__)
+print("devices:", jax.devices())
+d = jax.devices()[0]
+print("compute capability:", getattr(d, "compute_capability", "?"), "| SMs:", getattr(d, "core_count", "?"))
+EOF
+nvidia-smi
+
+# A failing step does not stop the later ones (one GPU session should say as much as it
+# can); the script still exits non-zero if any step failed.
+status=0
+
+echo "== attention kernel vs references on the GPU"
+JAXSERVE_MGPU_ON_GPU=1 timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
+    tests/test_ragged_paged_attention_mgpu.py 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
+
+echo "== kernel microbenchmark"
+timeout 150 "$PYTHON" benchmarks/kernels.py --json "$OUT/kernels.json" --plot "$OUT/kernels.png" 2>&1 \
+    | tee "$OUT/kernels.txt" || status=1
+
+echo "== end-to-end generation"
+# PLACEHOLDER (lead): end-to-end generation check with the Pallas attention backend goes here.
+
+echo "== done (status $status): results in $OUT"
+exit "$status"

@@ -1,0 +1,130 @@
+"""Offline throughput on the default model: continuous batching against static batches.
+
+A fixed synthetic workload (seeded; prompts 32-512 tokens, outputs 16-256 tokens,
+ignore_eos) runs through `LLM.generate` and through Hugging Face transformers `generate`
+in padded static batches, in the same run. The transformers batch size is the best of a
+sweep on the first requests of the workload. Reported: output tokens/s and the ratio.
+
+    python benchmarks/throughput.py [--num-requests 128] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.workload import Workload, synthetic_workload  # noqa: E402
+
+
+def run_jaxserve(work: Workload, args) -> dict:
+    from jaxserve.llm import LLM
+    from scheduler import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=1024, kv_cache_memory=args.kv_cache_memory_mb << 20)
+    startup = time.perf_counter() - start
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    compiled = llm.engine.compilations
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert generated == work.num_output_tokens, (generated, work.num_output_tokens)
+    sched = llm.engine.scheduler
+    return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup,
+            "preemptions": sched.num_preemptions, "compilations_after_warm_up": llm.engine.compilations - compiled}
+
+
+def run_transformers(work: Workload, batch_size: int) -> dict:
+    """Static batches in arrival order, left-padded, each run until its longest output."""
+    import torch
+
+    model = _hf_model()
+    start = time.perf_counter()
+    generated = 0
+    for lo in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[lo : lo + batch_size]
+        n_out = max(work.output_lens[lo : lo + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
+                           pad_token_id=0)
+        # Only each request's own tokens count as output; the rest of the batch is waste.
+        generated += sum(work.output_lens[lo : lo + batch_size])
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tok_s": generated / elapsed, "batch_size": batch_size}
+
+
+_MODEL = None
+
+
+def _hf_model():
+    global _MODEL
+    if _MODEL is None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from jaxserve.default_model import default_model_path
+
+        path = default_model_path()
+        _MODEL = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return _MODEL
+
+
+def best_batch_size(work: Workload, sizes: list[int], calibration: int) -> tuple[int, dict]:
+    subset = Workload(work.prompts[:calibration], work.output_lens[:calibration])
+    sweep = {bs: run_transformers(subset, bs)["output_tok_s"] for bs in sizes}
+    return max(sweep, key=sweep.get), sweep
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-memory-mb", type=int, default=2048)
+    p.add_argument("--hf-batch-sizes", default="4,8,16,32", help="sweep for the transformers baseline")
+    p.add_argument("--hf-calibration", type=int, default=32, help="requests the sweep runs on")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    work = synthetic_workload(args.num_requests, seed=args.seed)
+    ours = run_jaxserve(work, args)
+    sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+    best, sweep = best_batch_size(work, sizes, min(args.hf_calibration, args.num_requests))
+    theirs = run_transformers(work, best)
+    theirs["sweep_output_tok_s"] = sweep
+    result = {"requests": args.num_requests, "prompt_tokens": work.num_prompt_tokens,
+              "output_tokens": work.num_output_tokens, "jaxserve": ours, "transformers": theirs,
+              "ratio": ours["output_tok_s"] / theirs["output_tok_s"]}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.num_requests} requests, {work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens, "
+          f"SmolLM2-135M float32 on the CPU")
+    print(f"transformers batch-size sweep on {min(args.hf_calibration, args.num_requests)} requests (output tok/s): "
+          + ", ".join(f"{bs}: {v:.1f}" for bs, v in sweep.items()))
+    print(f"| {'engine':<40} | {'time (s)':>8} | {'output tok/s':>12} |")
+    print(f"|{'-' * 42}|{'-' * 10}|{'-' * 14}|")
+    print(f"| {'jaxserve LLM.generate (continuous)':<40} | {ours['seconds']:>8.1f} | {ours['output_tok_s']:>12.1f} |")
+    label = f"transformers generate (static, batch {best})"
+    print(f"| {label:<40} | {theirs['seconds']:>8.1f} | {theirs['output_tok_s']:>12.1f} |")
+    print(f"ratio: {result['ratio']:.2f}x  (jaxserve preemptions: {ours['preemptions']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
