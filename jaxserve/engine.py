@@ -67,7 +67,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             enable_prefix_caching=config.enable_prefix_caching,
         ))
-        self.attention_backend, attention = select_attention(config.attention_backend)
+        self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size)
         self.runner = ModelRunner(
             loaded.model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
@@ -95,6 +95,10 @@ class LLMEngine:
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or SamplingParams()
+        vocab = self.loaded.config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
+                             f"got {list(params.stop_token_ids)}")
         prompt_text, prompt_ids = self._tokenize(prompt)
         eos = self.loaded.config.eos_token_ids
         arrival = time.monotonic() if arrival_time is None else arrival_time

@@ -16,9 +16,10 @@ The work is cut in three layers. The first and last are plain jnp in the same ji
    even a decode step of a GQA model puts G rows into the M dimension of the matmul. A
    tile needs the kv blocks (`block_kv` tokens, a whole number of pages) from its first
    visible key to its last query's position. When there are too few tiles to keep every
-   SM busy (long decodes at small batch), a tile's blocks are split over several work
-   items, flash-decoding style: about `num_ctas * waves / num_kv_heads` items in all,
-   none shorter than `min_split_blocks` blocks, every non-empty tile at least one.
+   SM busy (long decodes at small batch), a tile's blocks are split evenly over several
+   work items, flash-decoding style: the split length is picked (on device) among a few
+   candidates to minimise the estimated makespan of the round-robin over the CTAs, none
+   shorter than `min_split_blocks` blocks, every non-empty tile at least one item.
 
        sequence s: | tile 0 (tq tokens) | tile 1 | ...        (its new tokens)
        tile t:     kv blocks [b_lo, b_hi)  ->  items [b_lo, b1), [b1, b2), ..., [bk, b_hi)
@@ -47,11 +48,12 @@ The work is cut in three layers. The first and last are plain jnp in the same ji
 
 Slots past a sequence's context (the tail of its last page, pages it does not own) may
 hold anything, NaN included (the tests fill them with NaN): their scores are replaced
-by -inf with a select, pages wholly past the context are not read, and V rows past the
+by -inf with a select (only in blocks that cross the causal diagonal, the window edge or
+the context end), pages wholly past the context are not read, and V rows past the
 context are zeroed in shared memory before P V, so 0 * NaN never reaches the output.
 
-Supported: bf16 / f16, head_dim a multiple of 64 up to 256, page sizes that are
-multiples of 8 dividing 256, any GQA ratio up to 128 query heads per KV head.
+Supported: bf16 / f16, head_dim 64 or 128, page sizes that are multiples of 8 dividing
+256, any GQA ratio up to 128 query heads per KV head.
 `unsupported_reason` says why a call is not supported; the kernel raises it.
 """
 
@@ -92,7 +94,7 @@ class TuningConfig:
     num_compute_wgs: int = 1  # 64 query rows each; 2 for prefill-sized tiles
     query_tile: int = 1  # tokens per query tile; rows = query_tile * G
     num_ctas: int = H100_SMS  # persistent grid size
-    waves: int = 2  # flash-decoding aims at about num_ctas * waves work units
+    max_waves: int = 8  # flash-decoding makes at most about num_ctas * max_waves work units
     min_split_blocks: int = 2  # do not split a tile's kv range finer than this
     # P V takes P from registers (as FlashAttention 3) unless this stages P through
     # shared memory; the Mosaic GPU interpreter supports only the latter.
@@ -107,8 +109,8 @@ class TuningConfig:
             raise ValueError(f"{self.num_compute_wgs=} must be 1 or 2")
         if self.query_tile < 1:
             raise ValueError(f"{self.query_tile=} must be positive")
-        if self.num_ctas < 1 or self.waves < 1 or self.min_split_blocks < 1:
-            raise ValueError(f"{self.num_ctas=}, {self.waves=} and {self.min_split_blocks=} must be positive")
+        if self.num_ctas < 1 or self.max_waves < 1 or self.min_split_blocks < 1:
+            raise ValueError(f"{self.num_ctas=}, {self.max_waves=} and {self.min_split_blocks=} must be positive")
 
     def rows_per_tile(self, groups: int) -> int:
         """Query rows of one tile in the gathered layout: tq * G rounded up to 8."""
@@ -187,8 +189,10 @@ def unsupported_reason(q, k_pages, v_pages=None, *, config: TuningConfig | None 
         return f"q, k and v must all be bf16 or all f16, got {q.dtype=} {k_pages.dtype=}"
     if kv_dim != head_dim:
         return f"{head_dim=} of q != {kv_dim=} of the pages"
-    if head_dim % 64 or head_dim > 256:
-        return f"{head_dim=} must be a multiple of 64 and at most 256"
+    if head_dim not in (64, 128):
+        # 256 would lower, but O and the fresh P V accumulator ([64, D] f32 each) would
+        # not fit in a warpgroup's registers together.
+        return f"{head_dim=} must be 64 or 128"
     if num_heads % num_kv_heads:
         return f"{num_heads=} must be a multiple of {num_kv_heads=}"
     if num_heads // num_kv_heads > 2 * ROWS_PER_WG:
@@ -274,9 +278,9 @@ def plan_work(kv_lens, query_start_loc, *, num_tokens: int, num_kv_heads: int,
     blk_begin = key_begin // bkv
     num_blocks = jnp.where(key_end > 0, (key_end + bkv - 1) // bkv - blk_begin, 0)  # [NT]
 
-    target = max(1, -(-config.num_ctas * config.waves // num_kv_heads))  # items per KV head
-    max_items = num_tiles + target  # sum(cdiv(n, chunk)) <= sum(n) / chunk + NT
-    chunk = jnp.maximum(config.min_split_blocks, (jnp.sum(num_blocks) + target - 1) // target)
+    chunk = _split_chunk(num_blocks, num_kv_heads, config)
+    # sum(cdiv(n, chunk)) <= sum(n) / chunk + NT, and chunk >= sum(n) * KV / (ctas * max_waves)
+    max_items = num_tiles + -(-config.num_ctas * config.max_waves // num_kv_heads)
     splits = (num_blocks + chunk - 1) // chunk  # [NT]
     item_end = jnp.cumsum(splits)
     num_items = item_end[-1]
@@ -306,6 +310,27 @@ def plan_work(kv_lens, query_start_loc, *, num_tokens: int, num_kv_heads: int,
         config=config,
         sliding_window=sliding_window,
     )
+
+
+_UNIT_OVERHEAD_BLOCKS = 0.5  # a unit's fixed cost (queries in, result out), in kv blocks
+
+
+def _split_chunk(num_blocks, num_kv_heads: int, config: TuningConfig):
+    """Most kv blocks per work item: the candidate with the least estimated makespan.
+
+    Units (item x KV head) go round-robin to the CTAs, so a schedule takes about
+    ceil(units / ctas) rounds of its longest unit. Candidates aim at 1, 2, 3, 4, 6, 8
+    (up to max_waves) units per CTA; ties go to fewer splits.
+    """
+    waves = [w for w in (1, 2, 3, 4, 6, 8) if w <= config.max_waves] or [config.max_waves]
+    work = jnp.sum(num_blocks) * num_kv_heads  # block loads in all
+    per_round = jnp.asarray([config.num_ctas * w for w in waves], jnp.int32)
+    chunk = jnp.maximum(config.min_split_blocks, (work + per_round - 1) // per_round)  # [W]
+    splits = (num_blocks[None, :] + chunk[:, None] - 1) // chunk[:, None]  # [W, NT]
+    longest = jnp.max(-(-num_blocks[None, :] // jnp.maximum(splits, 1)), axis=1)  # even splits
+    rounds = (jnp.sum(splits, axis=1) * num_kv_heads + config.num_ctas - 1) // config.num_ctas
+    cost = rounds * (longest + _UNIT_OVERHEAD_BLOCKS)
+    return chunk[jnp.argmin(cost)]
 
 
 def _gather_query_tiles(q, tile_tokens, num_kv_heads: int, rows: int, pad_rows: int):
@@ -412,11 +437,13 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
 
     # -- compute warpgroups ----------------------------------------------------------
 
-    def to_log2_logits(s):
-        """Raw q.k -> scaled (and soft-capped) logits in base-2 units."""
-        if soft_cap is None:
-            return s * (sm_scale * _LOG2E)
-        return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * _LOG2E)
+    # Logits in base-2 units are s * log2_scale; without a soft-cap the multiply is left
+    # to the exp2 argument, where it fuses into one FMA with the max subtraction.
+    log2_scale = sm_scale * _LOG2E if soft_cap is None else soft_cap * _LOG2E
+
+    def soft_capped(s):
+        """Raw q.k -> cap * tanh(q.k * scale / cap) / cap: times log2_scale, the base-2 logit."""
+        return s if soft_cap is None else jnp.tanh(s * (sm_scale / soft_cap))
 
     def needs_mask(blk, f, wg):
         """Whether some key of the block is invisible to some query row of this WG."""
@@ -475,11 +502,11 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bkv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
 
-            s = to_log2_logits(s)
+            s = soft_capped(s)
             s = lax.cond(needs_mask(blk, f, wg), lambda x: apply_mask(x, blk, f, wg), lambda x: x, s)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            m_new = jnp.maximum(m, s.max(axis=1) * log2_scale)
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             if p_smem is None:
                 p_operand = p.astype(shp.dtype)

@@ -44,6 +44,23 @@ class SchedulerConfig:
             raise ValueError(f"{self.block_size=} must be >= 1 and {self.num_blocks=} >= 2")
 
 
+class SchedulerStats(NamedTuple):
+    """A snapshot for metrics: queue lengths, KV-cache occupancy, prefix-cache counters."""
+
+    num_running: int
+    num_waiting: int  # forked samples waiting for their parent's prompt included
+    num_free_blocks: int
+    num_total_blocks: int  # usable blocks (the null block excluded)
+    kv_cache_usage: float  # fraction of usable blocks held by some request
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
 class StepResult(NamedTuple):
     """A request that sampled a token this step (`row` indexes the step's outputs), or
     that the scheduler ended without one (`row` is None)."""
@@ -276,10 +293,18 @@ class Scheduler:
 
     # -- introspection ----------------------------------------------------------------
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
+    def stats(self) -> SchedulerStats:
         pool = self.kv.pool
-        return pool.hits / pool.queries if pool.queries else 0.0
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + sum(len(f) for f in self.forks.values()),
+            num_free_blocks=pool.num_free,
+            num_total_blocks=pool.num_blocks - 1,
+            kv_cache_usage=pool.usage,
+            prefix_cache_queries=pool.queries,
+            prefix_cache_hits=pool.hits,
+            num_preemptions=self.num_preemptions,
+        )
 
     def check_integrity(self) -> None:
         """Assert the invariants the property tests rely on."""

@@ -86,7 +86,7 @@ def test_multibyte_text_streams_whole_characters(client):
     raw = b"".join(bytes(t.bytes) for t in tokens)
     assert raw.decode("utf-8", errors="ignore") == text  # only a trailing partial character may be cut
     partial = [t for t in tokens if not _is_utf8(bytes(t.bytes))]
-    assert partial and all(t.token.startswith("\\x") for t in partial)
+    assert partial and all("\\x" in t.token for t in partial)  # escaped, not U+FFFD
 
 
 def _is_utf8(raw: bytes) -> bool:

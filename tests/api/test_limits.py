@@ -1,5 +1,6 @@
 """A full waiting queue answers 503 at once; a client that goes away has its request aborted
-and its KV blocks freed. These need a server of their own with a tiny batch and queue."""
+and its KV blocks freed; a KV cache too small for the batch preempts without losing work.
+These need a server of their own, with a tiny batch, queue and KV cache."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ MAX_WAITING = 2
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    args = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "64", "--kv-cache-memory", "32MiB",
+    # 8 MiB holds 10 usable blocks of 16 tokens (160 tokens) on the default model.
+    args = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "64", "--kv-cache-memory", "8MiB",
             "--max-waiting", str(MAX_WAITING)]
     with run_server(tmp_path_factory.mktemp("small"), *args, api_key=None) as s:
         yield s
 
 
-def long_request(max_tokens: int = 400, stream: bool = False) -> dict:
+LONG = 140  # tokens: seconds of decoding, and within the 160-token context
+
+
+def long_request(max_tokens: int = LONG, stream: bool = False) -> dict:
     return {"model": MODEL, "prompt": "Count slowly:", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": stream}
 
@@ -46,6 +51,7 @@ def test_full_queue_answers_503_at_once(small):
     assert refused, "no request was refused"
     assert len(accepted) >= MAX_NUM_SEQS + MAX_WAITING
     for response, _ in refused:
+        assert response.headers["retry-after"] == "1"
         error = response.json()["error"]
         assert error["type"] == "server_error" and error["code"] == "server_overloaded"
     # "At once": every refusal came back before the first accepted request was done.
@@ -72,21 +78,24 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(small):
             for line in response.iter_lines():
                 chunks += line.startswith("data: {")
                 if chunks == 3:
+                    during = small.metrics()
                     break  # leaving the block closes the connection mid-stream
-    during = small.metrics()
+    assert during["jaxserve:num_requests_running"] == 1
+    assert during["jaxserve:kv_cache_free_blocks"] < during["jaxserve:kv_cache_total_blocks"]
+    assert during["jaxserve:kv_cache_usage_perc"] > 0
     after = small.wait_idle()  # free blocks back to the total
     assert after["jaxserve:kv_cache_free_blocks"] == before["jaxserve:kv_cache_free_blocks"]
+    assert after["jaxserve:kv_cache_usage_perc"] == 0
     assert aborts(after) == aborts(before) + 1
-    # It was aborted, not finished: far fewer tokens than the 400 asked for were made.
-    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] < 400
-    assert during["jaxserve:kv_cache_total_blocks"] == after["jaxserve:kv_cache_total_blocks"]
+    # It was aborted, not finished: far fewer tokens than asked for were made.
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] < LONG
 
 
 def test_openai_client_closing_a_stream_aborts(small):
     before = small.wait_idle()
     client = small.client()
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a long tale."}],
-                                            max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+                                            max_tokens=100, stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 2:
             break
@@ -101,4 +110,21 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(small):
         httpx.post(f"{small.url}/v1/completions", json=long_request(), timeout=httpx.Timeout(60, read=1.5))
     after = small.wait_idle()
     assert aborts(after) == aborts(before) + 1
-    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] < 400
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] < LONG
+
+
+def test_kv_cache_pressure_preempts_and_loses_nothing(small):
+    """Two requests of about 100 tokens need 14 blocks; 10 exist, so one is preempted and recomputed."""
+    before = small.wait_idle()
+
+    async def pair():
+        async with small.async_client() as client:
+            return await asyncio.gather(*(
+                client.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=96, temperature=0,
+                                          extra_body={"ignore_eos": True}) for i in range(2)))
+
+    outs = asyncio.run(pair())
+    assert [o.usage.completion_tokens for o in outs] == [96, 96]
+    assert all(o.choices[0].finish_reason == "length" for o in outs)
+    after = small.wait_idle()
+    assert after["jaxserve:num_preemptions_total"] > before["jaxserve:num_preemptions_total"]

@@ -78,5 +78,9 @@ def test_200_concurrent_requests(server):
     assert grew["jaxserve:time_to_first_token_seconds_count"] == NUM_REQUESTS
     assert grew["jaxserve:e2e_request_latency_seconds_count"] == NUM_REQUESTS
     assert grew["jaxserve:inter_token_latency_seconds_count"] == sum(r["got"] - 1 for r in results)
+    # Every chat prompt starts with the template's system turn: full blocks the prefix cache shares.
+    assert grew["jaxserve:prefix_cache_hits_total"] > 0
+    assert after["jaxserve:prefix_cache_hit_rate"] == \
+        after["jaxserve:prefix_cache_hits_total"] / after["jaxserve:prefix_cache_queries_total"]
     assert after['jaxserve:time_to_first_token_seconds_bucket{le="+Inf"}'] == \
         after["jaxserve:time_to_first_token_seconds_count"]

@@ -176,6 +176,20 @@ def test_plan_covers_every_block_once():
     assert (plan.tile_tokens.reshape(-1)[plan.token_row[:48]] == np.arange(48)).all()
 
 
+@pytest.mark.parametrize("batch,context", [(1, 32768), (8, 32768), (8, 2048), (64, 8192), (256, 512)])
+def test_splits_balance_the_persistent_grid(batch, context):
+    """Round-robin over 132 CTAs: the busiest CTA loads at most ~5% more blocks than average."""
+    config = mgpu.TuningConfig(num_ctas=132)
+    kv_lens = np.full(batch, context, np.int32)
+    qsl = np.arange(batch + 1, dtype=np.int32)
+    plan = jax.tree.map(np.asarray, mgpu.plan_work(kv_lens, qsl, num_tokens=batch, num_kv_heads=8, config=config))
+    work = plan.work[: int(plan.num_items[0])]
+    unit_blocks = np.repeat(work[:, 3] - work[:, 2], 8)  # (item, kv head) units, heads fastest
+    per_cta = np.bincount(np.arange(len(unit_blocks)) % 132, weights=unit_blocks, minlength=132)
+    assert unit_blocks.sum() == batch * 8 * (context // 128)
+    assert per_cta.max() <= 1.05 * per_cta.mean() + 1, (per_cta.max(), per_cta.mean())
+
+
 def test_unsupported_inputs_raise_clear_errors():
     q = jnp.zeros((4, 8, 64), jnp.float32)
     pages = jnp.zeros((4, 16, 2, 64), jnp.float32)
@@ -201,7 +215,7 @@ def test_unsupported_inputs_raise_clear_errors():
 
 # -- 2. lowered for an H100 / H200 at production shapes ----------------------------
 
-# (name, tokens, seqs, context, page_size, head_dim, window, soft_cap)
+# (name, tokens, seqs, context, page_size, head_dim, window, soft_cap); 32 query / 8 KV heads
 PRODUCTION = [
     ("decode_b1_32k", 1, 1, 32768, 16, 128, None, None),
     ("decode_b8_32k", 8, 8, 32768, 16, 128, None, None),
@@ -264,6 +278,25 @@ def test_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, win
     if smem:  # the hook exists in jax 0.11.2 and 0.12
         assert smem == [config.smem_bytes(head_dim)], (smem, config)
         assert smem[0] <= mgpu.SMEM_BYTES
+
+
+# (name, tokens, seqs, query heads, KV heads, head_dim): the default model (SmolLM2-135M:
+# 9 / 3 heads, head_dim 64) and MQA, decode and prefill buckets.
+OTHER_MODELS = [
+    ("smollm2_decode", 64, 64, 9, 3, 64),
+    ("smollm2_prefill", 2048, 8, 9, 3, 64),
+    ("mqa_decode", 32, 32, 32, 1, 128),
+    ("mqa_prefill", 1024, 2, 32, 1, 128),
+]
+
+
+@pytest.mark.parametrize("name,tokens,seqs,heads,kv_heads,head_dim", OTHER_MODELS, ids=[m[0] for m in OTHER_MODELS])
+def test_lowers_other_head_groupings(name, tokens, seqs, heads, kv_heads, head_dim):
+    _, config, smem = lower_for_cuda(tokens, seqs, 8192, 16, head_dim, None, None, num_heads=heads,
+                                     num_kv_heads=kv_heads)
+    assert config.query_tile * heads // kv_heads <= 64 * config.num_compute_wgs
+    if smem:
+        assert smem == [config.smem_bytes(head_dim)]
 
 
 @pytest.mark.parametrize("p_via_smem", [False, True])

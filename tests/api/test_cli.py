@@ -1,0 +1,40 @@
+"""`python -m api` flags, without starting a model."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from api.__main__ import parse_args, parse_bytes
+from api.server import default_model_name
+
+
+def test_sizes():
+    assert parse_bytes("67108864") == 64 << 20
+    assert parse_bytes("64MiB") == parse_bytes("64m") == 64 << 20
+    assert parse_bytes("1.5GiB") == 3 << 29
+    for bad in ("", "lots", "12 parsecs", "-1GiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+
+
+def test_defaults_and_flags(monkeypatch):
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    args = parse_args([])
+    assert (args.host, args.port, args.api_key, args.model, args.max_waiting) == ("127.0.0.1", 8000, None, None, None)
+    assert args.kv_cache_memory == 1 << 30
+    monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
+    args = parse_args(["--max-num-seqs", "4", "--kv-cache-memory", "256MiB", "--max-waiting", "8", "--port", "0"])
+    assert (args.max_num_seqs, args.kv_cache_memory, args.max_waiting, args.port) == (4, 256 << 20, 8, 0)
+    assert args.api_key == "from-env"
+
+
+def test_model_names(tmp_path):
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"")
+    folder = tmp_path / "Qwen3-0.6B"
+    folder.mkdir()
+    assert default_model_name(SimpleNamespace(loaded=SimpleNamespace(source=str(gguf)))) == "SmolLM2-135M-Instruct"
+    assert default_model_name(SimpleNamespace(loaded=SimpleNamespace(source=str(folder)))) == "Qwen3-0.6B"

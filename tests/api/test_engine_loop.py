@@ -1,0 +1,182 @@
+"""The engine thread's contract, with a scripted stand-in for the engine (no model, fast):
+an engine failure fails every request in flight and turns /health to 503 instead of
+hanging; closing a generation aborts its requests; the queue limit refuses at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from api.metrics import Metrics
+from api.server import create_app
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from scheduler import SamplingParams, SchedulerStats
+
+
+class ScriptedScheduler:
+    """The queue counts the engine loop reads; tests set `waiting` by hand."""
+
+    def __init__(self, max_num_seqs: int):
+        self.config = SimpleNamespace(max_num_seqs=max_num_seqs, num_blocks=9)
+        self.running: list = []
+        self.waiting: list = []
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), 8, 8, 0.0, 0, 0, 0)
+
+
+class ScriptedEngine:
+    """One token ("a") per request per step; `fail_at_step` makes step() raise."""
+
+    def __init__(self, fail_at_step: int | None = None, max_num_seqs: int = 4):
+        self.fail_at_step = fail_at_step
+        self.steps = 0
+        self.requests: dict[str, list] = {}
+        self.aborted: list[str] = []
+        self.tokenizer = None
+        self.max_model_len = 64
+        self.loaded = SimpleNamespace(source="/models/scripted-model", config=SimpleNamespace(vocab_size=100))
+        self.scheduler = ScriptedScheduler(max_num_seqs)
+
+    def add_request(self, request_id, prompt, params, *, priority=0, arrival_time=None):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.requests[request_id] = [params, [], arrival_time]
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        return self.requests.pop(request_id, None) is not None
+
+    def step(self):
+        self.steps += 1
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError("device fell over")
+        time.sleep(0.01)
+        outputs = []
+        for request_id, (params, tokens, arrival) in list(self.requests.items()):
+            tokens.append(7)
+            done = len(tokens) >= params.max_tokens
+            now = time.monotonic()
+            completion = CompletionOutput(0, "a" * len(tokens), list(tokens), 0.0, None, "length" if done else None,
+                                          None, new_text="a", new_token_ids=[7])
+            metrics = RequestMetrics(arrival, now, now, now if done else None, [now])
+            outputs.append(RequestOutput(request_id, None, [1, 2], [completion], done, 0, metrics))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+
+async def _started(engine, **kw) -> EngineLoop:
+    loop = EngineLoop(engine, Metrics("scripted"), **kw)
+    loop.start()
+    return loop
+
+
+def test_engine_failure_fails_requests_in_flight_and_later_ones():
+    async def scenario():
+        engine = ScriptedEngine(fail_at_step=3)
+        loop = await _started(engine)
+        generation = loop.generation(["r1"])
+        await generation.add([[1, 2]], SamplingParams(max_tokens=10), arrival_time=time.monotonic())
+        deltas = []
+        with pytest.raises(EngineDeadError):
+            async with generation:
+                async for delta in generation:
+                    deltas.append(delta)
+        assert len(deltas) == 2  # the two steps before the failure
+        assert not loop.is_alive
+        with pytest.raises(EngineDeadError):
+            await loop.add("r2", [1], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
+        loop.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_closing_a_generation_aborts_it():
+    async def scenario():
+        engine = ScriptedEngine()
+        loop = await _started(engine)
+        generation = loop.generation(["a", "b"])
+        await generation.add([[1], [2]], SamplingParams(max_tokens=1000), arrival_time=time.monotonic())
+        async with generation:
+            async for _ in generation:
+                break  # the caller goes away after the first delta
+        for _ in range(200):
+            if not engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(engine.aborted) == ["a", "b"] and not engine.requests
+        assert loop.metrics.finished["abort"] == 2
+        loop.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_shutdown_fails_requests_in_flight():
+    async def scenario():
+        loop = await _started(ScriptedEngine())
+        generation = loop.generation(["long"])
+        await generation.add([[1]], SamplingParams(max_tokens=10**6), arrival_time=time.monotonic())
+        await asyncio.sleep(0.05)
+        loop.stop()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in generation:
+                pass
+        with pytest.raises(EngineDeadError):
+            await loop.add("late", [1], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_queue_limit_counts_waiting_beyond_free_slots():
+    async def scenario():
+        engine = ScriptedEngine(max_num_seqs=4)
+        loop = await _started(engine, max_waiting=2)
+        engine.scheduler.waiting = ["w"] * 5  # 4 free slots: 1 beyond them, under the limit of 2
+        await loop.add("ok", [1], SamplingParams(max_tokens=1), arrival_time=0.0, queue=asyncio.Queue())
+        engine.scheduler.waiting = ["w"] * 6  # 2 beyond the free slots: full
+        with pytest.raises(QueueFullError):
+            await loop.add("refused", [1], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
+        engine.scheduler.waiting = []
+        with pytest.raises(ValueError, match="empty"):
+            await loop.add("bad", [], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
+        assert loop.metrics.rejected == 1
+        loop.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_server_reports_a_dead_engine():
+    app = create_app(ScriptedEngine(fail_at_step=1))
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        response = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_dead"
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+        # Without a tokenizer, text prompts are a client error, not a crash.
+        assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 400
+
+
+def test_metrics_page_parses_and_counts():
+    from tests.api.conftest import parse_metrics
+
+    app = create_app(ScriptedEngine(), model_name="scripted")
+    with TestClient(app) as http:
+        out = http.post("/v1/completions", json={"model": "scripted", "prompt": [1, 2], "max_tokens": 3}).json()
+        assert out["choices"][0]["text"] == "aaa" and out["usage"]["completion_tokens"] == 3
+        m = parse_metrics(http.get("/metrics").text)
+    assert m["jaxserve:generation_tokens_total"] == 3 and m["jaxserve:prompt_tokens_total"] == 2
+    assert m['jaxserve:request_success_total{finished_reason="length"}'] == 1
+    assert m["jaxserve:inter_token_latency_seconds_count"] == 0  # the script records one token time
+    assert m["jaxserve:time_to_first_token_seconds_count"] == 1
+    assert m['jaxserve:e2e_request_latency_seconds_bucket{le="+Inf"}'] == 1

@@ -1,0 +1,34 @@
+"""The attention backend switch (on this CPU: the reference, unless forced)."""
+
+import logging
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.backend import select_attention
+from jaxserve.config import ModelConfig
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+CFG = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 64, 256)
+
+
+def test_auto_on_cpu_is_the_reference_and_says_why(caplog):
+    with caplog.at_level(logging.INFO, logger="jaxserve.backend"):
+        name, fn = select_attention(None, CFG, jnp.bfloat16, 16)
+    assert (name, fn) == ("reference", ragged_paged_attention_reference)
+    assert "needs a Hopper GPU" in caplog.text
+
+
+def test_forcing_pallas_where_it_cannot_run_is_an_error():
+    with pytest.raises(ValueError, match="Pallas attention kernel cannot run"):
+        select_attention("pallas", CFG, jnp.bfloat16, 16)
+
+
+def test_environment_variable_and_unknown_names(monkeypatch):
+    monkeypatch.setenv("JAXSERVE_ATTENTION_BACKEND", "reference")
+    assert select_attention(None, CFG, jnp.float32, 16)[0] == "reference"
+    monkeypatch.setenv("JAXSERVE_ATTENTION_BACKEND", "pallas")
+    with pytest.raises(ValueError):
+        select_attention(None, CFG, jnp.float32, 16)
+    with pytest.raises(ValueError, match="not one of"):
+        select_attention("triton", CFG, jnp.float32, 16)
