@@ -1,1 +1,42 @@
-"""jaxserve: an LLM inference and serving engine in JAX."""
+"""jaxserve: an LLM inference and serving engine in JAX.
+
+    from jaxserve import LLM, SamplingParams
+    LLM().generate("The capital of France is", SamplingParams(temperature=0))
+"""
+
+import os
+
+# XLA's CPU backend vectorizes a float reduction (every matmul row, every norm) only if it
+# may reassociate the sum; without that, decode on a CPU runs about 25% slower. These flags
+# allow reassociation and nothing else: NaN, Inf, division and library functions keep
+# IEEE semantics (the attention masks rely on -inf). Set XLA_FLAGS yourself to opt out.
+# NOTE: they must be in place before jax creates its CPU client, hence here.
+_CPU_REASSOCIATION_FLAGS = (
+    "--xla_cpu_enable_fast_math=true --xla_cpu_fast_math_honor_infs=true --xla_cpu_fast_math_honor_nans=true "
+    "--xla_cpu_fast_math_honor_division=true --xla_cpu_fast_math_honor_functions=true"
+)
+if "xla_cpu_enable_fast_math" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_REASSOCIATION_FLAGS}".strip()
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):
+    # Imported on first use, so `python -m jaxserve.generate --help` stays quick.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    if name in ("LLMEngine", "EngineConfig"):
+        from jaxserve import engine
+
+        return getattr(engine, name)
+    if name in ("RequestOutput", "CompletionOutput"):
+        from jaxserve import outputs
+
+        return getattr(outputs, name)
+    if name == "SamplingParams":
+        from scheduler import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -47,8 +47,8 @@ class SamplingMetadata:
 class SamplerOutput:
     token_ids: jax.Array  # i32 [S]
     logprobs: jax.Array  # f32 [S]: log-probability of the sampled token
-    top_logprob_ids: jax.Array  # i32 [S, MAX_LOGPROBS] (zeros unless want_logprobs)
-    top_logprobs: jax.Array  # f32 [S, MAX_LOGPROBS]
+    top_logprob_ids: jax.Array  # i32 [S, min(MAX_LOGPROBS, V)] (zeros unless want_logprobs)
+    top_logprobs: jax.Array  # f32 [S, min(MAX_LOGPROBS, V)]
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
@@ -66,12 +66,14 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         lambda: jnp.where(meta.temperature == 0, greedy, _draw(logits, meta)),
     )
 
+    width = min(MAX_LOGPROBS, logits.shape[1])
+
     def top_table():
-        values, ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+        values, ids = jax.lax.top_k(raw_logprobs, width)
         return ids.astype(jnp.int32), values
 
     def no_table():
-        shape = (logits.shape[0], MAX_LOGPROBS)
+        shape = (logits.shape[0], width)
         return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
 
     top_ids, top_values = jax.lax.cond(meta.want_logprobs, top_table, no_table)

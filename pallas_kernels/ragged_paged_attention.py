@@ -34,9 +34,11 @@ def ragged_paged_attention_reference(
     """Attention of every new token over its own sequence's paged context.
 
     The flat tokens are cut into query tiles of `query_tile` tokens, each inside one
-    sequence (a sequence of q_len tokens takes cdiv(q_len, query_tile) tiles). Each tile
-    walks its sequence's pages `kv_chunk_pages` at a time with an online softmax, so
-    memory stays bounded and the loop runs only as far as the longest context.
+    sequence (a sequence of q_len tokens takes cdiv(q_len, query_tile) tiles). Tiles are
+    processed a group at a time, and only groups holding real tiles run (T and S are
+    padded buckets, so most of the static bound is usually empty). A group walks its
+    sequences' pages `kv_chunk_pages` at a time with an online softmax, as far as its
+    longest context, so memory stays bounded and padding costs nothing.
     """
     q, k_pages, v_pages, kv_lens, block_tables, query_start_loc = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc))
@@ -52,7 +54,10 @@ def ragged_paged_attention_reference(
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
     tiles_per_seq = (q_lens + tq - 1) // tq
     tile_end = jnp.cumsum(tiles_per_seq)
-    num_tiles = num_tokens // tq + num_seqs  # static bound on sum(cdiv(q_len, tq))
+    # sum(cdiv(q_len, tq)) <= (T + S * (tq - 1)) / tq, rounded up to whole groups
+    max_tiles = max(1, min(num_tokens, (num_tokens + num_seqs * (tq - 1)) // tq))
+    group_size = min(max_tiles, max(1, _GROUP_ROWS // tq))  # tiles per group
+    num_tiles = -(-max_tiles // group_size) * group_size
     tile_ids = jnp.arange(num_tiles)
     seq = jnp.searchsorted(tile_end, tile_ids, side="right")  # [NT]; == S for spare tiles
     tile_valid = seq < num_seqs
@@ -64,60 +69,75 @@ def ragged_paged_attention_reference(
     q_pos = (kv_lens[seq] - q_lens[seq])[:, None] + q_off  # position of each query token
     seq_len = jnp.where(tile_valid, kv_lens[seq], 0)  # [NT]
 
-    # [NT, TQ, H, D] -> [NT, KV, G, TQ, D], scaled once up front.
-    qt = q.astype(jnp.float32)[jnp.minimum(token, num_tokens - 1)] * sm_scale
-    qt = qt.reshape(num_tiles, tq, num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
-
-    # Pad the block table so every chunk slice is in bounds (dynamic_slice would clamp).
+    # Pad the block table so every chunk slice is in bounds (dynamic_slice would clamp);
+    # spare tiles read the null page 0 over and over, which stays in cache.
     max_pages = block_tables.shape[1]
     padded_pages = -(-max_pages // chunk_pages) * chunk_pages
     tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - max_pages)))[seq]  # [NT, P']
+    tables = jnp.where(tile_valid[:, None], tables, 0)
+    q32 = q.astype(jnp.float32) * sm_scale
 
-    def body(c, carry):
-        m, l, acc = carry  # [NT, KV, G, TQ], same, [NT, KV, G, TQ, D]
-        pages = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
-        k = k_pages[pages].reshape(num_tiles, chunk, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_pages[pages].reshape(num_tiles, chunk, num_kv_heads, head_dim).astype(jnp.float32)
-        kv_pos = c * chunk + jnp.arange(chunk)  # [C]
-        in_seq = kv_pos[None, :] < seq_len[:, None]  # [NT, C]
-        # NOTE: slots past the context may hold anything (NaN in tests); zero them so
-        # that 0 * garbage never reaches the output.
-        v = jnp.where(in_seq[:, :, None, None], v, 0.0)
+    def attend_group(g, out):
+        """Attention for tiles [g * group_size, (g + 1) * group_size)."""
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * group_size, group_size, axis=0)
+        g_token, g_valid, g_pos, g_len, g_tables = map(take, (token, q_valid, q_pos, seq_len, tables))
+        # [NG, TQ, H, D] -> [NG, KV, G, TQ, D]
+        qt = q32[jnp.minimum(g_token, num_tokens - 1)]
+        qt = qt.reshape(group_size, tq, num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
 
-        s = jnp.einsum("nkgqd,nckd->nkgqc", qt, k)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = in_seq[:, None, :] & q_valid[:, :, None] & (kv_pos[None, None, :] <= q_pos[:, :, None])
-        if sliding_window is not None:
-            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        mask = mask[:, None, None]  # [NT, 1, 1, TQ, C]
-        s = jnp.where(mask, s, -jnp.inf)
+        def kv_chunk(c, carry):
+            m, l, acc = carry  # [NG, KV, G, TQ], same, [NG, KV, G, TQ, D]
+            pages = jax.lax.dynamic_slice_in_dim(g_tables, c * chunk_pages, chunk_pages, axis=1)
+            k = k_pages.at[pages].get(mode="promise_in_bounds").reshape(group_size, chunk, num_kv_heads, head_dim)
+            k = k.astype(jnp.float32)
+            v = v_pages.at[pages].get(mode="promise_in_bounds").reshape(group_size, chunk, num_kv_heads, head_dim)
+            v = v.astype(jnp.float32)
+            kv_pos = c * chunk + jnp.arange(chunk)  # [C]
+            in_seq = kv_pos[None, :] < g_len[:, None]  # [NG, C]
+            # NOTE: slots past the context may hold anything (NaN in tests); zero them so
+            # that 0 * garbage never reaches the output.
+            v = jnp.where(in_seq[:, :, None, None], v, 0.0)
 
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key yet
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        alpha = jnp.exp(m - m_safe)
-        l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("nkgqc,nckd->nkgqd", p, v)
-        return m_new, l, acc
+            s = jnp.einsum("nkgqd,nckd->nkgqc", qt, k)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            mask = in_seq[:, None, :] & g_valid[:, :, None] & (kv_pos[None, None, :] <= g_pos[:, :, None])
+            if sliding_window is not None:
+                mask &= kv_pos[None, None, :] > g_pos[:, :, None] - sliding_window
+            mask = mask[:, None, None]  # [NG, 1, 1, TQ, C]
+            s = jnp.where(mask, s, -jnp.inf)
 
-    shape = (num_tiles, num_kv_heads, groups, tq)
-    init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    num_chunks = (jnp.max(seq_len) + chunk - 1) // chunk
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key yet
+            p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+            alpha = jnp.exp(m - m_safe)
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + jnp.einsum("nkgqc,nckd->nkgqd", p, v)
+            return m_new, l, acc
 
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NT, KV, G, TQ, D]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tq, num_heads, head_dim)
-    result = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
-    return result.at[token.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+        shape = (group_size, num_kv_heads, groups, tq)
+        init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+        first_chunk = 0 if sliding_window is None else jnp.maximum(jnp.min(
+            jnp.where(g_valid, g_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1, 0) // chunk
+        _, l, acc = jax.lax.fori_loop(first_chunk, (jnp.max(g_len) + chunk - 1) // chunk, kv_chunk, init)
+        res = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NG, KV, G, TQ, D]
+        res = res.transpose(0, 3, 1, 2, 4).reshape(group_size * tq, num_heads, head_dim)
+        return out.at[g_token.reshape(-1)].set(res.astype(q.dtype), mode="drop")
+
+    num_groups = (tile_end[-1] + group_size - 1) // group_size  # groups holding real tiles
+    out = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
+    return jax.lax.fori_loop(0, num_groups, attend_group, out)
+
+
+_GROUP_ROWS = 512  # query rows (tiles x tile length) per group: big enough to batch well
 
 
 def default_query_tile(num_tokens: int, num_seqs: int) -> int:
-    """Query tile length for a (token, sequence) bucket: about tokens per sequence.
+    """Query tile length for a (token, sequence) bucket: about tokens per sequence, at most 32.
 
     Decode-heavy buckets (one token per sequence) get tiles of 1, so no work is spent on
-    empty query rows; prefill-heavy ones get long tiles, so the context is gathered
+    empty query rows; prefill-heavy ones get longer tiles, so the context is gathered
     once per tile rather than once per token.
     """
-    per_seq = max(1, num_tokens // max(1, num_seqs))
+    per_seq = min(32, max(1, num_tokens // max(1, num_seqs)))
     return 1 << (per_seq.bit_length() - 1)  # round down to a power of two

@@ -1,0 +1,120 @@
+"""The on-device sampler against NumPy re-statements of each rule, and against the
+target distribution itself (empirical frequencies over many seeds)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.sampler import MAX_LOGPROBS, SamplingMetadata, apply_penalties, sample
+
+V = 12
+
+
+def meta(n, **fields):
+    f, i = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    base = dict(temperature=f + 1, top_p=f + 1, top_k=i, min_p=f, presence_penalty=f, frequency_penalty=f,
+                repetition_penalty=f + 1, seeds=np.arange(n, dtype=np.uint32), output_index=i,
+                banned_token_ids=np.zeros((n, 4), np.int32), ban=np.zeros(n, bool), want_logprobs=np.bool_(False))
+    for key, value in fields.items():
+        base[key] = np.broadcast_to(np.asarray(value, base[key].dtype), base[key].shape).copy() \
+            if key not in ("history", "history_lens", "prompt_lens", "want_logprobs", "banned_token_ids") \
+            else np.asarray(value)
+    return SamplingMetadata(**base)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def target_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """NumPy statement of the filters: top-k, then top-p on what is left, then min-p."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros(V, bool)
+    k = top_k or V
+    p = softmax(z[order[:k]])
+    mass_before = np.cumsum(p) - p
+    keep[order[:k][mass_before < top_p]] = True
+    z = np.where(keep, z, -np.inf)
+    probs = softmax(z)
+    probs = np.where(probs >= min_p * probs.max(), probs, 0)
+    return probs / probs.sum()
+
+
+sample_jit = jax.jit(sample)
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.2),
+                                     dict(top_k=5, top_p=0.8, min_p=0.05)])
+def test_draws_follow_the_target_distribution(filters):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, V).astype(np.float32)
+    n = 4000  # one row per draw, each with its own seed
+    out = sample_jit(np.tile(logits, (n, 1)), meta(n, temperature=0.8, **filters))
+    counts = np.bincount(np.asarray(out.token_ids), minlength=V)
+    want = target_probs(logits.astype(np.float64), 0.8, **filters)
+    assert counts[want == 0].sum() == 0, "a filtered-out token was drawn"
+    # Every bin within 5 standard deviations of its binomial expectation.
+    sd = np.sqrt(n * want * (1 - want)) + 1e-9
+    assert np.all(np.abs(counts - n * want) <= 5 * sd + 1), (counts, n * want)
+
+
+def test_greedy_rows_take_the_argmax_and_mix_with_sampled_rows():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(6, V)).astype(np.float32)
+    out = sample_jit(logits, meta(6, temperature=[0, 1, 0, 1, 0, 1]))
+    ids = np.asarray(out.token_ids)
+    np.testing.assert_array_equal(ids[::2], logits[::2].argmax(-1))
+
+
+def test_a_row_depends_only_on_its_seed_and_position():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(8, V)).astype(np.float32)
+    a = sample_jit(logits, meta(8, seeds=np.arange(8) + 100, output_index=np.arange(8)))
+    perm = np.array([3, 0, 7, 1, 6, 2, 5, 4])
+    b = sample_jit(logits[perm], meta(8, seeds=(np.arange(8) + 100)[perm], output_index=np.arange(8)[perm]))
+    np.testing.assert_array_equal(np.asarray(a.token_ids)[perm], np.asarray(b.token_ids))
+
+
+def test_banned_tokens_are_never_drawn():
+    logits = np.zeros((200, V), np.float32)
+    logits[:, 3] = 10.0  # the favourite is banned
+    banned = np.tile(np.array([3, 5, 3, 3], np.int32), (200, 1))
+    out = sample_jit(logits, meta(200, ban=True, banned_token_ids=banned))
+    ids = np.asarray(out.token_ids)
+    assert not np.isin(ids, [3, 5]).any()
+
+
+def test_penalties_match_their_definition():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, V)).astype(np.float32)
+    history = np.array([[1, 2, 2, 4, 4, 4, 0], [5, 5, 6, 0, 0, 0, 0]], np.int32)
+    lens, prompt_lens = np.array([6, 3]), np.array([2, 1])  # row 0: prompt [1, 2], output [2, 4, 4, 4]
+    m = meta(2, presence_penalty=[0.5, 1.0], frequency_penalty=[0.3, 0.1], repetition_penalty=[1.5, 2.0],
+             history=history, history_lens=lens, prompt_lens=prompt_lens)
+    got = np.asarray(apply_penalties(logits, m))
+    want = logits.astype(np.float64).copy()
+    for r in range(2):
+        tokens = history[r, : lens[r]]
+        output = tokens[prompt_lens[r]:]
+        rep = m.repetition_penalty[r]
+        for t in set(tokens.tolist()):  # repetition: prompt and output
+            want[r, t] = want[r, t] / rep if want[r, t] > 0 else want[r, t] * rep
+        for t in set(output.tolist()):  # presence and frequency: output only
+            count = int((output == t).sum())
+            want[r, t] -= m.frequency_penalty[r] * count + m.presence_penalty[r]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(3, 40)).astype(np.float32)
+    out = sample_jit(logits, meta(3, temperature=0, want_logprobs=np.bool_(True)))
+    raw = np.log(softmax(logits.astype(np.float64)))
+    ids = np.asarray(out.token_ids)
+    np.testing.assert_allclose(np.asarray(out.logprobs), raw[np.arange(3), ids], atol=1e-5)
+    top = np.argsort(-raw, axis=1)[:, :MAX_LOGPROBS]
+    assert top.shape == (3, MAX_LOGPROBS)
+    np.testing.assert_array_equal(np.asarray(out.top_logprob_ids), top)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(raw, top, 1), atol=1e-5)
