@@ -3,7 +3,8 @@
 Both run SmolLM2-135M-Instruct from the same GGUF file in float32 on the CPU, one
 request at a time, in the same run. Reported:
 
-- time to first token and decode tokens/s, in process, after each side's warm-up;
+- time to first token and decode tokens/s, in one process, the two engines taking
+  turns prompt by prompt (the median over several rounds, after a warm-up round);
 - cold start, from process start to the first generated token on stdout: a first start
   (jaxserve converts the GGUF and compiles; transformers dequantizes the GGUF) and a
   second start (jaxserve restores its orbax weights and compiled programs;
@@ -32,7 +33,8 @@ PROMPTS = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def jaxserve_in_process(max_tokens: int, cache_dir: str) -> dict:
+def jaxserve_runner(max_tokens: int, cache_dir: str):
+    """A function that generates one prompt and returns (ttft seconds, decode tokens/s)."""
     from jaxserve.engine import EngineConfig, LLMEngine
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
@@ -41,18 +43,17 @@ def jaxserve_in_process(max_tokens: int, cache_dir: str) -> dict:
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, token_buckets=(8, 16, 64),
                                             max_model_len=256, kv_cache_memory=64 << 20))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ttft, rate = [], []
-    for i, prompt in enumerate(PROMPTS * 2):  # the first pass warms caches, the second is measured
-        engine.add_request(str(i), prompt, params)
+
+    def run(prompt: str) -> tuple[float, float]:
+        engine.add_request("r", prompt, params)
         (out,) = engine.generate_all()
-        if i >= len(PROMPTS):
-            m = out.metrics
-            ttft.append(m.time_to_first_token)
-            rate.append((max_tokens - 1) / (m.last_token_time - m.first_token_time))
-    return {"ttft_ms": 1000 * statistics.median(ttft), "decode_tok_s": statistics.median(rate)}
+        m = out.metrics
+        return m.time_to_first_token, (max_tokens - 1) / (m.last_token_time - m.first_token_time)
+
+    return run
 
 
-def transformers_in_process(max_tokens: int) -> dict:
+def transformers_runner(max_tokens: int):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.generation.streamers import BaseStreamer
@@ -73,18 +74,31 @@ def transformers_in_process(max_tokens: int) -> dict:
         def end(self):
             pass
 
-    ttft, rate = [], []
-    for i, prompt in enumerate(PROMPTS * 2):
+    def run(prompt: str) -> tuple[float, float]:
         ids = tok(prompt, return_tensors="pt").input_ids
         clock = Clock()
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, streamer=clock)
-        if i >= len(PROMPTS):
-            first, last = clock.times[1], clock.times[-1]  # times[0] is the prompt itself
-            ttft.append(first - start)
-            rate.append((max_tokens - 1) / (last - first))
-    return {"ttft_ms": 1000 * statistics.median(ttft), "decode_tok_s": statistics.median(rate)}
+        first, last = clock.times[1], clock.times[-1]  # times[0] is the prompt itself
+        return first - start, (max_tokens - 1) / (last - first)
+
+    return run
+
+
+def in_process(max_tokens: int, cache_dir: str, rounds: int) -> tuple[dict, dict]:
+    """Both engines, one prompt at a time, alternating (this machine's speed drifts; both
+    see the same drift). The first round warms caches and is not counted."""
+    runners = {"jaxserve": jaxserve_runner(max_tokens, cache_dir), "transformers": transformers_runner(max_tokens)}
+    samples = {name: [] for name in runners}
+    for r in range(rounds + 1):
+        for prompt in PROMPTS:
+            for name, run in runners.items():
+                result = run(prompt)
+                if r:
+                    samples[name].append(result)
+    return tuple({"ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
+                  "decode_tok_s": statistics.median(d for _, d in samples[name])} for name in runners)
 
 
 HF_COLD_START = """
@@ -140,14 +154,14 @@ def cold_starts(work: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds over the prompts")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         cold = cold_starts(work)
-        ours = jaxserve_in_process(args.max_tokens, str(work / "jx"))
-    theirs = transformers_in_process(args.max_tokens)
+        ours, theirs = in_process(args.max_tokens, str(work / "jx"), args.rounds)
     result = {"max_tokens": args.max_tokens, "prompts": len(PROMPTS), "jaxserve": ours, "transformers": theirs,
               "cold_start": cold}
     if args.json:
@@ -161,7 +175,8 @@ def main(argv=None) -> int:
         ("cold start, second (s)", cold["jaxserve_second_s"], cold["transformers_second_s"],
          cold["transformers_second_s"] / cold["jaxserve_second_s"]),
     ]
-    print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens, median of {len(PROMPTS)} prompts")
+    print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
+          f"x {len(PROMPTS)} prompts, the two engines alternating")
     print(f"| {'metric':<26} | {'jaxserve':>9} | {'transformers':>12} | {'speed-up':>8} |")
     print(f"|{'-' * 28}|{'-' * 11}|{'-' * 14}|{'-' * 10}|")
     for name, a, b, ratio in rows:

@@ -33,38 +33,62 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
     """Attention of every new token over its own sequence's paged context.
 
-    The flat tokens are cut into query tiles of `query_tile` tokens, each inside one
-    sequence (a sequence of q_len tokens takes cdiv(q_len, query_tile) tiles). Tiles are
-    processed a group at a time, and only groups holding real tiles run (T and S are
-    padded buckets, so most of the static bound is usually empty). A group walks its
-    sequences' pages `kv_chunk_pages` at a time with an online softmax, as far as its
-    longest context, so memory stays bounded and padding costs nothing.
+    The flat tokens are cut into query tiles, each inside one sequence: by default
+    one-token tiles for decode tokens and `PREFILL_TILE`-token tiles for prefill chunks
+    (two passes), or `query_tile` tokens for all. Tiles are processed a group at a
+    time, and only groups holding real tiles run (T and S are padded buckets, so most
+    of their static bound is usually empty). A group walks its sequences' pages
+    `kv_chunk_pages` at a time with an online softmax, as far as its longest context,
+    so memory stays bounded and padding costs nothing.
     """
     q, k_pages, v_pages, kv_lens, block_tables, query_start_loc = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc))
-    num_tokens, num_heads, head_dim = q.shape
+    chunk_pages = kv_chunk_pages or max(1, 128 // k_pages.shape[1])
+    num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+
+    def bound(tq):  # static bound on sum(cdiv(q_len, tq)) when sum(q_len) <= T
+        return max(1, min(num_tokens, (num_tokens + num_seqs * (tq - 1)) // tq))
+
+    if query_tile:
+        passes = [(query_tile, q_lens, bound(query_tile))]
+    else:  # tiles sized to each kind of sequence: a decode token alone, a prefill chunk in long tiles
+        passes = [(1, jnp.where(q_lens == 1, 1, 0), max(1, min(num_tokens, num_seqs))),
+                  (PREFILL_TILE, jnp.where(q_lens > 1, q_lens, 0), bound(PREFILL_TILE))]
+    out = jnp.zeros(q.shape, q.dtype)
+    q32 = q.astype(jnp.float32) * sm_scale
+    for tile, selected, max_tiles in passes:
+        out = _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start_loc, q_lens, selected,
+                            tile, max_tiles, chunk_pages, sliding_window, soft_cap)
+    return out
+
+
+PREFILL_TILE = 32  # query tokens per tile of a prefill chunk
+_GROUP_ROWS = 512  # query rows (tiles x tile length) per group: big enough to batch well
+
+
+def _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start_loc, q_lens, selected, tq,
+                  max_tiles, chunk_pages, sliding_window, soft_cap):
+    """Attention for the first `selected[s]` new tokens of each sequence s (0 or q_lens[s]),
+    in at most `max_tiles` tiles of `tq` tokens, written into `out`."""
+    num_tokens, num_heads, head_dim = q32.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs = kv_lens.shape[0]
     groups = num_heads // num_kv_heads
-    tq = query_tile or default_query_tile(num_tokens, num_seqs)
-    chunk_pages = kv_chunk_pages or max(1, 256 // page_size)
     chunk = chunk_pages * page_size
 
-    # -- cut the flat tokens into per-sequence query tiles --------------------------
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    tiles_per_seq = (q_lens + tq - 1) // tq
+    # -- cut the selected tokens into per-sequence query tiles ----------------------
+    tiles_per_seq = (selected + tq - 1) // tq
     tile_end = jnp.cumsum(tiles_per_seq)
-    # sum(cdiv(q_len, tq)) <= (T + S * (tq - 1)) / tq, rounded up to whole groups
-    max_tiles = max(1, min(num_tokens, (num_tokens + num_seqs * (tq - 1)) // tq))
     group_size = min(max_tiles, max(1, _GROUP_ROWS // tq))  # tiles per group
-    num_tiles = -(-max_tiles // group_size) * group_size
+    num_tiles = -(-max_tiles // group_size) * group_size  # whole groups
     tile_ids = jnp.arange(num_tiles)
     seq = jnp.searchsorted(tile_end, tile_ids, side="right")  # [NT]; == S for spare tiles
     tile_valid = seq < num_seqs
     seq = jnp.minimum(seq, num_seqs - 1)
     first_q = (tile_ids - (tile_end[seq] - tiles_per_seq[seq])) * tq  # offset in the sequence
     q_off = first_q[:, None] + jnp.arange(tq)[None, :]  # [NT, TQ]
-    q_valid = tile_valid[:, None] & (q_off < q_lens[seq][:, None])
+    q_valid = tile_valid[:, None] & (q_off < selected[seq][:, None])
     token = jnp.where(q_valid, query_start_loc[seq][:, None] + q_off, num_tokens)
     q_pos = (kv_lens[seq] - q_lens[seq])[:, None] + q_off  # position of each query token
     seq_len = jnp.where(tile_valid, kv_lens[seq], 0)  # [NT]
@@ -75,7 +99,6 @@ def ragged_paged_attention_reference(
     padded_pages = -(-max_pages // chunk_pages) * chunk_pages
     tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - max_pages)))[seq]  # [NT, P']
     tables = jnp.where(tile_valid[:, None], tables, 0)
-    q32 = q.astype(jnp.float32) * sm_scale
 
     def attend_group(g, out):
         """Attention for tiles [g * group_size, (g + 1) * group_size)."""
@@ -88,10 +111,9 @@ def ragged_paged_attention_reference(
         def kv_chunk(c, carry):
             m, l, acc = carry  # [NG, KV, G, TQ], same, [NG, KV, G, TQ, D]
             pages = jax.lax.dynamic_slice_in_dim(g_tables, c * chunk_pages, chunk_pages, axis=1)
-            k = k_pages.at[pages].get(mode="promise_in_bounds").reshape(group_size, chunk, num_kv_heads, head_dim)
-            k = k.astype(jnp.float32)
-            v = v_pages.at[pages].get(mode="promise_in_bounds").reshape(group_size, chunk, num_kv_heads, head_dim)
-            v = v.astype(jnp.float32)
+            kv_shape = (group_size, chunk, num_kv_heads, head_dim)
+            k = k_pages.at[pages].get(mode="promise_in_bounds").reshape(kv_shape).astype(jnp.float32)
+            v = v_pages.at[pages].get(mode="promise_in_bounds").reshape(kv_shape).astype(jnp.float32)
             kv_pos = c * chunk + jnp.arange(chunk)  # [C]
             in_seq = kv_pos[None, :] < g_len[:, None]  # [NG, C]
             # NOTE: slots past the context may hold anything (NaN in tests); zero them so
@@ -122,14 +144,10 @@ def ragged_paged_attention_reference(
         _, l, acc = jax.lax.fori_loop(first_chunk, (jnp.max(g_len) + chunk - 1) // chunk, kv_chunk, init)
         res = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NG, KV, G, TQ, D]
         res = res.transpose(0, 3, 1, 2, 4).reshape(group_size * tq, num_heads, head_dim)
-        return out.at[g_token.reshape(-1)].set(res.astype(q.dtype), mode="drop")
+        return out.at[g_token.reshape(-1)].set(res.astype(out.dtype), mode="drop")
 
     num_groups = (tile_end[-1] + group_size - 1) // group_size  # groups holding real tiles
-    out = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
     return jax.lax.fori_loop(0, num_groups, attend_group, out)
-
-
-_GROUP_ROWS = 512  # query rows (tiles x tile length) per group: big enough to batch well
 
 
 def default_query_tile(num_tokens: int, num_seqs: int) -> int:
