@@ -18,6 +18,10 @@ _CPU_REASSOCIATION_FLAGS = (
 if "xla_cpu_enable_fast_math" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_REASSOCIATION_FLAGS}".strip()
 
+# transformers is used here for tokenizers only; without torch it would advise, at every
+# start, that its models are unavailable.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
