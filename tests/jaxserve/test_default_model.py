@@ -95,3 +95,15 @@ def test_gguf_tokenizer_splits_digits_like_llama_cpp(default_model):
     ids = tok.encode("in 2018", add_special_tokens=False)
     assert [tok.decode([i]) for i in ids] == ["in", " ", "2", "0", "1", "8"]
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+
+
+def test_generate_cli_runs_a_prompts_file_as_one_batch(weights_cache, default_model, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\n\nThe three primary colors are\n")
+    out = subprocess.run([sys.executable, "-m", "jaxserve.generate", "--prompts-file", str(prompts), "--max-tokens",
+                          "8", "--cache-dir", str(weights_cache)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    blocks = out.stdout.split("--- [")[1:]
+    assert sorted(b.split("]")[0] for b in blocks) == ["0", "1"]  # the blank line is skipped
+    assert " Paris." in out.stdout
+    assert "generated tokens: 16" in out.stderr

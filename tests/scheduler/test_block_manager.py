@@ -119,3 +119,22 @@ def test_pool_too_small_for_the_prompt_is_refused_up_front():
     with pytest.raises(ValueError, match="context is 64 tokens"):
         make(num_blocks=32).add_request(Request("a", list(range(64)), GREEDY))
     assert make().has_unfinished is False
+
+
+def test_priority_then_first_come_first_served():
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                                  max_model_len=64))
+    for rid, priority, t in [("late-low", 1, 3.0), ("early-low", 1, 1.0), ("urgent", 0, 5.0), ("early-low-2", 1, 1.0)]:
+        s.add_request(Request(rid, [5, 6], GREEDY, priority=priority, arrival_time=t))
+    assert s.schedule().request_ids == ["urgent", "early-low"]  # two slots: priority first, then arrival
+    assert [r.request_id for r in s.waiting] == ["early-low-2", "late-low"]  # ties keep insertion order
+
+
+def test_preemption_spares_the_more_important_request():
+    s = make(num_blocks=5)  # 4 usable blocks of 4 tokens
+    s.add_request(Request("vip", list(range(7)), GREEDY.replace(max_tokens=6), priority=0, arrival_time=2.0))
+    s.add_request(Request("bulk", list(range(20, 27)), GREEDY.replace(max_tokens=6), priority=5, arrival_time=1.0))
+    step(s)
+    step(s)
+    batch = s.schedule()  # both need a third block: the less important one goes, though it came first
+    assert batch.request_ids == ["vip"] and s.waiting[0].request_id == "bulk"
