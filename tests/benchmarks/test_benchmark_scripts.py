@@ -1,0 +1,32 @@
+"""The benchmark scripts still run (tiny sizes; their numbers are not checked here)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args, env=None):
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_scheduler_overhead_json():
+    result = json.loads(run("benchmarks/scheduler_overhead.py", "--num-seqs", "32", "--steps", "20", "--json"))
+    assert result["step"]["steps"] == 20
+    assert 0 <= result["kv_waste"]["paged_waste"] < result["kv_waste"]["contiguous_waste"] < 1
+
+
+def test_kernel_benchmark_smoke_on_cpu(tmp_path):
+    run("benchmarks/kernels.py", "--smoke", "--runs", "2", "--json", str(tmp_path / "k.json"))
+    assert json.loads((tmp_path / "k.json").read_text())
+
+
+def test_gpu_e2e_smoke_runs_the_reference_on_cpu(weights_cache, default_model):
+    stdout = run("benchmarks/gpu_e2e.py", "--smoke", "--dtype", "float32", env={"JAXSERVE_CACHE": str(weights_cache)})
+    assert "| reference  |" in stdout and "Pallas backend not run" in stdout
