@@ -118,3 +118,44 @@ def test_logprobs_are_the_raw_log_softmax():
     assert top.shape == (3, MAX_LOGPROBS)
     np.testing.assert_array_equal(np.asarray(out.top_logprob_ids), top)
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(raw, top, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat"])
+def test_filters_on_a_large_vocabulary_equal_the_numpy_statement(kind):
+    """Peaked rows are cut inside the top-256 candidates; flat ones need the full sort."""
+    from jaxserve.sampler import FILTER_CANDIDATES, _filter
+
+    vocab = 3000
+    rng = np.random.default_rng(5)
+    scale = 6.0 if kind == "peaked" else 0.05
+    logits = (rng.normal(size=(4, vocab)) * scale).astype(np.float32)
+    settings = [dict(top_p=0.9), dict(top_k=50, top_p=0.7), dict(top_k=1000), dict(top_k=400, top_p=0.95)]
+    m = meta(4, temperature=1.0, top_p=[s.get("top_p", 1.0) for s in settings],
+             top_k=[s.get("top_k", 0) for s in settings])
+    got = np.isfinite(np.asarray(jax.jit(_filter)(logits, m)))
+    for row, s in enumerate(settings):
+        z = logits[row].astype(np.float64)
+        order = np.argsort(-z, kind="stable")
+        k = s.get("top_k") or vocab
+        p = softmax(z[order[:k]])
+        want = np.zeros(vocab, bool)
+        want[order[:k][(np.cumsum(p) - p) < s.get("top_p", 1.0)]] = True
+        assert (got[row] == want).all(), (kind, s, got[row].sum(), want.sum())
+    if kind == "flat":
+        assert got[0].sum() > FILTER_CANDIDATES  # the full-sort path was needed and taken
+
+
+def test_cutoff_knows_when_the_candidates_suffice():
+    from jaxserve.sampler import _cutoff
+
+    rng = np.random.default_rng(6)
+    peaked = (rng.normal(size=3000) * 6).astype(np.float32)
+    flat = (rng.normal(size=3000) * 0.05).astype(np.float32)
+    logits = np.stack([peaked, peaked, peaked, flat, flat])
+    m = meta(5, top_p=[0.9, 1.0, 1.0, 0.9, 1.0], top_k=[0, 50, 1000, 0, 0])
+    head = -np.sort(-logits, axis=1)[:, :256]
+    threshold, resolved = map(np.asarray, jax.jit(_cutoff)(head, logits, m))
+    assert resolved.tolist() == [True, True, False, False, True]
+    full_threshold, full_resolved = map(np.asarray, jax.jit(_cutoff)(-np.sort(-logits, axis=1), logits, m))
+    assert full_resolved.all()
+    np.testing.assert_array_equal(threshold[resolved], full_threshold[resolved])
