@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     lens = [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
     buckets = buckets_for(lens)
     engine = LLMEngine(loaded, EngineConfig(
-        max_num_seqs=buckets[0], max_num_batched_tokens=buckets[-1], token_buckets=buckets,
+        max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
         max_model_len=max(lens) + args.max_tokens + 1, attention_backend=args.attention_backend,
         kv_cache_memory=256 << 20,
     ))
