@@ -7,12 +7,13 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.errors import APIError, bad_request
+from api.engine_loop import SampleDelta
+from api.errors import bad_request
 from api.logprobs import chat_logprobs
 from api.protocol import ChatCompletionRequest
 from api.serving import (
-    SSE_DONE, EventStream, ServerState, Tally, collect, disconnected_response, new_id, sse, sse_error,
-    start_generation, unless_disconnected,
+    EventStream, ServerState, collect, disconnected_response, new_id, start_generation, stream_events,
+    unless_disconnected,
 )
 
 router = APIRouter()
@@ -25,8 +26,6 @@ def render_prompt(state: ServerState, body: ChatCompletionRequest) -> str:
     messages = body.template_messages()
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except APIError:
-        raise
     except Exception as e:  # the template rejects the conversation (roles, missing fields, ...)
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
@@ -44,17 +43,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     names = {"max_tokens": max_param, "logprobs": "top_logprobs"}
     params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None, names)
     call_id, created = new_id("chatcmpl"), int(time.time())
-    generation = await start_generation(state, call_id, [prompt], params, arrival_time=arrival,
-                                        priority=body.priority, param_names=names,
-                                        prompt_param="messages")
-    tally = Tally(generation.request_ids, body.n, [len(prompt)])
+    generation, tally = await start_generation(state, call_id, [prompt], params, arrival_time=arrival,
+                                               priority=body.priority, param_names=names, prompt_param="messages")
     header = {"id": call_id, "object": "chat.completion", "created": created, "model": state.model_name,
               "system_fingerprint": None}
 
     if body.stream:
         chunk_header = {**header, "object": "chat.completion.chunk"}
-        return EventStream(_events(generation, tally, body, state, chunk_header, top_logprobs),
-                           on_close=generation.close)
+        # OpenAI's first chunk of each choice carries the role and empty content.
+        opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for index in range(len(tally.choices))]
+        events = stream_events(generation, tally, chunk_header, body.include_usage,
+                               _chunk_choice(body, state, top_logprobs), opening)
+        return EventStream(events, on_close=generation.close)
     if await unless_disconnected(request, collect(generation, tally)) is None:
         return disconnected_response()
     choices = []
@@ -69,28 +70,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return JSONResponse({**header, "choices": choices, "usage": tally.usage()})
 
 
-async def _events(generation, tally: Tally, body: ChatCompletionRequest, state: ServerState, header: dict,
-                  top_logprobs: int):
-    usage_field = {"usage": None} if body.include_usage else {}
-    try:
-        # OpenAI's first chunk of each choice carries the role and empty content.
-        for index in range(len(tally.choices)):
-            yield sse({**header, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}], **usage_field})
-        async for delta in generation:
-            for index, sample in tally.update(delta):
-                logprobs = None
-                if body.logprobs and sample.new_token_ids:
-                    logprobs = {"content": chat_logprobs(sample.new_token_ids, sample.new_logprobs,
-                                                         state.token_text, top_logprobs), "refusal": None}
-                if not sample.new_text and logprobs is None and sample.finish_reason is None:
-                    continue  # the detokenizer held this token's text back (a partial character)
-                yield sse({**header, "choices": [{
-                    "index": index, "delta": {"content": sample.new_text} if sample.new_text else {},
-                    "logprobs": logprobs, "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason,
-                }], **usage_field})
-        if body.include_usage:
-            yield sse({**header, "choices": [], "usage": tally.usage()})
-    except Exception as e:
-        yield sse_error(e)
-    yield SSE_DONE
+def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs: int):
+    def choice(index: int, sample: SampleDelta) -> dict | None:
+        logprobs = None
+        if body.logprobs and sample.new_token_ids:
+            logprobs = {"content": chat_logprobs(sample.new_token_ids, sample.new_logprobs, state.token_text,
+                                                 top_logprobs), "refusal": None}
+        if not sample.new_text and logprobs is None and sample.finish_reason is None:
+            return None  # the detokenizer held this token's text back (a partial character)
+        return {"index": index, "delta": {"content": sample.new_text} if sample.new_text else {},
+                "logprobs": logprobs, "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
+
+    return choice

@@ -7,11 +7,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from api.engine_loop import SampleDelta
 from api.logprobs import completion_logprobs
 from api.protocol import CompletionRequest
 from api.serving import (
-    SSE_DONE, EventStream, ServerState, Tally, collect, disconnected_response, new_id, sse, sse_error,
-    start_generation, unless_disconnected,
+    EventStream, ServerState, Tally, collect, disconnected_response, new_id, start_generation, stream_events,
+    unless_disconnected,
 )
 
 router = APIRouter()
@@ -34,15 +35,14 @@ async def create_completion(body: CompletionRequest, request: Request):
     max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
     params = body.sampling_params(max_tokens, body.logprobs, {})
     call_id, created = new_id("cmpl"), int(time.time())
-    generation = await start_generation(state, call_id, prompts, params, arrival_time=arrival,
-                                        priority=body.priority, param_names={},
-                                        prompt_param="prompt")
-    tally = Tally(generation.request_ids, body.n, [len(p) for p in prompts])
+    generation, tally = await start_generation(state, call_id, prompts, params, arrival_time=arrival,
+                                               priority=body.priority, prompt_param="prompt")
     echo = prompt_texts if body.echo else None
     header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
 
     if body.stream:
-        return EventStream(_events(generation, tally, body, state, header, echo), on_close=generation.close)
+        events = stream_events(generation, tally, header, body.include_usage, _chunk_choice(tally, body, state, echo))
+        return EventStream(events, on_close=generation.close)
     if await unless_disconnected(request, collect(generation, tally)) is None:
         return disconnected_response()
     choices = []
@@ -56,31 +56,21 @@ async def create_completion(body: CompletionRequest, request: Request):
     return JSONResponse({**header, "choices": choices, "usage": tally.usage()})
 
 
-async def _events(generation, tally: Tally, body: CompletionRequest, state: ServerState, header: dict,
-                  echo: list[str] | None):
-    usage_field = {"usage": None} if body.include_usage else {}
+def _chunk_choice(tally: Tally, body: CompletionRequest, state: ServerState, echo: list[str] | None):
     offsets = [0] * len(tally.choices)  # logprobs text_offset, continued across chunks
-    try:
-        async for delta in generation:
-            for index, sample in tally.update(delta):
-                choice = tally.choices[index]
-                text = sample.new_text
-                if echo and not choice.started:
-                    text = echo[index // body.n] + text
-                logprobs = None
-                if body.logprobs is not None and sample.new_token_ids:
-                    logprobs = completion_logprobs(sample.new_token_ids, sample.new_logprobs, state.token_text,
-                                                   offsets[index])
-                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                if not text and logprobs is None and sample.finish_reason is None:
-                    continue  # the detokenizer held this token's text back (a partial character)
-                choice.started = True
-                yield sse({**header, "choices": [{
-                    "index": index, "text": text, "logprobs": logprobs, "finish_reason": sample.finish_reason,
-                    "stop_reason": sample.stop_reason,
-                }], **usage_field})
-        if body.include_usage:
-            yield sse({**header, "choices": [], "usage": tally.usage()})
-    except Exception as e:
-        yield sse_error(e)
-    yield SSE_DONE
+
+    def choice(index: int, sample: SampleDelta) -> dict | None:
+        text = sample.new_text
+        if echo and not tally.choices[index].started:
+            text = echo[index // body.n] + text
+        logprobs = None
+        if body.logprobs is not None and sample.new_token_ids:
+            logprobs = completion_logprobs(sample.new_token_ids, sample.new_logprobs, state.token_text, offsets[index])
+            offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        if not text and logprobs is None and sample.finish_reason is None:
+            return None  # the detokenizer held this token's text back (a partial character)
+        tally.choices[index].started = True
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": sample.finish_reason,
+                "stop_reason": sample.stop_reason}
+
+    return choice

@@ -43,7 +43,6 @@ class SampleDelta:
     new_text: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token
-    num_output_tokens: int  # all generated so far
     finish_reason: str | None  # set on the one delta where the sample finished
     stop_reason: int | str | None
     text: str | None  # the engine's whole text, on the finishing delta only
@@ -56,7 +55,6 @@ class StepDelta:
     request_id: str
     samples: list[SampleDelta]
     finished: bool
-    num_prompt_tokens: int
     num_cached_tokens: int
 
 
@@ -125,6 +123,9 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine has stopped: {self.error!r}")
+
     # -- requests (event loop) ----------------------------------------------------------
 
     async def add(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
@@ -134,7 +135,7 @@ class EngineLoop:
         Raises ValueError (bad input), QueueFullError or EngineDeadError; then nothing runs.
         """
         if self.error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+            raise self.dead_error()
         future = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, arrival_time, priority, queue, future))
         await future
@@ -160,7 +161,8 @@ class EngineLoop:
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
             except Exception as e:  # a bug in the engine: fail everything rather than hang
                 logger.exception("the engine loop failed")
-                self._die(e, commands)
+                self.error = e
+                self._fail_all(commands)
                 return self._refuse_forever()
             self._deliver(outputs)
             self._publish_stats()
@@ -215,13 +217,9 @@ class EngineLoop:
     def _publish_stats(self) -> None:
         self.stats = self.engine.scheduler.stats()
 
-    def _die(self, error: Exception, commands: list) -> None:
-        self.error = error
-        self._fail_all(commands)
-
     def _fail_all(self, commands: list) -> None:
         """Fail every request in flight, and the adds among `commands`, with EngineDeadError."""
-        dead = EngineDeadError(f"the engine has stopped: {self.error!r}")
+        dead = self.dead_error()
         batch = [(s.queue, dead) for s in self._streams.values()]
         self._streams.clear()
         for command in commands:  # adds of this batch not answered yet (_settle skips answered ones)
@@ -232,7 +230,7 @@ class EngineLoop:
 
     def _refuse_forever(self) -> None:
         """After a failure: answer the adds queued behind it, and any that come later."""
-        dead = EngineDeadError(f"the engine has stopped: {self.error!r}")
+        dead = self.dead_error()
         while (command := self._commands.get()) is not _STOP:
             if isinstance(command, _Add):
                 self._resolve(command.future, dead)
@@ -301,11 +299,10 @@ def _delta(output: RequestOutput, stream: _Stream) -> StepDelta:
         logprobs = None if c.logprobs is None else list(c.logprobs[n - len(c.new_token_ids): n])
         samples.append(SampleDelta(
             index=c.index, new_text=c.new_text, new_token_ids=list(c.new_token_ids), new_logprobs=logprobs,
-            num_output_tokens=n, finish_reason=c.finish_reason if newly_finished else None,
+            finish_reason=c.finish_reason if newly_finished else None,
             stop_reason=c.stop_reason if newly_finished else None, text=c.text if newly_finished else None,
         ))
-    return StepDelta(output.request_id, samples, output.finished, len(output.prompt_token_ids),
-                     output.num_cached_tokens)
+    return StepDelta(output.request_id, samples, output.finished, output.num_cached_tokens)
 
 
 def _put_all(batch) -> None:

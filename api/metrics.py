@@ -38,10 +38,6 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
 
 @dataclasses.dataclass
 class _Progress:
@@ -90,7 +86,7 @@ class Metrics:
             self.generation_tokens += sum(len(c.new_token_ids) for c in output.outputs)
             if not progress.first_token_seen and m.first_token_time is not None:
                 progress.first_token_seen = True
-                self.ttft.observe(m.first_token_time - m.arrival_time)
+                self.ttft.observe(m.time_to_first_token)
             # Inter-token latency follows the first sample (the engine keeps its token times).
             times = m.token_times
             for i in range(max(1, progress.token_times_seen), len(times)):

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from api import chat, completions
 from api.engine_loop import EngineLoop
-from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers, model_not_found
+from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
 from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.serving import ServerState
@@ -51,7 +51,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine_loop, engine.tokenizer, model_name, engine.max_model_len,
-                                   engine.loaded.config.vocab_size, TokenText(engine.tokenizer))
+                                   TokenText(engine.tokenizer))
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -61,7 +61,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.get("/health")
     async def health():
         if not engine_loop.is_alive:
-            return JSONResponse(error_body(f"the engine has stopped: {engine_loop.error!r}", SERVER_ERROR,
+            return JSONResponse(error_body(str(engine_loop.dead_error()), SERVER_ERROR,
                                            code="engine_dead"), status_code=503)
         return Response(status_code=200)
 
@@ -76,8 +76,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request):
         state: ServerState = request.app.state.server
-        if model != state.model_name:
-            raise model_not_found(model)
+        state.check_model(model)
         return _model_card(state)
 
     return app

@@ -36,7 +36,6 @@ class ServerState:
     tokenizer: Any
     model_name: str
     max_model_len: int
-    vocab_size: int
     token_text: TokenText
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -71,9 +70,10 @@ def new_id(prefix: str) -> str:
 
 
 async def start_generation(state: ServerState, call_id: str, prompts: list[list[int]], params: SamplingParams,
-                           *, arrival_time: float, priority: int, param_names: dict[str, str],
-                           prompt_param: str) -> Generation:
-    """Queue the call's engine requests; every refusal becomes an APIError (and nothing runs).
+                           *, arrival_time: float, priority: int, prompt_param: str,
+                           param_names: dict[str, str] | None = None) -> tuple[Generation, Tally]:
+    """Queue the call's engine requests, and a Tally to follow them; every refusal becomes
+    an APIError (and nothing runs).
 
     The sampling fields were checked already, so the engine's other ValueErrors are about
     the prompt (`prompt_param`: empty, too long, token ids out of range).
@@ -85,14 +85,14 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
     except BaseException as e:
         generation.close()
         if isinstance(e, ValueError):
-            raise from_value_error(e, param_names, prompt_param) from None
+            raise from_value_error(e, param_names or {}, prompt_param) from None
         if isinstance(e, QueueFullError):
             raise APIError(503, str(e), type=SERVER_ERROR, code="server_overloaded",
                            headers={"Retry-After": "1"}) from None
         if isinstance(e, EngineDeadError):
             raise APIError(503, str(e), type=SERVER_ERROR, code="engine_dead") from None
         raise
-    return generation
+    return generation, Tally(generation.request_ids, params.n, [len(p) for p in prompts])
 
 
 @dataclasses.dataclass
@@ -138,6 +138,28 @@ class Tally:
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+
+
+async def stream_events(generation: Generation, tally: Tally, header: dict, include_usage: bool,
+                        chunk_choice: Callable[[int, SampleDelta], dict | None],
+                        opening: list[dict] = ()) -> AsyncIterator[str]:
+    """The body of a streamed call: the `opening` choices, then one chunk per sample that
+    changed (`chunk_choice(index, sample)` is its choice, or None for nothing to send), the
+    usage chunk if asked for, and [DONE]. An error on the way becomes an error event."""
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        for choice in opening:
+            yield sse({**header, "choices": [choice], **usage_field})
+        async for delta in generation:
+            for index, sample in tally.update(delta):
+                choice = chunk_choice(index, sample)
+                if choice is not None:
+                    yield sse({**header, "choices": [choice], **usage_field})
+        if include_usage:
+            yield sse({**header, "choices": [], "usage": tally.usage()})
+    except Exception as e:
+        yield sse_error(e)
+    yield SSE_DONE
 
 
 async def collect(generation: Generation, tally: Tally) -> Tally:
