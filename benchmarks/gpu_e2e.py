@@ -63,11 +63,12 @@ def main(argv=None) -> int:
         args.max_tokens, args.batch, args.decode_tokens = 4, 8, 4
 
     from jaxserve.backend import pallas_unsupported_reason
+    from jaxserve.engine import EngineConfig
     from jaxserve.weights import load_model
     import jax
 
     loaded = load_model(None, dtype=args.dtype, progress=False)
-    reason = pallas_unsupported_reason(loaded.config, args.dtype, 16, jax.devices()[0])
+    reason = pallas_unsupported_reason(loaded.config, args.dtype, EngineConfig.block_size, jax.devices()[0])
     backends = ["reference"] + ([] if reason else ["pallas"])
     results = [run_backend(loaded, b, args) for b in backends]
 

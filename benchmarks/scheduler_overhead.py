@@ -72,10 +72,10 @@ def kv_waste(num_requests: int, max_num_seqs: int, max_model_len: int, block_siz
             s.update(None)
             continue
         # Occupancy while this step runs: every running request's blocks and its tokens.
+        scheduled = dict(zip(batch.request_ids, batch.num_scheduled_tokens.tolist()))
         for r in s.running:
-            paged_alloc += len(s.kv.tables[r.request_id]) * block_size
-            paged_used += r.num_computed_tokens + dict(zip(batch.request_ids, batch.num_scheduled_tokens)).get(
-                r.request_id, 0)
+            paged_alloc += len(s.kv.block_ids(r.request_id)) * block_size
+            paged_used += r.num_computed_tokens + scheduled.get(r.request_id, 0)
             contiguous_alloc += max_model_len
         steps += 1
         s.update(batch, np.ones(batch.num_seqs, np.int32))
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     print(f"|{'-' * 13}|{'-' * 10}|{'-' * 34}|")
     print(f"| {overhead['median_ms']:>11.3f} | {overhead['p99_ms']:>8.3f} | {overhead['python_loop_floor_ms']:>32.4f} |")
     print()
-    print(f"KV waste, throughput workload (128 requests, 64 running), allocated minus used slots over allocated")
+    print("KV waste, throughput workload (128 requests, 64 running), allocated minus used slots over allocated")
     print(f"| {'allocation':<44} | {'waste':>6} |")
     print(f"|{'-' * 46}|{'-' * 8}|")
     print(f"| {'paged, blocks of %d tokens' % waste['block_size']:<44} | {waste['paged_waste']:>6.1%} |")

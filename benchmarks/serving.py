@@ -318,22 +318,25 @@ def load_requests(args, num: int) -> list[BenchRequest]:
     return sharegpt_requests(args.dataset_path, num, args.output_len, args.seed, tokenizer, args.ignore_eos)
 
 
-def benchmark(args, model: str, max_concurrency: int | None, num_prompts: int) -> dict:
-    requests = load_requests(args, num_prompts)
+def benchmark(args, model: str, max_concurrency: int | None, requests: list[BenchRequest]) -> dict:
     results, duration = asyncio.run(run(args.base_url, model, requests, request_rate=args.request_rate,
                                         max_concurrency=max_concurrency, api_key=args.api_key, seed=args.seed,
                                         timeout=args.timeout))
     m = calculate_metrics(results, duration, args.slo_ttft, args.slo_tpot)
     rate = args.request_rate if args.request_rate != float("inf") else "inf"  # JSON has no infinity
-    return {**m, "max_concurrency": max_concurrency, "request_rate": rate, "num_prompts": num_prompts}
+    return {**m, "max_concurrency": max_concurrency, "request_rate": rate, "num_prompts": len(requests)}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    sweep = [int(x) for x in args.sweep.split(",")] if args.sweep else []
+    # Every level takes a prefix of one list (both datasets are drawn in a fixed order), so
+    # it is loaded, and tokenized, once.
+    requests = load_requests(args, max([args.num_prompts] + [2 * c for c in sweep]))
     if not args.no_warmup:
-        warm = asyncio.run(run(args.base_url, model, load_requests(args, 1), request_rate=float("inf"),
+        warm = asyncio.run(run(args.base_url, model, requests[:1], request_rate=float("inf"),
                                max_concurrency=1, api_key=args.api_key, seed=args.seed, timeout=args.timeout))[0][0]
         if not warm.success:
             print(f"warm-up request failed: {warm.error}", file=sys.stderr)
@@ -342,8 +345,8 @@ def main(argv=None) -> int:
             "input_len": None if args.dataset_path else args.input_len, "output_len": args.output_len}
     if args.sweep:
         levels = []
-        for c in (int(x) for x in args.sweep.split(",")):
-            levels.append(benchmark(args, model, c, max(args.num_prompts, 2 * c)))
+        for c in sweep:
+            levels.append(benchmark(args, model, c, requests[: max(args.num_prompts, 2 * c)]))
             print(f"concurrency {c}: {levels[-1]['output_throughput']:.1f} tok/s", file=sys.stderr)
         result = {**info, "levels": levels}
         print(json.dumps(result) if args.json else format_sweep(levels))
@@ -352,7 +355,7 @@ def main(argv=None) -> int:
             plot_sweep(levels, args.plot, f"{model}: {what}", args.slo_ttft, args.slo_tpot)
             print(f"plot saved to {args.plot}", file=sys.stderr)
     else:
-        result = {**info, **benchmark(args, model, args.max_concurrency, args.num_prompts)}
+        result = {**info, **benchmark(args, model, args.max_concurrency, requests)}
         print(json.dumps(result) if args.json else format_report(result, args.max_concurrency, args.request_rate))
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ sweep on the first requests of the workload. Reported: output tokens/s and the r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -67,20 +68,15 @@ def run_transformers(work: Workload, batch_size: int) -> dict:
     return {"seconds": elapsed, "output_tok_s": generated / elapsed, "batch_size": batch_size}
 
 
-_MODEL = None
-
-
+@functools.cache
 def _hf_model():
-    global _MODEL
-    if _MODEL is None:
-        import torch
-        from transformers import AutoModelForCausalLM
+    import torch
+    from transformers import AutoModelForCausalLM
 
-        from jaxserve.default_model import default_model_path
+    from jaxserve.default_model import default_model_path
 
-        path = default_model_path()
-        _MODEL = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return _MODEL
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def best_batch_size(work: Workload, sizes: list[int], calibration: int) -> tuple[int, dict]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 
 from jaxserve.default_model import DefaultModelMissing
 
@@ -50,8 +49,10 @@ def read_prompts(args) -> list[str]:
 
 def buckets_for(prompt_lens: list[int], limit: int = 2048) -> tuple[int, ...]:
     """Just the two programs this run needs: all prompts at once, and one token each."""
+    from jaxserve.model_runner import MIN_TOKENS
+
     def pow2(n):
-        return 1 << max(3, (n - 1).bit_length())
+        return max(MIN_TOKENS, 1 << (n - 1).bit_length())
     return tuple(sorted({pow2(len(prompt_lens)), min(pow2(sum(prompt_lens)), limit)}))
 
 
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
     if args.chat:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                  add_generation_prompt=True) for p in prompts]
-    lens = [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    lens = [len(ids) for ids in prompt_ids]
     buckets = buckets_for(lens)
     engine = LLMEngine(loaded, EngineConfig(
         max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
@@ -86,8 +88,8 @@ def main(argv=None) -> int:
         kv_cache_memory=256 << 20,
     ))
     try:
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
+        for i, ids in enumerate(prompt_ids):
+            engine.add_request(str(i), ids, params)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,14 +17,13 @@ import logging
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxserve.kv_cache import KVCache, allocate_kv_cache
 from jaxserve.model import AttentionFn, DecoderLM
 from jaxserve.model_inputs import ModelInputs
-from jaxserve.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
+from jaxserve.sampler import SamplerOutput, SamplingMetadata, sample
 from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -209,4 +208,4 @@ class CompileCounter:
         return CompileCounter._count
 
 
-__all__ = ["ModelRunner", "RunnerOutput", "MAX_LOGPROBS", "token_buckets"]
+__all__ = ["ModelRunner", "RunnerOutput", "token_buckets"]

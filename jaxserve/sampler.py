@@ -16,7 +16,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-MAX_LOGPROBS = 20  # top logprobs are always computed this wide, then cut per request
+from scheduler.sampling_params import SamplingParams
+
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs are always computed this wide, then cut per request
 
 
 @jax.tree_util.register_dataclass

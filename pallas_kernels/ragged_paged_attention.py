@@ -46,24 +46,26 @@ def ragged_paged_attention_reference(
     chunk_pages = kv_chunk_pages or max(1, 128 // k_pages.shape[1])
     num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-
-    def bound(tq):  # static bound on sum(cdiv(q_len, tq)) when sum(q_len) <= T
-        return max(1, min(num_tokens, (num_tokens + num_seqs * (tq - 1)) // tq))
-
     if query_tile:
-        passes = [(query_tile, q_lens, bound(query_tile))]
+        passes = [(query_tile, q_lens, max_tiles(num_tokens, num_seqs, query_tile))]
     else:  # tiles sized to each kind of sequence: a decode token alone, a prefill chunk in long tiles
         passes = [(1, jnp.where(q_lens == 1, 1, 0), max(1, min(num_tokens, num_seqs))),
-                  (PREFILL_TILE, jnp.where(q_lens > 1, q_lens, 0), bound(PREFILL_TILE))]
+                  (PREFILL_TILE, jnp.where(q_lens > 1, q_lens, 0), max_tiles(num_tokens, num_seqs, PREFILL_TILE))]
     out = jnp.zeros(q.shape, q.dtype)
     q32 = q.astype(jnp.float32) * sm_scale
-    for tile, selected, max_tiles in passes:
+    for tile, selected, tile_bound in passes:
         out = _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start_loc, q_lens, selected,
-                            tile, max_tiles, chunk_pages, sliding_window, soft_cap)
+                            tile, tile_bound, chunk_pages, sliding_window, soft_cap)
     return out
 
 
 PREFILL_TILE = 32  # query tokens per tile of a prefill chunk
+
+
+def max_tiles(num_tokens: int, num_seqs: int, query_tile: int) -> int:
+    """Static bound on sum(cdiv(q_len, tq)) over S sequences with sum(q_len) <= T."""
+    return max(1, min(num_tokens, (num_tokens + num_seqs * (query_tile - 1)) // query_tile))
+
 _GROUP_ROWS = 512  # query rows (tiles x tile length) per group: big enough to batch well
 
 
@@ -149,13 +151,3 @@ def _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start
     num_groups = (tile_end[-1] + group_size - 1) // group_size  # groups holding real tiles
     return jax.lax.fori_loop(0, num_groups, attend_group, out)
 
-
-def default_query_tile(num_tokens: int, num_seqs: int) -> int:
-    """Query tile length for a (token, sequence) bucket: about tokens per sequence, at most 32.
-
-    Decode-heavy buckets (one token per sequence) get tiles of 1, so no work is spent on
-    empty query rows; prefill-heavy ones get longer tiles, so the context is gathered
-    once per tile rather than once per token.
-    """
-    per_seq = min(32, max(1, num_tokens // max(1, num_seqs)))
-    return 1 << (per_seq.bit_length() - 1)  # round down to a power of two

@@ -68,7 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention import default_query_tile
+from pallas_kernels.ragged_paged_attention import max_tiles
 
 ROWS_PER_WG = 64  # query rows per compute warpgroup: the M of one wgmma
 H100_SMS = 132  # SMs of an H100 / H200 SXM: the default persistent grid
@@ -112,6 +112,12 @@ class TuningConfig:
         if self.num_ctas < 1 or self.max_waves < 1 or self.min_split_blocks < 1:
             raise ValueError(f"{self.num_ctas=}, {self.max_waves=} and {self.min_split_blocks=} must be positive")
 
+    def with_query_tile(self, query_tile: int, groups: int) -> TuningConfig:
+        """This config with `query_tile` tokens per tile (at most two warpgroups' rows) and
+        the compute warpgroups those rows need."""
+        tq = max(1, min(query_tile, (2 * ROWS_PER_WG) // groups))
+        return dataclasses.replace(self, query_tile=tq, num_compute_wgs=1 if tq * groups <= ROWS_PER_WG else 2)
+
     def rows_per_tile(self, groups: int) -> int:
         """Query rows of one tile in the gathered layout: tq * G rounded up to 8."""
         return -(-self.query_tile * groups // 8) * 8
@@ -139,6 +145,17 @@ class TuningConfig:
         return q + kv + lse + p + barriers + _REDUCTION_SCRATCH
 
 
+def default_query_tile(num_tokens: int, num_seqs: int) -> int:
+    """Query tile length for a (token, sequence) bucket: about tokens per sequence, at most 32.
+
+    Decode-heavy buckets (one token per sequence) get tiles of 1, so no work is spent on
+    empty query rows; prefill-heavy ones get longer tiles, so the context is gathered
+    once per tile rather than once per token.
+    """
+    per_seq = min(32, max(1, num_tokens // max(1, num_seqs)))
+    return 1 << (per_seq.bit_length() - 1)  # round down to a power of two
+
+
 def default_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, page_size: int, *, num_ctas: int | None = None,
                    query_tile: int | None = None, p_via_smem: bool = False) -> TuningConfig:
@@ -148,16 +165,8 @@ def default_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     ones get 128-row tiles (two warpgroups) so each K/V block feeds more queries. The
     K/V ring is as deep as shared memory allows, up to 4 steps.
     """
-    groups = num_heads // num_kv_heads
-    tq = query_tile or default_query_tile(num_tokens, num_seqs)
-    tq = max(1, min(tq, (2 * ROWS_PER_WG) // groups))
-    cfg = TuningConfig(
-        block_kv=max(128, page_size),
-        num_compute_wgs=1 if tq * groups <= ROWS_PER_WG else 2,
-        query_tile=tq,
-        num_ctas=num_ctas or device_sm_count(),
-        p_via_smem=p_via_smem,
-    )
+    cfg = TuningConfig(block_kv=max(128, page_size), num_ctas=num_ctas or device_sm_count(), p_via_smem=p_via_smem)
+    cfg = cfg.with_query_tile(query_tile or default_query_tile(num_tokens, num_seqs), num_heads // num_kv_heads)
     while cfg.smem_bytes(head_dim) > SMEM_BYTES and cfg.block_kv > max(64, page_size):
         cfg = dataclasses.replace(cfg, block_kv=cfg.block_kv // 2)
     while cfg.max_concurrent_steps < 4:
@@ -242,11 +251,6 @@ jax.tree_util.register_dataclass(
 def _searchsorted_right(sorted_ends, values):
     """jnp.searchsorted(side="right") as one fused compare-and-count (no loop on the GPU)."""
     return jnp.sum(values[:, None] >= sorted_ends[None, :], axis=1, dtype=jnp.int32)
-
-
-def max_tiles(num_tokens: int, num_seqs: int, query_tile: int) -> int:
-    """Static bound on sum(cdiv(q_len, tq)) over S sequences with sum(q_len) <= T."""
-    return max(1, min(num_tokens, (num_tokens + num_seqs * (query_tile - 1)) // query_tile))
 
 
 def plan_work(kv_lens, query_start_loc, *, num_tokens: int, num_kv_heads: int,
@@ -706,8 +710,7 @@ def ragged_paged_attention(
         config = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size,
                                 query_tile=query_tile, p_via_smem=bool(interpret))
     elif query_tile is not None:
-        tq = max(1, min(query_tile, (2 * ROWS_PER_WG) // groups))
-        config = dataclasses.replace(config, query_tile=tq, num_compute_wgs=1 if tq * groups <= ROWS_PER_WG else 2)
+        config = config.with_query_tile(query_tile, groups)
     if interpret:  # the interpreter's wgmma takes its A operand from smem only
         config = dataclasses.replace(config, p_via_smem=True)
     if (reason := unsupported_reason(q, k_pages, v_pages, config=config)) is not None:

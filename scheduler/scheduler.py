@@ -171,8 +171,7 @@ class Scheduler:
             num_cached = len(cached) * cfg.block_size
             n = min(req.num_uncomputed_tokens - num_cached, budget, self._chunk_limit)
             while (allocated := self.kv.allocate_slots(req, n, cached)) is None:
-                # Forked samples that have not run yet hold blocks only provisionally.
-                holders = [r for r in self.waiting if r is not req and self.kv.tables.get(r.request_id)]
+                holders = [r for r in self._provisional_holders() if r is not req]
                 if not holders:
                     break
                 self._preempt(holders[-1])
@@ -247,10 +246,14 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         """Who gives up its blocks: a forked sample still waiting to run, else the least
         important running request, and among equals the latest admitted."""
-        holders = [r for r in self.waiting if self.kv.tables.get(r.request_id)]
+        holders = self._provisional_holders()
         if holders:
             return holders[-1]
         return max(reversed(self.running), key=lambda r: r.priority)
+
+    def _provisional_holders(self) -> list[Request]:
+        """Forked samples that have not run yet: they hold their parent's blocks only provisionally."""
+        return [r for r in self.waiting if self.kv.tables.get(r.request_id)]
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks; it is recomputed from its first token when readmitted."""

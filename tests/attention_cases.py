@@ -37,8 +37,6 @@ def make_case(
     num_kv_heads: int,
     head_dim: int,
     page_size: int,
-    num_pages: int | None = None,
-    max_pages: int | None = None,
     pad_tokens: int = 0,
     pad_seqs: int = 0,
     share_first_page: bool = False,
@@ -51,9 +49,9 @@ def make_case(
     """
     assert all(q <= kv for q, kv in zip(q_lens, kv_lens))
     pages_needed = [-(-kv // page_size) for kv in kv_lens]
-    max_pages = max_pages or max(max(pages_needed), 1)
+    max_pages = max(max(pages_needed), 1)
     distinct = sum(pages_needed) - (len(kv_lens) - 1 if share_first_page else 0)
-    num_pages = num_pages or distinct + 3  # a few pages nobody owns
+    num_pages = distinct + 3  # a few pages nobody owns
     k_pages = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan, dtype)
     v_pages = np.full_like(k_pages, np.nan)
     free = list(rng.permutation(num_pages))

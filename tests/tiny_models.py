@@ -6,7 +6,6 @@ gives near-uniform logits, against which any error bound is met by accident).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 BASE = dict(
@@ -52,8 +51,3 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0, dtype: str = "float3
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     return model
-
-
-def hf_config_dict(folder: Path) -> dict:
-    with open(folder / "config.json") as f:
-        return json.load(f)
