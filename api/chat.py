@@ -15,19 +15,9 @@ from api.serving import (
     EventStream, ServerState, collect, disconnected_response, new_id, start_generation, stream_events,
     unless_disconnected,
 )
+from jaxserve.tokenization import encode_chat
 
 router = APIRouter()
-
-
-def render_prompt(state: ServerState, body: ChatCompletionRequest) -> str:
-    tokenizer = state.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = body.template_messages()
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # the template rejects the conversation (roles, missing fields, ...)
-        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
 @router.post("/v1/chat/completions")
@@ -36,15 +26,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_model(body.model)
     body.check()
-    prompt = state.encode(render_prompt(state, body))
+    if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    add_special = body.add_special_tokens if body.add_special_tokens is not None else False
+    _, prompt = await state.off_loop(encode_chat, state.tokenizer, body.template_messages(), state.vocab_size,
+                                     add_special_tokens=add_special, param="messages")
     requested, max_param = body.requested_max_tokens
     max_tokens = state.max_tokens_for(len(prompt), requested, "messages")
     top_logprobs = body.top_logprobs or 0
     names = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-    params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None, names)
+    params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None, names, state.sampling_defaults)
     call_id, created = new_id("chatcmpl"), int(time.time())
     generation, tally = await start_generation(state, call_id, [prompt], params, arrival_time=arrival,
-                                               priority=body.priority, param_names=names, prompt_param="messages")
+                                               priority=body.priority, param_names=names, prompt_param="messages",
+                                               cache_salt=body.cache_salt)
     header = {"id": call_id, "object": "chat.completion", "created": created, "model": state.model_name,
               "system_fingerprint": None}
 

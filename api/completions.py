@@ -14,6 +14,7 @@ from api.serving import (
     EventStream, ServerState, Tally, collect, disconnected_response, new_id, start_generation, stream_events,
     unless_disconnected,
 )
+from jaxserve.tokenization import encode_prompt
 
 router = APIRouter()
 
@@ -24,19 +25,15 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_model(body.model)
     body.check()
-    prompts, prompt_texts = [], []
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            prompts.append(state.encode(prompt))
-            prompt_texts.append(prompt)
-        else:
-            prompts.append(list(prompt))
-            prompt_texts.append(state.tokenizer.decode(prompt) if body.echo and state.tokenizer else "")
+    add_special = body.add_special_tokens if body.add_special_tokens is not None else True
+    prompts, prompt_texts = await state.off_loop(_encode_prompts, state, body.prompts(), add_special, body.echo,
+                                                 param="prompt")
     max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
-    params = body.sampling_params(max_tokens, body.logprobs, {})
+    params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults)
     call_id, created = new_id("cmpl"), int(time.time())
     generation, tally = await start_generation(state, call_id, prompts, params, arrival_time=arrival,
-                                               priority=body.priority, prompt_param="prompt")
+                                               priority=body.priority, prompt_param="prompt",
+                                               cache_salt=body.cache_salt)
     echo = prompt_texts if body.echo else None
     header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
 
@@ -54,6 +51,19 @@ async def create_completion(body: CompletionRequest, request: Request):
                         "logprobs": logprobs, "finish_reason": choice.finish_reason,
                         "stop_reason": choice.stop_reason})
     return JSONResponse({**header, "choices": choices, "usage": tally.usage()})
+
+
+def _encode_prompts(state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool,
+                    echo: bool) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt, and its text for `echo` (runs in the tokenizer thread)."""
+    ids, texts = [], []
+    for prompt in prompts:
+        ids.append(encode_prompt(state.tokenizer, prompt, state.vocab_size, add_special_tokens=add_special_tokens))
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        else:
+            texts.append(state.tokenizer.decode(prompt) if echo and state.tokenizer else "")
+    return ids, texts
 
 
 def _chunk_choice(tally: Tally, body: CompletionRequest, state: ServerState, echo: list[str] | None):

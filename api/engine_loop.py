@@ -65,6 +65,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     priority: int
+    cache_salt: str | None
     queue: asyncio.Queue
     future: asyncio.Future
 
@@ -129,7 +130,7 @@ class EngineLoop:
     # -- requests (event loop) ----------------------------------------------------------
 
     async def add(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
-                  queue: asyncio.Queue, priority: int = 0) -> None:
+                  queue: asyncio.Queue, priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue a request whose StepDeltas go to `queue`.
 
         Raises ValueError (bad input), QueueFullError or EngineDeadError; then nothing runs.
@@ -137,7 +138,7 @@ class EngineLoop:
         if self.error is not None:
             raise self.dead_error()
         future = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, arrival_time, priority, queue, future))
+        self._commands.put(_Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future))
         await future
 
     def abort(self, request_id: str) -> None:
@@ -192,8 +193,8 @@ class EngineLoop:
                 f"the server is overloaded: {len(sched.waiting)} requests are waiting; try again later"))
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    priority=command.priority, arrival_time=command.arrival_time)
+            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
+                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt)
         except Exception as e:  # ValueError is the client's fault; anything else is reported as ours
             self._resolve(command.future, e)
             return
@@ -253,11 +254,11 @@ class Generation:
         self.unfinished = set(request_ids)
 
     async def add(self, prompts: list[list[int]], params: SamplingParams, *, arrival_time: float,
-                  priority: int = 0) -> None:
+                  priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue one engine request per prompt; raises the first error (the rest are aborted on exit)."""
         results = await asyncio.gather(*(
             self.engine_loop.add(rid, prompt, params, arrival_time=arrival_time, queue=self.queue,
-                                 priority=priority)
+                                 priority=priority, cache_salt=cache_salt)
             for rid, prompt in zip(self.request_ids, prompts)
         ), return_exceptions=True)
         for result in results:

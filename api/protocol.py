@@ -54,7 +54,12 @@ class _SamplingBody(_Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     priority: int = 0  # lower is served first
+    # None: the endpoint's default (completions add the tokenizer's special tokens, chat
+    # leaves BOS to the template).
+    add_special_tokens: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # requests with different salts share no cached KV
 
     def check_common(self) -> None:
         self.warn_ignored()
@@ -67,15 +72,19 @@ class _SamplingBody(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, param_names: dict[str, str]) -> SamplingParams:
-        """The engine's parameters; a value out of range is a 400 naming the API parameter."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, param_names: dict[str, str],
+                        defaults: dict[str, Any]) -> SamplingParams:
+        """The engine's parameters; fields the request leaves unset take `defaults` (the model's
+        generation config). A value out of range is a 400 naming the API parameter."""
         fields: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, logprobs=logprobs,
             stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty)
+        fields.update({k: v for k, v in defaults.items() if k in optional})
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
             return SamplingParams(**fields)

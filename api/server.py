@@ -51,6 +51,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine_loop, engine.tokenizer, model_name, engine.max_model_len,
+                                   engine.loaded.config.vocab_size, engine.generation.sampling,
                                    TokenText(engine.tokenizer))
     install_error_handlers(app)
     if api_key:

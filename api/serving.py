@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -21,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from api.engine_loop import EngineDeadError, EngineLoop, Generation, QueueFullError, SampleDelta, StepDelta
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
 from api.logprobs import TokenText
+from jaxserve.tokenization import PromptError
 from scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,18 +39,27 @@ class ServerState:
     tokenizer: Any
     model_name: str
     max_model_len: int
+    vocab_size: int
+    sampling_defaults: dict[str, Any]  # from the model's generation config
     token_text: TokenText
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # NOTE: one thread, so the tokenizer is never used by two requests at once (transformers'
+    # fast tokenizers set truncation state on encode); the engine thread only decodes.
+    tokenizer_pool: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
-        # NOTE: no special tokens added, exactly as the engine itself encodes a string prompt.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    async def off_loop(self, fn: Callable, *args, param: str | None = None, **kwargs):
+        """Run tokenizer work (encoding, chat templates) in the tokenizer thread, so a huge
+        prompt never stalls the event loop; a PromptError becomes a 400 naming `param`."""
+        call = functools.partial(fn, *args, **kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, call)
+        except PromptError as e:
+            raise bad_request(str(e), param) from None
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, what: str) -> int:
         """The output limit (None: the rest of the context); a 400 if the request cannot fit.
@@ -70,7 +82,7 @@ def new_id(prefix: str) -> str:
 
 
 async def start_generation(state: ServerState, call_id: str, prompts: list[list[int]], params: SamplingParams,
-                           *, arrival_time: float, priority: int, prompt_param: str,
+                           *, arrival_time: float, priority: int, prompt_param: str, cache_salt: str | None,
                            param_names: dict[str, str] | None = None) -> tuple[Generation, Tally]:
     """Queue the call's engine requests, and a Tally to follow them; every refusal becomes
     an APIError (and nothing runs).
@@ -81,7 +93,7 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
     generation = state.engine_loop.generation(ids)
     try:
-        await generation.add(prompts, params, arrival_time=arrival_time, priority=priority)
+        await generation.add(prompts, params, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
     except BaseException as e:
         generation.close()
         if isinstance(e, ValueError):

@@ -8,7 +8,8 @@ that still ends in an incomplete character.
 
 With stop strings, the last `len(longest stop) - 1` characters are held back too, so a
 streaming client never sees the start of a stop string that is then cut off. The text
-is the concatenation of the emitted pieces, streamed or not.
+is the concatenation of the emitted pieces, streamed or not. As in vLLM, a stop string
+is looked for only once `min_tokens` tokens exist, and only where it ends in new text.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ CONTEXT_TOKENS = 5  # prompt tokens to decode along with the first output tokens
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), *,
+                 include_stop: bool = False, min_tokens: int = 0, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -28,19 +29,23 @@ class IncrementalDetokenizer:
         self.decoded = ""  # all output text found so far (including what is held back)
         self.emitted = 0  # characters of `decoded` handed out
         self.stop = stop
+        self.include_stop = include_stop  # keep the stop string at the end of the text
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.stop_reason: str | None = None
 
     def push(self, token_id: int) -> str:
         """Add one generated token; returns the text it releases (possibly empty)."""
         self.token_ids.append(token_id)
+        self.num_output_tokens += 1
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         window = self._decode(self.token_ids[self.prefix_offset :])
         if len(window) > len(prefix) and not window.endswith(REPLACEMENT_CHAR):
             start = len(self.decoded)
             self.decoded += window[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            if self.stop and self._find_stop(start):
+            if self.stop and self.num_output_tokens >= self.min_tokens and self._find_stop(start):
                 return self._release(len(self.decoded))
         return self._release(len(self.decoded) - self.hold_back)
 
@@ -59,7 +64,7 @@ class IncrementalDetokenizer:
         if not hits:
             return False
         index, self.stop_reason = min(hits)
-        self.decoded = self.decoded[:index]
+        self.decoded = self.decoded[: index + (len(self.stop_reason) if self.include_stop else 0)]
         return True
 
     def _release(self, upto: int) -> str:

@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.backend import select_attention
+from jaxserve.generation_config import read_generation_config
 from jaxserve.kv_cache import num_blocks_for_memory
 from jaxserve.model_runner import ModelRunner
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
+from jaxserve.tokenization import encode_prompt
 from jaxserve.weights import LoadedModel, load_model
 from jaxserve.weights.load import default_cache_dir
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -45,6 +47,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
     warm_up: bool = True
+    generation_config: str = "auto"  # "auto", "vllm" or a folder (see jaxserve.generation_config)
 
 
 class LLMEngine:
@@ -53,6 +56,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
+        self.generation = read_generation_config(loaded.source, config.generation_config)
+        self.eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + self.generation.eos_token_ids))
         dtype = loaded.model.dtype
         num_blocks = config.num_blocks or num_blocks_for_memory(mcfg, config.kv_cache_memory, config.block_size, dtype)
         capacity = (num_blocks - 1) * config.block_size
@@ -90,24 +95,32 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | dict | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError for bad input; nothing is queued then."""
+                    *, priority: int = 0, arrival_time: float | None = None, add_special_tokens: bool = True,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request. Raises ValueError for bad input; nothing is queued then.
+
+        A text prompt gets the tokenizer's special tokens (its BOS) unless
+        `add_special_tokens` is False; token ids are used as they are. Requests with
+        different `cache_salt`s never share prefix-cache blocks. `params` None means
+        the model's defaults (`default_sampling_params`).
+        """
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         vocab = self.loaded.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
                              f"got {list(params.stop_token_ids)}")
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        eos = self.loaded.config.eos_token_ids
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        prompt_ids = encode_prompt(self.tokenizer, prompt, vocab, add_special_tokens=add_special_tokens)
+        prompt_text = prompt if isinstance(prompt, str) else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
             samples.append(Request(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params,
-                                   eos_token_ids=eos, priority=priority, arrival_time=arrival,
-                                   fork_of=samples[0] if i else None, seed=seed))
+                                   eos_token_ids=self.eos_token_ids, priority=priority, arrival_time=arrival,
+                                   fork_of=samples[0] if i else None, sample_index=i, cache_salt=cache_salt))
         for req in samples:  # validate all before queueing any
             self.scheduler.check_request(req)
         if any(r.request_id in self.outputs.groups for r in samples):
@@ -116,17 +129,9 @@ class LLMEngine:
         for req in samples:
             self.scheduler.add_request(req)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("a prompt is a string or a list of token ids")
-        vocab = self.loaded.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return None, list(prompt)
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults, then `overrides`."""
+        return SamplingParams(**{**self.generation.sampling, **overrides})
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and all its samples, freeing their KV blocks."""

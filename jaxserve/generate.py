@@ -20,12 +20,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts-file)")
     p.add_argument("--prompts-file", help="a file of prompts, one per line, run as one batch")
     p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--max-tokens", type=int, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, help="0 is greedy (the default)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int, help="0 is off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--no-special-tokens", action="store_true",
+                   help="do not add the tokenizer's special tokens (its BOS) to a plain prompt")
+    p.add_argument("--generation-config", default="auto",
+                   help="'auto': sampling defaults from the model's generation_config.json (flags override "
+                        "them); 'vllm': ignore them; or a folder holding a generation_config.json")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--cache-dir", help="where converted weights and compiled programs are kept "
                                        "(default $JAXSERVE_CACHE or ~/.cache/jaxserve)")
@@ -35,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if (args.prompt is None) == (args.prompts_file is None):
         p.error("give exactly one of a prompt or --prompts-file")
     return args
+
+
+CLI_DEFAULTS = dict(max_tokens=64, temperature=0.0)  # greedy, unless the model's generation config says otherwise
 
 
 def read_prompts(args) -> list[str]:
@@ -60,6 +68,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
+    from jaxserve.generation_config import read_generation_config
+    from jaxserve.tokenization import encode_chat, encode_prompt
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
 
@@ -67,25 +77,26 @@ def main(argv=None) -> int:
     try:
         enable_compilation_cache(args.cache_dir)
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=sys.stderr.isatty())
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+        # A flag wins over the model's generation config, which wins over the CLI's defaults.
+        flags = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                     seed=args.seed)
+        defaults = read_generation_config(loaded.source, args.generation_config).sampling
+        params = SamplingParams(**{**CLI_DEFAULTS, **defaults, **{k: v for k, v in flags.items() if v is not None}})
+        vocab = loaded.config.vocab_size
+        if args.chat:
+            prompt_ids = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p}], vocab)[1] for p in prompts]
+        else:
+            prompt_ids = [encode_prompt(loaded.tokenizer, p, vocab, add_special_tokens=not args.no_special_tokens)
+                          for p in prompts]
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokenizer = loaded.tokenizer
-    if tokenizer is None:
-        print("error: this model has no tokenizer", file=sys.stderr)
-        return 2
-    if args.chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True) for p in prompts]
-    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     lens = [len(ids) for ids in prompt_ids]
     buckets = buckets_for(lens)
     engine = LLMEngine(loaded, EngineConfig(
         max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
-        max_model_len=max(lens) + args.max_tokens + 1, attention_backend=args.attention_backend,
-        kv_cache_memory=256 << 20,
+        max_model_len=max(lens) + params.max_tokens + 1, attention_backend=args.attention_backend,
+        kv_cache_memory=256 << 20, generation_config=args.generation_config,
     ))
     try:
         for i, ids in enumerate(prompt_ids):

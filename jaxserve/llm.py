@@ -30,10 +30,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. One SamplingParams for all, or one per prompt."""
+        """Outputs in the order of `prompts`. One SamplingParams for all, or one per prompt;
+        None: the model's defaults (its generation config, else SamplingParams())."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.engine.default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

@@ -159,7 +159,8 @@ class ModelRunner:
         meta = SamplingMetadata(
             temperature=pad(b.temperature), top_p=pad(b.top_p, 1), top_k=pad(b.top_k), min_p=pad(b.min_p),
             presence_penalty=pad(b.presence_penalty), frequency_penalty=pad(b.frequency_penalty),
-            repetition_penalty=pad(b.repetition_penalty, 1), seeds=pad(b.seeds), output_index=pad(b.output_index),
+            repetition_penalty=pad(b.repetition_penalty, 1), seeds=pad(b.seeds), sample_index=pad(b.sample_index),
+            output_index=pad(b.output_index),
             banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.num_logprobs > 0),
         )
         if b.history is not None:
@@ -177,7 +178,7 @@ def copy_blocks(kv: KVCache, pairs: jax.Array) -> KVCache:
 
 def _dummy_sampling(s: int, penalties: bool, width: int) -> SamplingMetadata:
     f, i = np.zeros(s, np.float32), np.zeros(s, np.int32)
-    meta = SamplingMetadata(f, f + 1, i, f, f, f, f + 1, i.astype(np.uint32), i,
+    meta = SamplingMetadata(f, f + 1, i, f, f, f, f + 1, np.zeros((s, 2), np.uint32), i, i,
                             np.zeros((s, MAX_BANNED_TOKENS), np.int32), np.zeros(s, bool), np.bool_(False))
     if penalties:
         meta.history, meta.history_lens, meta.prompt_lens = np.zeros((s, width), np.int32), i, i

@@ -37,9 +37,9 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], samples: list[Request],
             arrival_time: float) -> None:
-        stop = samples[0].sampling_params.stop
-        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, stop) if self.tokenizer else None
-                  for _ in samples]
+        p = samples[0].sampling_params
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop, include_stop=p.include_stop_str_in_output,
+                                         min_tokens=p.min_tokens) if self.tokenizer else None for _ in samples]
         group = RequestGroup(request_id, prompt, prompt_ids, samples, detoks, [[] for _ in samples],
                              [0.0] * len(samples), RequestMetrics(arrival_time))
         self.groups[request_id] = group

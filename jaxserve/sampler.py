@@ -3,7 +3,18 @@
 Order of operations (vLLM's): penalties on the raw logits, then the tokens banned until
 `min_tokens`, then greedy argmax or temperature, top-k, top-p and min-p and a draw.
 Logprobs are those of the raw model output. Each row draws from its own random stream,
-`fold_in(key(seed), output_index)`, so a request's samples never depend on the batch.
+`fold_in(fold_in(key(seed), sample_index), output_index)`, so a request's samples never
+depend on the batch, and the `n` samples of one seed are independent of each other and of
+every other seed's samples.
+
+The filters keep exactly these sets, ties included (on the temperature-scaled logits):
+
+- top-k: every token whose logit is at least the k-th largest; a tie at the cut-off keeps
+  all tied tokens, so more than k may survive.
+- top-p (over what top-k kept, renormalized): every token whose strictly more likely
+  tokens have total probability below p; that is the smallest set of most likely tokens
+  whose mass reaches p, with every token tied with its least likely member.
+- min-p: every token with probability at least min_p times the most likely one's.
 
 A draw is one uniform number per row, inverted through the row's CDF: exact, and far
 cheaper on a CPU than one Gumbel variate per vocabulary entry.
@@ -33,7 +44,8 @@ class SamplingMetadata:
     presence_penalty: jax.Array  # f32 [S]
     frequency_penalty: jax.Array  # f32 [S]
     repetition_penalty: jax.Array  # f32 [S]
-    seeds: jax.Array  # u32 [S]
+    seeds: jax.Array  # u32 [S, 2]: a 64-bit seed as a threefry key's two words (high, low)
+    sample_index: jax.Array  # i32 [S]: which of the request's n samples
     output_index: jax.Array  # i32 [S]
     banned_token_ids: jax.Array  # i32 [S, B]
     ban: jax.Array  # bool [S]
@@ -108,11 +120,17 @@ def _draw(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
     probs = jax.nn.softmax(logits, axis=-1)
     cdf = jnp.cumsum(probs, axis=-1)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(meta.seeds, meta.output_index)
+    keys = jax.vmap(sample_key)(meta.seeds, meta.sample_index, meta.output_index)
     u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
     # The first token whose CDF passes u; zero-probability tokens span empty intervals.
     token = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u)
     return jnp.minimum(token, logits.shape[1] - 1).astype(jnp.int32)
+
+
+def sample_key(seed: jax.Array, sample_index: jax.Array, output_index: jax.Array) -> jax.Array:
+    """The key of one draw. For a seed below 2**32, `key(seed)` has the data [0, seed]."""
+    key = jax.random.wrap_key_data(seed.astype(jnp.uint32))
+    return jax.random.fold_in(jax.random.fold_in(key, sample_index), output_index)
 
 
 def _filter(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -139,24 +157,35 @@ FILTER_CANDIDATES = 256
 
 def _cutoff(head: jax.Array, logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
     """The smallest logit top-k and top-p keep, from `head`, the n largest logits of each
-    row in descending order; and whether that is certain (the kept set ends inside it)."""
+    row in descending order; and whether that is certain (the kept set is known from the head).
+
+    NOTE: ranks are positions in `head`, so tied logits have consecutive ranks; the
+    threshold is a logit value and keeps every tie of the last kept rank.
+    """
     n, vocab = head.shape[1], logits.shape[1]
-    rank = jnp.arange(n)[None, :]
-    k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)[:, None]
-    in_top_k = rank < k
-    # Top-p renormalizes over the top-k set: its normalizer is known if the set lies in
-    # the head, or if it is the whole vocabulary.
-    norm = jnp.where(k <= n, jax.nn.logsumexp(jnp.where(in_top_k, head, -jnp.inf), axis=-1, keepdims=True),
+    whole_row = n == vocab
+    k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
+    has_top_k = k < vocab
+    # The top-k set K: every logit >= the k-th largest (known when k <= n).
+    t_k = jnp.where(has_top_k, jnp.take_along_axis(head, jnp.minimum(k, n)[:, None] - 1, axis=-1)[:, 0], -jnp.inf)
+    in_top_k = head >= t_k[:, None]
+    # Top-p renormalizes over K: known if K is the whole vocabulary, or if K lies in the head
+    # (nothing outside the head ties with its smallest member).
+    k_in_head = whole_row | ((k <= n) & (head[:, -1] < t_k))
+    norm = jnp.where(has_top_k[:, None], jax.nn.logsumexp(jnp.where(in_top_k, head, -jnp.inf), axis=-1, keepdims=True),
                      jax.nn.logsumexp(logits, axis=-1, keepdims=True))
     probs = jnp.where(in_top_k, jnp.exp(head - norm), 0.0)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     top_p = meta.top_p[:, None]
-    keep = in_top_k & ((mass_before < top_p) | (top_p >= 1))  # rank 0 is always kept
+    has_top_p = meta.top_p < 1
+    # A rank is kept if the mass ranked before it is below p; the first of a tie group has
+    # exactly its strictly-more-likely mass before it, so whole groups are kept or cut.
+    keep = in_top_k & ((mass_before < top_p) | ~has_top_p[:, None])  # rank 0 is always kept
     num_kept = keep.sum(axis=-1)
-    no_top_k = k[:, 0] >= vocab
-    no_filter = no_top_k & (meta.top_p >= 1)
-    # Certain if the top-k set lies in the head, or if there is no top-k and the top-p
-    # cut falls inside the head (for n < k < vocab the set's mass is unknown).
-    resolved = no_filter | (k[:, 0] <= n) | (no_top_k & (num_kept < n))
     threshold = jnp.take_along_axis(head, num_kept[:, None] - 1, axis=-1)[:, 0]
-    return jnp.where(no_filter, -jnp.inf, threshold), resolved
+    resolved = jnp.where(
+        has_top_k, (k <= n) & (~has_top_p | k_in_head),
+        ~has_top_p | whole_row | (num_kept < n),  # without top-k, the top-p cut must fall inside the head
+    )
+    no_filter = ~has_top_k & ~has_top_p
+    return jnp.where(no_filter, -jnp.inf, threshold), resolved | no_filter

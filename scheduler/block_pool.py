@@ -1,33 +1,62 @@
 """The pool of KV-cache blocks: free list, reference counts and the prefix cache.
 
-A block is free when no sequence references it. A free block that holds a full,
-hashed run of tokens stays findable in the prefix cache until it is reused; free
-blocks are reused least-recently-freed first, so cached prefixes survive as long as
-there is room. Block 0 is the null block (padding writes there) and is never handed out.
+A block is free when no sequence references it. A free block that holds a full run of
+tokens stays findable in the prefix cache until it is reused; free blocks are reused
+least-recently-freed first, so cached prefixes survive as long as there is room. Block 0
+is the null block (padding writes there) and is never handed out.
+
+Finding a cached block takes two things. The index is a keyed blake2b digest chained
+over the blocks (`hash_block`), so a lookup is one dict access. The match is exact: a
+cached block keeps its `BlockKey` (its own tokens, the prefix id of the block before it,
+any extra keys such as a cache salt), and a hit needs the whole key to be equal. Prefix
+ids name whole prefixes: two blocks get the same id only if their keys are equal, so by
+induction a hit means every earlier token is equal too, whatever the digests do. A digest
+collision costs a cache miss, never another request's KV.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
+import os
 from collections import OrderedDict
-from typing import Hashable, Iterable
+from typing import Iterable
 
 NULL_BLOCK = 0
+
+# Digests are keyed per process: nobody outside can precompute colliding prompts.
+_DIGEST_KEY = os.urandom(32)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKey:
+    """Everything a cached block's KV depends on, compared exactly on every hit."""
+
+    parent: int | None  # prefix id of the previous block; None for a sequence's first block
+    token_ids: tuple[int, ...]
+    extra: tuple = ()  # e.g. the request's cache salt (first block only: the chain carries it)
+
+
+def hash_block(parent_digest: bytes | None, token_ids: tuple[int, ...], extra: tuple = ()) -> bytes:
+    """Chained digest of a full block: the parent's digest, the token ids as bytes, extra keys."""
+    h = hashlib.blake2b(key=_DIGEST_KEY, digest_size=32)
+    h.update(parent_digest or b"\0" * 32)
+    h.update(len(token_ids).to_bytes(4, "little"))
+    for t in token_ids:
+        h.update(t.to_bytes(8, "little", signed=True))
+    h.update(repr(extra).encode())
+    return h.digest()
 
 
 @dataclasses.dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    # Set once the block is full and its tokens are known: (hash, tokens) of the chain
-    # prefix ending in this block.
-    block_hash: Hashable | None = None
-    token_ids: tuple[int, ...] | None = None
-
-
-def hash_block(parent_hash: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
-    """Chained hash of a full block: equal only if every earlier block is equal too."""
-    return hash((parent_hash, token_ids))
+    # Set once the block is full and registered; cleared when it is reused.
+    digest: bytes | None = None
+    key: BlockKey | None = None
+    prefix_id: int | None = None  # equal for two blocks iff their whole prefixes are equal
 
 
 class BlockPool:
@@ -37,9 +66,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in reuse order (least recently freed first). dict order is the queue.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
-        self.cached: dict[Hashable, int] = {}  # block hash -> block id
-        self.hits = 0
-        self.queries = 0
+        self.cached: dict[bytes, int] = {}  # digest -> block id
+        self._prefix_ids = itertools.count()
 
     @property
     def num_blocks(self) -> int:
@@ -67,13 +95,13 @@ class BlockPool:
             out.append(block)
         return out
 
-    def lookup(self, block_hash: Hashable, token_ids: tuple[int, ...]) -> Block | None:
-        """The cached block for this hash, if its tokens match too (hashes can collide)."""
-        block_id = self.cached.get(block_hash)
+    def lookup(self, digest: bytes, key: BlockKey) -> Block | None:
+        """The cached block for this digest, if its key is equal too (digests can collide)."""
+        block_id = self.cached.get(digest)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.token_ids == token_ids else None
+        return block if block.key == key else None
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on blocks found in the cache (they may be sitting in the free list)."""
@@ -90,21 +118,28 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free[block.block_id] = None
 
-    def register(self, block: Block, block_hash: Hashable, token_ids: tuple[int, ...]) -> None:
-        """Make a full block findable by the hash of its prefix (first writer wins)."""
-        if block.block_hash is not None:
+    def register(self, block: Block, digest: bytes, key: BlockKey) -> None:
+        """Make a full block findable (the first block registered under a digest wins)."""
+        if block.key is not None:
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
-        self.cached.setdefault(block_hash, block.block_id)
+        owner_id = self.cached.get(digest)
+        owner = self.blocks[owner_id] if owner_id is not None else None
+        if owner is not None and owner.key == key:
+            block.prefix_id = owner.prefix_id  # the same prefix computed twice
+        else:
+            block.prefix_id = next(self._prefix_ids)
+            if owner is None:
+                self.cached[digest] = block.block_id
+        block.digest, block.key = digest, key
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             self._evict(block)
 
     def _evict(self, block: Block) -> None:
-        if block.block_hash is not None and self.cached.get(block.block_hash) == block.block_id:
-            del self.cached[block.block_hash]
-        block.block_hash = block.token_ids = None
+        if block.digest is not None and self.cached.get(block.digest) == block.block_id:
+            del self.cached[block.digest]
+        block.digest = block.key = block.prefix_id = None
 
     def check_integrity(self, table_refs: dict[int, int]) -> None:
         """Assert the pool agrees with the sequences' block tables.
@@ -117,5 +152,6 @@ class BlockPool:
             refs = table_refs.get(block.block_id, 0)
             assert block.ref_count == refs, f"block {block.block_id}: ref_count {block.ref_count} != {refs} tables"
             assert (block.block_id in self.free) == (refs == 0), f"block {block.block_id} free-list state is wrong"
-        for block_hash, block_id in self.cached.items():
-            assert self.blocks[block_id].block_hash == block_hash
+            assert (block.key is None) == (block.prefix_id is None) == (block.digest is None)
+        for digest, block_id in self.cached.items():
+            assert self.blocks[block_id].digest == digest

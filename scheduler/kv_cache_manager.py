@@ -16,9 +16,7 @@ on the device at the start of the step (`take_copies`).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Hashable
-
-from scheduler.block_pool import Block, BlockPool, hash_block
+from scheduler.block_pool import Block, BlockKey, BlockPool, hash_block
 from scheduler.request import Request
 
 
@@ -28,7 +26,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
-        self.block_hashes: dict[str, list[Hashable]] = {}  # chained hashes of each request's full blocks
+        self.block_digests: dict[str, list[bytes]] = {}  # chained digests of each request's full blocks
         self.num_registered: dict[str, int] = {}  # leading full blocks already offered to the cache
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
 
@@ -54,17 +52,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
-        hashes = self._hashes(request, max_blocks)
-        found = []
-        for i, block_hash in enumerate(hashes[:max_blocks]):
-            block = self.pool.lookup(block_hash, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found: list[Block] = []
+        for i, digest in enumerate(self._digests(request, max_blocks)):
+            parent = found[-1].prefix_id if found else None
+            block = self.pool.lookup(digest, self._key(request, i, parent))
             if block is None:
                 break
             found.append(block)
-        self.pool.queries += len(tokens)
-        self.pool.hits += len(found) * self.block_size
         return found
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -77,22 +72,30 @@ class KVCacheManager:
         done = self.num_registered.get(rid, 0)
         if num_full <= done:
             return  # the common case: no block filled up this step
-        hashes = self._hashes(request, num_full)
-        tokens = request.all_token_ids
+        digests = self._digests(request, num_full)
         for i in range(done, num_full):
-            block = self.pool.blocks[table[i]]
-            if block.block_hash is None:
-                self.pool.register(block, hashes[i], tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            parent = self.pool.blocks[table[i - 1]].prefix_id if i else None
+            if i and parent is None:
+                break  # the cache was reset under this request: its later blocks stay unregistered
+            self.pool.register(self.pool.blocks[table[i]], digests[i], self._key(request, i, parent))
         self.num_registered[rid] = num_full
 
-    def _hashes(self, request: Request, num_blocks: int) -> list[Hashable]:
-        hashes = self.block_hashes.setdefault(request.request_id, [])
+    def _key(self, request: Request, i: int, parent: int | None) -> BlockKey:
+        tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return BlockKey(parent, tokens, self._extra(request) if i == 0 else ())
+
+    @staticmethod
+    def _extra(request: Request) -> tuple:
+        return (request.cache_salt,) if request.cache_salt is not None else ()
+
+    def _digests(self, request: Request, num_blocks: int) -> list[bytes]:
+        digests = self.block_digests.setdefault(request.request_id, [])
         tokens = request.all_token_ids
-        while len(hashes) < num_blocks:
-            i = len(hashes)
+        while len(digests) < num_blocks:
+            i = len(digests)
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
-        return hashes
+            digests.append(hash_block(digests[-1] if digests else None, chunk, self._extra(request) if i == 0 else ()))
+        return digests[:num_blocks]
 
     # -- allocation -----------------------------------------------------------------
 
@@ -141,7 +144,7 @@ class KVCacheManager:
         rid = request.request_id
         table = self.tables.pop(rid, [])
         self.pool.release(self.pool.blocks[i] for i in reversed(table))
-        self.block_hashes.pop(rid, None)
+        self.block_digests.pop(rid, None)
         self.num_registered.pop(rid, None)
         # A copy into a block this request no longer holds must not run.
         freed = {i for i in table if self.pool.blocks[i].ref_count == 0}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-import random
+import secrets
 import time
 
 from scheduler.sampling_params import SamplingParams
@@ -35,6 +35,7 @@ class RequestStatus(enum.IntEnum):
 
 
 _arrival_counter = itertools.count()
+SEED_BITS = 64  # a seed is two uint32 words on the device (a threefry key's own data)
 
 
 class Request:
@@ -48,7 +49,8 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         fork_of: Request | None = None,
-        seed: int | None = None,
+        sample_index: int = 0,
+        cache_salt: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,10 +64,12 @@ class Request:
         self.arrival_order = next(_arrival_counter)  # ties in arrival_time break by this
         # n > 1: the other samples wait for this one's prompt, then share its blocks.
         self.fork_of = fork_of
-        # The random stream of this request alone: sampling never depends on the batch.
-        if seed is None:
-            seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
-        self.seed = seed % 2**32
+        # The random stream of this sample alone, never dependent on the batch: the sampler
+        # draws from fold_in(fold_in(key(seed), sample_index), output index).
+        seed = sampling_params.seed if sampling_params.seed is not None else secrets.randbits(SEED_BITS)
+        self.seed = seed % 2**SEED_BITS
+        self.sample_index = sample_index
+        self.cache_salt = cache_salt  # requests with different salts never share cached KV
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING

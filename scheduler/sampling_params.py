@@ -11,8 +11,13 @@ from typing import Any
 class SamplingParams:
     """How to sample one request's continuation (OpenAI / vLLM semantics).
 
-    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 switch those filters off.
-    `seed` makes the output depend only on this request, whatever else is batched with it.
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 switch those filters off; see
+    `jaxserve.sampler` for exactly which tokens the filters keep when logits tie.
+    `seed` makes the output depend only on this request, whatever else is batched with it;
+    the `n` samples of a request draw independent streams from it. Without a seed, each
+    sample gets 64 random bits from `secrets`.
+    Stop strings are cut from the text (kept with `include_stop_str_in_output`) and, like
+    EOS and stop tokens, do not end a request before it has `min_tokens` tokens.
     """
 
     n: int = 1
@@ -27,6 +32,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top alternatives to report per generated token
@@ -64,6 +70,8 @@ class SamplingParams:
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}"),
+            (isinstance(self.include_stop_str_in_output, bool),
+             f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"),
             (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"),
         ]

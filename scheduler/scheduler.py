@@ -79,6 +79,9 @@ class Scheduler:
         self.forks: dict[str, list[Request]] = {}  # parent id -> samples waiting for its prompt
         self.ended_without_token: list[Request] = []  # reported by the next update()
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache and found there, once per admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- requests in and out ----------------------------------------------------------
 
@@ -179,6 +182,9 @@ class Scheduler:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.pop(0)
             req.num_computed_tokens += num_cached
+            if self.kv.enable_prefix_caching and not holds_blocks:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
             if req.num_preemptions == 0 and not holds_blocks:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -304,8 +310,8 @@ class Scheduler:
             num_free_blocks=pool.num_free,
             num_total_blocks=pool.num_blocks - 1,
             kv_cache_usage=pool.usage,
-            prefix_cache_queries=pool.queries,
-            prefix_cache_hits=pool.hits,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
         )
 

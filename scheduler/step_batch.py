@@ -30,7 +30,8 @@ class SamplingBatch:
     presence_penalty: np.ndarray  # float32 [S]
     frequency_penalty: np.ndarray  # float32 [S]
     repetition_penalty: np.ndarray  # float32 [S]
-    seeds: np.ndarray  # uint32 [S]
+    seeds: np.ndarray  # uint32 [S, 2]: each 64-bit seed as (high, low) words
+    sample_index: np.ndarray  # int32 [S]: which of its request's n samples a row is
     output_index: np.ndarray  # int32 [S]: index of the token being sampled (RNG stream position)
     banned_token_ids: np.ndarray  # int32 [S, MAX_BANNED_TOKENS]: masked out where `ban` is set
     ban: np.ndarray  # bool [S]

@@ -51,3 +51,32 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0, dtype: str = "float3
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: BASE's bos_token_id 1 and eos_token_id 2
+WORDS = ("the a cat dog sat on mat and ran to house big small red blue green is was of in it he she they we you "
+         "am are be hello world user assistant system : . , ! ? yes no one two three four five six seven eight "
+         "nine ten time day night sun moon star tree sky sea fish bird eat drink sleep go come see look play walk "
+         "talk good bad new old hot cold up down left right out over under very").split()
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def make_tiny_tokenizer(folder: Path, *, add_bos: bool = True, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """A real `tokenizer.json` for the tiny models' 97-token vocabulary: whole words, and a
+    post-processor that adds BOS like Llama 3's and Mistral's tokenizers do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(dict.fromkeys(WORDS))
+    words += [f"w{i}" for i in range(BASE["vocab_size"] - len(SPECIALS) - len(words))]
+    vocab = {t: i for i, t in enumerate(SPECIALS + words)}
+    assert len(vocab) == BASE["vocab_size"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
+                                                           special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   chat_template=chat_template)
+    fast.save_pretrained(folder)

@@ -22,7 +22,7 @@ _PLAIN_GPT2 = {"default", "gpt2", "mpt", "olmo", "jais"}
 
 def tokenizer_from_gguf(field) -> Any:
     """A transformers PreTrainedTokenizerFast; `field(key, default)` reads GGUF metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = field("tokenizer.ggml.model")
@@ -51,6 +51,17 @@ def tokenizer_from_gguf(field) -> Any:
     def special(key):
         index = field(f"tokenizer.ggml.{key}_token_id")
         return None if index is None else tokens[index]
+
+    # llama.cpp adds BOS (and, rarely, EOS) around a text prompt when the file says so.
+    ends = [(key, field(f"tokenizer.ggml.{key}_token_id")) for key in ("bos", "eos")
+            if field(f"tokenizer.ggml.add_{key}_token", False)]
+    if ends:
+        def template(piece):
+            return " ".join([f"{tokens[i]}:0" for key, i in ends if key == "bos"] + [piece]
+                            + [f"{tokens[i]}:0" for key, i in ends if key == "eos"])
+        tok.post_processor = processors.TemplateProcessing(
+            single=template("$A"), pair=template("$A") + " " + template("$B:1"),
+            special_tokens=[(tokens[i], i) for _, i in ends])
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=special("bos"), eos_token=special("eos"), unk_token=special("unknown"),

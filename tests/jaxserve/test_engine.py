@@ -4,11 +4,13 @@ The oracle is each request run alone through the same engine; batched, prefix-ca
 chunked and preempted runs must give identical greedy tokens and identical seeded samples.
 """
 
+import time
+
 import numpy as np
 import pytest
 
 from jaxserve.engine import EngineConfig, LLMEngine
-from scheduler import SamplingParams
+from scheduler import Request, SamplingParams
 
 VOCAB = 97  # tests/tiny_models.py
 
@@ -78,7 +80,7 @@ def test_prefix_caching_equals_alone(tiny_llama):
     want = run_alone(engine(tiny_llama, enable_prefix_caching=False), prompts, params)
     eng = engine(tiny_llama)
     assert run_batched(eng, prompts, params) == want
-    assert eng.scheduler.kv.pool.hits >= 5 * 4 * 8, "later requests should reuse the system prompt's blocks"
+    assert eng.scheduler.prefix_cache_hits >= 5 * 4 * 8, "later requests should reuse the system prompt's blocks"
 
 
 def test_seeded_sampling_is_batch_independent(tiny_llama):
@@ -103,9 +105,43 @@ def test_n_samples_share_prompt_blocks(tiny_llama):
     tables = [eng.scheduler.kv.block_ids(r.request_id) for r in eng.outputs.groups["x"].samples]
     assert len({t[4] for t in tables}) == 4 and all(t[:4] == tables[0][:4] for t in tables)
     (out,) = [o for o in eng.generate_all() if o.request_id == "x"]
-    alone = [run_alone(engine(tiny_llama), [prompt], [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6,
-                                                                    ignore_eos=True)])[0][0] for i in range(4)]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    alone = [run_sample_alone(engine(tiny_llama), prompt, params, i) for i in range(4)]
     assert [c.token_ids for c in out.outputs] == alone
+    assert len({tuple(t) for t in alone}) == 4
+
+
+def run_sample_alone(eng, prompt, params, sample_index):
+    """Sample `sample_index` of a seeded request, run as the only sequence (no fork, no sharing)."""
+    req = Request("solo", prompt, params, eos_token_ids=eng.eos_token_ids, sample_index=sample_index)
+    eng.outputs.add("solo", None, prompt, [req], time.monotonic())
+    eng.scheduler.add_request(req)
+    (out,) = eng.generate_all()
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("digest", ["real", "constant"])
+def test_prompts_sharing_only_a_later_block_each_equal_their_solo_run(tiny_llama, monkeypatch, digest):
+    """Two prompts equal in their last full block but not before: even with every digest
+    forced to collide, the second never attends to the first one's KV."""
+    if digest == "constant":
+        monkeypatch.setattr("scheduler.kv_cache_manager.hash_block", lambda *args: b"same")
+    tail = list(range(60, 68))
+    prompts = [list(range(10, 18)) + tail + [5], list(range(30, 38)) + tail + [5], list(range(10, 18)) + tail + [6]]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
+    want = run_alone(engine(tiny_llama, enable_prefix_caching=False), prompts, params)
+    eng = engine(tiny_llama)
+    got, cached = [], []
+    for i, (p, sp) in enumerate(zip(prompts, params)):  # one after another, so each could hit the cache
+        eng.add_request(str(i), p, sp)
+        (out,) = eng.generate_all()
+        got.append([c.token_ids for c in out.outputs])
+        cached.append(out.num_cached_tokens)
+    assert got == want
+    assert cached[1] == 0
+    # With every digest equal, the index holds one block (the first registered, prompt 0's
+    # first): the third prompt still finds that one, by its exact key, and nothing more.
+    assert cached[2] == (16 if digest == "real" else 4)
 
 
 @pytest.mark.parametrize("prompt,params,message", [

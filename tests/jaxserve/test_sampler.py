@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sampler import MAX_LOGPROBS, SamplingMetadata, apply_penalties, sample
+from tests.sampling_oracle import kept_by_documentation
 
 V = 12
 
@@ -13,13 +14,19 @@ V = 12
 def meta(n, **fields):
     f, i = np.zeros(n, np.float32), np.zeros(n, np.int32)
     base = dict(temperature=f + 1, top_p=f + 1, top_k=i, min_p=f, presence_penalty=f, frequency_penalty=f,
-                repetition_penalty=f + 1, seeds=np.arange(n, dtype=np.uint32), output_index=i,
+                repetition_penalty=f + 1, seeds=seed_words(np.arange(n)), sample_index=i, output_index=i,
                 banned_token_ids=np.zeros((n, 4), np.int32), ban=np.zeros(n, bool), want_logprobs=np.bool_(False))
     for key, value in fields.items():
         base[key] = np.broadcast_to(np.asarray(value, base[key].dtype), base[key].shape).copy() \
-            if key not in ("history", "history_lens", "prompt_lens", "want_logprobs", "banned_token_ids") \
+            if key not in ("history", "history_lens", "prompt_lens", "want_logprobs", "banned_token_ids", "seeds") \
             else np.asarray(value)
     return SamplingMetadata(**base)
+
+
+def seed_words(seeds) -> np.ndarray:
+    """64-bit seeds as the sampler's (high, low) uint32 words."""
+    seeds = np.asarray(seeds, np.uint64)
+    return np.stack([seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
 
 
 def softmax(x):
@@ -71,9 +78,9 @@ def test_greedy_rows_take_the_argmax_and_mix_with_sampled_rows():
 def test_a_row_depends_only_on_its_seed_and_position():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(8, V)).astype(np.float32)
-    a = sample_jit(logits, meta(8, seeds=np.arange(8) + 100, output_index=np.arange(8)))
+    a = sample_jit(logits, meta(8, seeds=seed_words(np.arange(8) + 100), output_index=np.arange(8)))
     perm = np.array([3, 0, 7, 1, 6, 2, 5, 4])
-    b = sample_jit(logits[perm], meta(8, seeds=(np.arange(8) + 100)[perm], output_index=np.arange(8)[perm]))
+    b = sample_jit(logits[perm], meta(8, seeds=seed_words(np.arange(8) + 100)[perm], output_index=np.arange(8)[perm]))
     np.testing.assert_array_equal(np.asarray(a.token_ids)[perm], np.asarray(b.token_ids))
 
 
@@ -159,3 +166,59 @@ def test_cutoff_knows_when_the_candidates_suffice():
     full_threshold, full_resolved = map(np.asarray, jax.jit(_cutoff)(-np.sort(-logits, axis=1), logits, m))
     assert full_resolved.all()
     np.testing.assert_array_equal(threshold[resolved], full_threshold[resolved])
+
+
+def test_samples_of_one_seed_are_not_other_seeds_samples():
+    """Sample i of seed s draws from fold_in(key(s), i): it is not sample i-1 of seed s+1
+    (the old `seed + i` scheme made request A's sample 1 equal request B's sample 0)."""
+    from jaxserve.sampler import sample_key
+
+    keys = {}
+    for seed in range(3):
+        for index in range(3):
+            data = jax.random.key_data(sample_key(seed_words(seed), np.int32(index), np.int32(0)))
+            keys[(seed, index)] = tuple(np.asarray(data).tolist())
+    assert len(set(keys.values())) == len(keys)
+    # Below 2**32 the seed's words are those of jax.random.key(seed) itself.
+    want = jax.random.fold_in(jax.random.fold_in(jax.random.key(7), 2), 5)
+    np.testing.assert_array_equal(jax.random.key_data(sample_key(seed_words(7), np.int32(2), np.int32(5))),
+                                  jax.random.key_data(want))
+    # The full 64 bits count: seeds that differ only in the high word draw differently.
+    hi = sample_key(seed_words(7 + (1 << 40)), np.int32(2), np.int32(5))
+    assert not np.array_equal(jax.random.key_data(hi), jax.random.key_data(want))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_filters_keep_exactly_the_documented_set_when_logits_tie(dtype):
+    """Logits with many ties (coarse float32 values; bfloat16's 8-bit mantissa), cut-offs
+    that fall inside tie groups, inside and beyond the 256 candidates the sampler looks at first."""
+    import jax.numpy as jnp
+
+    from jaxserve.sampler import _filter
+
+    vocab = 3000
+    rng = np.random.default_rng(7)
+    settings = [dict(top_k=1), dict(top_k=5), dict(top_k=256), dict(top_k=700), dict(top_p=0.3), dict(top_p=0.9),
+                dict(top_k=40, top_p=0.5), dict(top_k=256, top_p=0.97), dict(min_p=0.3), dict(top_k=30, min_p=0.1),
+                dict(top_p=0.999)]
+    rows = []
+    for i in range(len(settings)):
+        x = rng.normal(size=vocab) * (3.0 if i % 2 else 0.7)
+        if dtype == "float32":
+            x = np.round(x * 4) / 4  # quarter steps: hundreds of ties per value
+        x = np.array(jnp.asarray(x, jnp.dtype(dtype)).astype(jnp.float32))
+        k = settings[i].get("top_k")
+        if k:  # make sure the k-th largest ties with the next one
+            order = np.argsort(-x, kind="stable")
+            x[order[k]] = x[order[k - 1]]
+        rows.append(x)
+    logits = np.stack(rows)
+    m = meta(len(settings), top_k=[s.get("top_k", 0) for s in settings],
+             top_p=[s.get("top_p", 1.0) for s in settings], min_p=[s.get("min_p", 0.0) for s in settings])
+    got = np.isfinite(np.asarray(jax.jit(_filter)(logits, m)))
+    for row, s in enumerate(settings):
+        want = kept_by_documentation(logits[row], s.get("top_k", 0), s.get("top_p", 1.0), s.get("min_p", 0.0))
+        assert (got[row] == want).all(), (dtype, s, got[row].sum(), want.sum())
+        if s.get("top_k"):
+            kth = np.sort(logits[row])[::-1][s["top_k"] - 1]
+            assert (logits[row] == kth).sum() > 1

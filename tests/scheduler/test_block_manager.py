@@ -3,7 +3,7 @@
 import pytest
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.block_pool import BlockPool
+from scheduler.block_pool import BlockKey, BlockPool, hash_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
@@ -59,12 +59,78 @@ def test_a_full_cached_prompt_still_computes_its_last_token():
     assert s.kv.block_ids("b")[0] == 1
 
 
-def test_hash_collision_is_not_a_hit():
+def test_digest_collision_is_not_a_hit():
     pool = BlockPool(4)
     (block,) = pool.allocate(1)
-    pool.register(block, 1234, (1, 2))
-    assert pool.lookup(1234, (1, 2)) is block
-    assert pool.lookup(1234, (9, 9)) is None
+    pool.register(block, b"d", BlockKey(None, (1, 2)))
+    assert pool.lookup(b"d", BlockKey(None, (1, 2))) is block
+    assert pool.lookup(b"d", BlockKey(None, (9, 9))) is None
+    assert pool.lookup(b"d", BlockKey(block.prefix_id + 1, (1, 2))) is None  # same tokens, other prefix
+    assert pool.lookup(b"d", BlockKey(None, (1, 2), ("salt",))) is None
+
+
+def test_digests_are_chained_and_keyed():
+    a = hash_block(None, (1, 2, 3))
+    assert a == hash_block(None, (1, 2, 3)) and len(a) == 32
+    assert hash_block(a, (4,)) != hash_block(hash_block(None, (9, 2, 3)), (4,))
+    assert hash_block(None, (1, 2, 3), ("x",)) != a
+    assert hash_block(None, (1, 2, 3)) != hash_block(None, (1, 2, 3 + 2**32))  # ids are not truncated
+
+
+def run_alone(tokens, block_size=4, salt=None):
+    s = make(num_blocks=32, block_size=block_size)
+    s.add_request(Request("x", tokens, GREEDY.replace(max_tokens=1), cache_salt=salt))
+    step(s)
+    return s
+
+
+@pytest.mark.parametrize("digest", ["real", "constant"])
+def test_a_shared_last_block_never_shares_kv_across_different_prefixes(monkeypatch, digest):
+    """The CVE-2025-25183 shape: prompts equal in their last full block but not before.
+    Even with every digest forced equal, the second prompt finds no cached block."""
+    if digest == "constant":
+        monkeypatch.setattr("scheduler.kv_cache_manager.hash_block", lambda *args: b"same")
+    s = make(num_blocks=32)
+    tail = [40, 41, 42, 43]
+    s.add_request(Request("a", [1, 2, 3, 4] + tail + [9], GREEDY.replace(max_tokens=1)))
+    step(s)
+    s.add_request(Request("b", [5, 6, 7, 8] + tail + [9], GREEDY.replace(max_tokens=1)))
+    batch = s.schedule()
+    assert s.requests["b"].num_cached_tokens == 0
+    assert batch.input_ids.tolist() == [5, 6, 7, 8] + tail + [9]
+    assert not set(s.kv.block_ids("b")) & {1, 2}, "b must not hold a's blocks"
+    s.update(batch, [7])
+    # The same prefix again is still a hit (through a collision-ridden index when constant).
+    s.add_request(Request("a2", [1, 2, 3, 4] + tail + [11], GREEDY.replace(max_tokens=1)))
+    s.schedule()
+    if digest == "real":
+        assert s.requests["a2"].num_cached_tokens == 8
+
+
+def test_cache_salt_separates_otherwise_equal_prompts():
+    s = make(num_blocks=32)
+    prompt = list(range(9))
+    for rid, salt in [("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1"), ("d", None)]:
+        s.add_request(Request(rid, prompt, GREEDY.replace(max_tokens=1), cache_salt=salt))
+        step(s)
+    # Only c shares a's salt; b and d (unsalted) recompute everything.
+    assert s.prefix_cache_hits == 8
+    assert s.prefix_cache_queries == 4 * 9
+
+
+def test_prefix_cache_counts_each_admission_once():
+    """A queue head that waits for blocks is looked up every step, but counted once."""
+    s = make(num_blocks=6)  # 5 usable blocks of 4 tokens
+    s.add_request(Request("a", list(range(12)), GREEDY.replace(max_tokens=6)))
+    step(s)
+    s.add_request(Request("b", list(range(12)) + [50, 51, 52, 53, 54], GREEDY.replace(max_tokens=1)))
+    for _ in range(3):
+        step(s)  # b waits: it needs 2 blocks besides the 3 it shares with a, and a holds 4 of 5
+        assert s.waiting[0].request_id == "b"
+        assert s.prefix_cache_queries == 12
+    while s.has_unfinished:
+        step(s)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (12 + 17, 12)
 
 
 def test_forked_samples_share_the_prompt_and_copy_on_write():

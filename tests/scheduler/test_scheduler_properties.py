@@ -1,5 +1,8 @@
 """Property tests: random adds, steps, aborts and stops never break the scheduler's books."""
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -88,3 +91,60 @@ def run_step(s, cfg, rng):
     assert len(set(batch.slot_mapping.tolist())) == batch.num_tokens
     tokens = rng.integers(0, 8, batch.num_seqs)  # sometimes EOS
     s.update(batch, tokens)
+
+
+DIGESTS = {
+    "real": None,
+    "constant": lambda parent, tokens, extra=(): b"x",  # every block collides with every other
+    "last-token": lambda parent, tokens, extra=(): bytes([tokens[-1] % 4]),  # collisions across prefixes
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=8),
+       salts=st.lists(st.sampled_from([None, "s1", "s2"]), min_size=8, max_size=8),
+       digest=st.sampled_from(sorted(DIGESTS)), block_size=st.sampled_from([1, 2, 3]),
+       num_blocks=st.integers(6, 30), max_tokens=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_every_cache_hit_holds_the_whole_prefix(prompts, salts, digest, block_size, num_blocks, max_tokens, seed):
+    """A shadow KV cache records, for every slot written, the whole token prefix ending at
+    that slot (and the writer's salt). Each step, every context slot a sequence reads must
+    hold exactly its own prefix: a hit on the last block alone would show as a mismatch."""
+    patch = mock.patch("scheduler.kv_cache_manager.hash_block", DIGESTS[digest]) if DIGESTS[digest] else \
+        contextlib.nullcontext()
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=3, max_num_batched_tokens=8,
+                          max_model_len=64)
+    rng = np.random.default_rng(seed)
+    with patch:
+        s = Scheduler(cfg)
+        shadow: dict[int, tuple] = {}
+        pending = [Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens), cache_salt=salts[i])
+                   for i, p in enumerate(prompts)]
+        for _ in range(500):
+            if pending and rng.random() < 0.5:
+                req = pending.pop(0)
+                try:
+                    s.add_request(req)
+                except ValueError:
+                    pass  # longer than the whole cache
+            batch = s.schedule()
+            if batch is None:
+                s.update(None)
+                if not pending and not s.has_unfinished:
+                    break
+                continue
+            for src, dst in batch.block_copies:
+                for off in range(block_size):
+                    shadow[dst * block_size + off] = shadow.get(src * block_size + off)
+            for row, rid in enumerate(batch.request_ids):
+                req = s.requests[rid]
+                table = s.kv.block_ids(rid)
+                start = int(batch.positions[batch.query_start_loc[row]])
+                for pos in range(start):
+                    slot = table[pos // block_size] * block_size + pos % block_size
+                    assert shadow.get(slot) == (req.cache_salt, tuple(req.all_token_ids[: pos + 1])), \
+                        f"{rid} reads position {pos} from a slot written for another prefix"
+                for i in range(batch.query_start_loc[row], batch.query_start_loc[row + 1]):
+                    pos = int(batch.positions[i])
+                    shadow[int(batch.slot_mapping[i])] = (req.cache_salt, tuple(req.all_token_ids[: pos + 1]))
+            s.update(batch, rng.integers(0, 4, batch.num_seqs))
+            s.check_integrity()
