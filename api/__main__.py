@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="answer 503 when this many requests wait beyond the free batch slots (default: no limit)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="the serial step loop: wait for each step's tokens before scheduling the next (debugging)")
     p.add_argument("--generation-config", default="auto",
                    help="'auto': the model's generation_config.json sets defaults for sampling fields a request "
                         "leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json")
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
                          max_model_len=args.max_model_len, block_size=args.block_size,
                          kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                          enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                         generation_config=args.generation_config)
+                         generation_config=args.generation_config, async_scheduling=not args.no_async_scheduling)
     try:
         engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                                       progress=sys.stderr.isatty(), **engine_kwargs)

@@ -6,8 +6,19 @@
         for out in engine.step():
             print(out.outputs[0].new_text, end="")
 
-Each step is the design's three lines: `scheduler.schedule()`, `runner.execute(batch)`,
+Each step is the design's three lines: `scheduler.schedule()`, `runner.dispatch(batch)`,
 `scheduler.update(batch, tokens)`; then the output processor turns tokens into text.
+
+The loop is overlapped (`async_scheduling`, on by default): a step schedules and
+dispatches batch N+1 first and only then waits for batch N's tokens and turns them into
+text, so the device never waits for the host between steps. Batch N+1 is built before the
+host knows N's tokens; the device feeds them in (see scheduler/request.py, pending
+tokens). A request that ended in step N may have had one more token computed in N+1: it
+is dropped, never shown. Requests with penalties need their whole history on the host,
+so while one runs, a step first waits for the batch in flight (the serial loop).
+
+    step k:   schedule(N+1) -> dispatch(N+1) -> fetch(N) -> update(N) -> detokenize(N)
+    device:   ...[ step N ][ step N+1 ]...
 """
 
 from __future__ import annotations
@@ -23,13 +34,13 @@ import jax.numpy as jnp
 from jaxserve.backend import select_attention
 from jaxserve.generation_config import read_generation_config
 from jaxserve.kv_cache import num_blocks_for_memory
-from jaxserve.model_runner import ModelRunner
+from jaxserve.model_runner import ModelRunner, StepHandle
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.tokenization import encode_prompt
 from jaxserve.weights import LoadedModel, load_model
 from jaxserve.weights.load import default_cache_dir
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +59,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
     warm_up: bool = True
     generation_config: str = "auto"  # "auto", "vllm" or a folder (see jaxserve.generation_config)
+    async_scheduling: bool = True  # overlap the host's work for step N with the device's step N+1
 
 
 class LLMEngine:
@@ -79,6 +91,7 @@ class LLMEngine:
             buckets=list(config.token_buckets) if config.token_buckets else None,
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
                     self.runner.kv.nbytes / 2**20)
         if config.warm_up:
@@ -143,16 +156,37 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # -- one step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; outputs for every request that progressed or finished."""
+        """Run one engine step; outputs for every request that progressed or finished.
+
+        With the overlapped loop these are the outputs of the step dispatched one call
+        earlier; the step this call dispatches reports on the next call.
+        """
+        if self._in_flight is not None and self._needs_known_tokens():
+            return self._collect()
         batch = self.scheduler.schedule()
-        output = self.runner.execute(batch) if batch is not None else None
+        handle = self.runner.dispatch(batch) if batch is not None else None
+        outputs = self._collect() if self._in_flight is not None else []
+        self._in_flight = (batch, handle)
+        if batch is None or not self.config.async_scheduling:
+            outputs += self._collect()
+        return outputs
+
+    def _collect(self) -> list[RequestOutput]:
+        """Wait for the step in flight and write its tokens back."""
+        batch, handle = self._in_flight
+        self._in_flight = None
+        output = handle.fetch() if handle is not None else None
         results = self.scheduler.update(batch, output.token_ids if output is not None else ())
         return self.outputs.process(results, output, self.scheduler)
+
+    def _needs_known_tokens(self) -> bool:
+        """A running request with penalties: the next batch needs its last token on the host."""
+        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
     def generate_all(self) -> list[RequestOutput]:
         """Step until every request is done; the final output of each, in finishing order."""

@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-dir", help="where converted weights and compiled programs are kept "
                                        "(default $JAXSERVE_CACHE or ~/.cache/jaxserve)")
     p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default=None)
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="the serial step loop: wait for each step's tokens before scheduling the next")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.prompts_file is None):
@@ -97,6 +99,7 @@ def main(argv=None) -> int:
         max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
         max_model_len=max(lens) + params.max_tokens + 1, attention_backend=args.attention_backend,
         kv_cache_memory=256 << 20, generation_config=args.generation_config,
+        async_scheduling=not args.no_async_scheduling,
     ))
     try:
         for i, ids in enumerate(prompt_ids):

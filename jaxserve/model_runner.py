@@ -8,6 +8,11 @@ sequence count is S = min(T, max_num_seqs) for each T. Every bucket is compiled 
 The model and the sampler are two jitted functions dispatched back to back (the logits
 never leave the device): the model's programs depend only on T, the sampler's on S and
 on whether penalties are in use, so the compiled set is their sum, not their product.
+
+`dispatch(batch)` only enqueues the step and returns a handle; `handle.fetch()` waits for
+its sampled tokens. The sampled tokens also stay on the device (`last_tokens`), where the
+next step reads the ones it needs (`StepBatch.pending_tokens`): with the overlapped loop,
+step N+1 is dispatched before the host has seen step N's tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -83,12 +89,19 @@ class ModelRunner:
         graphdef, params = nnx.split(model)
         self.params = jax.device_put(params, device)
 
-        def forward(params, kv, inputs):
+        def forward(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens):
+            inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
             return nnx.merge(graphdef, params)(inputs, kv, attention=attention)
+
+        def sample_and_keep(logits, meta):
+            out = sample(logits, meta)
+            return out, jnp.zeros(max_num_seqs, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
 
         # jit is applied here, once; the step functions stay plain functions.
         self._forward = jax.jit(forward, donate_argnames=("kv",))
-        self._sample = jax.jit(sample)
+        self._sample = jax.jit(sample_and_keep)
+        # The latest step's sampled tokens, by row, on the device.
+        self.last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), device)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         self.compilations = CompileCounter()
 
@@ -105,10 +118,11 @@ class ModelRunner:
         """Compile every bucket now, so that serving never waits on the compiler."""
         for t in self.buckets:
             s = min(t, self.max_num_seqs)
-            inputs = self._pad_inputs(None, t, s)
-            logits, self.kv = self._forward(self.params, self.kv, inputs)
+            inputs, pending = self._pad_inputs(None, t, s)
+            logits, self.kv = self._forward(self.params, self.kv, inputs, pending, self.last_tokens)
             for penalties in (False, True):
-                self._sample(logits, _dummy_sampling(s, penalties, self.max_model_len)).token_ids.block_until_ready()
+                out, _ = self._sample(logits, _dummy_sampling(s, penalties, self.max_model_len))
+                out.token_ids.block_until_ready()
         self.kv = self._copy_blocks(self.kv, np.zeros((self.max_num_seqs, 2), np.int32))
         jax.block_until_ready(self.kv)
         logger.info("compiled %d token buckets %s", len(self.buckets), self.buckets)
@@ -116,26 +130,28 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------
 
     def execute(self, batch: StepBatch) -> RunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.dispatch(batch).fetch()
+
+    def dispatch(self, batch: StepBatch) -> StepHandle:
+        """Enqueue one step on the device and return at once."""
         if batch.block_copies:
             self._run_copies(batch.block_copies)
         t, s = self.bucket_for(batch.num_tokens)
-        logits, self.kv = self._forward(self.params, self.kv, self._pad_inputs(batch, t, s))
-        out: SamplerOutput = self._sample(logits, self._pad_sampling(batch.sampling, s))
-        n, k = batch.num_seqs, batch.sampling.num_logprobs
-        token_ids = np.asarray(out.token_ids)[:n]
-        logprobs = np.asarray(out.logprobs)[:n]
-        if k:
-            return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, :k],
-                                np.asarray(out.top_logprobs)[:n, :k])
-        return RunnerOutput(token_ids, logprobs, None, None)
+        inputs, pending = self._pad_inputs(batch, t, s)
+        logits, self.kv = self._forward(self.params, self.kv, inputs, pending, self.last_tokens)
+        out, self.last_tokens = self._sample(logits, self._pad_sampling(batch.sampling, s))
+        return StepHandle(out, batch.num_seqs, batch.sampling.num_logprobs)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         pairs = np.zeros((max(self.max_num_seqs, len(copies)), 2), np.int32)  # (0, 0): null onto itself
         pairs[: len(copies)] = copies
         self.kv = self._copy_blocks(self.kv, pairs)
 
-    def _pad_inputs(self, batch: StepBatch | None, t: int, s: int) -> ModelInputs:
+    def _pad_inputs(self, batch: StepBatch | None, t: int, s: int) -> tuple[ModelInputs, PendingTokens]:
         ids, pos, slots = (np.zeros(t, np.int32) for _ in range(3))
+        pending_at = np.full(s, t, np.int32)  # padding: out of range, dropped
+        pending_rows = np.zeros(s, np.int32)
         qsl = np.zeros(s + 1, np.int32)
         seq_lens = np.zeros(s, np.int32)
         tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
@@ -148,7 +164,9 @@ class ModelRunner:
             seq_lens[:m] = batch.seq_lens
             tables[:m, : batch.block_tables.shape[1]] = batch.block_tables
             logits_at[:m] = batch.logits_indices
-        return ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at)
+            p = len(batch.pending_tokens)
+            pending_at[:p], pending_rows[:p] = batch.pending_tokens, batch.pending_rows
+        return ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at), PendingTokens(pending_at, pending_rows)
 
     def _pad_sampling(self, b: SamplingBatch, s: int) -> SamplingMetadata:
         def pad(a, fill=0):
@@ -168,6 +186,34 @@ class ModelRunner:
             history[: len(b.history), : b.history.shape[1]] = b.history
             meta.history, meta.history_lens, meta.prompt_lens = history, pad(b.history_lens), pad(b.prompt_lens)
         return meta
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PendingTokens:
+    """Which input tokens the step in flight sampled: they are taken from its device output."""
+
+    positions: jax.Array  # int32 [S]: on the flat token axis (T for padding: dropped)
+    rows: jax.Array  # int32 [S]: rows of the step in flight
+
+    def fill(self, input_ids: jax.Array, last_tokens: jax.Array) -> jax.Array:
+        return input_ids.at[self.positions].set(last_tokens[self.rows], mode="drop")
+
+
+class StepHandle:
+    """A dispatched step; `fetch()` waits for its sampled tokens (one row per sequence)."""
+
+    def __init__(self, out: SamplerOutput, num_seqs: int, num_logprobs: int):
+        self.out, self.num_seqs, self.num_logprobs = out, num_seqs, num_logprobs
+
+    def fetch(self) -> RunnerOutput:
+        out, n, k = self.out, self.num_seqs, self.num_logprobs
+        token_ids = np.asarray(out.token_ids)[:n]
+        logprobs = np.asarray(out.logprobs)[:n]
+        if k:
+            return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, :k],
+                                np.asarray(out.top_logprobs)[:n, :k])
+        return RunnerOutput(token_ids, logprobs, None, None)
 
 
 def copy_blocks(kv: KVCache, pairs: jax.Array) -> KVCache:
@@ -209,4 +255,4 @@ class CompileCounter:
         return CompileCounter._count
 
 
-__all__ = ["ModelRunner", "RunnerOutput", "token_buckets"]
+__all__ = ["ModelRunner", "RunnerOutput", "StepHandle", "token_buckets"]

@@ -10,9 +10,13 @@ from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
 
 
 def build_step_batch(
-    rows: list[tuple[Request, int]], tables: list[list[int]], block_size: int, copies: list[tuple[int, int]]
+    step_id: int, rows: list[tuple[Request, int]], tables: list[list[int]], block_size: int,
+    copies: list[tuple[int, int]]
 ) -> StepBatch:
-    """`rows`: (request, number of its tokens to run) in row order; `tables`: their block ids."""
+    """`rows`: (request, number of its tokens to run) in row order; `tables`: their block ids.
+
+    Built before the rows' counters advance: a row starts at its `num_computed_tokens`.
+    """
     num_seqs = len(rows)
     counts = np.fromiter((n for _, n in rows), np.int32, num_seqs)
     starts = np.fromiter((r.num_computed_tokens for r, _ in rows), np.int32, num_seqs)
@@ -20,9 +24,16 @@ def build_step_batch(
     np.cumsum(counts, out=query_start_loc[1:])
 
     ids: list[int] = []
+    pending_tokens, pending_rows = [], []
     for req, n in rows:
         start = req.num_computed_tokens
-        ids += req.all_token_ids[start : start + n]
+        known = req.all_token_ids[start : start + n]
+        ids += known
+        if len(known) < n:  # its last token was sampled by the step in flight: the device has it
+            assert n - len(known) == 1, "at most one step is in flight"
+            pending_tokens.append(len(ids))
+            pending_rows.append(req.pending_row)
+            ids.append(0)
     input_ids = np.array(ids, np.int32)
     # positions: start of each row, plus 0..n-1 within the row
     row_of_token = np.repeat(np.arange(num_seqs), counts)
@@ -35,6 +46,7 @@ def build_step_batch(
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
 
     return StepBatch(
+        step_id=step_id,
         request_ids=[r.request_id for r, _ in rows],
         num_scheduled_tokens=counts,
         input_ids=input_ids,
@@ -44,6 +56,9 @@ def build_step_batch(
         seq_lens=starts + counts,
         block_tables=block_tables,
         logits_indices=query_start_loc[1:] - 1,
+        samples=starts + counts == np.fromiter((r.num_tokens for r, _ in rows), np.int32, num_seqs),
+        pending_tokens=np.array(pending_tokens, np.int32),
+        pending_rows=np.array(pending_rows, np.int32),
         sampling=build_sampling_batch([r for r, _ in rows]),
         block_copies=copies,
     )
@@ -79,11 +94,15 @@ def build_sampling_batch(requests: list[Request]) -> SamplingBatch:
         num_logprobs=max((p.logprobs or 0) for p in params),
     )
     if any(p.uses_penalties for p in params):
-        width = max(r.num_tokens for r in requests)
+        # NOTE: penalties read the whole history from the host, so the engine never
+        # schedules a request that uses them while one of its tokens is still pending.
+        assert all(r.num_pending == 0 for r, p in zip(requests, params) if p.uses_penalties)
+        known = [r.all_token_ids for r in requests]
+        width = max(len(t) for t in known)
         batch.history = np.zeros((num, width), np.int32)
-        for i, r in enumerate(requests):
-            batch.history[i, : r.num_tokens] = r.all_token_ids
-        batch.history_lens = np.fromiter((r.num_tokens for r in requests), np.int32, num)
+        for i, tokens in enumerate(known):
+            batch.history[i, : len(tokens)] = tokens
+        batch.history_lens = np.fromiter((len(t) for t in known), np.int32, num)
         batch.prompt_lens = np.fromiter((r.num_prompt_tokens for r in requests), np.int32, num)
     return batch
 

@@ -4,6 +4,14 @@ A request's tokens are its prompt followed by what it has generated. Each step t
 scheduler gives it some of the tokens it has not computed yet (a prefill chunk, a whole
 prompt, or the one token sampled last step); `num_computed_tokens` catches up to
 `num_tokens`, and whenever it reaches it the step samples one more token.
+
+The scheduler counts a step's tokens as computed when it schedules them, and a sampled
+token exists from then on too, as a pending token: with the overlapped step loop the
+next step is scheduled before this one's tokens reach the host, and a pending token is
+fed to it from the device. `all_token_ids` holds the known ids; the pending ones follow.
+
+    all_token_ids   [p0 p1 p2 p3 | o0 o1]  pending: [o2]      num_tokens = 7
+                     prompt        known outputs   sampled by the step in flight
 """
 
 from __future__ import annotations
@@ -72,22 +80,29 @@ class Request:
         self.cache_salt = cache_salt  # requests with different salts never share cached KV
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_pending = 0  # sampled tokens whose ids the host does not know yet (steps in flight)
+        self.pending_row = 0  # the row of the latest step that samples one: where the device has it
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
 
     def append_output(self, token_id: int) -> None:
+        """The oldest pending token's id has arrived."""
+        assert self.num_pending > 0, f"{self.request_id}: a token arrived that no step sampled"
+        self.num_pending -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Generated tokens, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Prompt and generated tokens, pending ones included."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -78,6 +78,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.forks: dict[str, list[Request]] = {}  # parent id -> samples waiting for its prompt
         self.ended_without_token: list[Request] = []  # reported by the next update()
+        self._step_id = 0
+        self._in_flight: dict[int, list[Request]] = {}  # step id -> its rows' requests, until update()
         self.num_preemptions = 0
         # Prompt tokens looked up in the prefix cache and found there, once per admission.
         self.prefix_cache_queries = 0
@@ -140,8 +142,9 @@ class Scheduler:
         scheduled: dict[str, tuple[Request, int]] = {}
         preempted = False
 
-        # Running requests: decodes first, then prefill chunks, each in admission order.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        # Running requests: decodes first, then prefill chunks, each in admission order. A
+        # request whose pending token already ends it by length is not run again.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not self._at_length(r)]
         chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + chunks:
             if budget == 0:
@@ -196,31 +199,41 @@ class Scheduler:
             return None  # NOTE: requests ended above are reported by the next update()
         rows = list(scheduled.values())
         tables = [self.kv.tables[r.request_id] for r, _ in rows]
-        return build_step_batch(rows, tables, cfg.block_size, self.kv.take_copies())
+        self._step_id += 1
+        batch = build_step_batch(self._step_id, rows, tables, cfg.block_size, self.kv.take_copies())
+        # The step's tokens count as computed now, and a row that reaches the end of its
+        # request samples a pending token: the next step can be scheduled at once.
+        for row, (req, n) in enumerate(rows):
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_pending += 1
+                req.pending_row = row
+        self._in_flight[self._step_id] = [req for req, _ in rows]
+        return batch
 
     def update(self, batch: StepBatch | None, sampled_token_ids=()) -> list[StepResult]:
-        """Write a step's results back: advance counters, append tokens, finish requests.
+        """Write a step's results back: the sampled tokens' ids, finished requests.
 
-        Call it after every schedule(), with batch None when that returned None.
+        Call it once for every batch schedule() returned, in order (with the overlapped
+        loop, after the next step has been scheduled), and with None when schedule()
+        returned None, to collect requests that ended without a token.
         """
         results = [StepResult(req, None) for req in self.ended_without_token]
         self.ended_without_token.clear()
         if batch is None:
             return results
         tokens = np.asarray(sampled_token_ids).tolist()  # Python ints, once, not per row
-        counts = batch.num_scheduled_tokens.tolist()
-        for row, (request_id, n) in enumerate(zip(batch.request_ids, counts)):
-            req = self.requests.get(request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted (or preempted) while the step ran
-            req.num_computed_tokens += n
+        for row, (req, samples) in enumerate(zip(self._in_flight.pop(batch.step_id), batch.samples.tolist())):
+            if req.is_finished:
+                continue  # ended (EOS, a stop string, an abort) after this step was scheduled
             self.kv.cache_full_blocks(req)
-            if req.num_computed_tokens < req.num_tokens:
+            if not samples:
                 continue  # a prefill chunk that did not reach the end: nothing sampled
             token = tokens[row]
             req.append_output(token)
             if self.forks:
-                self._release_forks(req, fork=True)
+                # A preempted parent has no blocks to share: its samples start from scratch.
+                self._release_forks(req, fork=req.status == RequestStatus.RUNNING)
             status = self._stop_status(req, token)
             if status is not None:
                 self._finish(req, status)
@@ -234,7 +247,11 @@ class Scheduler:
         return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
 
     def _chunk(self, req: Request, budget: int) -> int:
-        return min(len(req.all_token_ids) - req.num_computed_tokens, budget, self._chunk_limit)
+        return min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_limit)
+
+    def _at_length(self, req: Request) -> bool:
+        """Its pending tokens reach max_tokens or the context: it ends when they arrive."""
+        return req.num_output_tokens >= req.sampling_params.max_tokens or req.num_tokens >= self.config.max_model_len
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params

@@ -48,6 +48,7 @@ class SamplingBatch:
 
 @dataclasses.dataclass
 class StepBatch:
+    step_id: int  # increasing; update() finds the step's requests by it
     request_ids: list[str]  # [S] in row order
     num_scheduled_tokens: np.ndarray  # int32 [S]
     input_ids: np.ndarray  # int32 [T]
@@ -57,6 +58,11 @@ class StepBatch:
     seq_lens: np.ndarray  # int32 [S]
     block_tables: np.ndarray  # int32 [S, max_blocks in this step]
     logits_indices: np.ndarray  # int32 [S]
+    samples: np.ndarray  # bool [S]: the row reaches the end of its request, so its sampled token is real
+    # Tokens sampled by the step still in flight (overlapped loop): input_ids[pending_tokens[i]]
+    # is that step's sampled token of row pending_rows[i], taken on the device.
+    pending_tokens: np.ndarray  # int32 [P]: positions on the flat token axis
+    pending_rows: np.ndarray  # int32 [P]: rows of the step in flight
     sampling: SamplingBatch
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies, done before the step
 

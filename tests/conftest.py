@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +19,22 @@ def tiny_llama(tiny_llama_dir):
     from jaxserve.weights import load_model
 
     return load_model(str(tiny_llama_dir), use_cache=False, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tok_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with a real tokenizer.json (whole words, BOS added) and a chat template."""
+    folder = tmp_path_factory.mktemp("tiny-llama-tok")
+    make_tiny_model("llama", folder)
+    make_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tok(tiny_llama_tok_dir):
+    from jaxserve.weights import load_model
+
+    return load_model(str(tiny_llama_tok_dir), use_cache=False, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,7 @@ def test_seeded_sampling_is_batch_independent(tiny_llama):
 
 
 def test_n_samples_share_prompt_blocks(tiny_llama):
-    eng = engine(tiny_llama)
+    eng = engine(tiny_llama, async_scheduling=False)  # the serial loop: each step() is one whole step
     prompt = list(range(3, 3 + 18))  # 4 full blocks and a partial one
     eng.add_request("x", prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))
     eng.step()  # the prompt, once

@@ -14,7 +14,6 @@ from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.tokenization import PromptError, encode_chat, encode_prompt
 from jaxserve.weights import load_model
 from scheduler import SamplingParams
-from tests.tiny_models import make_tiny_model, make_tiny_tokenizer
 
 PROMPT = "the cat sat on the mat and the dog ran to the house"
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=4, num_blocks=64,
@@ -22,16 +21,13 @@ SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), b
 
 
 @pytest.fixture(scope="module")
-def bos_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-bos")
-    make_tiny_model("llama", folder)
-    make_tiny_tokenizer(folder)
-    return folder
+def bos_folder(tiny_llama_tok_dir):
+    return tiny_llama_tok_dir
 
 
 @pytest.fixture(scope="module")
-def loaded(bos_folder):
-    return load_model(str(bos_folder), use_cache=False, progress=False)
+def loaded(tiny_llama_tok):
+    return tiny_llama_tok
 
 
 @pytest.fixture(scope="module")
