@@ -63,24 +63,29 @@ class Attention(nnx.Module):
     def __call__(self, x, inputs: ModelInputs, k_pages, v_pages, block_offset, inv_freq, attention: AttentionFn):
         cfg = self.cfg
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, inputs.positions, inv_freq)
-        k = apply_rope(k, inputs.positions, inv_freq)
+        with jax.named_scope("qkv_proj"):
+            q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+            k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        with jax.named_scope("rope"):
+            q = apply_rope(q, inputs.positions, inv_freq)
+            k = apply_rope(k, inputs.positions, inv_freq)
 
         # Write this step's K/V first; attention then reads the whole context from pages.
-        page_size = k_pages.shape[1]
-        slots = inputs.slot_mapping + block_offset * page_size
-        k_pages = _write_slots(k_pages, slots, k)
-        v_pages = _write_slots(v_pages, slots, v)
-        out = attention(
-            q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
-            sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
-        )
-        return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages
+        with jax.named_scope("kv_write"):
+            page_size = k_pages.shape[1]
+            slots = inputs.slot_mapping + block_offset * page_size
+            k_pages = _write_slots(k_pages, slots, k)
+            v_pages = _write_slots(v_pages, slots, v)
+        with jax.named_scope("attention"):
+            out = attention(
+                q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
+                sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
+            )
+        with jax.named_scope("o_proj"):
+            return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages
 
 
 def _write_slots(pages: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
@@ -98,7 +103,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(dtype, f, d, False, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        with jax.named_scope("mlp"):
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
@@ -109,8 +115,31 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
 
+def unstack_layers(model: DecoderLM) -> DecoderLM:
+    """Turn the model's stacked layers into separate ones, in place (the stacked arrays are
+    freed); the forward pass then unrolls the layers instead of scanning them.
+
+    Serving wants this: a scan reads each layer's weights through a dynamic slice, which
+    XLA on the CPU materializes as a copy every step, so a memory-bound decode step moves
+    its weights three times (read, write the copy, read it). Separate arrays are read in
+    place, once. The price is compile time that grows with depth.
+    """
+    if isinstance(model.layers, nnx.List):
+        return model
+    layer_def, stacked = nnx.split(model.layers)
+    num_layers = model.cfg.num_layers
+    layers = [nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(num_layers)]
+    del stacked
+    model.layers = nnx.List(layers)
+    return model
+
+
 class DecoderLM(nnx.Module):
-    """Embeddings, a stack of decoder layers, the final norm and the LM head."""
+    """Embeddings, a stack of decoder layers, the final norm and the LM head.
+
+    The layers are stacked on a leading axis and scanned, or, after `unstack_layers`
+    (what the serving engine does), separate modules run one after another.
+    """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -131,31 +160,47 @@ class DecoderLM(nnx.Module):
         self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference
     ) -> tuple[jax.Array, KVCache]:
         """Logits [len(logits_indices), vocab] in float32, and the cache with this step's K/V."""
-        cfg = self.cfg
-        x = self.embed_tokens(inputs.input_ids)  # [T, D]
-        inv_freq = jnp.asarray(cfg.rope_inv_freq())
+        x, kv = self.hidden_states(inputs, kv, attention)
+        return self.logits(x[inputs.logits_indices]), kv
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Float32 logits of final hidden states x [S, D] (the final norm, then the LM head)."""
+        with jax.named_scope("lm_head"):
+            x = self.norm(x)
+            logits = self.embed_tokens.attend(x) if self.cfg.tie_word_embeddings else self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+    def hidden_states(
+        self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference
+    ) -> tuple[jax.Array, KVCache]:
+        """The last layer's output [T, D] for every token, and the cache with this step's K/V."""
+        with jax.named_scope("embed"):
+            x = self.embed_tokens(inputs.input_ids)  # [T, D]
+        inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         num_layers, num_blocks = kv.k.shape[:2]
         # Fold layers into the page axis: layer l owns pages [l * num_blocks, (l + 1) * num_blocks).
         k_pages = kv.k.reshape(num_layers * num_blocks, *kv.k.shape[2:])
         v_pages = kv.v.reshape(num_layers * num_blocks, *kv.v.shape[2:])
 
-        layer_def, layer_state = nnx.split(self.layers)
-
-        def one_layer(carry, state):
+        def one_layer(carry, layer: DecoderLayer):
             x, k_pages, v_pages, layer_idx = carry
-            layer = nnx.merge(layer_def, state)
-            h, k_pages, v_pages = layer.self_attn(
-                layer.input_layernorm(x), inputs, k_pages, v_pages, layer_idx * num_blocks, inv_freq, attention
-            )
+            with jax.named_scope("norm"):
+                h = layer.input_layernorm(x)
+            h, k_pages, v_pages = layer.self_attn(h, inputs, k_pages, v_pages, layer_idx * num_blocks, inv_freq,
+                                                  attention)
             x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            return (x, k_pages, v_pages, layer_idx + 1), None
+            with jax.named_scope("norm"):
+                h = layer.post_attention_layernorm(x)
+            x = x + layer.mlp(h)
+            return x, k_pages, v_pages, layer_idx + 1
 
-        (x, k_pages, v_pages, _), _ = jax.lax.scan(one_layer, (x, k_pages, v_pages, jnp.int32(0)), layer_state)
-
-        x = self.norm(x[inputs.logits_indices])  # [S, D]: norm is per token, gather first
-        if cfg.tie_word_embeddings:
-            logits = self.embed_tokens.attend(x)
-        else:
-            logits = self.lm_head(x)
-        return logits.astype(jnp.float32), KVCache(k_pages.reshape(kv.k.shape), v_pages.reshape(kv.v.shape))
+        carry = (x, k_pages, v_pages, jnp.int32(0))
+        if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
+            for layer in self.layers:
+                carry = one_layer(carry, layer)
+        else:  # stacked layers: one scanned body, whatever the depth
+            layer_def, layer_state = nnx.split(self.layers)
+            carry, _ = jax.lax.scan(lambda c, state: (one_layer(c, nnx.merge(layer_def, state)), None), carry,
+                                    layer_state)
+        x, k_pages, v_pages, _ = carry
+        return x, KVCache(k_pages.reshape(kv.k.shape), v_pages.reshape(kv.v.shape))

@@ -1,13 +1,20 @@
-"""Runs a scheduler `StepBatch` on the device: pad to a bucket, one jitted model call, sample.
+"""Runs a scheduler `StepBatch` on the device: pad to buckets, two jitted calls, sampled tokens.
 
-Shapes are padded to a fixed set of buckets so the number of compiled programs is known:
-token counts T are powers of two from MIN_TOKENS up to max_num_batched_tokens, and the
-sequence count is S = min(T, max_num_seqs) for each T. Every bucket is compiled by
-`warm_up()`; `compilations` counts XLA compiles so tests can show none happen later.
+Shapes are padded to a fixed set of buckets so the number of compiled programs is known
+and small. A step is two programs dispatched back to back (nothing returns to the host
+in between):
 
-The model and the sampler are two jitted functions dispatched back to back (the logits
-never leave the device): the model's programs depend only on T, the sampler's on S and
-on whether penalties are in use, so the compiled set is their sum, not their product.
+- the body: embeddings, every layer, the KV write, for T tokens, T a power of two from
+  MIN_TOKENS up to max_num_batched_tokens (its attention sees S = min(T, max_num_seqs)
+  sequence slots). It hands over the final hidden state of each sequence's last token.
+- the head: final norm, LM head and sampler for R rows, R the number of sequences
+  rounded up to a power of two (at most max_num_seqs), with or without penalties.
+
+So the compiled set is the token buckets plus twice the row buckets, not their product,
+and the LM head and sampler, whose cost grows with the rows, work on the real batch
+(rounded up), not on as many rows as the token bucket could hold. Every program is
+compiled by `warm_up()`; `compilations` counts XLA compiles so tests can show none
+happen later.
 
 `dispatch(batch)` only enqueues the step and returns a handle; `handle.fetch()` waits for
 its sampled tokens. The sampled tokens also stay on the device (`last_tokens`), where the
@@ -27,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.kv_cache import KVCache, allocate_kv_cache
-from jaxserve.model import AttentionFn, DecoderLM
+from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.sampler import SamplerOutput, SamplingMetadata, sample
 from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
@@ -45,7 +52,7 @@ class RunnerOutput:
     """One row per scheduled sequence (padding rows removed)."""
 
     token_ids: np.ndarray  # int32 [S]
-    logprobs: np.ndarray  # float32 [S]
+    logprobs: np.ndarray | None  # float32 [S] when some sequence asked for logprobs
     top_logprob_ids: np.ndarray | None  # int32 [S, k] when some sequence asked for logprobs
     top_logprobs: np.ndarray | None
 
@@ -86,46 +93,60 @@ class ModelRunner:
         device = jax.devices()[0]
         kv = allocate_kv_cache(self.config, num_blocks, block_size, kv_dtype or model.dtype)
         self.kv: KVCache = jax.device_put(kv, device)
-        graphdef, params = nnx.split(model)
+        graphdef, params = nnx.split(unstack_layers(model))
         self.params = jax.device_put(params, device)
+        rows = max_num_seqs
 
-        def forward(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens):
+        def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens):
+            """Hidden states [max_num_seqs, D] of each sequence's last token, and the cache."""
             inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
-            return nnx.merge(graphdef, params)(inputs, kv, attention=attention)
+            hidden, kv = nnx.merge(graphdef, params).hidden_states(inputs, kv, attention=attention)
+            return hidden[inputs.logits_indices], kv
 
-        def sample_and_keep(logits, meta):
-            out = sample(logits, meta)
-            return out, jnp.zeros(max_num_seqs, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+        def head(params, hidden, meta: SamplingMetadata):
+            """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
+            r = meta.temperature.shape[0]
+            out = sample(nnx.merge(graphdef, params).logits(hidden[:r]), meta)
+            return out, jnp.zeros(rows, jnp.int32).at[:r].set(out.token_ids)
 
         # jit is applied here, once; the step functions stay plain functions.
-        self._forward = jax.jit(forward, donate_argnames=("kv",))
-        self._sample = jax.jit(sample_and_keep)
+        self._body = jax.jit(body, donate_argnames=("kv",))
+        self._head = jax.jit(head)
         # The latest step's sampled tokens, by row, on the device.
-        self.last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), device)
+        self.last_tokens = jax.device_put(np.zeros(rows, np.int32), device)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         self.compilations = CompileCounter()
 
     # -- buckets ------------------------------------------------------------------------
 
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
-        """(T, S) of the smallest bucket holding `num_tokens` tokens."""
+        """(T, S) of the smallest token bucket holding `num_tokens` tokens."""
         for t in self.buckets:
             if t >= num_tokens:
                 return t, min(t, self.max_num_seqs)
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
+    @property
+    def row_buckets(self) -> list[int]:
+        """Powers of two up to max_num_seqs (and max_num_seqs itself)."""
+        return sorted({min(1 << i, self.max_num_seqs) for i in range(self.max_num_seqs.bit_length() + 1)})
+
+    def rows_for(self, num_seqs: int) -> int:
+        return min(1 << (num_seqs - 1).bit_length(), self.max_num_seqs)
+
     def warm_up(self) -> None:
-        """Compile every bucket now, so that serving never waits on the compiler."""
+        """Compile every program now, so that serving never waits on the compiler."""
         for t in self.buckets:
-            s = min(t, self.max_num_seqs)
-            inputs, pending = self._pad_inputs(None, t, s)
-            logits, self.kv = self._forward(self.params, self.kv, inputs, pending, self.last_tokens)
+            inputs, pending = self._pad_inputs(None, *self.bucket_for(t))
+            hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        for r in self.row_buckets:
             for penalties in (False, True):
-                out, _ = self._sample(logits, _dummy_sampling(s, penalties, self.max_model_len))
+                out, _ = self._head(self.params, hidden, _dummy_sampling(r, penalties, self.max_model_len))
                 out.token_ids.block_until_ready()
         self.kv = self._copy_blocks(self.kv, np.zeros((self.max_num_seqs, 2), np.int32))
         jax.block_until_ready(self.kv)
-        logger.info("compiled %d token buckets %s", len(self.buckets), self.buckets)
+        logger.info("compiled %d token buckets %s and %d row buckets %s", len(self.buckets), self.buckets,
+                    len(self.row_buckets), self.row_buckets)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -137,11 +158,11 @@ class ModelRunner:
         """Enqueue one step on the device and return at once."""
         if batch.block_copies:
             self._run_copies(batch.block_copies)
-        t, s = self.bucket_for(batch.num_tokens)
-        inputs, pending = self._pad_inputs(batch, t, s)
-        logits, self.kv = self._forward(self.params, self.kv, inputs, pending, self.last_tokens)
-        out, self.last_tokens = self._sample(logits, self._pad_sampling(batch.sampling, s))
-        return StepHandle(out, batch.num_seqs, batch.sampling.num_logprobs)
+        inputs, pending = self._pad_inputs(batch, *self.bucket_for(batch.num_tokens))
+        hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
+        out, self.last_tokens = self._head(self.params, hidden, meta)
+        return StepHandle(out, batch.num_seqs, batch.sampling.want_logprobs, batch.sampling.num_logprobs)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         pairs = np.zeros((max(self.max_num_seqs, len(copies)), 2), np.int32)  # (0, 0): null onto itself
@@ -155,7 +176,7 @@ class ModelRunner:
         qsl = np.zeros(s + 1, np.int32)
         seq_lens = np.zeros(s, np.int32)
         tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
-        logits_at = np.zeros(s, np.int32)
+        logits_at = np.zeros(self.max_num_seqs, np.int32)
         if batch is not None:
             n, m = batch.num_tokens, batch.num_seqs
             ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
@@ -179,7 +200,7 @@ class ModelRunner:
             presence_penalty=pad(b.presence_penalty), frequency_penalty=pad(b.frequency_penalty),
             repetition_penalty=pad(b.repetition_penalty, 1), seeds=pad(b.seeds), sample_index=pad(b.sample_index),
             output_index=pad(b.output_index),
-            banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.num_logprobs > 0),
+            banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.want_logprobs),
         )
         if b.history is not None:
             history = np.zeros((s, self.max_model_len), np.int32)
@@ -203,12 +224,14 @@ class PendingTokens:
 class StepHandle:
     """A dispatched step; `fetch()` waits for its sampled tokens (one row per sequence)."""
 
-    def __init__(self, out: SamplerOutput, num_seqs: int, num_logprobs: int):
-        self.out, self.num_seqs, self.num_logprobs = out, num_seqs, num_logprobs
+    def __init__(self, out: SamplerOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int):
+        self.out, self.num_seqs, self.want_logprobs, self.num_logprobs = out, num_seqs, want_logprobs, num_logprobs
 
     def fetch(self) -> RunnerOutput:
         out, n, k = self.out, self.num_seqs, self.num_logprobs
         token_ids = np.asarray(out.token_ids)[:n]
+        if not self.want_logprobs:
+            return RunnerOutput(token_ids, None, None, None)
         logprobs = np.asarray(out.logprobs)[:n]
         if k:
             return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, :k],

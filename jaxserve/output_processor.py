@@ -77,10 +77,10 @@ class OutputProcessor:
         return outputs
 
     def _record_logprobs(self, group, i, req, token, output, row) -> None:
-        logprob = float(output.logprobs[row])
-        group.cumulative_logprobs[i] += logprob
         k = req.sampling_params.logprobs
         if k is not None:
+            logprob = float(output.logprobs[row])
+            group.cumulative_logprobs[i] += logprob
             entry = {}
             if k and output.top_logprob_ids is not None:
                 entry = dict(zip(output.top_logprob_ids[row, :k].tolist(), output.top_logprobs[row, :k].tolist()))
@@ -109,7 +109,7 @@ class OutputProcessor:
             new_text, new_ids = changed.get(i, ("", []))
             completions.append(CompletionOutput(
                 index=i, text=detok.text if detok else "", token_ids=list(req.output_token_ids),
-                cumulative_logprob=group.cumulative_logprobs[i],
+                cumulative_logprob=group.cumulative_logprobs[i] if req.sampling_params.logprobs is not None else None,
                 logprobs=group.logprobs[i] if req.sampling_params.logprobs is not None else None,
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 new_text=new_text, new_token_ids=new_ids,

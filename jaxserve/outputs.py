@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str  # everything generated so far (stop string excluded)
     token_ids: list[int]
-    cumulative_logprob: float
+    cumulative_logprob: float | None  # None unless the request asked for logprobs (as vLLM)
     # Per generated token: the top alternatives and the sampled token, {token_id: logprob}.
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None  # "stop", "length", "abort" or None while running

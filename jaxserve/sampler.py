@@ -2,7 +2,7 @@
 
 Order of operations (vLLM's): penalties on the raw logits, then the tokens banned until
 `min_tokens`, then greedy argmax or temperature, top-k, top-p and min-p and a draw.
-Logprobs are those of the raw model output. Each row draws from its own random stream,
+Logprobs are those of the raw model output, computed only when some row asks for them. Each row draws from its own random stream,
 `fold_in(fold_in(key(seed), sample_index), output_index)`, so a request's samples never
 depend on the batch, and the `n` samples of one seed are independent of each other and of
 every other seed's samples.
@@ -49,7 +49,7 @@ class SamplingMetadata:
     output_index: jax.Array  # i32 [S]
     banned_token_ids: jax.Array  # i32 [S, B]
     ban: jax.Array  # bool [S]
-    want_logprobs: jax.Array  # bool []: compute the top-MAX_LOGPROBS table
+    want_logprobs: jax.Array  # bool []: some row asked for logprobs (else none are computed)
     # None when no sequence uses penalties (a separately compiled variant).
     history: jax.Array | None = None  # i32 [S, W]
     history_lens: jax.Array | None = None  # i32 [S]
@@ -60,14 +60,14 @@ class SamplingMetadata:
 @dataclasses.dataclass
 class SamplerOutput:
     token_ids: jax.Array  # i32 [S]
-    logprobs: jax.Array  # f32 [S]: log-probability of the sampled token
+    logprobs: jax.Array  # f32 [S]: log-probability of the sampled token (zeros unless want_logprobs)
     top_logprob_ids: jax.Array  # i32 [S, min(MAX_LOGPROBS, V)] (zeros unless want_logprobs)
     top_logprobs: jax.Array  # f32 [S, min(MAX_LOGPROBS, V)]
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """logits: f32 [S, V] straight from the model."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logits = logits
     if meta.history is not None:
         logits = apply_penalties(logits, meta)
     rows = jnp.arange(logits.shape[0])[:, None]
@@ -82,16 +82,19 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
 
     width = min(MAX_LOGPROBS, logits.shape[1])
 
-    def top_table():
+    def logprob_tables():
+        # NOTE: a normalizer over the whole vocabulary, which costs about as much as the rest
+        # of the sampler: only computed when some row asks for logprobs.
+        raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
         values, ids = jax.lax.top_k(raw_logprobs, width)
-        return ids.astype(jnp.int32), values
+        chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=1)[:, 0]
+        return chosen, ids.astype(jnp.int32), values
 
-    def no_table():
-        shape = (logits.shape[0], width)
-        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+    def no_tables():
+        rows = logits.shape[0]
+        return jnp.zeros(rows), jnp.zeros((rows, width), jnp.int32), jnp.zeros((rows, width))
 
-    top_ids, top_values = jax.lax.cond(meta.want_logprobs, top_table, no_table)
-    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=1)[:, 0]
+    chosen, top_ids, top_values = jax.lax.cond(meta.want_logprobs, logprob_tables, no_tables)
     return SamplerOutput(token_ids, chosen, top_ids, top_values)
 
 

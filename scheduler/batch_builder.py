@@ -91,6 +91,7 @@ def build_sampling_batch(requests: list[Request]) -> SamplingBatch:
         output_index=np.fromiter((r.num_output_tokens for r in requests), np.int32, num),
         banned_token_ids=banned,
         ban=ban,
+        want_logprobs=any(p.logprobs is not None for p in params),
         num_logprobs=max((p.logprobs or 0) for p in params),
     )
     if any(p.uses_penalties for p in params):

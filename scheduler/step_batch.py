@@ -35,6 +35,7 @@ class SamplingBatch:
     output_index: np.ndarray  # int32 [S]: index of the token being sampled (RNG stream position)
     banned_token_ids: np.ndarray  # int32 [S, MAX_BANNED_TOKENS]: masked out where `ban` is set
     ban: np.ndarray  # bool [S]
+    want_logprobs: bool  # some sequence asked for logprobs
     num_logprobs: int  # the most top logprobs any sequence asked for (0: none)
     # Token history for penalties, only when some sequence uses them.
     history: np.ndarray | None = None  # int32 [S, W]: prompt then output tokens, zero padded

@@ -1,10 +1,20 @@
 """Shared fixtures: tiny random checkpoints on disk, built once per test session."""
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.tiny_models import make_tiny_model, make_tiny_tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent XLA cache for the session: the many engines the tests build compile
+    the same programs, and each is compiled once."""
+    from jaxserve.engine import enable_compilation_cache
+
+    enable_compilation_cache(os.environ.get("JAXSERVE_CACHE") or tmp_path_factory.mktemp("jaxserve-cache"))
 
 
 @pytest.fixture(scope="session")

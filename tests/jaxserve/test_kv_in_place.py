@@ -1,0 +1,48 @@
+"""The KV cache is donated to every step and updated in place, at any cache size: no
+program copies it (a copy would cost time that grows with --kv-cache-memory)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from jaxserve.engine import EngineConfig, LLMEngine
+from scheduler import SamplingParams
+
+
+def cache_shaped_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    """Copy-like instructions whose result has the cache's shape (its page-folded form too)."""
+    folded = (shape[0] * shape[1], *shape[2:])
+    dims = {",".join(map(str, s)) for s in (shape, folded)}
+    lines = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]+)\]\S* (copy|fusion|transpose)\(", line)
+        if m and m.group(1) in dims and ("copy" in line.split("=")[0] or m.group(2) != "fusion"):
+            lines.append(line.strip()[:160])
+    return lines
+
+
+@pytest.mark.parametrize("num_blocks", [64, 4096])
+def test_steps_update_the_cache_in_place(tiny_llama, num_blocks):
+    engine = LLMEngine(tiny_llama, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(8, 16),
+                                                block_size=4, num_blocks=num_blocks, max_model_len=64))
+    runner = engine.runner
+    pointers = (runner.kv.k.unsafe_buffer_pointer(), runner.kv.v.unsafe_buffer_pointer())
+    engine.add_request("a", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=6, n=2, seed=1,
+                                                               ignore_eos=True))
+    batches = []
+    dispatch = runner.dispatch
+    runner.dispatch = lambda batch: (batches.append(batch), dispatch(batch))[1]
+    engine.generate_all()
+    assert any(b.block_copies for b in batches), "the workload should copy a block (n=2 forks)"
+    # The same buffers after every step, copy-on-write copies included.
+    assert (runner.kv.k.unsafe_buffer_pointer(), runner.kv.v.unsafe_buffer_pointer()) == pointers
+    # And no compiled program copies the cache.
+    shape = runner.kv.k.shape
+    for batch in batches:
+        inputs, pending = runner._pad_inputs(batch, *runner.bucket_for(batch.num_tokens))
+        hlo = runner._body.lower(runner.params, runner.kv, inputs, pending, runner.last_tokens).compile().as_text()
+        assert "input_output_alias" in hlo
+        assert cache_shaped_copies(hlo, shape) == []
+    pairs = np.zeros((runner.max_num_seqs, 2), np.int32)
+    assert cache_shaped_copies(runner._copy_blocks.lower(runner.kv, pairs).compile().as_text(), shape) == []
