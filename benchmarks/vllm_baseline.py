@@ -48,15 +48,7 @@ def vllm_env(vllm_python: str, **extra: str) -> dict:
     and the preloads vLLM's CPU guide asks for (it warns without them): tcmalloc (the
     install script adds it) and Intel OpenMP (the venv carries it), where they exist."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE")}
-    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1",
-               # vLLM logs to stdout by default; the runner's stdout is its JSON result.
-               VLLM_LOGGING_STREAM="ext://sys.stderr",
-               # vLLM 0.32.0 on the CPU saves its AOT-compiled model but cannot load it back
-               # ("'function' object has no attribute 'finalize_loading'") and compiles again at
-               # every start (~2.5 min here); without AOT, inductor's own cache serves restarts
-               # (~25 s). The compiled programs are the same either way.
-               VLLM_USE_AOT_COMPILE="0")
-    env.update(extra)
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", **extra)
     venv = Path(vllm_python).parent.parent
     preloads = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), venv / "lib" / "libiomp5.so"]
     found = [str(p) for p in preloads if p.exists()]

