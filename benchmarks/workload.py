@@ -29,3 +29,17 @@ def synthetic_workload(num_requests: int = 128, prompt_range=(32, 512), output_r
     output_lens = rng.integers(output_range[0], output_range[1] + 1, num_requests)
     prompts = [rng.integers(*vocab, n).tolist() for n in prompt_lens]
     return Workload(prompts, [int(n) for n in output_lens])
+
+
+# name: (prompt token range, output token range), inclusive; every request fits in 1024 tokens.
+MIXES = {
+    "default": ((32, 512), (16, 256)),
+    "short-long": ((16, 64), (256, 512)),  # chat-like: decode-bound
+    "long-short": ((512, 896), (8, 32)),  # summarization-like: prefill-bound
+}
+
+
+def mix_workload(mix: str, num_requests: int = 128, seed: int = 0) -> Workload:
+    """`synthetic_workload` with the prompt and output ranges of one of MIXES."""
+    prompt_range, output_range = MIXES[mix]
+    return synthetic_workload(num_requests, prompt_range, output_range, seed)

