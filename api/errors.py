@@ -86,6 +86,9 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return ("We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
                 "HTTP library correctly. The OpenAI API expects a JSON payload.)"), None
     param = _param(error)
+    if error.get("type") == "missing" and param is None:  # the whole body is absent, not one field
+        return ("The request has no body: send a JSON object (Content-Type: application/json) with the "
+                "request's parameters."), None
     if error.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     value = error.get("input")
