@@ -7,6 +7,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}
 GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
 (Prometheus text). With an API key, every /v1 request needs `Authorization: Bearer <key>`;
 /health and /metrics stay open, as in vLLM, so probes and scrapers need no secret.
+
+Limits on what one request may ask: a body of at most `max_request_body_bytes` (413), at
+most `max_request_sequences` prompts x n (400), and, with `max_waiting`, a 503 on arrival
+when the queue is full.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from api import chat, completions
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
+from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, BodySizeLimit
 from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.serving import ServerState
@@ -36,8 +41,11 @@ def default_model_name(engine) -> str:
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int | None = None) -> FastAPI:
+               max_waiting: int | None = None, max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An app serving `engine` (an LLMEngine). The engine thread starts with the app's lifespan."""
+    if max_request_sequences < 1:
+        raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
     model_name = model_name or default_model_name(engine)
     engine_loop = EngineLoop(engine, Metrics(model_name), max_waiting=max_waiting)
 
@@ -52,10 +60,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine_loop, engine.tokenizer, model_name, engine.max_model_len,
                                    engine.loaded.config.vocab_size, engine.generation.sampling,
-                                   TokenText(engine.tokenizer))
+                                   TokenText(engine.tokenizer), max_request_sequences)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: an oversized body is refused before anything else reads it.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.include_router(completions.router)
     app.include_router(chat.router)
 
