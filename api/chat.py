@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from api import openapi
 from api.engine_loop import SampleDelta
 from api.errors import bad_request
 from api.logprobs import chat_logprobs
@@ -20,7 +21,8 @@ from jaxserve.tokenization import encode_chat
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_class=JSONResponse,
+             responses=openapi.generation(openapi.ChatCompletion, openapi.ChatCompletionChunk))
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server

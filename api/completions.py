@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from api import openapi
 from api.engine_loop import SampleDelta
 from api.logprobs import completion_logprobs
 from api.protocol import CompletionRequest
@@ -19,7 +20,8 @@ from jaxserve.tokenization import encode_prompt
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_class=JSONResponse,
+             responses=openapi.generation(openapi.Completion, openapi.CompletionChunk))
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
