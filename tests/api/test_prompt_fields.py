@@ -11,12 +11,13 @@ own greedy output; the prefix-cache hits it reports in usage.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 from transformers import AutoTokenizer
 
-from tests.api.conftest import run_server
+from tests.api.conftest import REPO, run_server
 
 NAME = "tiny"
 TINY = ["--served-model-name", NAME, "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
@@ -72,6 +73,33 @@ def test_a_chat_gets_exactly_one_bos_the_templates(plain, hf_tokenizer):
     doubled = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1,
                                              extra_body={"add_special_tokens": True})
     assert doubled.usage.prompt_tokens == len(want) + 1
+
+
+def test_a_request_cannot_bring_its_own_chat_template(plain):
+    """Fields a request adds (chat_template, chat_template_kwargs) are ignored: only the
+    model's template renders, and only in transformers' sandbox (next test)."""
+    client = plain.client()
+    messages = [{"role": "user", "content": "hello world"}]
+    usual = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage.prompt_tokens
+    hostile = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=1,
+        extra_body={"chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+                    "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert hostile.usage.prompt_tokens == usual
+
+
+def test_templates_render_only_through_the_one_sandboxed_path():
+    """jaxserve.tokenization.render_chat calls transformers' apply_chat_template (sandboxed
+    Jinja); no other code renders a template or imports jinja2 (keep it so)."""
+    renderers = []
+    for path in sorted(REPO.glob("*/**/*.py")):
+        if path.parts[len(REPO.parts)] in ("tests", ".venv") or "site-packages" in path.parts:
+            continue
+        text = path.read_text()
+        assert not re.search(r"^\s*(import|from)\s+jinja2", text, re.M), f"{path} imports jinja2"
+        if "apply_chat_template(" in text:
+            renderers.append(path.relative_to(REPO).as_posix())
+    assert renderers == ["jaxserve/tokenization.py"]
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(plain):
