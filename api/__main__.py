@@ -16,6 +16,8 @@ import re
 import socket
 import sys
 
+from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES
+
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -46,7 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 503 when this many requests wait beyond the free batch slots (default: no limit)")
+                   help="answer 503 when this many sequences wait beyond the free batch slots (default: no limit)")
+    p.add_argument("--max-request-sequences", type=int, default=DEFAULT_MAX_REQUEST_SEQUENCES,
+                   help="most sequences (prompts x n) one request may ask for; more is a 400 (default 256)")
+    p.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="largest request body, e.g. 1MiB; larger is a 413 (default 32MiB)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="the serial step loop: wait for each step's tokens before scheduling the next (debugging)")
     p.add_argument("--generation-config", default="auto",
@@ -81,7 +87,9 @@ def main(argv=None) -> int:
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting)
+    app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting,
+                     max_request_sequences=args.max_request_sequences,
+                     max_request_body_bytes=args.max_request_body_bytes)
 
     # Bind first, so --port 0 can report the port it got before serving.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

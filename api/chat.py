@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from api import openapi
 from api.engine_loop import SampleDelta
 from api.errors import bad_request
 from api.logprobs import chat_logprobs
@@ -20,7 +21,8 @@ from jaxserve.tokenization import encode_chat
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_class=JSONResponse,
+             responses=openapi.generation(openapi.ChatCompletion, openapi.ChatCompletionChunk))
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
@@ -28,18 +30,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     body.check()
     if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    add_special = body.add_special_tokens if body.add_special_tokens is not None else False
-    _, prompt = await state.off_loop(encode_chat, state.tokenizer, body.template_messages(), state.vocab_size,
-                                     add_special_tokens=add_special, param="messages")
-    requested, max_param = body.requested_max_tokens
-    max_tokens = state.max_tokens_for(len(prompt), requested, "messages")
-    top_logprobs = body.top_logprobs or 0
-    names = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-    params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None, names, state.sampling_defaults)
-    call_id, created = new_id("chatcmpl"), int(time.time())
-    generation, tally = await start_generation(state, call_id, [prompt], params, arrival_time=arrival,
-                                               priority=body.priority, param_names=names, prompt_param="messages",
-                                               cache_salt=body.cache_salt)
+    messages = body.template_messages()
+    with state.admit(1, body.n) as reservation:  # a 503 comes now, before the template renders
+        add_special = body.add_special_tokens if body.add_special_tokens is not None else False
+        _, prompt = await state.off_loop(encode_chat, state.tokenizer, messages, state.vocab_size,
+                                         add_special_tokens=add_special, param="messages")
+        requested, max_param = body.requested_max_tokens
+        max_tokens = state.max_tokens_for(len(prompt), requested, "messages")
+        top_logprobs = body.top_logprobs or 0
+        names = {"max_tokens": max_param, "logprobs": "top_logprobs"}
+        params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None, names,
+                                      state.sampling_defaults)
+        call_id, created = new_id("chatcmpl"), int(time.time())
+        generation, tally = await start_generation(state, call_id, [prompt], params, reservation,
+                                                   arrival_time=arrival, priority=body.priority, param_names=names,
+                                                   prompt_param="messages", cache_salt=body.cache_salt)
     header = {"id": call_id, "object": "chat.completion", "created": created, "model": state.model_name,
               "system_fingerprint": None}
 

@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from api import openapi
 from api.engine_loop import SampleDelta
 from api.logprobs import completion_logprobs
 from api.protocol import CompletionRequest
@@ -19,21 +20,24 @@ from jaxserve.tokenization import encode_prompt
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_class=JSONResponse,
+             responses=openapi.generation(openapi.Completion, openapi.CompletionChunk))
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
     state.check_model(body.model)
     body.check()
-    add_special = body.add_special_tokens if body.add_special_tokens is not None else True
-    prompts, prompt_texts = await state.off_loop(_encode_prompts, state, body.prompts(), add_special, body.echo,
-                                                 param="prompt")
-    max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
-    params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults)
-    call_id, created = new_id("cmpl"), int(time.time())
-    generation, tally = await start_generation(state, call_id, prompts, params, arrival_time=arrival,
-                                               priority=body.priority, prompt_param="prompt",
-                                               cache_salt=body.cache_salt)
+    requested = body.prompts()
+    with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing
+        add_special = body.add_special_tokens if body.add_special_tokens is not None else True
+        prompts, prompt_texts = await state.off_loop(_encode_prompts, state, requested, add_special, body.echo,
+                                                     param="prompt")
+        max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
+        params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults)
+        call_id, created = new_id("cmpl"), int(time.time())
+        generation, tally = await start_generation(state, call_id, prompts, params, reservation,
+                                                   arrival_time=arrival, priority=body.priority,
+                                                   prompt_param="prompt", cache_salt=body.cache_salt)
     echo = prompt_texts if body.echo else None
     header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
 

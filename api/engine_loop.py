@@ -2,13 +2,16 @@
 
     event loop (uvicorn)                          engine thread
     --------------------                          -------------
-    await engine_loop.add(...)  --- command --->  engine.add_request()  (ValueError, QueueFull -> the caller)
+    engine_loop.admit(k)   (QueueFull -> 503, decided here, on arrival)
+    await generation.add(...)   --- command --->  engine.add_request()  (ValueError -> the caller)
     async for delta in generation  <-- queue ---  engine.step() outputs, as StepDeltas
     engine_loop.abort(id)       --- command --->  engine.abort_request()  (frees the KV blocks)
+                                <-- snapshot --   scheduler stats after each step
 
 Only the engine thread touches the engine, so it needs no lock, and the event loop never
 waits for a model step: `/health` and `/metrics` answer while the model computes. Commands
-are applied between steps, so an add or an abort takes effect within one step.
+are applied between steps, so an add or an abort takes effect within one step; admission
+does not wait for that, so a burst is refused the moment it arrives.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, NamedTuple
 
 from api.metrics import Metrics
 from jaxserve.outputs import RequestOutput
@@ -29,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(Exception):
     """The waiting queue is at its limit; the server answers 503."""
+
+
+class EngineSnapshot(NamedTuple):
+    """What the engine thread publishes after each step, replaced whole (never mutated)."""
+
+    stats: SchedulerStats
+    sequences_taken: int  # sequences of all the adds the engine thread has applied (queued or refused)
 
 
 class EngineDeadError(RuntimeError):
@@ -87,16 +97,23 @@ _STOP = object()
 class EngineLoop:
     """Owns an `LLMEngine` and runs it in a daemon thread.
 
-    `max_waiting` bounds the queue: a request is refused (QueueFullError) when the requests
-    already waiting outnumber the free running slots by `max_waiting` or more, so a burst
-    that fits in the next batch is never refused, but a backlog beyond it is.
+    `max_waiting` bounds the queue, in engine sequences (a prompt with `n` samples is n): a
+    call is refused (QueueFullError) when the sequences already waiting outnumber the free
+    running slots by `max_waiting` or more, so a burst that fits in the next batch is never
+    refused, but a backlog beyond it is, and an idle server admits any call.
     """
 
     def __init__(self, engine, metrics: Metrics, *, max_waiting: int | None = None):
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.stats: SchedulerStats | None = None  # replaced (never mutated) by the engine thread
+        self.max_num_seqs = engine.scheduler.config.max_num_seqs
+        self.snapshot: EngineSnapshot | None = None  # replaced (never mutated) by the engine thread
+        # Event loop only: sequences admitted so far, less reservations given back. Those not
+        # yet taken by the engine thread (admitted - snapshot.sequences_taken) are in transit:
+        # waiting, though no published stats count them yet.
+        self._admitted = 0
+        self._taken = 0  # engine thread only; published in the snapshot
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -127,19 +144,40 @@ class EngineLoop:
     def dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine has stopped: {self.error!r}")
 
+    @property
+    def stats(self) -> SchedulerStats | None:
+        return self.snapshot.stats if self.snapshot is not None else None
+
     # -- requests (event loop) ----------------------------------------------------------
 
-    async def add(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
-                  queue: asyncio.Queue, priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request whose StepDeltas go to `queue`.
+    def admit(self, num_sequences: int) -> Reservation:
+        """Decide, on arrival, whether a call of `num_sequences` engine sequences may queue.
 
-        Raises ValueError (bad input), QueueFullError or EngineDeadError; then nothing runs.
+        Raises QueueFullError. The decision reads the engine's last snapshot plus the
+        sequences admitted since (in transit), never the engine itself, so it is immediate
+        even while the engine thread is busy with a step. (A dead engine is reported when the
+        requests are sent, so a request that is wrong anyway still gets its 400.)
         """
-        if self.error is not None:
-            raise self.dead_error()
+        if self.max_waiting is not None:
+            stats, taken = self.snapshot
+            waiting = stats.num_waiting + self._admitted - taken
+            free_slots = max(0, self.max_num_seqs - stats.num_running)
+            if waiting - free_slots >= self.max_waiting:
+                self.metrics.request_rejected()
+                raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting; try again later")
+        self._admitted += num_sequences
+        return Reservation(self, num_sequences)
+
+    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
+                queue: asyncio.Queue, priority: int, cache_salt: str | None) -> asyncio.Future:
+        """Send a request to the engine thread now; the future fails with ValueError (bad
+        input) or EngineDeadError, and then nothing runs."""
         future = self._loop.create_future()
+        if self.error is not None:
+            future.set_exception(self.dead_error())
+            return future
         self._commands.put(_Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future))
-        await future
+        return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request (if it still runs) and free its blocks; does not wait."""
@@ -185,13 +223,7 @@ class EngineLoop:
                 self.metrics.request_aborted(command.request_id)
             self._streams.pop(command.request_id, None)
             return
-        sched = self.engine.scheduler
-        free_slots = max(0, sched.config.max_num_seqs - len(sched.running))
-        if self.max_waiting is not None and len(sched.waiting) - free_slots >= self.max_waiting:
-            self.metrics.request_rejected()
-            self._resolve(command.future, QueueFullError(
-                f"the server is overloaded: {len(sched.waiting)} requests are waiting; try again later"))
-            return
+        self._taken += command.params.n  # queued or refused below, it is no longer in transit
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
                                     arrival_time=command.arrival_time, cache_salt=command.cache_salt)
@@ -216,7 +248,7 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_put_all, batch)
 
     def _publish_stats(self) -> None:
-        self.stats = self.engine.scheduler.stats()
+        self.snapshot = EngineSnapshot(self.engine.scheduler.stats(), self._taken)
 
     def _fail_all(self, commands: list) -> None:
         """Fail every request in flight, and the adds among `commands`, with EngineDeadError."""
@@ -240,6 +272,37 @@ class EngineLoop:
         self._loop.call_soon_threadsafe(_settle, future, error)
 
 
+class Reservation:
+    """Queue room that `EngineLoop.admit` granted one API call: held from the call's arrival
+    until its requests go to the engine thread (`Generation.add`), or given back when the
+    call fails before that. Use as `with`: leaving gives back whatever was not sent."""
+
+    def __init__(self, engine_loop: EngineLoop, num_sequences: int):
+        self.engine_loop = engine_loop
+        self.num_sequences = num_sequences
+        self.held = True
+
+    def release(self) -> None:
+        """Give the room back (idempotent; nothing to give once the requests were sent)."""
+        if self.held:
+            self.held = False
+            self.engine_loop._admitted -= self.num_sequences
+
+    def spend(self, num_sequences: int) -> None:
+        """The call's requests are being sent: they stay counted, as in transit, until the
+        engine thread takes them."""
+        if not self.held or num_sequences != self.num_sequences:
+            raise RuntimeError(f"a reservation of {self.num_sequences} sequences (held: {self.held}) "
+                               f"cannot send {num_sequences}")
+        self.held = False
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class Generation:
     """The StepDeltas of one API call's engine requests (one per prompt), as they come.
 
@@ -253,14 +316,17 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(request_ids)
 
-    async def add(self, prompts: list[list[int]], params: SamplingParams, *, arrival_time: float,
-                  priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue one engine request per prompt; raises the first error (the rest are aborted on exit)."""
-        results = await asyncio.gather(*(
-            self.engine_loop.add(rid, prompt, params, arrival_time=arrival_time, queue=self.queue,
-                                 priority=priority, cache_salt=cache_salt)
-            for rid, prompt in zip(self.request_ids, prompts)
-        ), return_exceptions=True)
+    async def add(self, prompts: list[list[int]], params: SamplingParams, reservation: Reservation, *,
+                  arrival_time: float, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue one engine request per prompt, in the room `reservation` holds for them;
+        raises the first error (the rest are aborted on exit)."""
+        reservation.spend(len(prompts) * params.n)
+        # NOTE: every command is sent before the first await, so a call cancelled while it
+        # waits has sent all its requests, and `close` aborts every one of them.
+        futures = [self.engine_loop._submit(rid, prompt, params, arrival_time=arrival_time, queue=self.queue,
+                                            priority=priority, cache_salt=cache_salt)
+                   for rid, prompt in zip(self.request_ids, prompts)]
+        results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result

@@ -70,12 +70,15 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|json-or-python|list\[.*|dict\
 
 
 def _param(error: dict) -> str | None:
-    """The location as a client writes it: `messages[0].role`."""
+    """The location as a client writes it: `messages[0].role`. It stops at a union's member
+    (`prompt`, not `prompt[0]`): which member the client meant is only a guess."""
     param = ""
     for part in error.get("loc", ()):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part != "body" and not _TYPE_TAG.match(part):
+        elif _TYPE_TAG.match(part):
+            break
+        elif part != "body":
             param += f".{part}" if param else part
     return param or None
 
@@ -86,6 +89,12 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return ("We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
                 "HTTP library correctly. The OpenAI API expects a JSON payload.)"), None
     param = _param(error)
+    # A union reports one error per member; a member whose type matched (a list of token ids
+    # with a negative one) says what is wrong with the value better than "not a string".
+    error = next((e for e in errors if _param(e) == param and not e.get("type", "").endswith("_type")), error)
+    if error.get("type") == "missing" and param is None:  # the whole body is absent, not one field
+        return ("The request has no body: send a JSON object (Content-Type: application/json) with the "
+                "request's parameters."), None
     if error.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     value = error.get("input")

@@ -1,22 +1,51 @@
 """Request bodies of the OpenAI API (and vLLM's extra sampling fields), as pydantic models.
 
-Types are checked here (a wrong type is a 400); value ranges are checked by
-`SamplingParams`, whose error names the parameter (only `n` has an API cap of its own). Fields the server does not know are
-ignored, as vLLM does, and logged; fields it knows but cannot honour (tools, logit_bias,
-suffix, ...) are refused with a 400 rather than silently dropped.
+Types and value ranges are checked here (a wrong one is a 400 naming the parameter); the
+ranges are `SamplingParams`' own, written as Field constraints so that the OpenAPI schema
+states them and a request that fits the schema is accepted (`SamplingParams` still checks
+them, and whatever a schema cannot state: min_tokens <= max_tokens, ...). Only `n` has an
+API cap of its own. Fields the server does not know are ignored, as vLLM does, and logged;
+fields it knows but cannot honour (tools, logit_bias, suffix, ...) are refused with a 400
+rather than silently dropped, and the schema says which values they may take.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from api.errors import bad_request, from_value_error
+from api.openapi import OUTPUT_TOKENS, TOKEN_ID
 from scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+
+
+def _integral(value):
+    # JSON Schema's "integer" includes 16.0, so this server takes it too (strict mode alone
+    # would not); "16" and true stay refused.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# NOTE: bounds go before INTEGRAL in an Annotated: after a BeforeValidator, pydantic writes
+# them into the JSON schema as "ge"/"le", which no JSON Schema validator knows.
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, INTEGRAL]
+# Their upper bounds (the model's vocabulary, its context) are written into the served schema.
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID: True}), INTEGRAL]
+OutputTokens = Annotated[int, Field(ge=1, json_schema_extra={OUTPUT_TOKENS: True}), INTEGRAL]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+def refused_unless(**schema) -> dict:
+    """Schema keywords for a field the server takes but cannot honour: the values it accepts
+    (the handler refuses the others with a 400 and a message that says why)."""
+    return {"json_schema_extra": schema}
+
 
 
 class _Body(BaseModel):
@@ -24,8 +53,10 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     def warn_ignored(self) -> None:
-        if self.model_extra:
-            logger.warning("ignoring unknown request field(s): %s", ", ".join(sorted(self.model_extra)))
+        if self.model_extra:  # repr: a client's field names must not forge log lines
+            names = sorted(self.model_extra)
+            logger.warning("ignoring %d unknown request field(s): %s", len(names),
+                           ", ".join(repr(name)[:40] for name in names[:8]))
 
 
 class StreamOptions(_Body):
@@ -33,29 +64,29 @@ class StreamOptions(_Body):
 
 
 class _SamplingBody(_Body):
-    """The fields both endpoints share."""
+    """The fields both endpoints share (ranges: SamplingParams')."""
 
     model: str | None = None  # None: the served model
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=128), INTEGRAL] = 1
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: Int | None = None
+    stop: str | list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, **refused_unless(maxProperties=0))
     # vLLM's extra sampling fields.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None  # 0 or -1: no top-k filter
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Field(ge=0, json_schema_extra={OUTPUT_TOKENS: True}), INTEGRAL] = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
-    priority: int = 0  # lower is served first
+    priority: Int = 0  # lower is served first
     # None: the endpoint's default (completions add the tokenizer's special tokens, chat
     # leaves BOS to the template).
     add_special_tokens: bool | None = None
@@ -95,12 +126,14 @@ class _SamplingBody(_Body):
 class CompletionRequest(_SamplingBody):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+
+    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: OutputTokens | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: str | None = Field(None, **refused_unless(maxLength=0))
+    best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = None  # must equal n
 
     def check(self) -> None:
         self.check_common()
@@ -127,7 +160,9 @@ class ChatMessage(_Body):
     """One message; extra fields (tool_calls, tool_call_id, ...) go to the chat template as they are."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(None, **refused_unless(items={
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}))
     name: str | None = None
 
     def for_template(self, index: int) -> dict:
@@ -148,15 +183,18 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingBody):
     """POST /v1/chat/completions."""
 
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # OpenAI's older name; max_completion_tokens wins when both are set, so this one states
+    # no context bound (a request may carry a max_tokens that is never used).
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    max_completion_tokens: OutputTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None  # needs logprobs
+    tools: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
+    tool_choice: str | dict[str, Any] | None = Field(None, **refused_unless(enum=["none", "auto", None]))
+    functions: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
+    response_format: dict[str, Any] | None = Field(None, **refused_unless(properties={"type": {"const": "text"}}))
 
     def check(self) -> None:
         self.check_common()

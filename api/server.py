@@ -5,8 +5,12 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
 GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
-(Prometheus text). With an API key, every /v1 request needs `Authorization: Bearer <key>`;
+(Prometheus text), GET /openapi.json (their schema: api.openapi). With an API key, every /v1 request needs `Authorization: Bearer <key>`;
 /health and /metrics stay open, as in vLLM, so probes and scrapers need no secret.
+
+Limits on what one request may ask: a body of at most `max_request_body_bytes` (413), at
+most `max_request_sequences` prompts x n (400), and, with `max_waiting`, a 503 on arrival
+when the queue is full.
 """
 
 from __future__ import annotations
@@ -16,16 +20,15 @@ import hmac
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
-from api import chat, completions
+from api import chat, completions, openapi
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
+from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, BodySizeLimit
 from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.serving import ServerState
-
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def default_model_name(engine) -> str:
@@ -36,8 +39,11 @@ def default_model_name(engine) -> str:
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int | None = None) -> FastAPI:
+               max_waiting: int | None = None, max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An app serving `engine` (an LLMEngine). The engine thread starts with the app's lifespan."""
+    if max_request_sequences < 1:
+        raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
     model_name = model_name or default_model_name(engine)
     engine_loop = EngineLoop(engine, Metrics(model_name), max_waiting=max_waiting)
 
@@ -52,29 +58,35 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine_loop, engine.tokenizer, model_name, engine.max_model_len,
                                    engine.loaded.config.vocab_size, engine.generation.sampling,
-                                   TokenText(engine.tokenizer))
+                                   TokenText(engine.tokenizer), max_request_sequences)
     install_error_handlers(app)
+    openapi.install_openapi(app, vocab_size=engine.loaded.config.vocab_size, max_model_len=engine.max_model_len,
+                            api_key=bool(api_key))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: an oversized body is refused before anything else reads it.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.include_router(completions.router)
     app.include_router(chat.router)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine thread is alive (an empty body)."}, **openapi.errors(503)})
     async def health():
         if not engine_loop.is_alive:
             return JSONResponse(error_body(str(engine_loop.dead_error()), SERVER_ERROR,
                                            code="engine_dead"), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=openapi.PrometheusResponse,
+             responses={200: {"description": "Prometheus text exposition format."}})
     async def metrics():
-        return PlainTextResponse(engine_loop.metrics.render(engine_loop.stats), media_type=PROMETHEUS_CONTENT_TYPE)
+        return openapi.PrometheusResponse(engine_loop.metrics.render(engine_loop.stats))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})
     async def list_models(request: Request):
         return {"object": "list", "data": [_model_card(request.app.state.server)]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses={200: {"model": openapi.ModelCard}, **openapi.errors(404)})
     async def retrieve_model(model: str, request: Request):
         state: ServerState = request.app.state.server
         state.check_model(model)

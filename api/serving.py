@@ -2,7 +2,8 @@
 output into choices and usage, server-sent events, and aborting when the client goes away.
 
 A call with P prompts and `n` samples runs P engine requests; choice `p * n + i` is sample
-`i` of prompt `p` (OpenAI's order).
+`i` of prompt `p` (OpenAI's order). Its P * n engine sequences are admitted (or refused) as
+one, when the call arrives (`ServerState.admit`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from api.engine_loop import EngineDeadError, EngineLoop, Generation, QueueFullError, SampleDelta, StepDelta
+from api.engine_loop import (
+    EngineDeadError, EngineLoop, Generation, QueueFullError, Reservation, SampleDelta, StepDelta,
+)
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
 from api.logprobs import TokenText
 from jaxserve.tokenization import PromptError
@@ -42,6 +45,7 @@ class ServerState:
     vocab_size: int
     sampling_defaults: dict[str, Any]  # from the model's generation config
     token_text: TokenText
+    max_request_sequences: int  # prompts x n of one call
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # NOTE: one thread, so the tokenizer is never used by two requests at once (transformers'
     # fast tokenizers set truncation state on encode); the engine thread only decodes.
@@ -51,6 +55,21 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
+
+    def admit(self, num_prompts: int, n: int) -> Reservation:
+        """On arrival: a 400 for a call that fans out to too many sequences, a 503 at once if
+        the queue is full; otherwise the queue room the call holds until it starts (`with`)."""
+        wanted = num_prompts * n
+        if wanted > self.max_request_sequences:
+            raise bad_request(
+                f"This request asks for {wanted} sequences ({num_prompts} prompt(s) x n={n}); this server runs at "
+                f"most {self.max_request_sequences} per request (--max-request-sequences).",
+                "prompt" if num_prompts > self.max_request_sequences else "n")
+        try:
+            return self.engine_loop.admit(wanted)
+        except QueueFullError as e:
+            raise APIError(503, str(e), type=SERVER_ERROR, code="server_overloaded",
+                           headers={"Retry-After": "1"}) from None
 
     async def off_loop(self, fn: Callable, *args, param: str | None = None, **kwargs):
         """Run tokenizer work (encoding, chat templates) in the tokenizer thread, so a huge
@@ -82,10 +101,11 @@ def new_id(prefix: str) -> str:
 
 
 async def start_generation(state: ServerState, call_id: str, prompts: list[list[int]], params: SamplingParams,
-                           *, arrival_time: float, priority: int, prompt_param: str, cache_salt: str | None,
-                           param_names: dict[str, str] | None = None) -> tuple[Generation, Tally]:
-    """Queue the call's engine requests, and a Tally to follow them; every refusal becomes
-    an APIError (and nothing runs).
+                           reservation: Reservation, *, arrival_time: float, priority: int, prompt_param: str,
+                           cache_salt: str | None, param_names: dict[str, str] | None = None
+                           ) -> tuple[Generation, Tally]:
+    """Queue the call's engine requests in the room `reservation` holds, and a Tally to
+    follow them; every refusal becomes an APIError (and nothing runs).
 
     The sampling fields were checked already, so the engine's other ValueErrors are about
     the prompt (`prompt_param`: empty, too long, token ids out of range).
@@ -93,14 +113,12 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
     generation = state.engine_loop.generation(ids)
     try:
-        await generation.add(prompts, params, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+        await generation.add(prompts, params, reservation, arrival_time=arrival_time, priority=priority,
+                             cache_salt=cache_salt)
     except BaseException as e:
         generation.close()
         if isinstance(e, ValueError):
             raise from_value_error(e, param_names or {}, prompt_param) from None
-        if isinstance(e, QueueFullError):
-            raise APIError(503, str(e), type=SERVER_ERROR, code="server_overloaded",
-                           headers={"Retry-After": "1"}) from None
         if isinstance(e, EngineDeadError):
             raise APIError(503, str(e), type=SERVER_ERROR, code="engine_dead") from None
         raise

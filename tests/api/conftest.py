@@ -3,6 +3,9 @@
 One server serves the whole session (`server`); tests that need other limits start their
 own per module with `run_server`. Tests talk to it with the real `openai` client and httpx,
 and read its state (free KV blocks, running requests) from /metrics, as an operator would.
+Tests that must reach inside the process (wrap its tokenizer, hold its engine in a step)
+serve `create_app(...)` with uvicorn in a thread instead (`serve_in_thread`), still over
+loopback HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +24,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.tiny_models import make_tiny_model, make_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
@@ -149,3 +155,51 @@ def tokenizer():
 
     path = default_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """Serve `app` with uvicorn in a daemon thread on a free loopback port; yields its URL.
+    The app's lifespan (the engine thread) runs in that thread's event loop."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A random tiny Llama with a real tokenizer that adds BOS and a chat template that
+    writes it (tests/tiny_models.py): servers on it start in seconds."""
+    folder = tmp_path_factory.mktemp("tiny-llama-bos")
+    make_tiny_model("llama", folder)
+    make_tiny_tokenizer(folder)
+    return folder
+
+
+# Small enough to compile in seconds on a CPU, big enough for a few short requests at once.
+TINY_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=4, num_blocks=64,
+                   max_model_len=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_folder):
+    """An in-process LLMEngine on `tiny_folder`, for `create_app` + `serve_in_thread`. Apps
+    share it one after another (each stops its engine thread when it shuts down)."""
+    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.weights import load_model
+
+    return LLMEngine(load_model(str(tiny_folder), use_cache=False, progress=False), EngineConfig(**TINY_ENGINE))

@@ -25,6 +25,9 @@ def test_defaults_and_flags(monkeypatch):
     args = parse_args([])
     assert (args.host, args.port, args.api_key, args.model, args.max_waiting) == ("127.0.0.1", 8000, None, None, None)
     assert args.kv_cache_memory == 1 << 30
+    assert (args.max_request_sequences, args.max_request_body_bytes) == (256, 32 << 20)
+    args = parse_args(["--max-request-sequences", "8", "--max-request-body-bytes", "1MiB"])
+    assert (args.max_request_sequences, args.max_request_body_bytes) == (8, 1 << 20)
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
     args = parse_args(["--max-num-seqs", "4", "--kv-cache-memory", "256MiB", "--max-waiting", "8", "--port", "0"])
     assert (args.max_num_seqs, args.kv_cache_memory, args.max_waiting, args.port) == (4, 256 << 20, 8, 0)

@@ -1,13 +1,16 @@
 """The engine thread's contract, with a scripted stand-in for the engine (no model, fast):
 an engine failure fails every request in flight and turns /health to 503 instead of
-hanging; closing a generation aborts its requests; the queue limit refuses at once."""
+hanging; closing a generation aborts its requests; the queue limit refuses on arrival,
+even while the engine thread is stuck in a step."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -16,6 +19,7 @@ from api.metrics import Metrics
 from api.server import create_app
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from scheduler import SamplingParams, SchedulerStats
+from tests.api.conftest import serve_in_thread
 
 
 class ScriptedScheduler:
@@ -31,19 +35,23 @@ class ScriptedScheduler:
 
 
 class ScriptedEngine:
-    """One token ("a") per request per step; `fail_at_step` makes step() raise."""
+    """One token ("a") per request per step; `fail_at_step` makes step() raise; with a
+    `gate`, every step waits for it (and `in_step` tells that one has begun)."""
 
-    def __init__(self, fail_at_step: int | None = None, max_num_seqs: int = 4):
+    def __init__(self, fail_at_step: int | None = None, max_num_seqs: int = 4, gate: threading.Event | None = None):
         self.fail_at_step = fail_at_step
+        self.gate = gate
+        self.in_step = threading.Event()
         self.steps = 0
         self.requests: dict[str, list] = {}
         self.aborted: list[str] = []
         self.tokenizer = None
         self.max_model_len = 64
         self.loaded = SimpleNamespace(source="/models/scripted-model", config=SimpleNamespace(vocab_size=100))
+        self.generation = SimpleNamespace(sampling={})  # no generation_config.json defaults
         self.scheduler = ScriptedScheduler(max_num_seqs)
 
-    def add_request(self, request_id, prompt, params, *, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt, params, *, priority=0, arrival_time=None, cache_salt=None):
         if not prompt:
             raise ValueError("the prompt is empty")
         self.requests[request_id] = [params, [], arrival_time]
@@ -56,6 +64,9 @@ class ScriptedEngine:
         return self.requests.pop(request_id, None) is not None
 
     def step(self):
+        self.in_step.set()
+        if self.gate is not None and not self.gate.wait(60):
+            raise RuntimeError("the test never opened the gate")
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("device fell over")
@@ -85,7 +96,7 @@ def test_engine_failure_fails_requests_in_flight_and_later_ones():
         engine = ScriptedEngine(fail_at_step=3)
         loop = await _started(engine)
         generation = loop.generation(["r1"])
-        await generation.add([[1, 2]], SamplingParams(max_tokens=10), arrival_time=time.monotonic())
+        await generation.add([[1, 2]], SamplingParams(max_tokens=10), loop.admit(1), arrival_time=time.monotonic())
         deltas = []
         with pytest.raises(EngineDeadError):
             async with generation:
@@ -94,7 +105,7 @@ def test_engine_failure_fails_requests_in_flight_and_later_ones():
         assert len(deltas) == 2  # the two steps before the failure
         assert not loop.is_alive
         with pytest.raises(EngineDeadError):
-            await loop.add("r2", [1], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
+            await loop.generation(["r2"]).add([[1]], SamplingParams(), loop.admit(1), arrival_time=0.0)
         loop.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
@@ -105,7 +116,8 @@ def test_closing_a_generation_aborts_it():
         engine = ScriptedEngine()
         loop = await _started(engine)
         generation = loop.generation(["a", "b"])
-        await generation.add([[1], [2]], SamplingParams(max_tokens=1000), arrival_time=time.monotonic())
+        await generation.add([[1], [2]], SamplingParams(max_tokens=1000), loop.admit(2),
+                             arrival_time=time.monotonic())
         async with generation:
             async for _ in generation:
                 break  # the caller goes away after the first delta
@@ -124,34 +136,71 @@ def test_shutdown_fails_requests_in_flight():
     async def scenario():
         loop = await _started(ScriptedEngine())
         generation = loop.generation(["long"])
-        await generation.add([[1]], SamplingParams(max_tokens=10**6), arrival_time=time.monotonic())
+        await generation.add([[1]], SamplingParams(max_tokens=10**6), loop.admit(1), arrival_time=time.monotonic())
         await asyncio.sleep(0.05)
         loop.stop()
         with pytest.raises(EngineDeadError, match="shutting down"):
             async for _ in generation:
                 pass
         with pytest.raises(EngineDeadError):
-            await loop.add("late", [1], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
+            await loop.generation(["late"]).add([[1]], SamplingParams(), loop.admit(1), arrival_time=0.0)
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
-def test_queue_limit_counts_waiting_beyond_free_slots():
+def test_queue_limit_counts_waiting_and_in_transit_beyond_free_slots():
     async def scenario():
         engine = ScriptedEngine(max_num_seqs=4)
+        engine.scheduler.waiting = ["w"] * 5  # published at start: 4 free slots, 1 waiting beyond them
         loop = await _started(engine, max_waiting=2)
-        engine.scheduler.waiting = ["w"] * 5  # 4 free slots: 1 beyond them, under the limit of 2
-        await loop.add("ok", [1], SamplingParams(max_tokens=1), arrival_time=0.0, queue=asyncio.Queue())
-        engine.scheduler.waiting = ["w"] * 6  # 2 beyond the free slots: full
+        held = loop.admit(1)  # 1 beyond the free slots: under the limit of 2
         with pytest.raises(QueueFullError):
-            await loop.add("refused", [1], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
-        engine.scheduler.waiting = []
-        with pytest.raises(ValueError, match="empty"):
-            await loop.add("bad", [], SamplingParams(), arrival_time=0.0, queue=asyncio.Queue())
-        assert loop.metrics.rejected == 1
+            loop.admit(1)  # the one admitted is in transit, so 2 wait beyond the free slots: full
+        held.release()  # a call that fails before reaching the engine gives its room back
+        reservation = loop.admit(1)
+        with pytest.raises(ValueError, match="empty"):  # the engine takes it, and refuses it
+            await loop.generation(["bad"]).add([[]], SamplingParams(max_tokens=1), reservation, arrival_time=0.0)
+        while loop.snapshot.sequences_taken < 1:  # no longer in transit once a snapshot says so
+            await asyncio.sleep(0.01)
+        loop.admit(1)
+        with pytest.raises(QueueFullError):
+            loop.admit(3)
+        assert loop.metrics.rejected == 2
         loop.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_burst_is_refused_on_arrival_while_the_engine_is_stuck_in_a_step():
+    """The 503s are decided on the event loop, so they come back while the engine thread
+    cannot apply anything; and exactly the calls beyond max_waiting are refused."""
+    engine = ScriptedEngine(max_num_seqs=2, gate=threading.Event())
+    body = {"prompt": [1, 2], "max_tokens": 2}
+
+    async def scenario(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            first = asyncio.create_task(http.post("/v1/completions", json=body))
+            while not engine.in_step.is_set():  # the engine thread is now held in a step with `first`
+                await asyncio.sleep(0.01)
+            burst = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(10)]
+            # `first` in transit, 2 free slots, max_waiting 2: three more fit, seven are refused.
+            deadline = time.monotonic() + 10
+            while sum(t.done() for t in burst) < 7 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # and no others come back while the engine is held
+            refused = [t.result() for t in burst if t.done()]
+            assert engine.steps == 0 and not first.done()
+            engine.gate.set()
+            accepted = await asyncio.gather(first, *(t for t in burst if not t.done()))
+        return refused, accepted
+
+    with serve_in_thread(create_app(engine, max_waiting=2)) as url:
+        refused, accepted = asyncio.run(scenario(url))
+        assert [r.status_code for r in refused] == [503] * 7
+        for r in refused:
+            assert r.json()["error"]["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
+        assert [r.status_code for r in accepted] == [200] * 4
+        assert all(r.json()["choices"][0]["text"] == "aa" for r in accepted)
 
 
 def test_server_reports_a_dead_engine():

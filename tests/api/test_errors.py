@@ -86,6 +86,14 @@ def test_bad_json_and_bodies_are_400(server):
     assert_error(post(server, "/v1/chat/completions", '"text"'), 400)
 
 
+def test_a_request_without_a_body_says_so(server):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for response in (post(server, path, b""),  # an empty JSON body
+                         httpx.post(f"{server.url}{path}", headers=server.headers, timeout=60)):  # no body at all
+            error = assert_error(response, 400, param=None)
+            assert "no body" in error["message"] and "None" not in error["message"], error
+
+
 def test_prompt_longer_than_the_context_is_400(server, client):
     max_model_len = client.models.retrieve(MODEL).model_extra["max_model_len"]
     long_prompt = [100] * (max_model_len + 5)

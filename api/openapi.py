@@ -1,0 +1,256 @@
+"""The OpenAPI document served at /openapi.json: what each route accepts and what it answers.
+
+Request bodies come from `api.protocol`, whose Field constraints are SamplingParams' own
+ranges, so a request that fits the schema is one the server accepts, except for the rules
+a schema cannot state (a prompt plus max_tokens within the context, min_tokens <=
+max_tokens, stream_options only with stream, ...), which are 400s. This module adds the
+answers: the success bodies, the OpenAI error body of every 4xx/5xx the routes give, the
+Prometheus text of /metrics, the served model's bounds (token ids below its vocabulary
+size, token counts below its context length), and the bearer security of /v1 when the
+server has an API key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Marks for integers whose maximum depends on the served model (set in `install_openapi`):
+TOKEN_ID = "x-token-id"  # below the vocabulary size
+OUTPUT_TOKENS = "x-output-tokens"  # a count of generated tokens: below the context length,
+# since a prompt has at least one token (the server refuses more with context_length_exceeded)
+
+
+class PrometheusResponse(PlainTextResponse):
+    media_type = PROMETHEUS_CONTENT_TYPE
+
+
+# -- bodies -----------------------------------------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error (4xx) or server_error (5xx)
+    param: str | None  # the parameter at fault, as a client writes it: messages[0].role
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion; with stream_options.include_usage,
+    `usage` is null but on the last chunk (which has no choices)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # on each choice's first chunk
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (`usage` as in CompletionChunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+# -- responses, for the route decorators ------------------------------------------------
+
+_ERRORS = {
+    400: "Invalid parameters, or a request this model cannot serve (code `context_length_exceeded`: the "
+         "prompt and max_tokens do not fit in the context).",
+    401: "No API key, or a wrong one (code `invalid_api_key`).",
+    404: "Unknown model (code `model_not_found`).",
+    413: "The request body is over --max-request-body-bytes (code `request_too_large`).",
+    503: "The queue is full (code `server_overloaded`, with Retry-After) or the engine has stopped "
+         "(code `engine_dead`).",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying (when overloaded)", "required": False,
+                                "schema": {"type": "string"}}}
+
+
+def errors(*statuses: int) -> dict[int, dict]:
+    """OpenAI error responses for the route decorator's `responses`."""
+    return {s: {"model": ErrorResponse, "description": _ERRORS[s], **({"headers": _RETRY_AFTER} if s == 503 else {})}
+            for s in statuses}
+
+
+def generation(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int, dict]:
+    """The responses of a generation endpoint: `model` as JSON, or with `stream: true`
+    server-sent events: `chunk`s, an ErrorResponse if the stream fails, then `[DONE]`."""
+    # NOTE: `itemSchema` describes each event (OpenAPI 3.2's keyword, which FastAPI also
+    # writes into 3.1 documents); the chunk schemas are added to the components below.
+    data = {"anyOf": [{"const": "[DONE]"}, {
+        "type": "string", "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [{"$ref": _ref(chunk)}, {"$ref": _ref(ErrorResponse)}]}}]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {200: {"model": model, "description": f"A {model.__name__}, or with `stream: true` server-sent events: "
+                                                 f"{chunk.__name__}s, then `data: [DONE]`.",
+                  "content": {"text/event-stream": {"itemSchema": event}}},
+            **errors(400, 404, 413, 503)}
+
+
+STREAM_CHUNKS = (CompletionChunk, ChatCompletionChunk)
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(model: type[BaseModel]) -> str:
+    return _REF.format(model=model.__name__)
+
+
+# -- the document -----------------------------------------------------------------------
+
+def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, api_key: bool) -> None:
+    """Serve the document above at /openapi.json (built once, on the first request)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            _drop_validation_errors(schema)
+            _add_stream_chunks(schema)
+            _bound_per_model(schema, {TOKEN_ID: vocab_size - 1, OUTPUT_TOKENS: max_model_len - 1})
+            if api_key:
+                _require_bearer_on_v1(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _operations(schema: dict):
+    for path, item in schema["paths"].items():
+        for operation in item.values():
+            yield path, operation
+
+
+def _drop_validation_errors(schema: dict) -> None:
+    # FastAPI documents a 422 for every body; this server answers 400 instead (api.errors).
+    for _, operation in _operations(schema):
+        operation["responses"].pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+
+
+def _add_stream_chunks(schema: dict) -> None:
+    # Only referenced from event streams, so FastAPI does not know them. "validation" mode:
+    # a key with a default may be absent (`usage` without include_usage).
+    _, defs = models_json_schema([(m, "validation") for m in STREAM_CHUNKS], ref_template=_REF)
+    schema["components"]["schemas"].update(defs["$defs"])
+
+
+def _bound_per_model(node, maximum: dict[str, int]) -> None:
+    if isinstance(node, dict):
+        for mark, bound in maximum.items():
+            if node.get(mark):
+                node["maximum"] = bound
+        for value in node.values():
+            _bound_per_model(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_per_model(value, maximum)
+
+
+def _require_bearer_on_v1(schema: dict) -> None:
+    schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operation in _operations(schema):
+        if path.startswith("/v1"):
+            operation["security"] = [{"bearer": []}]
+            operation["responses"]["401"] = {
+                "description": _ERRORS[401],
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}

@@ -1,0 +1,51 @@
+"""Checks of our own, loaded by the schemathesis run in test_fuzz.py (its `hooks` setting),
+beside schemathesis' built-in ones (`--checks all` runs both)."""
+
+from __future__ import annotations
+
+import json
+
+import schemathesis
+
+# The rules a JSON schema cannot state, so that a request which fits the schema may still be
+# refused with a 400 that names one of these parameters:
+#   prompt       the prompt tokenizes to nothing (" " without special tokens), or there are
+#                more prompts than --max-request-sequences
+#   n            prompts x n is over --max-request-sequences
+#   min_tokens   more than the max_tokens the request ends up with (the rest of the context)
+#   best_of      not equal to n
+#   stream_options, top_logprobs, echo: only with stream, with logprobs, without logprobs
+#   messages     the chat template refuses the conversation
+# plus code context_length_exceeded (the prompt and max_tokens do not fit in the context).
+# NOTE: the three rules between fields could be written into the schema (if/then), but then
+# schemathesis' coverage phase makes one valid request per operation instead of about 120
+# (its boundary values), so they stay rules of the handlers, listed here.
+RUNTIME_RULES = {
+    "/v1/completions": {"prompt", "n", "min_tokens", "best_of", "stream_options", "echo"},
+    "/v1/chat/completions": {"messages", "n", "min_tokens", "stream_options", "top_logprobs"},
+}
+
+
+@schemathesis.check
+def valid_requests_are_refused_only_by_runtime_rules(ctx, response, case):
+    """A schema-valid request answered 400 must be refused by a rule the schema cannot state,
+    never for a range or type the schema could have stated (then the schema is wrong)."""
+    if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code != 400:
+        return None
+    error = json.loads(response.content)["error"]
+    if error["code"] == "context_length_exceeded" or error["param"] in RUNTIME_RULES.get(case.operation.path, ()):
+        return None
+    raise AssertionError(f"a request that fits the schema was refused for {error['param']!r}: {error['message']}")
+
+
+@schemathesis.check
+def errors_are_openai_shaped(ctx, response, case):
+    """Every error, documented status or not (405, ...), has OpenAI's body."""
+    if response.status_code < 400:
+        return None
+    body = json.loads(response.content)
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), error
+    assert error["type"] == ("invalid_request_error" if response.status_code < 500 else "server_error"), error
+    return None
