@@ -90,6 +90,11 @@ class Attention(nnx.Module):
 
 def _write_slots(pages: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
     """pages[slot // page_size, slot % page_size] = values, for each token."""
+    if slots.shape[0] == 1:
+        # NOTE: XLA on the CPU turns a one-row scatter into a dynamic-update-slice that copies
+        # the whole cache; a second row, into the null slot 0, keeps it a scatter (in place).
+        slots = jnp.concatenate([slots, jnp.zeros(1, slots.dtype)])
+        values = jnp.concatenate([values, jnp.zeros_like(values)])
     flat = pages.reshape(-1, *pages.shape[2:])
     flat = flat.at[slots].set(values.astype(pages.dtype), mode="promise_in_bounds")
     return flat.reshape(pages.shape)
@@ -116,22 +121,23 @@ class DecoderLayer(nnx.Module):
 
 
 def unstack_layers(model: DecoderLM) -> DecoderLM:
-    """Turn the model's stacked layers into separate ones, in place (the stacked arrays are
-    freed); the forward pass then unrolls the layers instead of scanning them.
+    """The same model with its stacked layers as separate modules (a new model object; the
+    other parameters are shared). Its forward pass unrolls the layers instead of scanning.
 
-    Serving wants this: a scan reads each layer's weights through a dynamic slice, which
-    XLA on the CPU materializes as a copy every step, so a memory-bound decode step moves
-    its weights three times (read, write the copy, read it). Separate arrays are read in
-    place, once. The price is compile time that grows with depth.
+    Serving wants this, and weight loading returns models in this form: a scan reads each
+    layer's weights through a dynamic slice, which XLA on the CPU materializes as a copy
+    every step, so a memory-bound decode step moved its weights three times (read, write
+    the copy, read it). Separate arrays are read in place, once. The price is compile
+    time that grows with depth.
     """
     if isinstance(model.layers, nnx.List):
         return model
-    layer_def, stacked = nnx.split(model.layers)
-    num_layers = model.cfg.num_layers
-    layers = [nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(num_layers)]
-    del stacked
-    model.layers = nnx.List(layers)
-    return model
+    graphdef, state = nnx.split(model)
+    unstacked = nnx.merge(graphdef, state)
+    layer_def, stacked = nnx.split(unstacked.layers)
+    unstacked.layers = nnx.List([nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], stacked))
+                                 for i in range(model.cfg.num_layers)])
+    return unstacked
 
 
 class DecoderLM(nnx.Module):

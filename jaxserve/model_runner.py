@@ -41,10 +41,10 @@ from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
 
 logger = logging.getLogger(__name__)
 
-# NOTE: at T=1, XLA on the CPU rewrites the KV write (a scatter) into a dynamic-update-slice
-# that makes it copy the whole cache every layer (about 8x slower per decode step on the
-# default model); 8 tokens is the smallest bucket.
-MIN_TOKENS = 8
+# One token is the smallest bucket: on a CPU, XLA runs a one-row matmul as a matrix-vector
+# product at about the memory bandwidth, while 2-8 rows run about three times slower, so
+# single-stream decode must not be padded.
+MIN_TOKENS = 1
 
 
 @dataclasses.dataclass

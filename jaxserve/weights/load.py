@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.default_model import default_model_path
-from jaxserve.model import DecoderLM
+from jaxserve.model import DecoderLM, unstack_layers
 from jaxserve.weights import safetensors_reader
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
@@ -31,7 +31,7 @@ from jaxserve.weights.params import ParamAssembler, build_model, model_params
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # bump when the converted layout changes, so old caches are ignored
+CACHE_FORMAT = 3  # bump when the converted layout changes, so old caches are ignored
 
 
 @dataclasses.dataclass
@@ -121,7 +121,8 @@ def _convert(source: Path, dtype, progress: bool) -> LoadedModel:
     for name, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
                              disable=not progress, leave=False):
         assembler.add(name, tensor)
-    return LoadedModel(config, assembler.build(), _load_tokenizer(source, gguf), str(source), False, hf_config)
+    model = unstack_layers(assembler.build())  # the serving layout: one array per layer's weight
+    return LoadedModel(config, model, _load_tokenizer(source, gguf), str(source), False, hf_config)
 
 
 def _load_tokenizer(source: Path, gguf: GGUFFile | None):
@@ -164,7 +165,7 @@ def _restore(entry: Path, source: Path, dtype) -> LoadedModel:
     with open(entry / "config.json") as f:
         hf_config = json.load(f)
     config = ModelConfig.from_hf_dict(hf_config)
-    abstract = nnx.eval_shape(lambda: DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0))))
     graphdef, state = nnx.split(abstract)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:

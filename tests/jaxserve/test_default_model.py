@@ -30,20 +30,20 @@ def test_gguf_weights_equal_transformers_reading(default_model, hf_default_model
             np.testing.assert_array_equal(np.asarray(value), hf[_hf_name(group + (leaf,), None)])
             checked += 1
 
-    def walk(tree, path):
+    def walk(tree, path, layer):
         nonlocal checked
         for key, value in tree.items():
             if isinstance(value, dict):
-                walk(value, path + (key,))
+                walk(value, path + (key,), layer)
                 continue
-            stacked = np.asarray(value)
-            for layer in range(stacked.shape[0]):
-                want = hf[_hf_name(path + (key,), layer)]
-                got = stacked[layer].T if key == "kernel" else stacked[layer]
-                np.testing.assert_array_equal(got, want, err_msg=_hf_name(path + (key,), layer))
-                checked += 1
+            want = hf[_hf_name(path + (key,), layer)]
+            got = np.asarray(value).T if key == "kernel" else np.asarray(value)
+            np.testing.assert_array_equal(got, want, err_msg=_hf_name(path + (key,), layer))
+            checked += 1
 
-    walk(ours["layers"], ("layers",))
+    assert sorted(ours["layers"]) == list(range(30))  # separate layers, the serving layout
+    for layer, tree in ours["layers"].items():
+        walk(tree, ("layers",), layer)
     assert checked == 2 + 30 * 9
 
 
