@@ -48,15 +48,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import vllm_baseline  # noqa: E402
 
 
-def jaxserve_runner(max_tokens: int, cache_dir: str):
-    """A function that generates one prompt and returns (ttft seconds, decode tokens/s)."""
-    from jaxserve.engine import EngineConfig, LLMEngine
+def jaxserve_runner(max_tokens: int, args, profile: bool = False):
+    """A function that generates one prompt and returns (ttft seconds, decode tokens/s), and
+    the engine. Settings as a server's: the step can hold max_num_seqs sequences."""
+    from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
+    from jaxserve.profiling import StepProfiler
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
 
-    loaded = load_model(None, cache_dir=cache_dir, progress=False)
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, token_buckets=(8, 16, 64),
-                                            max_model_len=256, kv_cache_memory=64 << 20))
+    enable_compilation_cache()  # the user's cache: a server compiles its programs once
+    loaded = load_model(None, progress=False)
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
+                                            max_model_len=args.max_model_len, kv_cache_memory=1 << 30))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(prompt: str) -> tuple[float, float]:
@@ -65,7 +68,11 @@ def jaxserve_runner(max_tokens: int, cache_dir: str):
         m = out.metrics
         return m.time_to_first_token, (max_tokens - 1) / (m.last_token_time - m.first_token_time)
 
-    return run
+    def start_profiling():
+        if profile:
+            engine.profiler = StepProfiler()
+
+    return run, engine, start_profiling
 
 
 def transformers_runner(max_tokens: int):
@@ -101,21 +108,48 @@ def transformers_runner(max_tokens: int):
     return run
 
 
-def in_process(max_tokens: int, cache_dir: str, rounds: int, with_transformers: bool = True) -> tuple[dict, ...]:
+def in_process(args, with_transformers: bool = True) -> tuple[dict, ...]:
     """jaxserve (and transformers), one prompt at a time, alternating (this machine's speed
-    drifts; both see the same drift). The first round warms caches and is not counted."""
-    runners = {"jaxserve": jaxserve_runner(max_tokens, cache_dir)}
+    drifts; both see the same drift). The first round warms caches and is not counted.
+    jaxserve's result also has the memory roofline of its decode steps, and its step
+    profile (printed) when args.profile is set."""
+    run_jaxserve, engine, start_profiling = jaxserve_runner(args.max_tokens, args, args.profile)
+    runners = {"jaxserve": run_jaxserve}
     if with_transformers:
-        runners["transformers"] = transformers_runner(max_tokens)
+        runners["transformers"] = transformers_runner(args.max_tokens)
     samples = {name: [] for name in runners}
-    for r in range(rounds + 1):
+    for r in range(args.rounds + 1):
+        if r == 1:
+            start_profiling()
         for prompt in PROMPTS:
             for name, run in runners.items():
                 result = run(prompt)
                 if r:
                     samples[name].append(result)
-    return tuple({"ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
-                  "decode_tok_s": statistics.median(d for _, d in samples[name])} for name in runners)
+    results = tuple({"ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
+                     "decode_tok_s": statistics.median(d for _, d in samples[name])} for name in runners)
+    results[0]["roofline_tok_s"] = roofline_tok_s(engine, args.max_tokens)
+    if args.profile:
+        from jaxserve.profiling import step_report
+
+        print(f"jaxserve step profile over {args.rounds} rounds x {len(PROMPTS)} prompts:\n"
+              + step_report(engine.runner, engine.profiler) + "\n", flush=True)
+    return results
+
+
+def roofline_tok_s(engine, max_tokens: int) -> float:
+    """The decode tokens/s a step would reach if it only read its bytes (every weight, and
+    the K and V of a context half-way through the output) at this machine's read
+    bandwidth, measured now."""
+    import jax
+
+    from jaxserve.profiling import read_bandwidth
+
+    cfg = engine.loaded.config
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
+    context = max_tokens // 2 + 8  # the prompts are a handful of tokens
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.runner.kv.dtype.itemsize * context
+    return read_bandwidth() / (weight_bytes + kv_bytes)
 
 
 HF_COLD_START = """
@@ -164,7 +198,7 @@ def vllm_runs(vllm_python: str, work: Path, args) -> tuple[dict, dict]:
     prompts.write_text(json.dumps(ids))
     first_prompt.write_text(json.dumps(ids[:1]))
     caches = {"VLLM_CACHE_ROOT": str(work / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
-    flags = ["--model", str(model_dir), *vllm_baseline.engine_flags(args.vllm_max_model_len, args.vllm_max_num_seqs,
+    flags = ["--model", str(model_dir), *vllm_baseline.engine_flags(args.max_model_len, args.max_num_seqs,
                                                                   512, 1 << 30)]
 
     def run(prompts_file: Path, max_tokens: int, rounds: int) -> dict:
@@ -198,8 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds over the prompts")
     vllm_baseline.add_arguments(p)
-    p.add_argument("--vllm-max-num-seqs", type=int, default=64, help="vLLM's max_num_seqs (a server's default)")
-    p.add_argument("--vllm-max-model-len", type=int, default=1024, help="vLLM's max_model_len")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="both engines' max_num_seqs (a server's setting)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="both engines' max_model_len")
+    p.add_argument("--profile", action="store_true", help="print jaxserve's step profile (host phases, device parts)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
@@ -207,7 +242,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         cold = cold_starts(work, with_transformers=not vllm_python)
-        ours, *theirs = in_process(args.max_tokens, str(work / "jx"), args.rounds, with_transformers=not vllm_python)
+        ours, *theirs = in_process(args, with_transformers=not vllm_python)
         if vllm_python:
             theirs, vllm_cold = vllm_runs(vllm_python, work, args)
             cold.update(vllm_cold)
@@ -230,8 +265,8 @@ def main(argv=None) -> int:
     if vllm_python:
         name = f"vLLM {theirs['vllm_version']}"
         print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
-              f"x {len(PROMPTS)} prompts, jaxserve then vLLM (max_num_seqs {args.vllm_max_num_seqs}, "
-              f"max_model_len {args.vllm_max_model_len}, from a float32 safetensors copy)")
+              f"x {len(PROMPTS)} prompts, jaxserve then vLLM (max_num_seqs {args.max_num_seqs}, "
+              f"max_model_len {args.max_model_len}, from a float32 safetensors copy)")
     else:
         name = "transformers"
         print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
@@ -241,6 +276,10 @@ def main(argv=None) -> int:
     print(f"|{'-' * 28}|{'-' * 11}|{'-' * (width + 2)}|{'-' * 10}|")
     for label, a, b, ratio in rows:
         print(f"| {label:<26} | {a:>9.1f} | {b:>{width}.1f} | {ratio:>7.2f}x |")
+    roof = ours["roofline_tok_s"]
+    print(f"memory roofline of a decode step (every weight and the context's K/V read once, at the read "
+          f"bandwidth measured in this run): {roof:.1f} tok/s; jaxserve reaches "
+          f"{100 * ours['decode_tok_s'] / roof:.0f}%, {name} {100 * theirs['decode_tok_s'] / roof:.0f}%")
     return 0
 
 

@@ -14,6 +14,7 @@ Reported: output tokens/s (wall time after start-up) and the ratio.
 
     python benchmarks/throughput.py [--num-requests 128] [--mix short-long] [--json]
     python benchmarks/throughput.py --baseline vllm --vllm-python .venv-vllm/bin/python
+    python benchmarks/throughput.py --baseline none --profile [--no-async-scheduling]
 """
 
 from __future__ import annotations
@@ -41,8 +42,13 @@ def run_jaxserve(work: Workload, args) -> dict:
 
     start = time.perf_counter()
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_memory_mb << 20)
+              max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_memory_mb << 20,
+              async_scheduling=not args.no_async_scheduling)
     startup = time.perf_counter() - start
+    if args.profile:
+        from jaxserve.profiling import StepProfiler
+
+        llm.engine.profiler = StepProfiler()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     compiled = llm.engine.compilations
     start = time.perf_counter()
@@ -51,6 +57,12 @@ def run_jaxserve(work: Workload, args) -> dict:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == work.num_output_tokens, (generated, work.num_output_tokens)
     sched = llm.engine.scheduler
+    if args.profile:
+        from jaxserve.profiling import step_report
+
+        print("jaxserve step profile (async scheduling "
+              f"{'off' if args.no_async_scheduling else 'on'}):\n{step_report(llm.engine.runner, llm.engine.profiler)}\n",
+              flush=True)
     return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup,
             "preemptions": sched.num_preemptions, "compilations_after_warm_up": llm.engine.compilations - compiled}
 
@@ -121,7 +133,12 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-memory-mb", type=int, default=2048)
     p.add_argument("--hf-batch-sizes", default="4,8,16,32", help="sweep for the transformers baseline")
     p.add_argument("--hf-calibration", type=int, default=32, help="requests the sweep runs on")
-    vllm_baseline.add_arguments(p)
+    p.add_argument("--no-async-scheduling", action="store_true", help="jaxserve's serial step loop")
+    p.add_argument("--profile", action="store_true",
+                   help="print jaxserve's step profile: host phases, device idle, device time by model part")
+    vllm_baseline.add_arguments(p, choices=("transformers", "vllm", "none"),
+                                help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python; "
+                                     "none: jaxserve alone, e.g. with --profile)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -129,6 +146,13 @@ def main(argv=None) -> int:
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
     work = mix_workload(args.mix, args.num_requests, seed=args.seed)
     ours = run_jaxserve(work, args)
+    if args.baseline == "none":
+        result = {"requests": args.num_requests, "mix": args.mix, "prompt_tokens": work.num_prompt_tokens,
+                  "output_tokens": work.num_output_tokens, "jaxserve": ours}
+        print(json.dumps(result, indent=2) if args.json else
+              f"jaxserve: {ours['seconds']:.1f} s, {ours['output_tok_s']:.1f} output tok/s "
+              f"({args.mix} mix, {args.num_requests} requests, preemptions: {ours['preemptions']})")
+        return 0
     if vllm_python:
         theirs = run_vllm(work, args, vllm_python)
         label = f"vLLM {theirs['vllm_version']} CPU LLM.generate (continuous)"

@@ -37,6 +37,7 @@ from jaxserve.kv_cache import num_blocks_for_memory
 from jaxserve.model_runner import ModelRunner, StepHandle
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
+from jaxserve.profiling import NullProfiler, StepProfiler
 from jaxserve.tokenization import encode_prompt
 from jaxserve.weights import LoadedModel, load_model
 from jaxserve.weights.load import default_cache_dir
@@ -92,6 +93,8 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
+        # Set a jaxserve.profiling.StepProfiler here to time each step's phases.
+        self.profiler: StepProfiler | NullProfiler = NullProfiler()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
                     self.runner.kv.nbytes / 2**20)
         if config.warm_up:
@@ -168,8 +171,14 @@ class LLMEngine:
         """
         if self._in_flight is not None and self._needs_known_tokens():
             return self._collect()
-        batch = self.scheduler.schedule()
-        handle = self.runner.dispatch(batch) if batch is not None else None
+        profiler = self.profiler
+        with profiler.phase("schedule"):
+            batch = self.scheduler.schedule()
+        handle = None
+        if batch is not None:
+            with profiler.phase("dispatch"):
+                handle = self.runner.dispatch(batch)
+            profiler.dispatched_step(batch, handle.out.token_ids)
         outputs = self._collect() if self._in_flight is not None else []
         self._in_flight = (batch, handle)
         if batch is None or not self.config.async_scheduling:
@@ -180,9 +189,13 @@ class LLMEngine:
         """Wait for the step in flight and write its tokens back."""
         batch, handle = self._in_flight
         self._in_flight = None
-        output = handle.fetch() if handle is not None else None
-        results = self.scheduler.update(batch, output.token_ids if output is not None else ())
-        return self.outputs.process(results, output, self.scheduler)
+        profiler = self.profiler
+        with profiler.phase("wait"):
+            output = handle.fetch() if handle is not None else None
+        with profiler.phase("update"):
+            results = self.scheduler.update(batch, output.token_ids if output is not None else ())
+        with profiler.phase("detokenize"):
+            return self.outputs.process(results, output, self.scheduler)
 
     def _needs_known_tokens(self) -> bool:
         """A running request with penalties: the next batch needs its last token on the host."""

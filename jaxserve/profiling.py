@@ -38,6 +38,8 @@ class StepProfiler:
         self.steps = 0
         self.dispatched: list[float] = []  # when each step's last jitted call was enqueued
         self.ready: list[float] = []  # when each step's tokens were ready on the device
+        self.shapes = collections.Counter()  # (tokens, sequences) -> steps of that shape
+        self.examples: dict[tuple[int, int], object] = {}  # (tokens, sequences) -> one such StepBatch
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher = threading.Thread(target=self._watch_ready, name="step-watcher", daemon=True)
         self._watcher.start()
@@ -50,9 +52,12 @@ class StepProfiler:
         finally:
             self.seconds[name] += time.perf_counter() - start
 
-    def dispatched_step(self, token_ids: jax.Array) -> None:
-        """A step was enqueued; `token_ids` is its sampler output (ready when the step is done)."""
+    def dispatched_step(self, batch, token_ids: jax.Array) -> None:
+        """`batch` was enqueued; `token_ids` is its sampler output (ready when the step is done)."""
         self.steps += 1
+        shape = (batch.num_tokens, batch.num_seqs)
+        self.shapes[shape] += 1
+        self.examples.setdefault(shape, batch)
         self.dispatched.append(time.perf_counter())
         self._watch.put(token_ids)
 
@@ -88,21 +93,34 @@ class NullProfiler:
     def phase(self, name: str):
         return contextlib.nullcontext()
 
-    def dispatched_step(self, token_ids) -> None:
+    def dispatched_step(self, batch, token_ids) -> None:
         pass
 
 
 # -- the device's time by part --------------------------------------------------------------
 
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]*)"', re.M)
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (.*)$', re.M)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# Ops XLA made itself (a one-row matmul rewritten to a matrix-vector product) carry no
+# metadata; their weight operand still names the module.
+_WEIGHT_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "lm_head": "lm_head"}
+_WEIGHT = re.compile(r"%params\S*?_(" + "|".join(_WEIGHT_PARTS) + r")_")
 
 
 def op_parts(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the model part its op_name metadata names ("other" if none)."""
+    """HLO instruction name -> the model part its op_name metadata (or its weight operand)
+    names; "other" if neither does."""
     parts = {}
-    for name, op_name in _INSTRUCTION.findall(hlo_text):
-        scopes = op_name.split("/")
-        parts[name] = next((p for p in reversed(scopes) if p in PARTS), "other")
+    for name, rest in _INSTRUCTION.findall(hlo_text):
+        op_name = _OP_NAME.search(rest)
+        if op_name:
+            scopes = op_name.group(1).split("/")
+            parts[name] = next((p for p in reversed(scopes) if p in PARTS), "other")
+        elif weight := _WEIGHT.search(rest):
+            parts[name] = _WEIGHT_PARTS[weight.group(1)]
+        else:
+            parts[name] = "other"
     return parts
 
 
@@ -180,4 +198,36 @@ def breakdown_table(ms: dict[str, float], title: str) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["NullProfiler", "StepProfiler", "breakdown_table", "device_breakdown", "op_parts"]
+def step_report(runner, profiler: StepProfiler, top: int = 2) -> str:
+    """The host table, then the device's time by part for the `top` commonest compiled step
+    shapes (token bucket x row bucket), each replayed from a batch the engine really ran."""
+    steps, example = collections.Counter(), {}
+    for (tokens, seqs), count in profiler.shapes.items():
+        key = (runner.bucket_for(tokens)[0], runner.rows_for(seqs))
+        steps[key] += count
+        example.setdefault(key, profiler.examples[(tokens, seqs)])
+    report = [profiler.table()]
+    for (t, r), count in steps.most_common(top):
+        batch = example[(t, r)]
+        title = (f"{count} steps ran in the {t}-token x {r}-row programs; one of them "
+                 f"({batch.num_tokens} tokens, {batch.num_seqs} sequences), replayed:")
+        report.append(breakdown_table(device_breakdown(runner, batch), title))
+    return "\n\n".join(report)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second this device reads, the best of `repeats` sums over a large array:
+    the roof a memory-bound decode step runs under."""
+    x = jax.device_put(jax.numpy.ones(megabytes << 18, jax.numpy.float32))
+    total = jax.jit(lambda a: a.sum())
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
+
+
+__all__ = ["NullProfiler", "StepProfiler", "breakdown_table", "device_breakdown", "op_parts", "read_bandwidth",
+           "step_report"]

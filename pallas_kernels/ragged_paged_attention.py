@@ -49,8 +49,11 @@ def ragged_paged_attention_reference(
     if query_tile:
         passes = [(query_tile, q_lens, max_tiles(num_tokens, num_seqs, query_tile))]
     else:  # tiles sized to each kind of sequence: a decode token alone, a prefill chunk in long tiles
+        # A prefill chunk has two or more tokens, so at most T // 2 sequences are in this pass.
+        prefill_tile = min(PREFILL_TILE, num_tokens)
         passes = [(1, jnp.where(q_lens == 1, 1, 0), max(1, min(num_tokens, num_seqs))),
-                  (PREFILL_TILE, jnp.where(q_lens > 1, q_lens, 0), max_tiles(num_tokens, num_seqs, PREFILL_TILE))]
+                  (prefill_tile, jnp.where(q_lens > 1, q_lens, 0),
+                   max_tiles(num_tokens, min(num_seqs, num_tokens // 2), prefill_tile))]
     out = jnp.zeros(q.shape, q.dtype)
     q32 = q.astype(jnp.float32) * sm_scale
     for tile, selected, tile_bound in passes:
@@ -66,7 +69,9 @@ def max_tiles(num_tokens: int, num_seqs: int, query_tile: int) -> int:
     """Static bound on sum(cdiv(q_len, tq)) over S sequences with sum(q_len) <= T."""
     return max(1, min(num_tokens, (num_tokens + num_seqs * (query_tile - 1)) // query_tile))
 
-_GROUP_ROWS = 512  # query rows (tiles x tile length) per group: big enough to batch well
+# Query rows (tiles x tile length) per group: enough to batch well, few enough that a step
+# with one short prompt does not compute a large group of empty tiles.
+_GROUP_ROWS = 128
 
 
 def _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start_loc, q_lens, selected, tq,
