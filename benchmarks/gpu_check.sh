@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one command for a lent H100 / H200 (under 5 minutes):
+# The checks that need a GPU, in one command for a lent H100 / H200 (under 10 minutes):
 #   1. versions and nvidia-smi;
 #   2. the Mosaic GPU attention kernel against the references, compiled on the GPU
 #      (tests/pallas_kernels/test_ragged_paged_attention_mgpu.py with JAXSERVE_MGPU_ON_GPU=1: the
 #      interpreter's small cases plus production shapes, P from registers and via smem);
 #   3. the kernel microbenchmark (benchmarks/kernels.py), JSON and PNG into $OUT;
 #   4. end to end on the default model (benchmarks/gpu_e2e.py): greedy tokens with the
-#      kernel equal the reference path's, and both backends' output tokens/s.
+#      kernel equal the reference path's, and both backends' output tokens/s;
+#   5. the step loop: the device-idle fraction between steps with the overlapped loop and
+#      with the serial one (benchmarks/throughput.py --profile, a short workload).
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
 #     bash benchmarks/gpu_check.sh            # results in ${OUT:-benchmarks/results}
@@ -49,6 +51,12 @@ timeout 150 "$PYTHON" benchmarks/kernels.py --json "$OUT/kernels.json" --plot "$
 
 echo "== end-to-end generation"
 timeout 240 "$PYTHON" benchmarks/gpu_e2e.py --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" || status=1
+
+echo "== step loop: device idle between steps, overlapped and serial"
+for loop in "" --no-async-scheduling; do
+  timeout 300 "$PYTHON" benchmarks/throughput.py --baseline none --profile $loop --num-requests 64 --max-num-seqs 32 \
+      2>&1 | grep -v "generating" | tee -a "$OUT/step_loop.txt" || status=1
+done
 
 echo "== done (status $status): results in $OUT"
 exit "$status"

@@ -128,12 +128,12 @@ def in_process(args, with_transformers: bool = True) -> tuple[dict, ...]:
                     samples[name].append(result)
     results = tuple({"ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
                      "decode_tok_s": statistics.median(d for _, d in samples[name])} for name in runners)
-    results[0]["roofline_tok_s"] = roofline_tok_s(engine, args.max_tokens)
     if args.profile:
-        from jaxserve.profiling import step_report
+        from jaxserve.profiling import device_report
 
         print(f"jaxserve step profile over {args.rounds} rounds x {len(PROMPTS)} prompts:\n"
-              + step_report(engine.runner, engine.profiler) + "\n", flush=True)
+              f"{engine.profiler.table()}\n\n{device_report(engine.runner, engine.profiler)}\n", flush=True)
+    results[0]["roofline_tok_s"] = roofline_tok_s(engine, args.max_tokens)
     return results
 
 
@@ -148,7 +148,7 @@ def roofline_tok_s(engine, max_tokens: int) -> float:
     cfg = engine.loaded.config
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
     context = max_tokens // 2 + 8  # the prompts are a handful of tokens
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.runner.kv.dtype.itemsize * context
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.runner.kv.k.dtype.itemsize * context
     return read_bandwidth() / (weight_bytes + kv_bytes)
 
 

@@ -58,11 +58,12 @@ def run_jaxserve(work: Workload, args) -> dict:
     assert generated == work.num_output_tokens, (generated, work.num_output_tokens)
     sched = llm.engine.scheduler
     if args.profile:
-        from jaxserve.profiling import step_report
+        from jaxserve.profiling import device_report
 
-        print("jaxserve step profile (async scheduling "
-              f"{'off' if args.no_async_scheduling else 'on'}):\n{step_report(llm.engine.runner, llm.engine.profiler)}\n",
-              flush=True)
+        profiler = llm.engine.profiler
+        print(f"jaxserve step profile (async scheduling {'off' if args.no_async_scheduling else 'on'}):\n"
+              f"{profiler.table()}\n", flush=True)
+        print(device_report(llm.engine.runner, profiler) + "\n", flush=True)
     return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup,
             "preemptions": sched.num_preemptions, "compilations_after_warm_up": llm.engine.compilations - compiled}
 

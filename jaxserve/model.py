@@ -10,6 +10,7 @@ KV key/value heads, Dh head_dim, S sequences.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -141,6 +142,29 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
     return unstacked
 
 
+def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn, num_blocks: int):
+    """One decoder layer; carry: (x, k_pages, v_pages, layer index)."""
+    x, k_pages, v_pages, layer_idx = carry
+    with jax.named_scope("norm"):
+        h = layer.input_layernorm(x)
+    h, k_pages, v_pages = layer.self_attn(h, inputs, k_pages, v_pages, layer_idx * num_blocks, inv_freq, attention)
+    x = x + h
+    with jax.named_scope("norm"):
+        h = layer.post_attention_layernorm(x)
+    x = x + layer.mlp(h)
+    return x, k_pages, v_pages, layer_idx + 1
+
+
+@functools.cache
+def _jitted_layer(layer_def, attention: AttentionFn, num_blocks: int):
+    """`_layer` as one jitted function of the layer's weights. The unrolled forward pass calls
+    it once per layer: jax then traces and lowers a single layer (unrolling 30 layers in
+    Python made each program take seconds to trace, even on a compile-cache hit), and XLA
+    inlines the calls into one program with each layer's weights read in place."""
+    return jax.jit(lambda carry, state, inputs, inv_freq: _layer(carry, nnx.merge(layer_def, state), inputs, inv_freq,
+                                                                 attention, num_blocks))
+
+
 class DecoderLM(nnx.Module):
     """Embeddings, a stack of decoder layers, the final norm and the LM head.
 
@@ -189,25 +213,15 @@ class DecoderLM(nnx.Module):
         k_pages = kv.k.reshape(num_layers * num_blocks, *kv.k.shape[2:])
         v_pages = kv.v.reshape(num_layers * num_blocks, *kv.v.shape[2:])
 
-        def one_layer(carry, layer: DecoderLayer):
-            x, k_pages, v_pages, layer_idx = carry
-            with jax.named_scope("norm"):
-                h = layer.input_layernorm(x)
-            h, k_pages, v_pages = layer.self_attn(h, inputs, k_pages, v_pages, layer_idx * num_blocks, inv_freq,
-                                                  attention)
-            x = x + h
-            with jax.named_scope("norm"):
-                h = layer.post_attention_layernorm(x)
-            x = x + layer.mlp(h)
-            return x, k_pages, v_pages, layer_idx + 1
-
         carry = (x, k_pages, v_pages, jnp.int32(0))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
+            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, num_blocks)
             for layer in self.layers:
-                carry = one_layer(carry, layer)
+                carry = run_layer(carry, nnx.state(layer), inputs, inv_freq)
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
-            carry, _ = jax.lax.scan(lambda c, state: (one_layer(c, nnx.merge(layer_def, state)), None), carry,
-                                    layer_state)
+            carry, _ = jax.lax.scan(
+                lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention, num_blocks),
+                                  None), carry, layer_state)
         x, k_pages, v_pages, _ = carry
         return x, KVCache(k_pages.reshape(kv.k.shape), v_pages.reshape(kv.v.shape))

@@ -198,15 +198,15 @@ def breakdown_table(ms: dict[str, float], title: str) -> str:
     return "\n".join(rows)
 
 
-def step_report(runner, profiler: StepProfiler, top: int = 2) -> str:
-    """The host table, then the device's time by part for the `top` commonest compiled step
-    shapes (token bucket x row bucket), each replayed from a batch the engine really ran."""
+def device_report(runner, profiler: StepProfiler, top: int = 2) -> str:
+    """The device's time by part for the `top` commonest compiled step shapes (token
+    bucket x row bucket), each replayed from a batch the engine really ran."""
     steps, example = collections.Counter(), {}
     for (tokens, seqs), count in profiler.shapes.items():
         key = (runner.bucket_for(tokens)[0], runner.rows_for(seqs))
         steps[key] += count
         example.setdefault(key, profiler.examples[(tokens, seqs)])
-    report = [profiler.table()]
+    report = []
     for (t, r), count in steps.most_common(top):
         batch = example[(t, r)]
         title = (f"{count} steps ran in the {t}-token x {r}-row programs; one of them "
@@ -229,5 +229,5 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return x.nbytes / best
 
 
-__all__ = ["NullProfiler", "StepProfiler", "breakdown_table", "device_breakdown", "op_parts", "read_bandwidth",
-           "step_report"]
+__all__ = ["NullProfiler", "StepProfiler", "breakdown_table", "device_breakdown", "device_report", "op_parts",
+           "read_bandwidth"]

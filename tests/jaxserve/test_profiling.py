@@ -8,7 +8,7 @@ profiler's step count must equal the steps the engine ran. No timing is asserted
 import pytest
 
 from jaxserve.engine import EngineConfig, LLMEngine
-from jaxserve.profiling import PARTS, StepProfiler, device_breakdown, op_parts, step_report
+from jaxserve.profiling import PARTS, StepProfiler, device_breakdown, device_report, op_parts
 from scheduler import SamplingParams
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(1, 8, 16), block_size=4, max_model_len=64)
@@ -54,5 +54,5 @@ def test_profiler_counts_every_dispatched_step(profiled):
     assert sum(tokens * count for (tokens, _), count in profiler.shapes.items()) == 3 * (5 + 5)
     idle, span = profiler.device_idle()
     assert 0 <= idle <= span
-    report = step_report(engine.runner, profiler)
-    assert f"steps: {profiler.steps}" in report and "| attention" in report
+    assert f"steps: {profiler.steps};" in profiler.table()
+    assert "| attention" in device_report(engine.runner, profiler)
