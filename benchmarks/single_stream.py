@@ -48,11 +48,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import vllm_baseline  # noqa: E402
 
 
-def jaxserve_runner(max_tokens: int, args, profile: bool = False):
+def jaxserve_runner(args):
     """A function that generates one prompt and returns (ttft seconds, decode tokens/s), and
     the engine. Settings as a server's: the step can hold max_num_seqs sequences."""
     from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
-    from jaxserve.profiling import StepProfiler
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
 
@@ -60,6 +59,7 @@ def jaxserve_runner(max_tokens: int, args, profile: bool = False):
     loaded = load_model(None, progress=False)
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
                                             max_model_len=args.max_model_len, kv_cache_memory=1 << 30))
+    max_tokens = args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(prompt: str) -> tuple[float, float]:
@@ -68,11 +68,7 @@ def jaxserve_runner(max_tokens: int, args, profile: bool = False):
         m = out.metrics
         return m.time_to_first_token, (max_tokens - 1) / (m.last_token_time - m.first_token_time)
 
-    def start_profiling():
-        if profile:
-            engine.profiler = StepProfiler()
-
-    return run, engine, start_profiling
+    return run, engine
 
 
 def transformers_runner(max_tokens: int):
@@ -113,14 +109,16 @@ def in_process(args, with_transformers: bool = True) -> tuple[dict, ...]:
     drifts; both see the same drift). The first round warms caches and is not counted.
     jaxserve's result also has the memory roofline of its decode steps, and its step
     profile (printed) when args.profile is set."""
-    run_jaxserve, engine, start_profiling = jaxserve_runner(args.max_tokens, args, args.profile)
+    from jaxserve.profiling import StepProfiler, device_report
+
+    run_jaxserve, engine = jaxserve_runner(args)
     runners = {"jaxserve": run_jaxserve}
     if with_transformers:
         runners["transformers"] = transformers_runner(args.max_tokens)
     samples = {name: [] for name in runners}
     for r in range(args.rounds + 1):
-        if r == 1:
-            start_profiling()
+        if r == 1 and args.profile:
+            engine.profiler = StepProfiler()
         for prompt in PROMPTS:
             for name, run in runners.items():
                 result = run(prompt)
@@ -129,8 +127,6 @@ def in_process(args, with_transformers: bool = True) -> tuple[dict, ...]:
     results = tuple({"ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
                      "decode_tok_s": statistics.median(d for _, d in samples[name])} for name in runners)
     if args.profile:
-        from jaxserve.profiling import device_report
-
         print(f"jaxserve step profile over {args.rounds} rounds x {len(PROMPTS)} prompts:\n"
               f"{engine.profiler.table()}\n\n{device_report(engine.runner, engine.profiler)}\n", flush=True)
     results[0]["roofline_tok_s"] = roofline_tok_s(engine, args.max_tokens)

@@ -147,9 +147,9 @@ def main(argv=None) -> int:
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
     work = mix_workload(args.mix, args.num_requests, seed=args.seed)
     ours = run_jaxserve(work, args)
+    result = {"requests": args.num_requests, "mix": args.mix, "prompt_tokens": work.num_prompt_tokens,
+              "output_tokens": work.num_output_tokens, "jaxserve": ours}
     if args.baseline == "none":
-        result = {"requests": args.num_requests, "mix": args.mix, "prompt_tokens": work.num_prompt_tokens,
-                  "output_tokens": work.num_output_tokens, "jaxserve": ours}
         print(json.dumps(result, indent=2) if args.json else
               f"jaxserve: {ours['seconds']:.1f} s, {ours['output_tok_s']:.1f} output tok/s "
               f"({args.mix} mix, {args.num_requests} requests, preemptions: {ours['preemptions']})")
@@ -164,9 +164,7 @@ def main(argv=None) -> int:
         theirs = run_transformers(work, best)
         theirs["sweep_output_tok_s"] = sweep
         label = f"transformers generate (static, batch {best})"
-    result = {"requests": args.num_requests, "mix": args.mix, "prompt_tokens": work.num_prompt_tokens,
-              "output_tokens": work.num_output_tokens, "jaxserve": ours, args.baseline: theirs,
-              "ratio": ours["output_tok_s"] / theirs["output_tok_s"]}
+    result.update({args.baseline: theirs, "ratio": ours["output_tok_s"] / theirs["output_tok_s"]})
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -4,8 +4,8 @@ Parameter names follow Hugging Face (`layers.self_attn.q_proj.kernel` is
 `model.layers.{i}.self_attn.q_proj.weight`, transposed), so weight loading is a rename.
 A new model stacks its layers on a leading axis and runs them with `lax.scan` (compile
 time independent of depth); `unstack_layers`, the layout weight loading returns, makes
-them separate and unrolled (faster steps, see there). Shapes: T tokens on the flat axis, D hidden, H query heads,
-KV key/value heads, Dh head_dim, S sequences.
+them separate and unrolled (faster steps, see there). Shapes: T tokens on the flat axis,
+D hidden, H query heads, KV key/value heads, Dh head_dim, S sequences.
 """
 
 from __future__ import annotations
