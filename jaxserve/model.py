@@ -20,6 +20,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
 from jaxserve.model_inputs import ModelInputs
+from jaxserve.quantization import QuantConfig, QuantizedLinear
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 AttentionFn = Callable[..., jax.Array]  # the signature of ragged_paged_attention_reference
@@ -36,8 +37,10 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * h.astype(x.dtype)
 
 
-def _linear(cfg_dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs)
+def _linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+    if quant is not None:
+        return QuantizedLinear(din, dout, use_bias=bias, quant=quant, dtype=dtype)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -51,12 +54,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         d, h, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _linear(dtype, d, h * dh, cfg.attention_bias, rngs)
-        self.k_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs)
-        self.v_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs)
-        self.o_proj = _linear(dtype, h * dh, d, cfg.o_proj_bias, rngs)
+        self.q_proj = _linear(dtype, d, h * dh, cfg.attention_bias, rngs, quant)
+        self.k_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
+        self.v_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
+        self.o_proj = _linear(dtype, h * dh, d, cfg.o_proj_bias, rngs, quant)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
@@ -103,11 +106,11 @@ def _write_slots(pages: jax.Array, slots: jax.Array, values: jax.Array) -> jax.A
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(dtype, d, f, False, rngs)
-        self.up_proj = _linear(dtype, d, f, False, rngs)
-        self.down_proj = _linear(dtype, f, d, False, rngs)
+        self.gate_proj = _linear(dtype, d, f, False, rngs, quant)
+        self.up_proj = _linear(dtype, d, f, False, rngs, quant)
+        self.down_proj = _linear(dtype, f, d, False, rngs, quant)
 
     def __call__(self, x):
         with jax.named_scope("mlp"):
@@ -115,11 +118,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, quant)
 
 
 def unstack_layers(model: DecoderLM) -> DecoderLM:
@@ -169,18 +172,20 @@ class DecoderLM(nnx.Module):
     """Embeddings, a stack of decoder layers, the final norm and the LM head.
 
     The layers are stacked on a leading axis and scanned, or, after `unstack_layers`
-    (what the serving engine does), separate modules run one after another.
+    (what the serving engine does), separate modules run one after another. With
+    `quantization`, the attention and MLP projections are `QuantizedLinear` layers.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization: QuantConfig | None = None):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
+        self.quantization = quantization
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs):
-            return DecoderLayer(cfg, dtype, rngs)
+            return DecoderLayer(cfg, dtype, rngs, quantization)
 
         self.layers = make_layers(rngs)  # every parameter has a leading [L] axis
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -1,12 +1,15 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face-style config and tensors.
 
-Quantized tensors are dequantized with the `gguf` package. llama.cpp stores the Q and K
-projections of Llama-architecture models with the rows of each head interleaved for its
-rotary kernel; we undo that permutation so the weights match Hugging Face's layout.
+Quantized tensors are dequantized with the `gguf` package, or, for `--quantization gguf`,
+the projections' Q4_0 / Q4_1 blocks are kept as int4 (`q4_blocks_as_int4`). llama.cpp
+stores the Q and K projections of Llama-architecture models with the rows of each head
+interleaved for its rotary kernel; we undo that permutation so the weights match Hugging
+Face's layout.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,7 +17,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from jaxserve.config import UnsupportedModelError
+from jaxserve.quantization import QuantizedWeight, pack_int4
 from jaxserve.weights.params import WeightError
+
+logger = logging.getLogger(__name__)
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _TOP_LEVEL = {
@@ -95,23 +101,36 @@ class GGUFFile:
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(Hugging Face name, float32 array in Hugging Face layout) for every tensor."""
-        from gguf import dequantize
+    def tensors(self, keep_q4: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+        """(Hugging Face name, float32 array in Hugging Face layout) for every tensor; with
+        `keep_q4`, the projections stored as Q4_0 / Q4_1 come as int4 `QuantizedWeight`s."""
+        from gguf import GGMLQuantizationType, dequantize
 
         cfg = self.hf_config()
+        requantized = 0
         for t in self.reader.tensors:
             name = hf_name(t.name)
+            shape = tuple(int(n) for n in reversed(t.shape))
+            is_projection = _BLOCK.match(t.name) is not None and len(shape) == 2
             try:
-                array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                if keep_q4 and is_projection and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+                    array = q4_blocks_as_int4(np.asarray(t.data), t.tensor_type == GGMLQuantizationType.Q4_1, shape)
+                else:
+                    requantized += keep_q4 and is_projection
+                    array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
             except Exception as e:
                 raise WeightError(f"{self.path}: tensor {t.name!r} could not be read: {e}") from e
-            array = array.reshape(tuple(int(n) for n in reversed(t.shape)))
-            if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                array = unpermute_rotary(array, cfg["num_attention_heads"])
-            elif self.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                array = unpermute_rotary(array, cfg["num_key_value_heads"])
+            heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(t.name.split(".")[-2])
+            if self.arch == "llama" and heads is not None:
+                if isinstance(array, QuantizedWeight):
+                    order = unpermute_rotary(np.arange(shape[0]), heads)
+                    array = array.permute_outputs(order)
+                else:
+                    array = unpermute_rotary(array, heads)
             yield name, array
+        if requantized:
+            logger.warning("%s: %d projections are not Q4_0/Q4_1 blocks; they were re-quantized to int4 (group 32)",
+                           self.path.name, requantized)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -131,3 +150,19 @@ def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     """
     head_dim = w.shape[0] // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def q4_blocks_as_int4(data: np.ndarray, has_min: bool, shape: tuple[int, int]) -> QuantizedWeight:
+    """A projection's Q4_1 (`d * q + m`) or Q4_0 (`d * (q - 8)`) blocks as int4 with group 32.
+
+    A block covers 32 consecutive inputs of one output row: f16 d, (Q4_1) f16 m, then 16
+    bytes whose low nibbles are inputs 0..15 and high nibbles inputs 16..31.
+    """
+    n, k = shape
+    blocks = data.reshape(n, k // 32, 20 if has_min else 18)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8.0 * d
+    qs = blocks[..., 4:20] if has_min else blocks[..., 2:18]
+    nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # [N, K] in input order
+    params = {"packed": pack_int4(nibbles.T), "scales": np.ascontiguousarray(d.T), "offsets": np.ascontiguousarray(m.T)}
+    return QuantizedWeight("int4", params, shape)

@@ -2,8 +2,9 @@
 
 `load_model(None)` is the embedded default model. Other references: a Hugging Face
 folder, a `.gguf` file, or a hub id (downloaded when the machine is online). The first
-load converts the weights (dequantize, rename, stack layers) and saves the result with
-orbax under the cache directory; the next load of the same files restores that instead.
+load converts the weights (dequantize, rename, quantize if asked) and saves the result
+with orbax under the cache directory, keyed by dtype and quantization; the next load of
+the same files restores that instead.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from tqdm.auto import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.default_model import default_model_path
 from jaxserve.model import DecoderLM, unstack_layers
-from jaxserve.weights import safetensors_reader
+from jaxserve.quantization import QuantConfig, weight_bytes
+from jaxserve.weights import compressed_tensors, safetensors_reader
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
 from jaxserve.weights.params import ParamAssembler, build_model, model_params
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3  # bump when the converted layout changes, so old caches are ignored
+CACHE_FORMAT = 4  # bump when the converted layout changes, so old caches are ignored
 
 
 @dataclasses.dataclass
@@ -42,6 +44,11 @@ class LoadedModel:
     source: str
     from_cache: bool
     hf_config: dict  # the config.json (or GGUF metadata) the config was read from
+    quantization: QuantConfig | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model)
 
 
 def default_cache_dir() -> Path:
@@ -55,20 +62,47 @@ def load_model(
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load `model` (None: the embedded default) as a `DecoderLM` with its tokenizer."""
+    """Load `model` (None: the embedded default) as a `DecoderLM` with its tokenizer.
+
+    `quantization` ("int4", "fp8", "gguf"; None: as the checkpoint is) stores the
+    attention and MLP projections quantized (see jaxserve.quantization).
+    """
     source = resolve_source(model)
     dtype = jnp.dtype(dtype)
-    entry = Path(cache_dir or default_cache_dir()) / _cache_key(source, dtype)
+    quant = resolve_quantization(source, quantization)
+    entry = Path(cache_dir or default_cache_dir()) / _cache_key(source, dtype, quant)
+    loaded = None
     if use_cache and (entry / "complete").is_file():
         try:
-            return _restore(entry, source, dtype)
+            loaded = _restore(entry, source, dtype, quant)
         except Exception as e:  # a damaged cache is rebuilt, never fatal
             logger.warning("ignoring damaged weight cache %s: %s", entry, e)
-    loaded = _convert(source, dtype, progress)
-    if use_cache:
-        _save(entry, loaded)
+    if loaded is None:
+        loaded = _convert(source, dtype, quant, progress)
+        if use_cache:
+            _save(entry, loaded)
+    logger.info("weights: %.1f MiB resident, %s", loaded.weight_bytes / 2**20,
+                quant.label if quant else f"{dtype} (not quantized)")
     return loaded
+
+
+def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None:
+    """How the model at `source` will be stored: as asked, or as its checkpoint already is
+    (a compressed-tensors checkpoint); a clear error when the two disagree."""
+    if source.is_file():  # a GGUF file
+        return QuantConfig.for_method(method)
+    with open(source / "config.json") as f:
+        spec = json.load(f).get("quantization_config")
+    if method == "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's own 4-bit blocks; {source} is not a .gguf file")
+    if spec is None:
+        return QuantConfig.for_method(method)
+    quant = compressed_tensors.checkpoint_quant_config(spec)  # refuses GPTQ, AWQ, ... by name
+    if method not in (None, "none", quant.kind):
+        raise ValueError(f"{source} is already quantized ({quant.label}); it cannot be loaded as {method!r}")
+    return quant
 
 
 def resolve_source(model: str | None) -> Path:
@@ -99,30 +133,49 @@ def _download(repo_id: str) -> Path:
     return Path(folder)
 
 
-def _cache_key(source: Path, dtype) -> str:
+def _cache_key(source: Path, dtype, quant: QuantConfig | None) -> str:
     files = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
     stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(dtype), stamp]).encode()).hexdigest()[:16]
-    return f"{source.stem}-{dtype}-{digest}"
+    scheme = None if quant is None else [quant.method, quant.kind, quant.group_size]
+    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(dtype), scheme, stamp]).encode()).hexdigest()[:16]
+    return f"{source.stem}-{dtype}{'-' + quant.method if quant else ''}-{digest}"
 
 
-def _convert(source: Path, dtype, progress: bool) -> LoadedModel:
+def _convert(source: Path, dtype, quant: QuantConfig | None, progress: bool) -> LoadedModel:
     gguf = GGUFFile(source) if source.is_file() else None
     if gguf is not None:
         hf_config = gguf.hf_config()
-        tensors, total = gguf.tensors(), gguf.num_tensors
+        tensors, total = gguf.tensors(keep_q4=quant is not None and quant.method == "gguf"), gguf.num_tensors
     else:
         with open(source / "config.json") as f:
             hf_config = json.load(f)
         files = safetensors_reader.safetensors_files(source)
-        tensors, total = safetensors_reader.read_tensors(files), safetensors_reader.count_tensors(files)
+        total = safetensors_reader.count_tensors(files)
+        if quant is not None and quant.method == "compressed-tensors":
+            tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"])
+        else:
+            tensors = safetensors_reader.read_tensors(files)
     config = ModelConfig.from_hf_dict(hf_config)
-    assembler = ParamAssembler(config, dtype)
+    assembler = ParamAssembler(config, dtype, quant)
+    if quant is not None and quant.kind == "int4":
+        _log_group_sizes(assembler.specs, quant)
     for name, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
                              disable=not progress, leave=False):
         assembler.add(name, tensor)
-    model = unstack_layers(assembler.build())  # the serving layout: one array per layer's weight
-    return LoadedModel(config, model, _load_tokenizer(source, gguf), str(source), False, hf_config)
+    model = assembler.build()  # unstacked, the serving layout: one array per layer's weight
+    return LoadedModel(config, model, _load_tokenizer(source, gguf), str(source), False, hf_config, quant)
+
+
+def _log_group_sizes(specs: dict, quant: QuantConfig) -> None:
+    """Say which int4 group size each projection got (a K the preferred size does not divide gets a smaller one)."""
+    groups: dict[int, set[str]] = {}
+    for path, spec in specs.items():
+        if path[0] == "layers" and path[-1] == "scales":
+            k = 2 * specs[path[:-1] + ("packed",)].shape[0]
+            groups.setdefault(k // spec.shape[0], set()).add(path[-2])
+    for group, names in sorted(groups.items()):
+        note = "" if group == quant.group_size else f" (K not a multiple of {quant.group_size})"
+        logger.info("int4 group size %d for %s%s", group, ", ".join(sorted(names)), note)
 
 
 def _load_tokenizer(source: Path, gguf: GGUFFile | None):
@@ -159,17 +212,18 @@ def _save(entry: Path, loaded: LoadedModel) -> None:
     tmp.rename(entry)
 
 
-def _restore(entry: Path, source: Path, dtype) -> LoadedModel:
+def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None) -> LoadedModel:
     import orbax.checkpoint as ocp
 
     with open(entry / "config.json") as f:
         hf_config = json.load(f)
     config = ModelConfig.from_hf_dict(hf_config)
-    abstract = nnx.eval_shape(lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0))))
+    abstract = nnx.eval_shape(
+        lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant)))
     graphdef, state = nnx.split(abstract)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(entry.resolve() / "params", target)
     model = build_model(graphdef, state, params)
     tokenizer = _fast_tokenizer(entry / "tokenizer") if (entry / "tokenizer").is_dir() else None
-    return LoadedModel(config, model, tokenizer, str(source), True, hf_config)
+    return LoadedModel(config, model, tokenizer, str(source), True, hf_config, quant)

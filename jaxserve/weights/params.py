@@ -1,4 +1,4 @@
-"""Assembling Hugging Face-named tensors into the model's stacked parameter tree."""
+"""Assembling Hugging Face-named tensors into the model's parameter tree."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import DecoderLM
+from jaxserve.model import DecoderLM, unstack_layers
+from jaxserve.quantization import QuantConfig, QuantizedWeight, quantize
 
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -48,51 +49,76 @@ def param_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], int | None
 
 
 class ParamAssembler:
-    """Collects tensors one at a time into host buffers shaped like the model's params."""
+    """Collects tensors one at a time into the parameters of an (unstacked) model.
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    Each tensor is converted as it arrives, to the model dtype or, for the projections of
+    a quantized model, to its quantized parameters; so the host holds the converted model
+    plus one float tensor, never a float copy of the whole checkpoint.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, quantization: QuantConfig | None = None):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
-        abstract = nnx.eval_shape(lambda: DecoderLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        self.quant = quantization
+        abstract = nnx.eval_shape(
+            lambda: unstack_layers(DecoderLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization)))
         self.graphdef, state = nnx.split(abstract)
-        self.shapes = {path: leaf.shape for path, leaf in _flatten(nnx.to_pure_dict(state))}
+        self.specs = dict(_flatten(nnx.to_pure_dict(state)))
         self.state = state
-        self.buffers: dict[tuple[str, ...], np.ndarray] = {}
-        self.filled: set[tuple[tuple[str, ...], int | None]] = set()
+        self.params: dict[tuple, np.ndarray] = {}
 
-    def add(self, name: str, tensor: np.ndarray) -> None:
+    def add(self, name: str, tensor: np.ndarray | QuantizedWeight) -> None:
         where = param_path(name, self.cfg)
         if where is None:
             return
         path, layer, transpose = where
-        if path not in self.shapes:
+        if layer is not None:
+            path = (path[0], layer, *path[1:])
+        if self.quant is not None and transpose and layer is not None:  # a projection's weight
+            self._add_quantized(name, path[:-1], tensor)
+            return
+        if isinstance(tensor, QuantizedWeight):
+            raise WeightError(f"tensor {name!r} is quantized, but its layer is not a quantized projection here")
+        if path not in self.specs:
             raise WeightError(f"tensor {name!r} has no place in {self.cfg.architecture} with this config")
         value = tensor.T if transpose else tensor
-        full = self.shapes[path]
-        want = full[1:] if layer is not None else full
+        want = self.specs[path].shape
         if tuple(value.shape) != tuple(want):
             got = tuple(tensor.shape)
             raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {tuple(want[::-1]) if transpose else tuple(want)}")
-        buf = self.buffers.get(path)
-        if buf is None:
-            buf = self.buffers[path] = np.empty(full, np.float32)
-        if layer is None:
-            buf[...] = value
+        self.params[path] = np.asarray(value, self.specs[path].dtype)
+
+    def _add_quantized(self, name: str, module: tuple, tensor: np.ndarray | QuantizedWeight) -> None:
+        kind = self.quant.kind
+        k, n = self.specs[module + (("packed",) if kind == "int4" else ("weight",))].shape
+        if kind == "int4":
+            k *= 2
+        if isinstance(tensor, QuantizedWeight):
+            if tensor.kind != kind:
+                raise WeightError(f"tensor {name!r} is {tensor.kind}, but this model is quantized as {kind}")
+            got, pieces = tuple(tensor.shape), tensor.params
         else:
-            buf[layer] = value
-        self.filled.add((path, layer))
+            got = tuple(tensor.shape)
+            pieces = quantize(tensor.T, self.quant) if got == (n, k) else {}
+        if got != (n, k):
+            raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {(n, k)}")
+        for leaf, value in pieces.items():
+            spec = self.specs.get(module + (leaf,))
+            if spec is None or tuple(value.shape) != tuple(spec.shape) or value.dtype != spec.dtype:
+                want = None if spec is None else (tuple(spec.shape), str(spec.dtype))
+                raise WeightError(f"quantized tensor {name!r}: {leaf} is {(tuple(value.shape), str(value.dtype))}, "
+                                  f"expected {want} (a different group size?)")
+            self.params[module + (leaf,)] = value
 
     def build(self) -> DecoderLM:
         """The model with every parameter on the device; raises if any tensor is missing."""
-        missing = []
-        for path, shape in self.shapes.items():
-            layers = range(self.cfg.num_layers) if path[0] == "layers" else [None]
-            missing += [_hf_name(path, i) for i in layers if (path, i) not in self.filled]
+        missing = [_hf_name(path) for path in self.specs if path not in self.params]
+        missing = list(dict.fromkeys(missing))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise WeightError(f"checkpoint is missing {', '.join(missing[:5])}{more}")
-        pure = _unflatten({p: jnp.asarray(b, self.dtype) for p, b in self.buffers.items()})
-        self.buffers.clear()
+        # Moved to the device one at a time, so host memory never holds two copies.
+        pure = _unflatten({path: jnp.asarray(self.params.pop(path)) for path in list(self.specs)})
         return build_model(self.graphdef, self.state, pure)
 
 
@@ -106,14 +132,16 @@ def model_params(model: DecoderLM) -> dict:
     return nnx.to_pure_dict(nnx.state(model))
 
 
-def _hf_name(path: tuple[str, ...], layer: int | None) -> str:
+def _hf_name(path: tuple) -> str:
+    """The Hugging Face name of the tensor a parameter comes from (quantized pieces: their weight)."""
     if path == ("embed_tokens", "embedding"):
         return "model.embed_tokens.weight"
     if path == ("lm_head", "kernel"):
         return "lm_head.weight"
-    leaf = "weight" if path[-1] in ("kernel", "weight") else path[-1]
-    inner = ".".join(path[1:-1])
-    return f"model.layers.{layer}.{inner}.{leaf}" if layer is not None else f"model.{'.'.join(path[:-1])}.{leaf}"
+    leaf = "bias" if path[-1] == "bias" else "weight"
+    if path[0] == "layers":
+        return f"model.layers.{path[1]}.{'.'.join(path[2:-1])}.{leaf}"
+    return f"model.{'.'.join(path[:-1])}.{leaf}"
 
 
 def _flatten(tree: dict, prefix=()) -> Iterable[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:

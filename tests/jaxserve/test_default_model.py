@@ -27,23 +27,23 @@ def test_gguf_weights_equal_transformers_reading(default_model, hf_default_model
     checked = 0
     for group, leaves in [(("embed_tokens",), ours["embed_tokens"]), (("norm",), ours["norm"])]:
         for leaf, value in leaves.items():
-            np.testing.assert_array_equal(np.asarray(value), hf[_hf_name(group + (leaf,), None)])
+            np.testing.assert_array_equal(np.asarray(value), hf[_hf_name(group + (leaf,))])
             checked += 1
 
-    def walk(tree, path, layer):
+    def walk(tree, path):
         nonlocal checked
         for key, value in tree.items():
             if isinstance(value, dict):
-                walk(value, path + (key,), layer)
+                walk(value, path + (key,))
                 continue
-            want = hf[_hf_name(path + (key,), layer)]
+            want = hf[_hf_name(path + (key,))]
             got = np.asarray(value).T if key == "kernel" else np.asarray(value)
-            np.testing.assert_array_equal(got, want, err_msg=_hf_name(path + (key,), layer))
+            np.testing.assert_array_equal(got, want, err_msg=_hf_name(path + (key,)))
             checked += 1
 
     assert sorted(ours["layers"]) == list(range(30))  # separate layers, the serving layout
     for layer, tree in ours["layers"].items():
-        walk(tree, ("layers",), layer)
+        walk(tree, ("layers", layer))
     assert checked == 2 + 30 * 9
 
 

@@ -1,0 +1,61 @@
+"""Quantized matmuls: int4 weight-only (W4A16) and FP8 (e4m3) W8A8.
+
+Weight layouts (K is the contracting axis, N the output axis):
+
+    int4:  packed  uint8   [K // 2, N]   row i holds k = 2i in its low nibble, 2i + 1 in its high
+           scales  float32 [K // group, N]
+           offsets float32 [K // group, N]   w[k, n] = scales[g, n] * nibble + offsets[g, n], g = k // group
+    fp8:   weight  e4m3    [K, N]
+           scales  float32 [N]               w[k, n] = scales[n] * weight[k, n]
+
+The asymmetric int4 form holds GGUF's Q4_1 (`d * q + m`) and Q4_0 (`d * (q - 8)`)
+exactly, and compressed-tensors' zero points (`s * (q - z)`). This module holds the
+pure-JAX versions: the CPU serving path and the oracle for the Pallas kernels, which take
+the same arguments.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """uint8 [K // 2, N] -> uint8 [K, N] nibbles, in k order."""
+    low, high = packed & 0xF, packed >> 4
+    return jnp.stack([low, high], axis=1).reshape(2 * packed.shape[0], packed.shape[1])
+
+
+def dequantize_int4(packed: jax.Array, scales: jax.Array, offsets: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """The float weight [K, N] an int4 layer stands for."""
+    q = unpack_int4(packed).astype(jnp.float32)
+    groups, n = scales.shape
+    q = q.reshape(groups, -1, n)
+    return (q * scales[:, None, :] + offsets[:, None, :]).reshape(-1, n).astype(dtype)
+
+
+def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array) -> jax.Array:
+    """x [M, K] @ the int4 weight -> [M, N] in x's dtype (the weight is upcast to it)."""
+    w = dequantize_int4(packed, scales, offsets, x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def quantize_fp8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic per-row activation quantization: (e4m3 [M, K], float32 scales [M])."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = jnp.clip(x.astype(jnp.float32) / scale[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_matmul_reference(x: jax.Array, weight: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [M, K] @ the e4m3 weight [K, N] -> [M, N] in x's dtype.
+
+    x is quantized to e4m3 per token on the fly; the product accumulates in float32 and
+    both scales are applied to it (per token, per output channel).
+    """
+    xq, x_scale = quantize_fp8_per_token(x)
+    acc = jax.lax.dot(xq, weight, preferred_element_type=jnp.float32)
+    return (acc * x_scale[:, None] * scales[None, :]).astype(x.dtype)
