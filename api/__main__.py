@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'auto': the model's generation_config.json sets defaults for sampling fields a request "
                         "leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
+                   help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
+                        "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is")
     p.add_argument("--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE "
                                        "or ~/.cache/jaxserve)")
     p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default=None)
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
                          generation_config=args.generation_config, async_scheduling=not args.no_async_scheduling)
     try:
         engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                                      progress=sys.stderr.isatty(), **engine_kwargs)
+                                      progress=sys.stderr.isatty(), quantization=args.quantization, **engine_kwargs)
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -102,10 +102,12 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: str | None = None, *, dtype="float32", cache_dir=None, progress: bool = True,
-                   **engine_kwargs) -> LLMEngine:
-        """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields."""
+                   quantization: str | None = None, **engine_kwargs) -> LLMEngine:
+        """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields.
+        `quantization`: "int4", "fp8" or "gguf" (see jaxserve.quantization); None: as the checkpoint is."""
         enable_compilation_cache(cache_dir)
-        loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress)
+        loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress,
+                            quantization=quantization)
         return cls(loaded, EngineConfig(**engine_kwargs))
 
     # -- requests -----------------------------------------------------------------------

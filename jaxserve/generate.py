@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'auto': sampling defaults from the model's generation_config.json (flags override "
                         "them); 'vllm': ignore them; or a folder holding a generation_config.json")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
+                   help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
+                        "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is")
     p.add_argument("--cache-dir", help="where converted weights and compiled programs are kept "
                                        "(default $JAXSERVE_CACHE or ~/.cache/jaxserve)")
     p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default=None)
@@ -78,7 +81,8 @@ def main(argv=None) -> int:
     prompts = read_prompts(args)
     try:
         enable_compilation_cache(args.cache_dir)
-        loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=sys.stderr.isatty())
+        loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=sys.stderr.isatty(),
+                            quantization=args.quantization)
         # A flag wins over the model's generation config, which wins over the CLI's defaults.
         flags = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                      seed=args.seed)

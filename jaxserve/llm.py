@@ -15,11 +15,14 @@ class LLM:
     """Runs lists of prompts through continuous batching.
 
     `LLM()` is the embedded default model; `model` takes a Hugging Face folder, a GGUF
-    file or a hub id. Keyword arguments are `EngineConfig` fields (max_num_seqs, ...).
+    file or a hub id. `quantization` is "int4", "fp8" or "gguf" (None: as the checkpoint
+    is). Other keyword arguments are `EngineConfig` fields (max_num_seqs, ...).
     """
 
-    def __init__(self, model: str | None = None, *, dtype="float32", cache_dir=None, **engine_kwargs):
-        self.engine = LLMEngine.from_model(model, dtype=dtype, cache_dir=cache_dir, **engine_kwargs)
+    def __init__(self, model: str | None = None, *, dtype="float32", cache_dir=None, quantization: str | None = None,
+                 **engine_kwargs):
+        self.engine = LLMEngine.from_model(model, dtype=dtype, cache_dir=cache_dir, quantization=quantization,
+                                           **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -122,20 +122,20 @@ def quantize_int4(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
     k, n = w.shape
     g = w.astype(np.float32).reshape(k // group, group, n)
     lo, hi = g.min(axis=1), g.max(axis=1)
-    scales = (hi - lo) / 15.0
-    safe = np.where(scales > 0, scales, 1.0)
-    q = np.clip(np.rint((g - lo[:, None, :]) / safe[:, None, :]), 0, 15).astype(np.uint8)
-    return {"packed": pack_int4(q.reshape(k, n)), "scales": scales.astype(np.float32),
-            "offsets": lo.astype(np.float32)}
+    scales = (hi - lo) / np.float32(15)
+    q = g - lo[:, None, :]  # NOTE: in place from here on: the loader's peak memory is a few tensors, not the model
+    q /= np.where(scales > 0, scales, 1)[:, None, :]
+    np.clip(np.rint(q, out=q), 0, 15, out=q)
+    return {"packed": pack_int4(q.reshape(k, n)), "scales": scales, "offsets": lo}
 
 
 def quantize_fp8(w: np.ndarray) -> dict[str, np.ndarray]:
     """e4m3 of a float weight [K, N] with one scale per output channel (amax / 448)."""
-    w = w.astype(np.float32)
-    amax = np.abs(w).max(axis=0)
-    scales = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
-    q = np.clip(w / scales, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return {"weight": q, "scales": scales}
+    amax = np.abs(w).max(axis=0).astype(np.float32)
+    scales = np.where(amax > 0, amax / np.float32(FP8_MAX), 1).astype(np.float32)
+    q = w / scales  # a float32 copy (w is float32)
+    np.clip(q, -FP8_MAX, FP8_MAX, out=q)
+    return {"weight": q.astype(jnp.float8_e4m3fn), "scales": scales}
 
 
 def quantize(w: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:
