@@ -21,7 +21,7 @@ once beforehand (vLLM reads no GGUF without a plugin), so its cold start has no
 conversion; the first start compiles into an empty vLLM/inductor cache, the second
 reuses it.
 
-    python benchmarks/single_stream.py [--max-tokens 64] [--json]
+    python benchmarks/single_stream.py [--max-tokens 64] [--quantization gguf|int4|fp8] [--json]
     python benchmarks/single_stream.py --baseline vllm --vllm-python .venv-vllm/bin/python
 """
 
@@ -56,7 +56,7 @@ def jaxserve_runner(args):
     from scheduler import SamplingParams
 
     enable_compilation_cache()  # the user's cache: a server compiles its programs once
-    loaded = load_model(None, progress=False)
+    loaded = load_model(None, progress=False, quantization=args.quantization)
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
                                             max_model_len=args.max_model_len, kv_cache_memory=1 << 30))
     max_tokens = args.max_tokens
@@ -208,12 +208,13 @@ def vllm_runs(vllm_python: str, work: Path, args) -> tuple[dict, dict]:
     return measured, cold
 
 
-def cold_starts(work: Path, with_transformers: bool = True) -> dict:
+def cold_starts(work: Path, with_transformers: bool = True, quantization: str | None = None) -> dict:
     from jaxserve.default_model import default_model_path
 
     path = default_model_path()
     prompt = PROMPTS[0]
     ours = [sys.executable, "-m", "jaxserve.generate", prompt, "--max-tokens", "4", "--cache-dir", str(work / "jx")]
+    ours += ["--quantization", quantization] if quantization else []
     cold = {"jaxserve_first_s": first_output_seconds(ours), "jaxserve_second_s": first_output_seconds(ours)}
     if with_transformers:
         saved = work / "hf"
@@ -231,13 +232,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64, help="both engines' max_num_seqs (a server's setting)")
     p.add_argument("--max-model-len", type=int, default=1024, help="both engines' max_model_len")
     p.add_argument("--profile", action="store_true", help="print jaxserve's step profile (host phases, device parts)")
+    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
+                   help="run jaxserve with quantized projections (the baseline stays float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
 
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        cold = cold_starts(work, with_transformers=not vllm_python)
+        cold = cold_starts(work, with_transformers=not vllm_python, quantization=args.quantization)
         ours, *theirs = in_process(args, with_transformers=not vllm_python)
         if vllm_python:
             theirs, vllm_cold = vllm_runs(vllm_python, work, args)
@@ -245,8 +248,8 @@ def main(argv=None) -> int:
         else:
             (theirs,) = theirs
     base = args.baseline
-    result = {"max_tokens": args.max_tokens, "prompts": len(PROMPTS), "jaxserve": ours, base: theirs,
-              "cold_start": cold}
+    result = {"max_tokens": args.max_tokens, "prompts": len(PROMPTS), "quantization": args.quantization,
+              "jaxserve": ours, base: theirs, "cold_start": cold}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -258,6 +261,8 @@ def main(argv=None) -> int:
         ("cold start, second (s)", cold["jaxserve_second_s"], cold[f"{base}_second_s"],
          cold[f"{base}_second_s"] / cold["jaxserve_second_s"]),
     ]
+    if args.quantization:
+        print(f"jaxserve's projections quantized: {args.quantization}; the baseline runs float32")
     if vllm_python:
         name = f"vLLM {theirs['vllm_version']}"
         print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "

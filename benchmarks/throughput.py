@@ -15,6 +15,7 @@ Reported: output tokens/s (wall time after start-up) and the ratio.
     python benchmarks/throughput.py [--num-requests 128] [--mix short-long] [--json]
     python benchmarks/throughput.py --baseline vllm --vllm-python .venv-vllm/bin/python
     python benchmarks/throughput.py --baseline none --profile [--no-async-scheduling]
+    python benchmarks/throughput.py --baseline none --quantization gguf   # a quantized model's figure
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def run_jaxserve(work: Workload, args) -> dict:
     start = time.perf_counter()
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_memory_mb << 20,
-              async_scheduling=not args.no_async_scheduling)
+              async_scheduling=not args.no_async_scheduling, quantization=args.quantization)
     startup = time.perf_counter() - start
     if args.profile:
         from jaxserve.profiling import StepProfiler
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
     vllm_baseline.add_arguments(p, choices=("transformers", "vllm", "none"),
                                 help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python; "
                                      "none: jaxserve alone, e.g. with --profile)")
+    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
+                   help="run jaxserve with quantized projections (the baseline stays float32)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -148,11 +151,12 @@ def main(argv=None) -> int:
     work = mix_workload(args.mix, args.num_requests, seed=args.seed)
     ours = run_jaxserve(work, args)
     result = {"requests": args.num_requests, "mix": args.mix, "prompt_tokens": work.num_prompt_tokens,
-              "output_tokens": work.num_output_tokens, "jaxserve": ours}
+              "output_tokens": work.num_output_tokens, "quantization": args.quantization, "jaxserve": ours}
     if args.baseline == "none":
         print(json.dumps(result, indent=2) if args.json else
               f"jaxserve: {ours['seconds']:.1f} s, {ours['output_tok_s']:.1f} output tok/s "
-              f"({args.mix} mix, {args.num_requests} requests, preemptions: {ours['preemptions']})")
+              f"({args.mix} mix, {args.num_requests} requests, quantization {args.quantization or 'none'}, "
+              f"preemptions: {ours['preemptions']})")
         return 0
     if vllm_python:
         theirs = run_vllm(work, args, vllm_python)

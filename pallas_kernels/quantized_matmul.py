@@ -38,6 +38,10 @@ def dequantize_int4(packed: jax.Array, scales: jax.Array, offsets: jax.Array, dt
 
 def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array) -> jax.Array:
     """x [M, K] @ the int4 weight -> [M, N] in x's dtype (the weight is upcast to it)."""
+    # NOTE: the barrier makes the upcast wait for x. Without it XLA, seeing that the float
+    # weights do not depend on the activations, may upcast every layer's weights at the start
+    # of the step: the whole float model written and read back each step.
+    x, packed, scales, offsets = jax.lax.optimization_barrier((x, packed, scales, offsets))
     w = dequantize_int4(packed, scales, offsets, x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -56,6 +60,7 @@ def fp8_matmul_reference(x: jax.Array, weight: jax.Array, scales: jax.Array) -> 
     x is quantized to e4m3 per token on the fly; the product accumulates in float32 and
     both scales are applied to it (per token, per output channel).
     """
+    x, weight, scales = jax.lax.optimization_barrier((x, weight, scales))  # see int4_matmul_reference
     xq, x_scale = quantize_fp8_per_token(x)
     acc = jax.lax.dot(xq, weight, preferred_element_type=jnp.float32)
     return (acc * x_scale[:, None] * scales[None, :]).astype(x.dtype)
