@@ -83,10 +83,6 @@ class ModelConfig:
         """Query heads per KV head (1: multi-head, num_heads: multi-query)."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V bytes one token occupies in the cache, over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     def rope_inv_freq(self) -> np.ndarray:
         """Rotary inverse frequencies [head_dim // 2] in float32, scaled as configured."""
         exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim

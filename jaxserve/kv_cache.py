@@ -1,12 +1,18 @@
-"""The paged KV cache: its layout, defined here and nowhere else, and its sizing.
+"""The paged KV cache: its layout, defined here and nowhere else, its sizing and its write.
 
-    k, v: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    k, v:             [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale: [num_layers, num_blocks, num_kv_heads, block_size]   (8-bit caches only)
 
 Every layer has its own `num_blocks` pages, but the host block manager hands out one
 block id that is valid in all layers. The model folds the layer axis into the page axis
-(`[num_layers * num_blocks, ...]`, a free reshape) and offsets block ids by
+(`[num_layers * num_blocks, ...]`, a free reshape: `fold_layers`) and offsets block ids by
 `layer * num_blocks`, so attention sees one flat pool of pages and never a per-layer
 slice (which would cost a copy of the layer's cache every step).
+
+`--kv-cache-dtype` fp8 or int8 stores K and V in 8 bits with a float32 scale per token
+and KV head beside the pages (see `pallas_kernels.quantized_kv`): quantized as they are
+written, dequantized by attention right after it loads a page. Every per-block array has
+the block axis second, so copy-on-write and prefix caching move scales with their block.
 
 Block 0 is the null block: padding tokens write into slot 0 and no sequence owns it.
 """
@@ -19,8 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from pallas_kernels.quantized_kv import KV_DTYPES, is_quantized_kv, quantize_kv
 
 NULL_BLOCK = 0
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES)
+_SCALE_DTYPE = jnp.float32
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +37,8 @@ NULL_BLOCK = 0
 class KVCache:
     k: jax.Array  # [L, num_blocks, block_size, KV, D]
     v: jax.Array  # [L, num_blocks, block_size, KV, D]
+    k_scale: jax.Array | None = None  # [L, num_blocks, KV, block_size]; None: K and V unquantized
+    v_scale: jax.Array | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -39,7 +50,49 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
+    def scales(self) -> dict[str, jax.Array]:
+        """The attention functions' scale arguments: none for an unquantized cache."""
+        return {} if self.k_scale is None else {"k_scales": self.k_scale, "v_scales": self.v_scale}
+
+
+def fold_layers(kv: KVCache) -> KVCache:
+    """The cache as one pool of pages: every array's [L, num_blocks] axes merged."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), kv)
+
+
+def unfold_layers(pages: KVCache, num_layers: int) -> KVCache:
+    return jax.tree.map(lambda x: x.reshape(num_layers, x.shape[0] // num_layers, *x.shape[1:]), pages)
+
+
+def resolve_kv_cache_dtype(name: str | None, model_dtype) -> jnp.dtype:
+    """The storage dtype for `--kv-cache-dtype` (auto or None: the model's dtype)."""
+    if name in (None, "auto"):
+        return jnp.dtype(model_dtype)
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv cache dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return jnp.dtype(KV_DTYPES[name])
+
+
+def kv_dtype_label(dtype) -> str:
+    """How a cache of code dtype `dtype` stores K and V, in words."""
+    dtype = jnp.dtype(dtype)
+    if not is_quantized_kv(dtype):
+        return dtype.name
+    codes = "fp8 e4m3 (uint8 bit patterns)" if dtype == jnp.uint8 else dtype.name
+    return f"{codes} with float32 scales per token and KV head"
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """Cache bytes one token occupies over all layers, K and V, scales included."""
+    dtype = jnp.dtype(dtype)
+    per_head = cfg.head_dim * dtype.itemsize + (jnp.dtype(_SCALE_DTYPE).itemsize if is_quantized_kv(dtype) else 0)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
@@ -47,10 +100,54 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype)
     if num_blocks < 2:
         raise ValueError(f"{num_blocks=} is too small: block 0 is reserved, so at least 2 are needed")
     shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    kv = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if is_quantized_kv(dtype):
+        scale_shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size)
+        kv.k_scale, kv.v_scale = jnp.zeros(scale_shape, _SCALE_DTYPE), jnp.zeros(scale_shape, _SCALE_DTYPE)
+    return kv
 
 
 def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, dtype) -> int:
-    """How many blocks per layer fit in `memory_bytes` of K and V together."""
-    per_block = block_size * cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
-    return int(memory_bytes // per_block)
+    """How many blocks per layer fit in `memory_bytes` of K and V (and their scales) together."""
+    return int(memory_bytes // (block_size * kv_bytes_per_token(cfg, dtype)))
+
+
+def copy_blocks(kv: KVCache, pairs: jax.Array) -> KVCache:
+    """kv[:, dst] = kv[:, src] for each (src, dst) row, in every layer and every array,
+    scales included (copy-on-write)."""
+    src, dst = pairs[:, 0], pairs[:, 1]
+    return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), kv)
+
+
+def write_kv(pages: KVCache, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Store each token's K and V [T, KV, D] at its flat slot (`page * page_size + offset`)
+    of the folded cache, quantizing them first if the cache is 8-bit."""
+    if pages.k_scale is None:
+        return KVCache(_write_slots(pages.k, slots, k.astype(pages.dtype)),
+                       _write_slots(pages.v, slots, v.astype(pages.dtype)))
+    (k, k_scale), (v, v_scale) = quantize_kv(k, pages.dtype), quantize_kv(v, pages.dtype)
+    return KVCache(_write_slots(pages.k, slots, k), _write_slots(pages.v, slots, v),
+                   _write_scales(pages.k_scale, slots, k_scale), _write_scales(pages.v_scale, slots, v_scale))
+
+
+def _one_row_guard(slots: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # NOTE: XLA on the CPU turns a one-row scatter into a dynamic-update-slice that copies
+    # the whole cache; a second row, into the null slot 0, keeps it a scatter (in place).
+    if slots.shape[0] != 1:
+        return slots, values
+    return jnp.concatenate([slots, jnp.zeros(1, slots.dtype)]), jnp.concatenate([values, jnp.zeros_like(values)])
+
+
+def _write_slots(pages: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """pages[slot // page_size, slot % page_size] = values, for each token."""
+    slots, values = _one_row_guard(slots, values)
+    flat = pages.reshape(-1, *pages.shape[2:])
+    flat = flat.at[slots].set(values, mode="promise_in_bounds")
+    return flat.reshape(pages.shape)
+
+
+def _write_scales(scales: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """scales[slot // page_size, :, slot % page_size] = values [T, KV], for each token."""
+    slots, values = _one_row_guard(slots, values)
+    page_size = scales.shape[-1]
+    return scales.at[slots // page_size, :, slots % page_size].set(values, mode="promise_in_bounds")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache
+from jaxserve.kv_cache import KVCache, fold_layers, unfold_layers, write_kv
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.quantization import QuantConfig, QuantizedLinear
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -65,7 +65,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
         self.cfg = cfg
 
-    def __call__(self, x, inputs: ModelInputs, k_pages, v_pages, block_offset, inv_freq, attention: AttentionFn):
+    def __call__(self, x, inputs: ModelInputs, pages: KVCache, block_offset, inv_freq, attention: AttentionFn):
         cfg = self.cfg
         t = x.shape[0]
         with jax.named_scope("qkv_proj"):
@@ -80,29 +80,15 @@ class Attention(nnx.Module):
 
         # Write this step's K/V first; attention then reads the whole context from pages.
         with jax.named_scope("kv_write"):
-            page_size = k_pages.shape[1]
-            slots = inputs.slot_mapping + block_offset * page_size
-            k_pages = _write_slots(k_pages, slots, k)
-            v_pages = _write_slots(v_pages, slots, v)
+            slots = inputs.slot_mapping + block_offset * pages.k.shape[1]  # folded: [pages, page_size, ...]
+            pages = write_kv(pages, slots, k, v)
         with jax.named_scope("attention"):
             out = attention(
-                q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
-                sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
+                q, pages.k, pages.v, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
+                sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, **pages.scales(),
             )
         with jax.named_scope("o_proj"):
-            return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages
-
-
-def _write_slots(pages: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """pages[slot // page_size, slot % page_size] = values, for each token."""
-    if slots.shape[0] == 1:
-        # NOTE: XLA on the CPU turns a one-row scatter into a dynamic-update-slice that copies
-        # the whole cache; a second row, into the null slot 0, keeps it a scatter (in place).
-        slots = jnp.concatenate([slots, jnp.zeros(1, slots.dtype)])
-        values = jnp.concatenate([values, jnp.zeros_like(values)])
-    flat = pages.reshape(-1, *pages.shape[2:])
-    flat = flat.at[slots].set(values.astype(pages.dtype), mode="promise_in_bounds")
-    return flat.reshape(pages.shape)
+            return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), pages
 
 
 class MLP(nnx.Module):
@@ -146,16 +132,16 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
 
 
 def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn, num_blocks: int):
-    """One decoder layer; carry: (x, k_pages, v_pages, layer index)."""
-    x, k_pages, v_pages, layer_idx = carry
+    """One decoder layer; carry: (x, the folded cache, layer index)."""
+    x, pages, layer_idx = carry
     with jax.named_scope("norm"):
         h = layer.input_layernorm(x)
-    h, k_pages, v_pages = layer.self_attn(h, inputs, k_pages, v_pages, layer_idx * num_blocks, inv_freq, attention)
+    h, pages = layer.self_attn(h, inputs, pages, layer_idx * num_blocks, inv_freq, attention)
     x = x + h
     with jax.named_scope("norm"):
         h = layer.post_attention_layernorm(x)
     x = x + layer.mlp(h)
-    return x, k_pages, v_pages, layer_idx + 1
+    return x, pages, layer_idx + 1
 
 
 @functools.cache
@@ -215,10 +201,7 @@ class DecoderLM(nnx.Module):
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         num_layers, num_blocks = kv.k.shape[:2]
         # Fold layers into the page axis: layer l owns pages [l * num_blocks, (l + 1) * num_blocks).
-        k_pages = kv.k.reshape(num_layers * num_blocks, *kv.k.shape[2:])
-        v_pages = kv.v.reshape(num_layers * num_blocks, *kv.v.shape[2:])
-
-        carry = (x, k_pages, v_pages, jnp.int32(0))
+        carry = (x, fold_layers(kv), jnp.int32(0))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
             run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, num_blocks)
             for layer in self.layers:
@@ -228,5 +211,5 @@ class DecoderLM(nnx.Module):
             carry, _ = jax.lax.scan(
                 lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention, num_blocks),
                                   None), carry, layer_state)
-        x, k_pages, v_pages, _ = carry
-        return x, KVCache(k_pages.reshape(kv.k.shape), v_pages.reshape(kv.v.shape))
+        x, pages, _ = carry
+        return x, unfold_layers(pages, num_layers)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.kv_cache import KVCache, allocate_kv_cache
+from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks
 from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.sampler import SamplerOutput, SamplingMetadata, sample
@@ -237,12 +237,6 @@ class StepHandle:
             return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, :k],
                                 np.asarray(out.top_logprobs)[:n, :k])
         return RunnerOutput(token_ids, logprobs, None, None)
-
-
-def copy_blocks(kv: KVCache, pairs: jax.Array) -> KVCache:
-    """kv[:, dst] = kv[:, src] for each (src, dst) row, in every layer (copy-on-write)."""
-    src, dst = pairs[:, 0], pairs[:, 1]
-    return KVCache(kv.k.at[:, dst].set(kv.k[:, src]), kv.v.at[:, dst].set(kv.v[:, src]))
 
 
 def _dummy_sampling(s: int, penalties: bool, width: int) -> SamplingMetadata:

@@ -5,7 +5,8 @@ decode tokens alike); sequence `s` owns tokens `query_start_loc[s]:query_start_l
 which are the last `q_len` positions of its `kv_lens[s]`-token context. Its K/V live in
 the pages `block_tables[s, :cdiv(kv_lens[s], page_size)]`, already written for this
 step's tokens. Attention is causal within a sequence, optionally limited to a sliding
-window and soft-capped.
+window and soft-capped. An 8-bit cache (fp8 or int8 pages) comes with `k_scales` and
+`v_scales` (see `pallas_kernels.quantized_kv`); pages are dequantized as they are loaded.
 
 This module holds the pure-JAX version (XLA gathers and einsums). It is the CPU serving
 path and the oracle for the Pallas kernel, which has the same signature.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quantized_kv import codes_to_float
 
 
 def ragged_paged_attention_reference(
@@ -30,6 +33,8 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     query_tile: int | None = None,
     kv_chunk_pages: int | None = None,
+    k_scales: jax.Array | None = None,  # float32 [num_pages, num_kv_heads, page_size] of an 8-bit cache
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
     """Attention of every new token over its own sequence's paged context.
 
@@ -43,6 +48,9 @@ def ragged_paged_attention_reference(
     """
     q, k_pages, v_pages, kv_lens, block_tables, query_start_loc = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc))
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales come together: pass both (an 8-bit cache) or neither")
+    scales = None if k_scales is None else (jnp.asarray(k_scales), jnp.asarray(v_scales))
     chunk_pages = kv_chunk_pages or max(1, 128 // k_pages.shape[1])
     num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
@@ -57,8 +65,8 @@ def ragged_paged_attention_reference(
     out = jnp.zeros(q.shape, q.dtype)
     q32 = q.astype(jnp.float32) * sm_scale
     for tile, selected, tile_bound in passes:
-        out = _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start_loc, q_lens, selected,
-                            tile, tile_bound, chunk_pages, sliding_window, soft_cap)
+        out = _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, query_start_loc, q_lens,
+                            selected, tile, tile_bound, chunk_pages, sliding_window, soft_cap)
     return out
 
 
@@ -74,8 +82,8 @@ def max_tiles(num_tokens: int, num_seqs: int, query_tile: int) -> int:
 _GROUP_ROWS = 128
 
 
-def _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start_loc, q_lens, selected, tq,
-                  max_tiles, chunk_pages, sliding_window, soft_cap):
+def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, query_start_loc, q_lens, selected,
+                  tq, max_tiles, chunk_pages, sliding_window, soft_cap):
     """Attention for the first `selected[s]` new tokens of each sequence s (0 or q_lens[s]),
     in at most `max_tiles` tiles of `tq` tokens, written into `out`."""
     num_tokens, num_heads, head_dim = q32.shape
@@ -119,8 +127,13 @@ def _attend_tiles(out, q32, k_pages, v_pages, kv_lens, block_tables, query_start
             m, l, acc = carry  # [NG, KV, G, TQ], same, [NG, KV, G, TQ, D]
             pages = jax.lax.dynamic_slice_in_dim(g_tables, c * chunk_pages, chunk_pages, axis=1)
             kv_shape = (group_size, chunk, num_kv_heads, head_dim)
-            k = k_pages.at[pages].get(mode="promise_in_bounds").reshape(kv_shape).astype(jnp.float32)
-            v = v_pages.at[pages].get(mode="promise_in_bounds").reshape(kv_shape).astype(jnp.float32)
+            k = codes_to_float(k_pages.at[pages].get(mode="promise_in_bounds"))
+            v = codes_to_float(v_pages.at[pages].get(mode="promise_in_bounds"))
+            if scales is not None:  # [NG, chunk_pages, KV, page_size] -> per token and head
+                k_scale, v_scale = (jnp.swapaxes(x.at[pages].get(mode="promise_in_bounds"), -1, -2)[..., None]
+                                    for x in scales)
+                k, v = k * k_scale, v * v_scale
+            k, v = k.reshape(kv_shape), v.reshape(kv_shape)
             kv_pos = c * chunk + jnp.arange(chunk)  # [C]
             in_seq = kv_pos[None, :] < g_len[:, None]  # [NG, C]
             # NOTE: slots past the context may hold anything (NaN in tests); zero them so

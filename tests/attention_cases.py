@@ -22,6 +22,8 @@ class AttentionCase:
     query_start_loc: np.ndarray  # [S + 1]
     dense_k: list[np.ndarray]  # per sequence [kv_len, KV, D]
     dense_v: list[np.ndarray]
+    k_scales: np.ndarray | None = None  # float32 [P, KV, page_size] when the pages are 8-bit
+    v_scales: np.ndarray | None = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -112,3 +114,46 @@ def dense_attention(
                 p = np.exp(scores - scores.max())
                 out[t, h] = (p / p.sum()) @ vh
     return out
+
+
+def quantize_case(case: AttentionCase, dtype, rng: np.random.Generator) -> tuple[AttentionCase, AttentionCase]:
+    """The case with an 8-bit KV cache (`pallas_kernels.quantized_kv`), and the same case
+    with those pages dequantized to float32 (no scales), for the references.
+
+    Both cases' dense K/V are the dequantized values. Slots no sequence uses keep
+    garbage: NaN values (or, for int8, which has no NaN, random bytes) and NaN scales.
+    `dtype` is float8_e4m3fn, uint8 (e4m3 bit patterns, as the engine stores fp8) or int8.
+    """
+    import jax.numpy as jnp
+
+    from pallas_kernels.quantized_kv import dequantize_kv, quantize_kv
+
+    num_pages, page_size = case.k_pages.shape[:2]
+    used = np.zeros((num_pages, page_size), bool)  # [P, page_size]
+    for s, kv_len in enumerate(case.kv_lens):
+        for i in range(-(-int(kv_len) // page_size)):
+            used[case.block_tables[s, i], : min(page_size, kv_len - i * page_size)] = True
+
+    def quantize(pages):
+        q, scales = quantize_kv(jnp.asarray(np.where(used[..., None, None], pages, 0), jnp.float32), dtype)
+        q, scales = np.array(q), np.array(jnp.swapaxes(scales, -1, -2))  # scales [P, KV, page_size]
+        if jnp.dtype(dtype) == jnp.int8:
+            garbage = rng.integers(-128, 128, q.shape).astype(np.int8)
+        elif jnp.dtype(dtype) == jnp.uint8:  # e4m3 bit patterns: 0x7F is NaN
+            garbage = np.full(q.shape, 0x7F, np.uint8)
+        else:
+            garbage = np.full(q.shape, np.nan, np.float32).astype(q.dtype)
+        q = np.where(used[..., None, None], q, garbage)
+        scales = np.where(used[:, None, :], scales, np.nan).astype(np.float32)
+        return q, scales, np.array(dequantize_kv(jnp.asarray(q), jnp.asarray(scales)))
+
+    k, k_scales, k_deq = quantize(case.k_pages)
+    v, v_scales, v_deq = quantize(case.v_pages)
+    dense_k, dense_v = [], []
+    for s, kv_len in enumerate(case.kv_lens[: len(case.dense_k)]):
+        pages = case.block_tables[s, : -(-int(kv_len) // page_size)]
+        dense_k.append(k_deq[pages].reshape(-1, *k_deq.shape[2:])[:kv_len])
+        dense_v.append(v_deq[pages].reshape(-1, *v_deq.shape[2:])[:kv_len])
+    quantized = dataclasses.replace(case, k_pages=k, v_pages=v, k_scales=k_scales, v_scales=v_scales,
+                                    dense_k=dense_k, dense_v=dense_v)
+    return quantized, dataclasses.replace(quantized, k_pages=k_deq, v_pages=v_deq, k_scales=None, v_scales=None)

@@ -3,6 +3,7 @@ program copies it (a copy would cost time that grows with --kv-cache-memory)."""
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -22,12 +23,15 @@ def cache_shaped_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("num_blocks", [64, 4096])
-def test_steps_update_the_cache_in_place(tiny_llama, num_blocks):
+@pytest.mark.parametrize("num_blocks,kv_cache_dtype", [(64, "auto"), (4096, "auto"), (4096, "fp8")])
+def test_steps_update_the_cache_in_place(tiny_llama, num_blocks, kv_cache_dtype):
     engine = LLMEngine(tiny_llama, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(8, 16),
-                                                block_size=4, num_blocks=num_blocks, max_model_len=64))
+                                                block_size=4, num_blocks=num_blocks, max_model_len=64,
+                                                kv_cache_dtype=kv_cache_dtype))
     runner = engine.runner
-    pointers = (runner.kv.k.unsafe_buffer_pointer(), runner.kv.v.unsafe_buffer_pointer())
+    buffers = lambda: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.kv)]  # noqa: E731
+    pointers = buffers()
+    assert len(pointers) == (2 if kv_cache_dtype == "auto" else 4)
     engine.add_request("a", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=6, n=2, seed=1,
                                                                ignore_eos=True))
     batches = []
@@ -36,13 +40,14 @@ def test_steps_update_the_cache_in_place(tiny_llama, num_blocks):
     engine.generate_all()
     assert any(b.block_copies for b in batches), "the workload should copy a block (n=2 forks)"
     # The same buffers after every step, copy-on-write copies included.
-    assert (runner.kv.k.unsafe_buffer_pointer(), runner.kv.v.unsafe_buffer_pointer()) == pointers
+    assert buffers() == pointers
     # And no compiled program copies the cache.
-    shape = runner.kv.k.shape
+    shapes = [x.shape for x in jax.tree.leaves(runner.kv)]
     for batch in batches:
         inputs, pending = runner._pad_inputs(batch, *runner.bucket_for(batch.num_tokens))
         hlo = runner._body.lower(runner.params, runner.kv, inputs, pending, runner.last_tokens).compile().as_text()
         assert "input_output_alias" in hlo
-        assert cache_shaped_copies(hlo, shape) == []
+        assert all(cache_shaped_copies(hlo, shape) == [] for shape in shapes)
     pairs = np.zeros((runner.max_num_seqs, 2), np.int32)
-    assert cache_shaped_copies(runner._copy_blocks.lower(runner.kv, pairs).compile().as_text(), shape) == []
+    hlo = runner._copy_blocks.lower(runner.kv, pairs).compile().as_text()
+    assert all(cache_shaped_copies(hlo, shape) == [] for shape in shapes)

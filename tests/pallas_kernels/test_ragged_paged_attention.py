@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.attention_cases import dense_attention, make_case
+from tests.attention_cases import dense_attention, make_case, quantize_case
 
 
 def run_reference(case, **kwargs):
@@ -42,3 +42,22 @@ def test_shared_prefix_page_and_jit():
     got = np.asarray(fn(case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
                         case.query_start_loc, sm_scale=0.3, query_tile=2))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "float8_e4m3fn"])
+def test_8bit_cache_equals_the_dequantized_pages(dtype):
+    """With k_scales / v_scales the pages are 8-bit codes; the result is attention over the
+    values they stand for (the dense oracle and the reference on dequantized pages)."""
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [13, 5, 1, 1], [13, 21, 9, 33], num_heads=6, num_kv_heads=2, head_dim=16,
+                     page_size=4, pad_tokens=3, pad_seqs=1)
+    quantized, dequantized = quantize_case(case, dtype, rng)
+    for window in (None, 6):
+        kwargs = dict(sm_scale=0.25, sliding_window=window)
+        want = dense_attention(quantized, **kwargs)
+        got = run_reference(quantized, k_scales=quantized.k_scales, v_scales=quantized.v_scales, **kwargs)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(got, run_reference(dequantized, **kwargs), atol=2e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="both"):
+        run_reference(quantized, sm_scale=0.25, k_scales=quantized.k_scales)
