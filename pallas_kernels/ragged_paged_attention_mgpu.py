@@ -33,8 +33,10 @@ The work is cut in three layers. The first and last are plain jnp in the same ji
    and one memory warpgroup:
 
        memory WG:   for each block: wait slot free -> one TMA per page for K, then V
+                    (8-bit: and one for the page's scales)
        compute WG:  wait K -> S = Q K^T (wgmma) -> scale, soft-cap, mask -> online
                     softmax (base 2) -> wait V -> O += P V (wgmma) -> free the slot
+                    (8-bit: upcast K / V into the WG's buffer first, see below)
 
    K and V go through a ring of `max_concurrent_steps` shared-memory slots ([block_kv,
    D], 128-byte swizzle), so the loads of later blocks (and of the next work unit)
@@ -46,14 +48,29 @@ The work is cut in three layers. The first and last are plain jnp in the same ji
    log-sum-exps (exactly a softmax over the union of their key ranges), then gathered
    back to the flat [T, H, D] token order; padding tokens get zeros.
 
-Slots past a sequence's context (the tail of its last page, pages it does not own) may
-hold anything, NaN included (the tests fill them with NaN): their scores are replaced
-by -inf with a select (only in blocks that cross the causal diagonal, the window edge or
-the context end), pages wholly past the context are not read, and V rows past the
-context are zeroed in shared memory before P V, so 0 * NaN never reaches the output.
+An 8-bit KV cache (`quantized_kv`: e4m3 or int8 pages, a float32 scale per token and KV
+head, given as `k_scales` / `v_scales`) is dequantized inside the kernel, never copied
+out dequantized. The memory WG TMAs the 8-bit pages (half the bytes) and, beside each,
+the page's page_size scales of that head into a [block_kv] ring slot on the same
+barrier. wgmma cannot mix 8-bit with bf16, so each compute WG upcasts the block (smem ->
+registers -> q's dtype -> its own [block_kv, D] smem buffer, fenced) and runs the wgmma
+on that; K and then V share the buffer. The upcast is exact (every e4m3 / int8 value is
+a bf16 and an f16 number), so the scales are applied in f32 outside the matmuls, one
+per key column: S = (Q Kq^T) * k_scale and O += (P * v_scale) Vq (l sums the unscaled
+P). That costs [64, block_kv] multiplies per block instead of [block_kv, D] in the
+upcast, and adds no bf16 rounding of scaled values. The ring slot is freed as soon as
+it is read, before the matmul.
 
-Supported: bf16 / f16, head_dim 64 or 128, page sizes that are multiples of 8 dividing
-256, any GQA ratio up to 128 query heads per KV head.
+Slots past a sequence's context (the tail of its last page, pages it does not own) may
+hold anything, NaN included (the tests fill them with NaN, and their scales too): their
+scores are replaced by -inf with a select (only in blocks that cross the causal
+diagonal, the window edge or the context end), pages wholly past the context are not
+read, and V rows past the context are zeroed in shared memory before P V (8-bit: in
+each WG's upcast copy, and their v_scale by a select), so 0 * NaN never reaches the
+output.
+
+Supported: bf16 / f16 (q, and the pages unless 8-bit), head_dim 64 or 128, page sizes
+that are multiples of 8 dividing 256, any GQA ratio up to 128 query heads per KV head.
 `unsupported_reason` says why a call is not supported; the kernel raises it.
 """
 
@@ -133,16 +150,24 @@ class TuningConfig:
         if self.block_kv % page_size:
             raise ValueError(f"{self.block_kv=} must be a multiple of {page_size=}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory the kernel asks for: buffers (1 KiB aligned), barriers, reductions."""
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, kv_itemsize: int | None = None) -> int:
+        """Shared memory the kernel asks for: buffers (1 KiB aligned), barriers, reductions.
+
+        `kv_itemsize` 1 is an 8-bit cache: its K/V ring costs half, plus the scales' ring
+        and one upcast [block_kv, D] buffer per compute warpgroup.
+        """
         align = lambda n: -(-n // 1024) * 1024
-        wgs, rows = self.num_compute_wgs, ROWS_PER_WG
+        wgs, rows, steps, bkv = self.num_compute_wgs, ROWS_PER_WG, self.max_concurrent_steps, self.block_kv
+        kv_itemsize = kv_itemsize or itemsize
         q = align(2 * wgs * rows * head_dim * itemsize)  # double-buffered Q / O
-        kv = 2 * align(self.max_concurrent_steps * self.block_kv * head_dim * itemsize)
+        kv = 2 * align(steps * bkv * head_dim * kv_itemsize)
+        quantized = kv_itemsize != itemsize
+        scales = 2 * align(steps * bkv * 4) if quantized else 0
+        upcast = align(wgs * bkv * head_dim * itemsize) if quantized else 0
         lse = align(wgs * rows * 4)
-        p = align(wgs * rows * self.block_kv * itemsize) if self.p_via_smem else 0
-        barriers = 8 * (2 * wgs + 1 + 4 * self.max_concurrent_steps)
-        return q + kv + lse + p + barriers + _REDUCTION_SCRATCH
+        p = align(wgs * rows * bkv * itemsize) if self.p_via_smem else 0
+        barriers = 8 * (2 * wgs + 1 + 4 * steps)
+        return q + kv + scales + upcast + lse + p + barriers + _REDUCTION_SCRATCH
 
 
 def default_query_tile(num_tokens: int, num_seqs: int) -> int:
@@ -158,20 +183,23 @@ def default_query_tile(num_tokens: int, num_seqs: int) -> int:
 
 def default_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, page_size: int, *, num_ctas: int | None = None,
-                   query_tile: int | None = None, p_via_smem: bool = False) -> TuningConfig:
+                   query_tile: int | None = None, p_via_smem: bool = False, kv_dtype=None) -> TuningConfig:
     """A config for a (token, sequence) bucket and model shape.
 
     Decode-heavy buckets get one-token tiles and one compute warpgroup; prefill-heavy
     ones get 128-row tiles (two warpgroups) so each K/V block feeds more queries. The
-    K/V ring is as deep as shared memory allows, up to 4 steps.
+    K/V ring is as deep as shared memory allows, up to 4 steps. `kv_dtype` is the
+    pages' dtype when it is 8-bit (the ring then costs half, the upcast buffers more).
     """
+    kv_itemsize = jnp.dtype(kv_dtype).itemsize if kv_dtype is not None else 2
+    smem = lambda c: c.smem_bytes(head_dim, 2, kv_itemsize)
     cfg = TuningConfig(block_kv=max(128, page_size), num_ctas=num_ctas or device_sm_count(), p_via_smem=p_via_smem)
     cfg = cfg.with_query_tile(query_tile or default_query_tile(num_tokens, num_seqs), num_heads // num_kv_heads)
-    while cfg.smem_bytes(head_dim) > SMEM_BYTES and cfg.block_kv > max(64, page_size):
+    while smem(cfg) > SMEM_BYTES and cfg.block_kv > max(64, page_size):
         cfg = dataclasses.replace(cfg, block_kv=cfg.block_kv // 2)
     while cfg.max_concurrent_steps < 4:
         deeper = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps + 1)
-        if deeper.smem_bytes(head_dim) > SMEM_BYTES:
+        if smem(deeper) > SMEM_BYTES:
             break
         cfg = deeper
     return cfg
@@ -185,17 +213,44 @@ def device_sm_count() -> int:
     return getattr(device, "core_count", None) or H100_SMS
 
 
-def unsupported_reason(q, k_pages, v_pages=None, *, config: TuningConfig | None = None) -> str | None:
-    """Why the kernel cannot run these shapes / dtypes (/ config), or None if it can."""
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# uint8 pages hold e4m3 bit patterns (how the engine stores an fp8 cache: see quantized_kv).
+_KV8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8), jnp.dtype(jnp.int8))
+
+
+def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None,
+                       config: TuningConfig | None = None) -> str | None:
+    """Why the kernel cannot run these shapes / dtypes (/ config), or None if it can.
+
+    Without scales q, k and v are all bf16 or all f16; with `k_scales` and `v_scales`
+    (float32 [P, KV, page_size], see `quantized_kv`) the pages are e4m3 or int8.
+    """
     if q.ndim != 3 or k_pages.ndim != 4:
         return f"expected q [T, H, D] and pages [P, page_size, KV, D], got {q.shape=} {k_pages.shape=}"
     if v_pages is not None and v_pages.shape != k_pages.shape:
         return f"{k_pages.shape=} != {v_pages.shape=}"
     _, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, kv_dim = k_pages.shape
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k_pages, v_pages) if x is not None}
-    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"q, k and v must all be bf16 or all f16, got {q.dtype=} {k_pages.dtype=}"
+    num_pages, page_size, num_kv_heads, kv_dim = k_pages.shape
+    kv_dtypes = {jnp.dtype(x.dtype) for x in (k_pages, v_pages) if x is not None}
+    if (k_scales is None) != (v_scales is None):
+        return "k_scales and v_scales must be given together (an 8-bit cache) or not at all"
+    if k_scales is None:
+        dtypes = kv_dtypes | {jnp.dtype(q.dtype)}
+        if len(dtypes) != 1 or dtypes.pop() not in _FLOAT_DTYPES:
+            if kv_dtypes & set(_KV8_DTYPES):
+                return f"8-bit pages ({k_pages.dtype}) need k_scales and v_scales"
+            return f"q, k and v must all be bf16 or all f16, got {q.dtype=} {k_pages.dtype=}"
+    else:
+        if len(kv_dtypes) != 1 or kv_dtypes.pop() not in _KV8_DTYPES:
+            return (f"with k_scales / v_scales the pages must all be float8_e4m3fn or all int8 (or uint8: "
+                    f"e4m3 bit patterns), "
+                    f"got {k_pages.dtype=}{f' {v_pages.dtype=}' if v_pages is not None else ''}")
+        if jnp.dtype(q.dtype) not in _FLOAT_DTYPES:
+            return f"q must be bf16 or f16 with an 8-bit cache, got {q.dtype=}"
+        want = (num_pages, num_kv_heads, page_size)
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if tuple(s.shape) != want or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
+                return f"{name} must be float32 {want} (pages, KV heads, page_size), got {s.dtype} {tuple(s.shape)}"
     if kv_dim != head_dim:
         return f"{head_dim=} of q != {kv_dim=} of the pages"
     if head_dim not in (64, 128):
@@ -213,13 +268,14 @@ def unsupported_reason(q, k_pages, v_pages=None, *, config: TuningConfig | None 
             config.check(groups=num_heads // num_kv_heads, page_size=page_size)
         except ValueError as e:
             return str(e)
-        if (smem := config.smem_bytes(head_dim)) > SMEM_BYTES:
+        if (smem := config.smem_bytes(head_dim, 2, k_pages.dtype.itemsize)) > SMEM_BYTES:
             return f"{config} needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
     return None
 
 
-def is_supported(q, k_pages, v_pages=None, *, config: TuningConfig | None = None) -> bool:
-    return unsupported_reason(q, k_pages, v_pages, config=config) is None
+def is_supported(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None,
+                 config: TuningConfig | None = None) -> bool:
+    return unsupported_reason(q, k_pages, v_pages, k_scales=k_scales, v_scales=v_scales, config=config) is None
 
 
 # ------------------------------------------------------------------------------------
@@ -357,7 +413,8 @@ def _gather_query_tiles(q, tile_tokens, num_kv_heads: int, rows: int, pad_rows: 
 
 @dataclasses.dataclass(frozen=True)
 class _Shapes:
-    dtype: jnp.dtype
+    dtype: jnp.dtype  # of q, the output and every wgmma operand
+    kv_dtype: jnp.dtype  # of the pages: dtype, or e4m3 / int8 (then with scales)
     num_kv_heads: int
     head_dim: int
     page_size: int
@@ -374,7 +431,9 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
     pages_per_block = bkv // page_size
     wg_rows = [min(ROWS_PER_WG, rows - w * ROWS_PER_WG) for w in range(nwg)]  # rows each WG stores
     assert all(r > 0 and r % 8 == 0 for r in wg_rows), (rows, nwg)
-    layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    layout, row_layout, col_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    quantized = shp.kv_dtype != shp.dtype
+    copies_per_page = 2 if quantized else 1  # the 8-bit page and its scales
     i32 = jnp.int32
 
     # -- the persistent loop over (item, kv head) units --------------------------------
@@ -393,7 +452,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
 
     # -- memory warpgroup ------------------------------------------------------------
 
-    def memory_wg(work_ref, num_items_ref, tables_ref, k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free):
+    def memory_wg(work_ref, num_items_ref, tables_ref, k_ref, v_ref, ks_ref, vs_ref, k_smem, v_smem,
+                  ks_smem, vs_smem, k_full, v_full, k_free, v_free):
         def step_body(j, step0, head, f):
             step = step0 + j
             slot = lax.rem(step, i32(stages))
@@ -401,7 +461,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             # Page ids first: their loads overlap the wait for a free slot.
             index = [blk * pages_per_block + p for p in range(pages_per_block)]
             pages = [tables_ref[f[_SEQ], jnp.minimum(i, shp.max_pages - 1)] for i in index]
-            for src, dst, full, free in ((k_ref, k_smem, k_full, k_free), (v_ref, v_smem, v_full, v_free)):
+            for src, dst, src_s, dst_s, full, free in ((k_ref, k_smem, ks_ref, ks_smem, k_full, k_free),
+                                                        (v_ref, v_smem, vs_ref, vs_smem, v_full, v_free)):
                 @pl.when(step >= stages)
                 def _():
                     plgpu.barrier_wait(free.at[slot])  # the slot's previous block is consumed
@@ -415,12 +476,18 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
                             src.at[pl.ds(page * page_size, page_size), pl.ds(head * dim, dim)],
                             dst.at[slot, pl.ds(p * page_size, page_size)],
                             full.at[slot])
+                        if quantized:  # the page's scales of this head: page_size contiguous floats
+                            plgpu.copy_gmem_to_smem(
+                                src_s.at[page, pl.ds(head * page_size, page_size)],
+                                dst_s.at[slot, pl.ds(p * page_size, page_size)],
+                                full.at[slot])
 
                     # A page wholly past the context is not read (its rows get masked and
-                    # zeroed); arriving keeps the barrier's count at one per page.
+                    # zeroed); arriving keeps the barrier's count at one per copy.
                     @pl.when(~live)
                     def _():
-                        plgpu.barrier_arrive(full.at[slot])
+                        for _ in range(copies_per_page):
+                            plgpu.barrier_arrive(full.at[slot])
 
         def unit_body(n, step0):
             _, head, f = unit(work_ref, n)
@@ -469,6 +536,23 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             visible &= key > q_pos - sliding_window
         return jnp.where(visible, s, -jnp.inf)
 
+    def upcast(src, dst, num_valid=None):
+        """8-bit [bkv, D] block in smem -> q's dtype in `dst` (exact: e4m3 and int8 values
+        are all bf16 / f16 numbers), rows >= num_valid zeroed (they may be NaN or garbage)."""
+        for c in range(bkv // ROWS_PER_WG):
+            chunk = pl.ds(c * ROWS_PER_WG, ROWS_PER_WG)
+            x = plgpu.load(src.at[chunk], layout=layout)
+            if shp.kv_dtype == jnp.uint8:  # e4m3 bit patterns
+                x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+            if shp.kv_dtype in (jnp.uint8, jnp.float8_e4m3fn) and shp.dtype != jnp.float16:
+                # Hopper converts e4m3 pairs to f16 only (also exact); bf16 via f32.
+                x = x.astype(jnp.float16).astype(jnp.float32)
+            x = x.astype(shp.dtype)
+            if num_valid is not None:
+                row = plgpu.broadcasted_iota(i32, x.shape, 0, layout=layout) + c * ROWS_PER_WG
+                x = jnp.where(row < num_valid, x, jnp.zeros_like(x))
+            dst.at[chunk][...] = x
+
     def zero_tail(v_slot, num_valid):
         """Zero rows >= num_valid of a V block: past the context they may hold NaN."""
         for c in range(bkv // ROWS_PER_WG):
@@ -479,8 +563,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
                 row = plgpu.broadcasted_iota(i32, v.shape, 0, layout=layout) + c * ROWS_PER_WG
                 chunk[...] = jnp.where(row < num_valid, v, jnp.zeros_like(v))
 
-    def compute_wg(work_ref, num_items_ref, q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
-                   lse_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar):
+    def compute_wg(work_ref, num_items_ref, q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem, vs_smem,
+                   up_smem, lse_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar):
         wg = lax.axis_index("wg")
         my_units = num_units(num_items_ref)
 
@@ -498,13 +582,28 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             blk = f[_BLK_BEGIN] + j
 
             plgpu.barrier_wait(k_full.at[slot])
+            if quantized:  # upcast into this WG's buffer; the slot is free once read
+                k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)  # [bkv]
+                upcast(k_smem.at[slot], up)
+                # NOTE: the fence (for wgmma's reads of `up`) also orders our generic-proxy
+                # reads of the slot before the next TMA (async proxy) write into it.
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(k_free.at[slot])
+                k_operand = up
+            else:
+                k_operand = k_smem.at[slot]
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, qo, k_operand.transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bkv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
+            if quantized:
+                # One scale per key: S = (Q Kq^T) * k_scale, columnwise. Scales past the
+                # context may be NaN; those columns are masked below by a select.
+                s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
+            else:
+                plgpu.barrier_arrive(k_free.at[slot])
 
             s = soft_capped(s)
             s = lax.cond(needs_mask(blk, f, wg), lambda x: apply_mask(x, blk, f, wg), lambda x: x, s)
@@ -512,37 +611,61 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
-            if p_smem is None:
-                p_operand = p.astype(shp.dtype)
-            else:
-                p_operand = p_smem.at[wg]
-                p_operand[...] = p.astype(shp.dtype)
-                plgpu.commit_smem()
+
+            def p_operand_of(p):
+                """P in q's dtype: from registers, or staged in smem (to be fenced)."""
+                if p_smem is None:
+                    return p.astype(shp.dtype)
+                p_smem.at[wg][...] = p.astype(shp.dtype)
+                return p_smem.at[wg]
+
+            if not quantized:
+                p_operand = p_operand_of(p)
+                if p_smem is not None:
+                    plgpu.commit_smem()
 
             plgpu.barrier_wait(v_full.at[slot])
             num_valid = f[_KV_LEN] - blk * bkv
-
-            @pl.when(num_valid < bkv)
-            def _():
-                # The first compute WG cleans the block's tail; every compute WG waits for it.
-                @pl.when(wg == 0)
+            if quantized:
+                # O += (P * v_scale) Vq: one scale per key, zeroed past the context (where
+                # it may be NaN and P is 0). Each WG zeroes the tail in its own copy.
+                v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout)  # [bkv]
+                key = plgpu.broadcasted_iota(i32, (bkv,), 0, layout=col_layout)
+                v_scale = jnp.where(key < num_valid, v_scale, jnp.zeros_like(v_scale))
+                p = p * lax.broadcast_in_dim(v_scale, p.shape, [1])
+                p_operand = p_operand_of(p)
+                pl.when(num_valid < bkv)(lambda: upcast(v_smem.at[slot], up, num_valid))
+                pl.when(num_valid >= bkv)(lambda: upcast(v_smem.at[slot], up))
+                plgpu.commit_smem()  # as for K: for wgmma, and before the slot is refilled
+                plgpu.barrier_arrive(v_free.at[slot])
+                v_operand = up
+            else:
+                @pl.when(num_valid < bkv)
                 def _():
-                    zero_tail(v_smem.at[slot], num_valid)
-                    plgpu.commit_smem()
+                    # The first compute WG cleans the block's tail; every compute WG waits for it.
+                    @pl.when(wg == 0)
+                    def _():
+                        zero_tail(v_smem.at[slot], num_valid)
+                        plgpu.commit_smem()
 
-                plgpu.barrier_arrive(tail_bar)
-                plgpu.barrier_wait(tail_bar)
+                    plgpu.barrier_arrive(tail_bar)
+                    plgpu.barrier_wait(tail_bar)
+
+                v_operand = v_smem.at[slot]
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_operand, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_operand, v_operand)
                 return acc_ref[...]
 
             # A fresh accumulator, folded in with the rescale's multiply as one FMA;
             # unlike pl.run_state this also runs in the interpreter.
             pv_out = pl.run_scoped(pv, plgpu.ACC((ROWS_PER_WG, dim), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
+            if not quantized:
+                plgpu.barrier_arrive(v_free.at[slot])
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
             return acc, m_new, l
+
+        up = up_smem.at[wg] if quantized else None  # [bkv, D]: this WG's upcast K, then V
 
         def unit_body(n, step0):
             item, head, f = unit(work_ref, n)
@@ -585,38 +708,50 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
         lax.fori_loop(0, my_units, unit_body, i32(0))
         plgpu.wait_smem_to_gmem(0)
 
-    def body(work_ref, num_items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             qo_smem, k_smem, v_smem, lse_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar):
+    def body(*refs):
+        if quantized:
+            (work_ref, num_items_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, *scratch) = refs
+        else:
+            (work_ref, num_items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch) = refs
+            ks_ref = vs_ref = None
+        (qo_smem, k_smem, v_smem, ks_smem, vs_smem, up_smem, lse_smem, p_smem,
+         q_bar, k_full, v_full, k_free, v_free, tail_bar) = scratch
         wg = lax.axis_index("wg")
 
         @pl.when(wg < nwg)
         def _():
             if nwg == 2:  # 2 x 232 + 40 registers per thread fill the SM's 64K
                 plgpu.set_max_registers(232, action="increase")
-            compute_wg(work_ref, num_items_ref, q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
-                       lse_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar)
+            compute_wg(work_ref, num_items_ref, q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem, vs_smem,
+                       up_smem, lse_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar)
 
         @pl.when(wg == nwg)
         def _():
             if nwg == 2:
                 plgpu.set_max_registers(40, action="decrease")
-            memory_wg(work_ref, num_items_ref, tables_ref, k_ref, v_ref, k_smem, v_smem,
-                      k_full, v_full, k_free, v_free)
+            memory_wg(work_ref, num_items_ref, tables_ref, k_ref, v_ref, ks_ref, vs_ref, k_smem, v_smem,
+                      ks_smem, vs_smem, k_full, v_full, k_free, v_free)
 
     tiled = (plgpu.TilingTransform((8, _SWIZZLE // shp.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    # An 8-bit [bkv, 64] block has 64-byte rows: a 64-byte swizzle.
+    kv_swizzle = min(_SWIZZLE, dim * shp.kv_dtype.itemsize)
+    kv_tiled = (plgpu.TilingTransform((8, kv_swizzle // shp.kv_dtype.itemsize)), plgpu.SwizzleTransform(kv_swizzle))
     out_type = (
         jax.ShapeDtypeStruct((shp.max_items * rows, kv_heads * dim), shp.dtype),  # partial O / l
         jax.ShapeDtypeStruct((kv_heads, shp.max_items * rows), jnp.float32),  # base-2 log-sum-exp
     )
     scratch = [
         plgpu.SMEM((2, nwg, ROWS_PER_WG, dim), shp.dtype, transforms=tiled),  # Q, then O
-        plgpu.SMEM((stages, bkv, dim), shp.dtype, transforms=tiled),  # K ring
-        plgpu.SMEM((stages, bkv, dim), shp.dtype, transforms=tiled),  # V ring
+        plgpu.SMEM((stages, bkv, dim), shp.kv_dtype, transforms=kv_tiled),  # K ring
+        plgpu.SMEM((stages, bkv, dim), shp.kv_dtype, transforms=kv_tiled),  # V ring
+        plgpu.SMEM((stages, bkv), jnp.float32) if quantized else None,  # K scales ring
+        plgpu.SMEM((stages, bkv), jnp.float32) if quantized else None,  # V scales ring
+        plgpu.SMEM((nwg, bkv, dim), shp.dtype, transforms=tiled) if quantized else None,  # upcast K / V
         plgpu.SMEM((nwg, ROWS_PER_WG), jnp.float32),  # log-sum-exp
         plgpu.SMEM((nwg, ROWS_PER_WG, bkv), shp.dtype, transforms=tiled) if cfg.p_via_smem else None,
         plgpu.Barrier(num_barriers=(2, nwg)),  # Q landed, per buffer and WG
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),  # K slot full
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),  # V slot full
+        plgpu.Barrier(num_arrivals=pages_per_block * copies_per_page, num_barriers=stages),  # K slot full
+        plgpu.Barrier(num_arrivals=pages_per_block * copies_per_page, num_barriers=stages),  # V slot full
         plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot free
         plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # V slot free
         plgpu.Barrier(num_arrivals=nwg),  # V tail zeroed
@@ -676,6 +811,8 @@ def ragged_paged_attention(
     block_tables: jax.Array,  # int32 [S, max_pages]
     query_start_loc: jax.Array,  # int32 [S + 1]
     *,
+    k_scales: jax.Array | None = None,  # float32 [num_pages, num_kv_heads, page_size] (8-bit pages)
+    v_scales: jax.Array | None = None,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -692,9 +829,12 @@ def ragged_paged_attention(
     is `config.block_kv`). `plan` (from `plan_work`, e.g. once per step for all layers)
     saves recomputing the work list; it carries its config. `interpret=True` or a
     `plgpu.InterpretGPUParams` runs the Mosaic GPU interpreter instead of a GPU.
+    With `k_scales` and `v_scales` the pages are an 8-bit cache (`quantized_kv`),
+    dequantized inside the kernel.
     """
     del kv_chunk_pages
-    if (reason := unsupported_reason(q, k_pages, v_pages)) is not None:
+    scales = dict(k_scales=k_scales, v_scales=v_scales)
+    if (reason := unsupported_reason(q, k_pages, v_pages, **scales)) is not None:
         raise NotImplementedError(f"ragged_paged_attention (Mosaic GPU): {reason}")
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
@@ -708,19 +848,19 @@ def ragged_paged_attention(
         config = plan.config
     elif config is None:
         config = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size,
-                                query_tile=query_tile, p_via_smem=bool(interpret))
+                                query_tile=query_tile, p_via_smem=bool(interpret), kv_dtype=k_pages.dtype)
     elif query_tile is not None:
         config = config.with_query_tile(query_tile, groups)
     if interpret:  # the interpreter's wgmma takes its A operand from smem only
         config = dataclasses.replace(config, p_via_smem=True)
-    if (reason := unsupported_reason(q, k_pages, v_pages, config=config)) is not None:
+    if (reason := unsupported_reason(q, k_pages, v_pages, **scales, config=config)) is not None:
         raise NotImplementedError(f"ragged_paged_attention (Mosaic GPU): {reason}")
     if plan is None:
         plan = plan_work(kv_lens, query_start_loc, num_tokens=num_tokens, num_kv_heads=num_kv_heads,
                          config=config, sliding_window=sliding_window)
 
     rows = config.rows_per_tile(groups)
-    shapes = _Shapes(jnp.dtype(q.dtype), num_kv_heads, head_dim, page_size, groups, rows,
+    shapes = _Shapes(jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), num_kv_heads, head_dim, page_size, groups, rows,
                      plan.work.shape[0], max_pages)
     kernel = _build_kernel(config, shapes, sm_scale=sm_scale, sliding_window=sliding_window,
                            soft_cap=soft_cap, interpret=interpret)
@@ -728,7 +868,10 @@ def ragged_paged_attention(
     # Free reshapes: a page of one KV head is then a rectangular [page_size, D] TMA box.
     k2d = k_pages.reshape(num_pages * page_size, num_kv_heads * head_dim)
     v2d = v_pages.reshape(num_pages * page_size, num_kv_heads * head_dim)
-    o_part, lse = kernel(plan.work, plan.num_items, jnp.asarray(block_tables, jnp.int32), q_tiles, k2d, v2d)
+    kv = (k2d, v2d)
+    if k_scales is not None:  # [P, KV * page_size]: a page's scales of one KV head are one row slice
+        kv += (k_scales.reshape(num_pages, -1), v_scales.reshape(num_pages, -1))
+    o_part, lse = kernel(plan.work, plan.num_items, jnp.asarray(block_tables, jnp.int32), q_tiles, *kv)
 
     out_tiles = _combine(o_part, lse, plan, rows, num_kv_heads, head_dim)
     return _tiles_to_tokens(out_tiles, plan, groups, q.dtype)

@@ -5,8 +5,11 @@
    ragged lengths, contexts ending mid-page and mid-block, scrambled block tables, a
    shared first page, padding tokens and sequences, GQA 1 / 3 / 8, window and soft-cap,
    flash-decoding splits, one and two compute warpgroups. Unused pages and slots are NaN.
-2. Lowered for CUDA with `jax.export` at production shapes; Mosaic GPU targets sm_90
-   when no GPU is present and checks the shared-memory budget (227 KiB) while lowering.
+   An 8-bit cache (e4m3 / int8 with per-token scales; unused int8 slots hold random
+   bytes, unused scales NaN) is checked against both on the dequantized pages.
+2. Lowered for CUDA with `jax.export` at production shapes (bf16, e4m3 and int8 caches);
+   Mosaic GPU targets sm_90 when no GPU is present and checks the shared-memory budget
+   (227 KiB) while lowering.
 
 With JAXSERVE_MGPU_ON_GPU=1 (benchmarks/gpu_check.sh) the same cases run compiled on
 the GPU instead of interpreted, and production-shape cases are added against the
@@ -25,7 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.attention_cases import dense_attention, make_case
+from tests.attention_cases import dense_attention, make_case, quantize_case
+from tests.pallas_kernels.smem import record_smem
 
 ON_GPU = os.environ.get("JAXSERVE_MGPU_ON_GPU") == "1"
 if ON_GPU and jax.devices()[0].platform != "gpu":
@@ -37,6 +41,8 @@ BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
 def run_kernel(case, **kwargs):
     interpret = None if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
+    if case.k_scales is not None:  # an 8-bit cache
+        kwargs.update(k_scales=jnp.asarray(case.k_scales), v_scales=jnp.asarray(case.v_scales))
     out = mgpu.ragged_paged_attention(*(jnp.asarray(getattr(case, a)) for a in ARGS), interpret=interpret, **kwargs)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
@@ -51,12 +57,14 @@ def small_config(**kwargs):
     return mgpu.TuningConfig(**{"block_kv": 64, "num_ctas": 3, "min_split_blocks": 1, **kwargs})
 
 
-def check(case, *, config, tol=BF16_TOL, **kwargs):
+def check(case, *, config, tol=BF16_TOL, dequantized=None, **kwargs):
+    """Kernel vs the float64 oracle and the reference; for an 8-bit `case` both see the
+    `dequantized` pages (the reference without scales)."""
     got = run_kernel(case, config=config, **kwargs)
     assert np.isfinite(got).all()
     want = dense_attention(case, **kwargs)
     np.testing.assert_allclose(got, want, **tol)
-    np.testing.assert_allclose(got, run_reference(case, **kwargs), **tol)
+    np.testing.assert_allclose(got, run_reference(dequantized or case, **kwargs), **tol)
     pad = case.num_real_tokens
     assert not got[pad:].any(), "padding tokens must give zeros"
 
@@ -149,6 +157,48 @@ def test_plan_reused_under_jit():
     np.testing.assert_allclose(np.asarray(second, np.float32), dense_attention(case, sm_scale=0.125), **BF16_TOL)
 
 
+# "fp8" is stored as the engine stores it, e4m3 bit patterns in uint8 (test_8bit_cache_two_compute_warpgroups
+# passes float8_e4m3fn pages).
+KV8 = {"fp8": jnp.uint8, "int8": jnp.int8}
+
+
+@pytest.mark.parametrize("kv8,groups,window,soft_cap", [("fp8", 3, 24, None), ("int8", 8, None, 2.0)])
+def test_8bit_cache_mixed_prefill_and_decode(kv8, groups, window, soft_cap):
+    """An e4m3 / int8 cache with per-token scales, dequantized inside the kernel. Unused
+    slots hold NaN (int8: random bytes) with NaN scales."""
+    rng = np.random.default_rng(groups)
+    case = make_case(rng, [13, 5, 1, 1, 3], [70, 150, 9, 64, 200], num_heads=2 * groups, num_kv_heads=2,
+                     head_dim=64, page_size=8, pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    quantized, dequantized = quantize_case(case, KV8[kv8], rng)
+    check(quantized, dequantized=dequantized, config=small_config(query_tile=4), sm_scale=0.125,
+          sliding_window=window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("kv8", ["fp8", "int8"])
+def test_8bit_cache_flash_decoding_head_dim_128(kv8):
+    """Decodes split over several items, a 3-token verification tile, head_dim 128."""
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [1, 3, 1], [600, 131, 17], num_heads=4, num_kv_heads=2, head_dim=128,
+                     page_size=16, pad_tokens=1, dtype=jnp.bfloat16)
+    quantized, dequantized = quantize_case(case, KV8[kv8], rng)
+    config = small_config(num_ctas=8, query_tile=2)
+    plan = mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=case.q.shape[0], num_kv_heads=2,
+                          config=config)
+    items = np.asarray(plan.item_tile)[: int(plan.num_items[0])]
+    assert np.bincount(items).max() > 1, "expected a context split over several items"
+    check(quantized, dequantized=dequantized, config=config, sm_scale=128**-0.5)
+
+
+def test_8bit_cache_two_compute_warpgroups():
+    """Each compute warpgroup upcasts into its own buffer; float16 queries."""
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [40, 1], [100, 70], num_heads=16, num_kv_heads=2, head_dim=64, page_size=8,
+                     dtype=jnp.float16)
+    quantized, dequantized = quantize_case(case, jnp.float8_e4m3fn, rng)
+    check(quantized, dequantized=dequantized, config=small_config(query_tile=16, num_compute_wgs=2),
+          tol=dict(atol=5e-3, rtol=5e-3), sm_scale=0.125, sliding_window=33)
+
+
 # -- plan and validation (no kernel) ------------------------------------------------
 
 
@@ -213,6 +263,35 @@ def test_unsupported_inputs_raise_clear_errors():
     assert "shared memory" in mgpu.unsupported_reason(bf((4, 8, 128)), bf((4, 16, 2, 128)), config=too_deep)
 
 
+def test_8bit_cache_inputs_are_checked():
+    sds = jax.ShapeDtypeStruct
+    q, bf_pages = sds((4, 8, 128), jnp.bfloat16), sds((4, 16, 2, 128), jnp.bfloat16)
+    fp8, i8 = sds((4, 16, 2, 128), jnp.float8_e4m3fn), sds((4, 16, 2, 128), jnp.int8)
+    scales = sds((4, 2, 16), jnp.float32)
+    for pages in (fp8, i8):
+        assert mgpu.is_supported(q, pages, pages, k_scales=scales, v_scales=scales)
+        assert mgpu.is_supported(sds(q.shape, jnp.float16), pages, pages, k_scales=scales, v_scales=scales)
+        assert "need k_scales" in mgpu.unsupported_reason(q, pages, pages)
+        assert "together" in mgpu.unsupported_reason(q, pages, pages, k_scales=scales)
+        assert "q must be bf16" in mgpu.unsupported_reason(sds(q.shape, jnp.float32), pages, pages,
+                                                            k_scales=scales, v_scales=scales)
+    assert "float8_e4m3fn or all int8" in mgpu.unsupported_reason(q, bf_pages, bf_pages, k_scales=scales,
+                                                                  v_scales=scales)
+    assert "float8_e4m3fn or all int8" in mgpu.unsupported_reason(q, fp8, i8, k_scales=scales, v_scales=scales)
+    for bad in (sds((4, 16, 2), jnp.float32), sds((4, 2, 16), jnp.bfloat16), sds((3, 2, 16), jnp.float32)):
+        assert "k_scales must be float32 (4, 2, 16)" in mgpu.unsupported_reason(q, fp8, fp8, k_scales=bad,
+                                                                                v_scales=scales)
+        assert "v_scales" in mgpu.unsupported_reason(q, fp8, fp8, k_scales=scales, v_scales=bad)
+    with pytest.raises(NotImplementedError, match="need k_scales"):
+        mgpu.ragged_paged_attention(jnp.zeros((4, 8, 64), jnp.bfloat16), jnp.zeros((4, 16, 2, 64), jnp.int8),
+                                    jnp.zeros((4, 16, 2, 64), jnp.int8), jnp.ones(1, jnp.int32),
+                                    jnp.zeros((1, 1), jnp.int32), jnp.array([0, 1], jnp.int32), sm_scale=1.0)
+    # The 8-bit ring costs half, the upcast buffers more: the config check knows which.
+    deep = mgpu.TuningConfig(block_kv=128, max_concurrent_steps=4)
+    assert "shared memory" in mgpu.unsupported_reason(q, bf_pages, config=deep)
+    assert mgpu.is_supported(q, fp8, fp8, k_scales=scales, v_scales=scales, config=deep)
+
+
 # -- 2. lowered for an H100 / H200 at production shapes ----------------------------
 
 # (name, tokens, seqs, context, page_size, head_dim, window, soft_cap); 32 query / 8 KV heads
@@ -234,39 +313,29 @@ PRODUCTION = [
 
 
 def lower_for_cuda(num_tokens, num_seqs, context, page_size, head_dim, window, soft_cap, *,
-                   num_heads=32, num_kv_heads=8, config=None, dtype=jnp.bfloat16):
-    """jax.export for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated)."""
+                   num_heads=32, num_kv_heads=8, config=None, dtype=jnp.bfloat16, kv_dtype=None):
+    """jax.export for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated).
+
+    `kv_dtype` e4m3 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales)."""
     max_pages = -(-context // page_size)
     num_pages = num_seqs * max_pages + 1
-    config = config or mgpu.default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size)
-    fn = functools.partial(mgpu.ragged_paged_attention, sm_scale=head_dim**-0.5, sliding_window=window,
-                           soft_cap=soft_cap, config=config)
-    pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), dtype)
+    config = config or mgpu.default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size,
+                                           kv_dtype=kv_dtype)
+
+    def fn(*args):  # the six arrays, then the scales of an 8-bit cache
+        scales = dict(zip(("k_scales", "v_scales"), args[6:]))
+        return mgpu.ragged_paged_attention(*args[:6], **scales, sm_scale=head_dim**-0.5, sliding_window=window,
+                                           soft_cap=soft_cap, config=config)
+
+    pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     args = (jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype), pages, pages,
             jax.ShapeDtypeStruct((num_seqs,), jnp.int32), jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
-    with _record_smem() as smem:
+    if kv_dtype is not None:
+        args += (jax.ShapeDtypeStruct((num_pages, num_kv_heads, page_size), jnp.float32),) * 2
+    with record_smem() as smem:
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
     return exported, config, smem
-
-
-class _record_smem:
-    """Records the shared memory Mosaic GPU allocates while lowering (a private hook)."""
-
-    def __enter__(self):
-        from jax.experimental.mosaic.gpu import core as mosaic_core
-        self.sizes = []
-        self.core, self.original = mosaic_core, getattr(mosaic_core, "_smem_tree_size", None)
-        if self.original is not None:
-            def spy(tree):
-                self.sizes.append(self.original(tree))
-                return self.sizes[-1]
-            mosaic_core._smem_tree_size = spy
-        return self.sizes
-
-    def __exit__(self, *exc):
-        if self.original is not None:
-            self.core._smem_tree_size = self.original
 
 
 @pytest.mark.parametrize("name,tokens,seqs,context,page_size,head_dim,window,soft_cap", PRODUCTION,
@@ -277,6 +346,23 @@ def test_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, win
     assert "mosaic_gpu" in exported.mlir_module()
     if smem:  # the hook exists in jax 0.11.2 and 0.12
         assert smem == [config.smem_bytes(head_dim)], (smem, config)
+        assert smem[0] <= mgpu.SMEM_BYTES
+
+
+KV8_PRODUCTION = [p for p in PRODUCTION if p[0] in (
+    "decode_b1_32k", "decode_b64_8k_window_cap", "decode_b64_page64", "mixed_512_tokens_64_seqs",
+    "prefill_8k_tokens_4_seqs", "decode_b1_32k_hd64", "prefill_hd64_page64")]
+
+
+@pytest.mark.parametrize("kv8", ["fp8", "int8"])
+@pytest.mark.parametrize("name,tokens,seqs,context,page_size,head_dim,window,soft_cap", KV8_PRODUCTION,
+                         ids=[p[0] for p in KV8_PRODUCTION])
+def test_8bit_cache_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8):
+    exported, config, smem = lower_for_cuda(tokens, seqs, context, page_size, head_dim, window, soft_cap,
+                                            kv_dtype=KV8[kv8])
+    assert "mosaic_gpu" in exported.mlir_module()
+    if smem:
+        assert smem == [config.smem_bytes(head_dim, 2, 1)], (smem, config)
         assert smem[0] <= mgpu.SMEM_BYTES
 
 
@@ -331,6 +417,24 @@ GPU_CASES = [
     ("mixed_prefill_decode", [512, 100, 1, 1, 4], [512, 3000, 7000, 16, 8000], None, None),
     ("prefill_chunk_window", [1024, 300], [5000, 300], 1024, 20.0),
 ]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
+@pytest.mark.parametrize("kv8", ["fp8", "int8"])
+@pytest.mark.parametrize("name,q_lens,kv_lens,window,soft_cap", GPU_CASES[1:4], ids=[c[0] for c in GPU_CASES[1:4]])
+def test_8bit_cache_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft_cap, kv8):
+    """An 8-bit cache at production shapes vs the reference on the dequantized pages."""
+    rng = np.random.default_rng(len(name))
+    case = make_case(rng, q_lens, kv_lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    quantized, dequantized = quantize_case(case, KV8[kv8], rng)
+    tokens, seqs = case.q.shape[0], len(case.kv_lens)
+    config = mgpu.default_config(tokens, seqs, 32, 8, 128, 16, kv_dtype=KV8[kv8])
+    kwargs = dict(sm_scale=128**-0.5, sliding_window=window, soft_cap=soft_cap)
+    got = run_kernel(quantized, config=config, **kwargs)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, run_reference(dequantized, **kwargs), **BF16_TOL)
+    assert not got[case.num_real_tokens:].any()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
