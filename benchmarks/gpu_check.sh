@@ -1,18 +1,49 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one command for a lent H100 / H200 (under 10 minutes):
-#   1. versions and nvidia-smi;
-#   2. the Mosaic GPU attention kernel against the references, compiled on the GPU
-#      (tests/pallas_kernels/test_ragged_paged_attention_mgpu.py with JAXSERVE_MGPU_ON_GPU=1: the
-#      interpreter's small cases plus production shapes, P from registers and via smem);
-#   3. the kernel microbenchmark (benchmarks/kernels.py), JSON and PNG into $OUT;
-#   4. end to end on the default model (benchmarks/gpu_e2e.py): greedy tokens with the
-#      kernel equal the reference path's, and both backends' output tokens/s;
-#   5. the step loop: the device-idle fraction between steps with the overlapped loop and
-#      with the serial one (benchmarks/throughput.py --profile, a short workload).
+# The checks that need a GPU, in one command for a lent H100 / H200 (each section can run
+# alone with --only; all of them can take more than a lent GPU's 15 minutes):
+#   versions   jax / jaxlib, the device, nvidia-smi (always);
+#   attention  the Mosaic GPU attention kernel against the references, compiled on the GPU
+#              (tests/pallas_kernels/test_ragged_paged_attention_mgpu.py with
+#              JAXSERVE_MGPU_ON_GPU=1: the interpreter's small cases plus production shapes,
+#              P from registers and via smem), then its microbenchmark (benchmarks/kernels.py
+#              --only attention), JSON and PNG into $OUT;
+#   matmul     the W4A16 and FP8 quantized matmul kernels the same way
+#              (tests/pallas_kernels/test_quantized_matmul_mgpu.py, then benchmarks/kernels.py
+#              --only matmul: bf16 XLA dot vs the kernels at Llama-3-8B shapes, 1..256 tokens);
+#   e2e        end to end on the default model (benchmarks/gpu_e2e.py): greedy tokens with the
+#              kernels equal the reference path's (float, int4, fp8, gguf, fp8 KV cache), and
+#              both backends' output tokens/s;
+#   steploop   the device-idle fraction between steps with the overlapped loop and with the
+#              serial one (benchmarks/throughput.py --profile, a short workload).
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
-#     bash benchmarks/gpu_check.sh            # results in ${OUT:-benchmarks/results}
+#     bash benchmarks/gpu_check.sh                  # every section; results in ${OUT:-benchmarks/results}
+#     bash benchmarks/gpu_check.sh --only matmul    # one section (repeat --only for several)
 set -euo pipefail
+
+SECTIONS=(attention matmul e2e steploop)
+only=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --only)
+      [[ $# -ge 2 ]] || { echo "--only needs a section: ${SECTIONS[*]}" >&2; exit 2; }
+      [[ " ${SECTIONS[*]} " == *" $2 "* ]] || { echo "unknown section '$2'; one of: ${SECTIONS[*]}" >&2; exit 2; }
+      only+=("$2")
+      shift 2
+      ;;
+    -h|--help)
+      awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"
+      exit 0
+      ;;
+    *)
+      echo "unknown argument '$1' (usage: $0 [--only SECTION]...)" >&2
+      exit 2
+      ;;
+  esac
+done
+[[ ${#only[@]} -gt 0 ]] || only=("${SECTIONS[@]}")
+
+wanted() { [[ " ${only[*]} " == *" $1 "* ]]; }
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -35,28 +66,44 @@ print("devices:", jax.devices())
 d = jax.devices()[0]
 print("compute capability:", getattr(d, "compute_capability", "?"), "| SMs:", getattr(d, "core_count", "?"))
 EOF
-nvidia-smi
+nvidia-smi || true
 
 # A failing step does not stop the later ones (one GPU session should say as much as it
 # can); the script still exits non-zero if any step failed.
 status=0
 
-echo "== attention kernel vs references on the GPU"
-JAXSERVE_MGPU_ON_GPU=1 timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
-    tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
+if wanted attention; then
+  echo "== attention kernel vs references on the GPU"
+  JAXSERVE_MGPU_ON_GPU=1 timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
+      tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
 
-echo "== kernel microbenchmark"
-timeout 150 "$PYTHON" benchmarks/kernels.py --json "$OUT/kernels.json" --plot "$OUT/kernels.png" 2>&1 \
-    | tee "$OUT/kernels.txt" || status=1
+  echo "== attention microbenchmark"
+  timeout 180 "$PYTHON" benchmarks/kernels.py --only attention --json "$OUT/kernels.json" \
+      --plot "$OUT/kernels.png" 2>&1 | tee "$OUT/kernels.txt" || status=1
+fi
 
-echo "== end-to-end generation"
-timeout 240 "$PYTHON" benchmarks/gpu_e2e.py --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" || status=1
+if wanted matmul; then
+  echo "== quantized matmul kernels vs references on the GPU"
+  JAXSERVE_MGPU_ON_GPU=1 timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
+      tests/pallas_kernels/test_quantized_matmul_mgpu.py 2>&1 | tee "$OUT/matmul_tests.txt" || status=1
 
-echo "== step loop: device idle between steps, overlapped and serial"
-for loop in "" --no-async-scheduling; do
-  timeout 300 "$PYTHON" benchmarks/throughput.py --baseline none --profile $loop --num-requests 64 --max-num-seqs 32 \
-      2>&1 | grep -v "generating" | tee -a "$OUT/step_loop.txt" || status=1
-done
+  echo "== quantized matmul microbenchmark"
+  timeout 240 "$PYTHON" benchmarks/kernels.py --only matmul --json "$OUT/matmul.json" \
+      --plot "$OUT/matmul.png" 2>&1 | tee "$OUT/matmul.txt" || status=1
+fi
+
+if wanted e2e; then
+  echo "== end-to-end generation"
+  timeout 420 "$PYTHON" benchmarks/gpu_e2e.py --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" || status=1
+fi
+
+if wanted steploop; then
+  echo "== step loop: device idle between steps, overlapped and serial"
+  for loop in "" --no-async-scheduling; do
+    timeout 300 "$PYTHON" benchmarks/throughput.py --baseline none --profile $loop --num-requests 64 \
+        --max-num-seqs 32 2>&1 | grep -v "generating" | tee -a "$OUT/step_loop.txt" || status=1
+  done
+fi
 
 echo "== done (status $status): results in $OUT"
 exit "$status"

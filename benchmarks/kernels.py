@@ -1,4 +1,6 @@
-"""Kernel microbenchmark: the Mosaic GPU ragged paged attention against the XLA reference.
+"""Kernel microbenchmarks: the Mosaic GPU kernels against XLA.
+
+Attention (`--only attention`): the ragged paged attention kernel against its XLA reference.
 
 Decode at batch 1, 8, 64, 256 over contexts 512..32k (32 query heads, 8 KV heads,
 head_dim 128, pages of 16, bf16) and three prefill cases, each checked against
@@ -11,11 +13,20 @@ head_dim 128, pages of 16, bf16) and three prefill cases, each checked against
   copy bandwidth (read + write of a 1 GiB buffer) measured in the same run;
 - TFLOP/s for prefill (causal: 4 * D * H flops per visible (query, key) pair).
 
+Quantized matmuls (`--only matmul`): at Llama-3-8B's projection shapes (fused QKV
+4096 x 6144, gate/up 4096 x 14336, down 14336 x 4096) for 1..256 tokens, the bf16 XLA dot
+against the W4A16 (int4, group 128) and FP8 W8A8 Mosaic GPU kernels (each with the plain
+and the warp-specialized pipeline), each checked against its reference first: time, achieved GB/s (weights + x + output) and its share of the copy
+bandwidth, TFLOP/s, and the speed-up over bf16 per token count.
+
 Times are GPU times summed over the call's kernels, from CUPTI (Mosaic GPU's profiler),
 median of several runs after warm-up, on fresh random data; when CUPTI is not available
 (or on CPU) they are wall-clock times of back-to-back calls ended by block_until_ready.
+Every timed call runs the operation on several copies of its inputs in turn (enough
+that they do not fit in L2 together) and reports the time per copy, so small cases are
+not timed on L2 hits.
 
-    python benchmarks/kernels.py [--json PATH] [--plot PATH]   # on a Hopper GPU
+    python benchmarks/kernels.py [--only attention|matmul] [--json PATH] [--plot PATH]  # on a Hopper GPU
     python benchmarks/kernels.py --smoke [--interpret]         # tiny shapes, runs on CPU
 
 On CPU (--smoke) only the reference is timed, unless --interpret also runs the kernel
@@ -39,8 +50,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels import quantized_matmul_mgpu as qmgpu  # noqa: E402
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
+from pallas_kernels.quantized_matmul import fp8_matmul_reference, int4_matmul_reference  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402
+
+L2_BYTES = 50 * 2**20  # H100 / H200 L2 cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +150,25 @@ class Timing:
     kernels: list | None = None  # (name, us) of one run (CUPTI only)
 
 
+def copies_for(bytes_per_call: int, on_gpu: bool) -> int:
+    """How many input copies a timed call rotates through: their bytes together at least
+    twice the L2 (2 to 32 copies; 1 on CPU, where it does not matter)."""
+    return max(2, min(32, -(-2 * L2_BYTES // max(1, bytes_per_call)))) if on_gpu else 1
+
+
+@functools.cache
+def rotated(fn):
+    """fn applied to each argument tuple of a list, in one jitted call (every output kept)."""
+    return jax.jit(lambda arg_sets: [fn(*args) for args in arg_sets])
+
+
+def time_rotated(fn, arg_sets: list, **kwargs) -> Timing:
+    """`time_call` of fn over several copies of its inputs in turn, per copy."""
+    timing = time_call(rotated(fn), (arg_sets,), **kwargs)
+    timing.total_us /= len(arg_sets)
+    return timing
+
+
 def time_call(fn, args, *, runs: int, on_gpu: bool, once: bool = False) -> Timing:
     """GPU time of fn(*args) after warm-up: median of `runs` runs."""
     jax.block_until_ready(fn(*args))  # compile
@@ -196,7 +230,9 @@ def _jitted(name: str, scale: float, config=None, interpret: bool = False):
 
 
 def run_case(case: Case, model: Model, *, on_gpu: bool, run_kernel: bool, interpret: bool, runs: int, seed: int):
-    args = make_inputs(case, model, seed)
+    copies = copies_for(hbm_bytes(case, model), on_gpu and not interpret)
+    arg_sets = [make_inputs(case, model, seed + 1000 * i) for i in range(copies)]
+    args = arg_sets[0]
     q, _, _, kv_lens, tables, qsl = args
     num_tokens, num_seqs = q.shape[0], tables.shape[0]
     scale = model.head_dim**-0.5
@@ -204,8 +240,8 @@ def run_case(case: Case, model: Model, *, on_gpu: bool, run_kernel: bool, interp
     want = reference(*args)
     row = dict(case=case.name, tokens=num_tokens, seqs=num_seqs, hbm_bytes=hbm_bytes(case, model),
                flops=attention_flops(case, model), prefill=case.prefill)
-    ref = time_call(reference, args, runs=runs, on_gpu=on_gpu)
-    row["ref_us"], row["timing"] = ref.total_us, ref.method
+    ref = time_rotated(reference, arg_sets, runs=runs, on_gpu=on_gpu)
+    row["ref_us"], row["timing"], row["copies"] = ref.total_us, ref.method, copies
     if not run_kernel:
         return row
 
@@ -223,8 +259,8 @@ def run_case(case: Case, model: Model, *, on_gpu: bool, run_kernel: bool, interp
     plan = _jitted("plan", scale)(kv_lens, qsl, num_tokens=num_tokens, num_kv_heads=model.num_kv_heads, config=config)
     with_plan = _jitted("with_plan", scale, None, interpret)
     row["config"] = dataclasses.asdict(config)
-    full = time_call(kernel, args, runs=runs, on_gpu=on_gpu, once=interpret)
-    reused = time_call(with_plan, (plan, *args), runs=runs, on_gpu=on_gpu, once=interpret)
+    full = time_rotated(kernel, arg_sets, runs=runs, on_gpu=on_gpu, once=interpret)
+    reused = time_rotated(functools.partial(with_plan, plan), arg_sets, runs=runs, on_gpu=on_gpu, once=interpret)
     row["kernel_us"], row["kernel_plan_reused_us"] = full.total_us, reused.total_us
     if full.largest_us is not None:  # the Mosaic kernel is the call's longest by far
         row["main_kernel_us"] = full.largest_us
@@ -298,43 +334,182 @@ def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
     print(f"plot written to {path}")
 
 
+# -- quantized matmuls -----------------------------------------------------------
+
+# (name, K, N): Llama-3-8B's fused QKV, gate/up and down projections.
+MATMUL_SHAPES = [("qkv", 4096, 6144), ("gate_up", 4096, 14336), ("down", 14336, 4096)]
+MATMUL_TOKENS = [1, 8, 16, 32, 64, 128, 256]
+SMOKE_MATMUL_SHAPES = [("small", 256, 192)]
+SMOKE_MATMUL_TOKENS = [1, 8]
+INT4_GROUP = 128
+
+
+def make_matmul_inputs(t: int, k: int, n: int, seed: int) -> dict:
+    """x and the weights of each variant: bf16 [K, N]; int4 and fp8 canonical (for the
+    references) and in the kernel layout, all random."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(keys[0], (t, k), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
+    packed = jax.random.randint(keys[2], (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.uniform(keys[3], (k // INT4_GROUP, n), jnp.float32, 1e-3, 2e-3)
+    offsets = -8 * scales
+    fp8 = (jax.random.normal(keys[4], (k, n), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
+    fp8_scales = jax.random.uniform(keys[5], (n,), jnp.float32, 1e-4, 2e-4)
+    return dict(x=x, bf16=w, int4=(packed, scales, offsets), fp8=(fp8, fp8_scales),
+                int4_kernel=qmgpu.prepare_int4(packed, scales, offsets), fp8_kernel=qmgpu.prepare_fp8(fp8, fp8_scales))
+
+
+def matmul_bytes(variant: str, t: int, k: int, n: int) -> int:
+    """HBM bytes a call must move: the weights (with scales), x and the bf16 output."""
+    weights = {"bf16": 2 * k * n, "int4": k * n // 2 + 2 * 4 * (k // INT4_GROUP) * n, "fp8": k * n + 4 * n}[variant]
+    return weights + 2 * t * k + 2 * t * n
+
+
+def _bf16_dot(x, w):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def run_matmul_case(name: str, t: int, k: int, n: int, *, on_gpu: bool, run_kernel: bool, interpret: bool,
+                    runs: int, seed: int) -> dict:
+    row = dict(case=f"{name} {k}x{n} t={t}", shape=name, tokens=t, k=k, n=n, flops=2 * t * k * n)
+    interp = True if interpret else None
+    variants = {"bf16": (_bf16_dot, lambda d: (d["x"], d["bf16"]))}
+    if run_kernel:  # each kernel with the plain and the warp-specialized pipeline ("_ws")
+        for ws in (False, True):
+            config = qmgpu.TuningConfig(warp_specialized=ws)
+            suffix = "_ws" if ws else ""
+            variants["int4" + suffix] = (functools.partial(qmgpu.int4_matmul, config=config, interpret=interp),
+                                         lambda d: (d["x"], d["int4_kernel"]))
+            variants["fp8" + suffix] = (functools.partial(qmgpu.fp8_matmul, config=config, interpret=interp),
+                                        lambda d: (d["x"], d["fp8_kernel"]))
+    else:  # CPU: the references the kernels replace
+        variants["int4"] = (int4_matmul_reference, lambda d: (d["x"], *d["int4"]))
+        variants["fp8"] = (fp8_matmul_reference, lambda d: (d["x"], *d["fp8"]))
+    row["impl"] = "kernels" if run_kernel else "references"
+    for variant, (fn, pick) in variants.items():
+        kind = variant.removesuffix("_ws")
+        bytes_ = matmul_bytes(kind, t, k, n)
+        copies = copies_for(bytes_, on_gpu and not interpret)
+        inputs = [make_matmul_inputs(t, k, n, seed + 1000 * i) for i in range(copies)]
+        if variant != "bf16" and run_kernel:  # checked against its reference before timing
+            d = inputs[0]
+            got = jax.jit(fn)(*pick(d)).astype(jnp.float32)
+            ref = int4_matmul_reference(d["x"], *d["int4"]) if kind == "int4" else fp8_matmul_reference(d["x"],
+                                                                                                       *d["fp8"])
+            ref = ref.astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(got - ref) / (jnp.abs(ref) + 1e-2 * jnp.max(jnp.abs(ref)))))
+            row[f"{variant}_rel_err"] = err
+            if not err <= 2 * 2**-7:
+                raise AssertionError(f"{row['case']}: {variant} kernel differs from its reference (rel {err:.2e})")
+        timing = time_rotated(fn, [pick(d) for d in inputs], runs=runs, on_gpu=on_gpu, once=interpret)
+        del inputs
+        us = timing.total_us
+        row[f"{variant}_us"], row[f"{variant}_bytes"] = us, bytes_
+        row[f"{variant}_gbs"] = bytes_ / (us * 1e-6) / 1e9
+        row[f"{variant}_tflops"] = row["flops"] / (us * 1e-6) / 1e12
+        row["timing"], row["copies"] = timing.method, copies
+    for variant in variants:
+        row[f"{variant}_speedup"] = row["bf16_us"] / row[f"{variant}_us"]
+    return row
+
+
+def print_matmul_table(rows: list[dict], copy_gbs: float) -> None:
+    """us, share of the copy bandwidth, TFLOP/s per variant; speed-ups over the bf16 dot."""
+    variants = [v.removesuffix("_us") for v in rows[0] if v.endswith("_us")]
+    print(f"\nquantized matmuls ({rows[0]['impl']}; _ws: warp-specialized pipeline); "
+          f"copy bandwidth (read + write): {copy_gbs:,.0f} GB/s")
+    head = f"{'case':26}" + "".join(f" {v + ' us':>10} {'%copy':>6} {'TF/s':>6}" for v in variants) + \
+        "".join(f" {v + ' x':>9}" for v in variants[1:])
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cells = "".join(f" {r[v + '_us']:10.1f} {100 * r[v + '_gbs'] / copy_gbs:5.0f}% {r[v + '_tflops']:6.1f}"
+                        for v in variants)
+        print(f"{r['case']:26}{cells}" + "".join(f" {r[v + '_speedup']:9.2f}" for v in variants[1:]))
+
+
+def plot_matmul(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len({r["shape"] for r in rows}), figsize=(5 * len({r["shape"] for r in rows}), 4),
+                             squeeze=False)
+    for ax, shape in zip(axes[0], dict.fromkeys(r["shape"] for r in rows)):
+        mine = [r for r in rows if r["shape"] == shape]
+        for variant in [v.removesuffix("_speedup") for v in mine[0] if v.endswith("_speedup")]:
+            ax.plot([r["tokens"] for r in mine], [r[f"{variant}_speedup"] for r in mine], "o-", label=variant)
+        ax.axhline(1.0, color="k", lw=1)
+        ax.set(xscale="log", xlabel="tokens", ylabel="speed-up over bf16", title=f"{shape} {mine[0]['k']}x{mine[0]['n']}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def run_matmuls(args, on_gpu: bool, run_kernel: bool, copy_gbs: float) -> list[dict]:
+    shapes, tokens = (SMOKE_MATMUL_SHAPES, SMOKE_MATMUL_TOKENS) if args.smoke else (MATMUL_SHAPES, MATMUL_TOKENS)
+    rows, start = [], time.perf_counter()
+    for i, (name, k, n) in enumerate(shapes):
+        for t in tokens:
+            rows.append(run_matmul_case(name, t, k, n, on_gpu=on_gpu, run_kernel=run_kernel,
+                                        interpret=args.interpret and not on_gpu, runs=args.runs, seed=100 * i + t))
+            print(f"  {rows[-1]['case']}: done ({time.perf_counter() - start:.0f}s)", flush=True)
+    print_matmul_table(rows, copy_gbs)
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
-    parser.add_argument("--interpret", action="store_true", help="run the kernel in the Mosaic GPU interpreter")
+    parser.add_argument("--interpret", action="store_true", help="run the kernels in the Mosaic GPU interpreter")
+    parser.add_argument("--only", choices=("attention", "matmul"), help="one group of cases (default: both)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per case (median)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib); with both groups "
+                        "the matmul plot goes to PATH with '_matmul' before the suffix")
     args = parser.parse_args(argv)
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     run_kernel = on_gpu or args.interpret
-    model = Model(num_heads=4, num_kv_heads=2, head_dim=64) if args.smoke else Model()
-    cases = smoke_cases() if args.smoke else full_cases()
-    print(f"jax {jax.__version__} on {device.device_kind}; {model}")
+    print(f"jax {jax.__version__} on {device.device_kind}")
     if not run_kernel:
-        print("no GPU: timing the reference only (--interpret also checks the kernel, interpreted)")
-
-    start = time.perf_counter()
+        print("no GPU: timing the references only (--interpret also checks the kernels, interpreted)")
     copy_gbs = copy_bandwidth(on_gpu, args.runs)
-    rows = []
-    for i, case in enumerate(cases):
-        row = run_case(case, model, on_gpu=on_gpu, run_kernel=run_kernel, interpret=args.interpret and not on_gpu,
-                       runs=args.runs, seed=i)
-        rows.append(summarize(row, copy_gbs))
-        print(f"  {case.name}: done ({time.perf_counter() - start:.0f}s)", flush=True)
-    print_table(rows, copy_gbs)
+    result = dict(jax=jax.__version__, device=device.device_kind, copy_gbs=copy_gbs)
+
+    if args.only in (None, "attention"):
+        model = Model(num_heads=4, num_kv_heads=2, head_dim=64) if args.smoke else Model()
+        cases = smoke_cases() if args.smoke else full_cases()
+        print(f"attention: {model}")
+        start = time.perf_counter()
+        rows = []
+        for i, case in enumerate(cases):
+            row = run_case(case, model, on_gpu=on_gpu, run_kernel=run_kernel,
+                           interpret=args.interpret and not on_gpu, runs=args.runs, seed=i)
+            rows.append(summarize(row, copy_gbs))
+            print(f"  {case.name}: done ({time.perf_counter() - start:.0f}s)", flush=True)
+        print_table(rows, copy_gbs)
+        result.update(model=dataclasses.asdict(model), cases=rows)
+        if args.plot:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot(rows, copy_gbs, args.plot)
+
+    if args.only in (None, "matmul"):
+        result["matmul_cases"] = rows = run_matmuls(args, on_gpu, run_kernel, copy_gbs)
+        if args.plot:
+            path = Path(args.plot)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if args.only is None:  # the attention plot has PATH
+                path = path.with_name(path.stem + "_matmul" + path.suffix)
+            plot_matmul(rows, str(path))
 
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        result = dict(jax=jax.__version__, device=device.device_kind, model=dataclasses.asdict(model),
-                      copy_gbs=copy_gbs, cases=rows)
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"results written to {args.json}")
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot(rows, copy_gbs, args.plot)
 
 
 if __name__ == "__main__":

@@ -18,36 +18,49 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import AttentionFn
+from jaxserve.quantization import quantized_layers, use_kernel_layout
+from pallas_kernels.quantized_kv import is_quantized_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "pallas", "reference")
 ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
+MATMUL_ENV_VAR = "JAXSERVE_MATMUL_BACKEND"
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def is_hopper(device: jax.Device) -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def pallas_unsupported_reason(cfg: ModelConfig, dtype, block_size: int, device: jax.Device) -> str | None:
-    """Why the Mosaic GPU attention kernel cannot serve this model here, or None."""
+def pallas_unsupported_reason(cfg: ModelConfig, dtype, block_size: int, device: jax.Device,
+                              kv_dtype=None) -> str | None:
+    """Why the Mosaic GPU attention kernel cannot serve this model (and this KV cache dtype,
+    default the model's) here, or None."""
     if not is_hopper(device):
         return f"it needs a Hopper GPU (sm_90); this device is {device.device_kind}"
     from pallas_kernels.ragged_paged_attention_mgpu import unsupported_reason
 
+    kv_dtype = jnp.dtype(kv_dtype or dtype)
     q = jax.ShapeDtypeStruct((8, cfg.num_heads, cfg.head_dim), jnp.dtype(dtype))
-    pages = jax.ShapeDtypeStruct((2, block_size, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(dtype))
-    return unsupported_reason(q, pages, pages)
+    pages = jax.ShapeDtypeStruct((2, block_size, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
+    scales = {}
+    if is_quantized_kv(kv_dtype):
+        s = jax.ShapeDtypeStruct((2, cfg.num_kv_heads, block_size), jnp.float32)
+        scales = {"k_scales": s, "v_scales": s}
+    return unsupported_reason(q, pages, pages, **scales)
 
 
-def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int) -> tuple[str, AttentionFn]:
-    """(backend name, attention function) for the flag value `name` (None: env var, else auto)."""
+def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
+                     kv_dtype=None) -> tuple[str, AttentionFn]:
+    """(backend name, attention function) for the flag value `name` (None: env var, else auto),
+    for a KV cache of `kv_dtype` (None: the model's dtype)."""
     name = name or os.environ.get(ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
     device = jax.devices()[0]
-    reason = None if name == "reference" else pallas_unsupported_reason(cfg, dtype, block_size, device)
+    reason = None if name == "reference" else pallas_unsupported_reason(cfg, dtype, block_size, device, kv_dtype)
     if name == "pallas" and reason is not None:
         raise ValueError(f"the Pallas attention kernel cannot run: {reason}")
     if name == "auto":
@@ -59,3 +72,50 @@ def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int)
     why = f" (Pallas kernel not used: {reason})" if name == "reference" and reason else ""
     logger.info("attention backend: %s on %s%s", name, device.device_kind, why)
     return name, fn
+
+
+def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
+    """Why the Mosaic GPU quantized matmuls cannot serve this model here, or None."""
+    layers = quantized_layers(model)
+    if not layers:
+        return "the model has no quantized layers"
+    if not is_hopper(device):
+        return f"it needs a Hopper GPU (sm_90); this device is {device.device_kind}"
+    dtype = jnp.dtype(model.dtype)
+    if dtype not in KERNEL_DTYPES:
+        return f"it needs a bf16 or f16 model, this one is {dtype.name}"
+    for path, layer in layers:
+        if (reason := layer.kernel_unsupported_reason(dtype)) is not None:
+            return f"layer {path}: {reason}"
+    return None
+
+
+def select_matmul(name: str | None, model) -> str:
+    """Choose the quantized matmul backend for `name` (None: env var, else auto) and apply
+    it to `model` in place: "pallas" converts its quantized layers to the kernel layout.
+    Returns the backend used ("pallas" or "reference"). A model with no quantized layers
+    is left alone (the choice does not apply to it) and gets "reference"."""
+    name = name or os.environ.get(MATMUL_ENV_VAR) or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")
+    device = jax.devices()[0]
+    if not quantized_layers(model):
+        logger.info("matmul backend: none needed (the model is not quantized)")
+        return "reference"
+    reason = None if name == "reference" else matmul_unsupported_reason(model, device)
+    if name == "pallas" and reason is not None:
+        raise ValueError(f"the Pallas quantized matmul kernels cannot run: {reason}")
+    if name == "auto":
+        name = "reference" if reason is not None else "pallas"
+    if name == "reference" and any(layer.layout != "canonical" for _, layer in quantized_layers(model)):
+        # NOTE: the conversion is one-way (the canonical arrays are dropped to save memory).
+        raise ValueError("this model's quantized layers are already in the Pallas kernels' layout (an earlier "
+                         "select_matmul); load the model again to run the reference")
+    if name == "pallas":
+        count = use_kernel_layout(model)
+        logger.info("matmul backend: pallas on %s (%d quantized layers converted to the kernel layout)",
+                    device.device_kind, count)
+    else:
+        why = f" (Pallas kernels not used: {reason})" if reason else ""
+        logger.info("matmul backend: reference on %s%s", device.device_kind, why)
+    return name

@@ -12,13 +12,15 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
 
 A checkpoint saved by llm-compressor (compressed-tensors) brings its own int4 or fp8
 weights and needs no flag. The layouts the layers hold are described in
-`pallas_kernels.quantized_matmul`; the matmul for each comes from `matmul_for`.
+`pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.backend.select_matmul`
+converts the layers once to the Mosaic GPU kernels' layout
+(`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels; elsewhere they call
+the pure-JAX references.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +76,19 @@ class QuantConfig:
 
 
 class QuantizedLinear(nnx.Module):
-    """y = x @ W (+ bias) with W stored quantized; the parameters are plain arrays."""
+    """y = x @ W (+ bias) with W stored quantized; the parameters are plain arrays.
+
+    A layer starts in the canonical layout (`pallas_kernels.quantized_matmul`), the one
+    loaders, caches and the pure-JAX references use. `use_kernel_layout` converts it once,
+    after loading, into the layout of the Mosaic GPU kernels (`backend.select_matmul`
+    does so when it picks them); the layer then calls the kernels.
+    """
 
     def __init__(self, din: int, dout: int, *, use_bias: bool, quant: QuantConfig, dtype):
         self.kind = quant.kind
+        self.din, self.dout = din, dout
+        self.layout = "canonical"  # or "mgpu" (see use_kernel_layout)
+        self.interpret = False  # mgpu layout only: run the kernels in the Mosaic GPU interpreter (tests)
         if quant.kind == "int4":
             if din % 2:
                 raise ValueError(f"int4 packs two values per byte along K; K={din} is odd")
@@ -91,20 +102,77 @@ class QuantizedLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.kind == "int4":
-            y = matmul_for("int4")(x, self.packed[...], self.scales[...], self.offsets[...])
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # the kernels take [T, K]
+        if self.layout == "mgpu":
+            y = self._kernel_matmul(x2)
+        elif self.kind == "int4":
+            y = int4_matmul_reference(x2, self.packed[...], self.scales[...], self.offsets[...])
         else:
-            y = matmul_for("fp8")(x, self.weight[...], self.scales[...])
+            y = fp8_matmul_reference(x2, self.weight[...], self.scales[...])
+        y = y.reshape(*lead, self.dout)
         return y if self.bias is None else y + self.bias[...]
 
+    def _kernel_matmul(self, x: jax.Array) -> jax.Array:
+        # NOTE: the kernel module is imported where used (here and below), as backend.py does
+        # for attention: Pallas' Mosaic GPU adds start-up time where no kernel runs.
+        from pallas_kernels import quantized_matmul_mgpu as mgpu
 
-_MATMULS: dict[str, Callable[..., jax.Array]] = {"int4": int4_matmul_reference, "fp8": fp8_matmul_reference}
+        interpret = True if self.interpret else None
+        if self.kind == "int4":
+            weights = mgpu.Int4KernelWeights(self.q[...], self.scales[...], self.offsets[...], self.dout)
+            return mgpu.int4_matmul(x, weights, interpret=interpret)
+        return mgpu.fp8_matmul(x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout),
+                               interpret=interpret)
+
+    def kernel_unsupported_reason(self, dtype) -> str | None:
+        """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype`, or None."""
+        from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+        x = jax.ShapeDtypeStruct((mgpu.MAX_TILE_T, self.din), jnp.dtype(dtype))  # the largest token tile
+        if self.kind == "int4":
+            groups = self.scales.shape[-2]  # [.., G, N] in both layouts
+            n_pad = mgpu.padded_n(self.dout)
+            weights = mgpu.Int4KernelWeights(jax.ShapeDtypeStruct((n_pad, self.din), jnp.int4),
+                                             jax.ShapeDtypeStruct((groups, n_pad), jnp.float32),
+                                             jax.ShapeDtypeStruct((groups, n_pad), jnp.float32), self.dout)
+            return mgpu.int4_unsupported_reason(x, weights)
+        n_pad = mgpu.padded_n(self.dout)
+        weights = mgpu.Fp8KernelWeights(jax.ShapeDtypeStruct((n_pad, self.din), jnp.float8_e4m3fn),
+                                        jax.ShapeDtypeStruct((n_pad,), jnp.float32), self.dout)
+        return mgpu.fp8_unsupported_reason(x, weights)
+
+    def use_kernel_layout(self, *, interpret: bool = False) -> None:
+        """Convert the parameters, once, into the Mosaic GPU kernels' layout (in place; the
+        canonical arrays are dropped). Works on stacked layers (leading axes) too.
+        `interpret` runs the kernels in the Mosaic GPU interpreter (for tests on a CPU)."""
+        from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+        if self.layout == "mgpu":
+            return
+        if self.kind == "int4":
+            w = jax.jit(mgpu.prepare_int4)(self.packed[...], self.scales[...], self.offsets[...])
+            del self.packed
+            self.q = nnx.Param(w.q)
+            self.scales, self.offsets = nnx.Param(w.scales), nnx.Param(w.offsets)
+        else:
+            w = jax.jit(mgpu.prepare_fp8)(self.weight[...], self.scales[...])
+            self.weight, self.scales = nnx.Param(w.weight), nnx.Param(w.scales)
+        self.layout, self.interpret = "mgpu", interpret
 
 
-def matmul_for(kind: str) -> Callable[..., jax.Array]:
-    """The matmul a quantized layer calls: the pure-JAX reference (the Pallas kernels for
-    Hopper plug in here, through the backend switch)."""
-    return _MATMULS[kind]
+def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
+    """(path, layer) of every QuantizedLinear in the model."""
+    return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
+
+
+def use_kernel_layout(model: nnx.Module, *, interpret: bool = False) -> int:
+    """Convert every QuantizedLinear of the model to the Mosaic GPU kernels' layout (see
+    `QuantizedLinear.use_kernel_layout`); returns how many layers were converted."""
+    layers = quantized_layers(model)
+    for _, layer in layers:
+        layer.use_kernel_layout(interpret=interpret)
+    return len(layers)
 
 
 # -- host-side quantizers (numpy, one tensor at a time while loading) ---------------------

@@ -10,8 +10,10 @@ Weight layouts (K is the contracting axis, N the output axis):
 
 The asymmetric int4 form holds GGUF's Q4_1 (`d * q + m`) and Q4_0 (`d * (q - 8)`)
 exactly, and compressed-tensors' zero points (`s * (q - z)`). This module holds the
-pure-JAX versions: the CPU serving path and the oracle for the Pallas kernels, which take
-the same arguments.
+pure-JAX versions: the CPU serving path and the oracle for the Pallas kernels. Those
+(`quantized_matmul_mgpu`) take the same weights after a one-time, load-time conversion
+to their own layout (`prepare_int4`, `prepare_fp8`: K-major [N, K], N padded); these
+canonical layouts stay what loaders, caches and the references use.
 """
 
 from __future__ import annotations

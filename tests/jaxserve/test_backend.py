@@ -32,3 +32,16 @@ def test_environment_variable_and_unknown_names(monkeypatch):
         select_attention(None, CFG, jnp.float32, 16)
     with pytest.raises(ValueError, match="not one of"):
         select_attention("triton", CFG, jnp.float32, 16)
+
+
+class FakeHopper:
+    platform, compute_capability, device_kind = "gpu", "9.0", "NVIDIA H100 (pretend)"
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "uint8", "int8"])
+def test_the_kernel_serves_bf16_models_and_8bit_caches_on_hopper(kv_dtype):
+    from jaxserve.backend import pallas_unsupported_reason
+
+    assert pallas_unsupported_reason(CFG, jnp.bfloat16, 16, FakeHopper(), kv_dtype) is None
+    # A float32 model is refused, with or without an 8-bit cache.
+    assert "bf16" in pallas_unsupported_reason(CFG, jnp.float32, 16, FakeHopper(), kv_dtype)
