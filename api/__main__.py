@@ -17,6 +17,7 @@ import socket
 import sys
 
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES
+from jaxserve.flags import add_model_flags, model_engine_kwargs
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -58,13 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generation-config", default="auto",
                    help="'auto': the model's generation_config.json sets defaults for sampling fields a request "
                         "leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
-                   help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
-                        "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is")
+    add_model_flags(p)
     p.add_argument("--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE "
                                        "or ~/.cache/jaxserve)")
-    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default=None)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     return p.parse_args(argv)
@@ -82,8 +79,8 @@ def main(argv=None) -> int:
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          max_model_len=args.max_model_len, block_size=args.block_size,
                          kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-                         enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                         generation_config=args.generation_config, async_scheduling=not args.no_async_scheduling)
+                         enable_prefix_caching=not args.no_prefix_caching, generation_config=args.generation_config,
+                         async_scheduling=not args.no_async_scheduling, **model_engine_kwargs(args))
     try:
         engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                                       progress=sys.stderr.isatty(), quantization=args.quantization, **engine_kwargs)

@@ -4,6 +4,7 @@ Names follow vLLM's with the `jaxserve:` prefix (`vllm:num_requests_running` bec
 `jaxserve:num_requests_running`), plus `jaxserve:kv_cache_free_blocks` /
 `jaxserve:kv_cache_total_blocks`, which let a test see that an aborted request gave back
 its blocks, and `jaxserve:num_requests_rejected_total` (503s for a full queue).
+`jaxserve:cache_config_info` carries the KV cache's settings as labels, like vLLM's.
 
 The engine thread records; the event loop renders. A lock keeps a histogram's buckets,
 sum and count consistent with each other in one scrape.
@@ -48,8 +49,9 @@ class _Progress:
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, cache_config: dict[str, str] | None = None):
         self.model_name = model_name
+        self.cache_config = cache_config or {}
         self._lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -127,6 +129,9 @@ class Metrics:
             metric(name, "histogram", help_, samples)
 
         with self._lock:
+            if self.cache_config:
+                metric("cache_config_info", "gauge", "Information of the KV cache's configuration.",
+                       [("", [f'{k}="{_escape(str(v))}"' for k, v in self.cache_config.items()], 1)])
             gauge("num_requests_running", "Number of requests in model execution batches.", stats.num_running)
             gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
             gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)

@@ -45,7 +45,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
     model_name = model_name or default_model_name(engine)
-    engine_loop = EngineLoop(engine, Metrics(model_name), max_waiting=max_waiting)
+    engine_loop = EngineLoop(engine, Metrics(model_name, engine.cache_config_info()), max_waiting=max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

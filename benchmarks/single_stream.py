@@ -139,12 +139,13 @@ def roofline_tok_s(engine, max_tokens: int) -> float:
     bandwidth, measured now."""
     import jax
 
+    from jaxserve.kv_cache import kv_bytes_per_token
     from jaxserve.profiling import read_bandwidth
 
     cfg = engine.loaded.config
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
     context = max_tokens // 2 + 8  # the prompts are a handful of tokens
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.runner.kv.k.dtype.itemsize * context
+    kv_bytes = kv_bytes_per_token(cfg, engine.runner.kv.dtype) * context
     return read_bandwidth() / (weight_bytes + kv_bytes)
 
 

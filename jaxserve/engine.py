@@ -31,9 +31,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxserve.backend import select_attention
+from jaxserve.backend import select_attention, select_matmul
 from jaxserve.generation_config import read_generation_config
-from jaxserve.kv_cache import num_blocks_for_memory
+from jaxserve.kv_cache import kv_dtype_label, num_blocks_for_memory, resolve_kv_cache_dtype
 from jaxserve.model_runner import ModelRunner, StepHandle
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
@@ -53,10 +53,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" or "int8" (see jaxserve.kv_cache)
     num_blocks: int | None = None  # overrides kv_cache_memory
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
+    matmul_backend: str | None = None  # quantized matmuls; None: $JAXSERVE_MATMUL_BACKEND or auto
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
     warm_up: bool = True
     generation_config: str = "auto"  # "auto", "vllm" or a folder (see jaxserve.generation_config)
@@ -72,7 +74,9 @@ class LLMEngine:
         self.generation = read_generation_config(loaded.source, config.generation_config)
         self.eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + self.generation.eos_token_ids))
         dtype = loaded.model.dtype
-        num_blocks = config.num_blocks or num_blocks_for_memory(mcfg, config.kv_cache_memory, config.block_size, dtype)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        num_blocks = config.num_blocks or num_blocks_for_memory(mcfg, config.kv_cache_memory, config.block_size,
+                                                                kv_dtype)
         capacity = (num_blocks - 1) * config.block_size
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if max_model_len > capacity:
@@ -85,20 +89,29 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             enable_prefix_caching=config.enable_prefix_caching,
         ))
-        self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size)
+        self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
+                                                             kv_dtype)
+        self.matmul_backend = select_matmul(config.matmul_backend, loaded.model)  # before the runner splits it
         self.runner = ModelRunner(
             loaded.model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
-            buckets=list(config.token_buckets) if config.token_buckets else None,
+            kv_dtype=kv_dtype, buckets=list(config.token_buckets) if config.token_buckets else None,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
         # Set a jaxserve.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
-                    self.runner.kv.nbytes / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.1f MiB)", num_blocks,
+                    config.block_size, capacity, kv_dtype_label(kv_dtype), self.runner.kv.nbytes / 2**20)
         if config.warm_up:
             self.runner.warm_up()
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache's settings, as /metrics shows them (vLLM's cache_config_info labels)."""
+        kv = self.runner.kv
+        return {"block_size": str(kv.block_size), "cache_dtype": self.config.kv_cache_dtype,
+                "kv_cache_dtype": kv_dtype_label(kv.dtype), "num_gpu_blocks": str(kv.num_blocks - 1),
+                "kv_cache_bytes": str(kv.nbytes), "tokens": str((kv.num_blocks - 1) * kv.block_size)}
 
     @classmethod
     def from_model(cls, model: str | None = None, *, dtype="float32", cache_dir=None, progress: bool = True,

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from jaxserve.default_model import DefaultModelMissing
+from jaxserve.flags import add_model_flags, model_engine_kwargs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,13 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json (flags override "
                         "them); 'vllm': ignore them; or a folder holding a generation_config.json")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
-                   help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
-                        "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is")
+    add_model_flags(p)
     p.add_argument("--cache-dir", help="where converted weights and compiled programs are kept "
                                        "(default $JAXSERVE_CACHE or ~/.cache/jaxserve)")
-    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default=None)
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="the serial step loop: wait for each step's tokens before scheduling the next")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
@@ -101,9 +98,9 @@ def main(argv=None) -> int:
     buckets = buckets_for(lens)
     engine = LLMEngine(loaded, EngineConfig(
         max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
-        max_model_len=max(lens) + params.max_tokens + 1, attention_backend=args.attention_backend,
-        kv_cache_memory=256 << 20, generation_config=args.generation_config,
-        async_scheduling=not args.no_async_scheduling,
+        max_model_len=max(lens) + params.max_tokens + 1, kv_cache_memory=256 << 20,
+        generation_config=args.generation_config,
+        async_scheduling=not args.no_async_scheduling, **model_engine_kwargs(args),
     ))
     try:
         for i, ids in enumerate(prompt_ids):

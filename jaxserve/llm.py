@@ -16,7 +16,7 @@ class LLM:
 
     `LLM()` is the embedded default model; `model` takes a Hugging Face folder, a GGUF
     file or a hub id. `quantization` is "int4", "fp8" or "gguf" (None: as the checkpoint
-    is). Other keyword arguments are `EngineConfig` fields (max_num_seqs, ...).
+    is). Other keyword arguments are `EngineConfig` fields (max_num_seqs, kv_cache_dtype, ...).
     """
 
     def __init__(self, model: str | None = None, *, dtype="float32", cache_dir=None, quantization: str | None = None,

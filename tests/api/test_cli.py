@@ -25,6 +25,7 @@ def test_defaults_and_flags(monkeypatch):
     args = parse_args([])
     assert (args.host, args.port, args.api_key, args.model, args.max_waiting) == ("127.0.0.1", 8000, None, None, None)
     assert args.kv_cache_memory == 1 << 30
+    assert (args.kv_cache_dtype, args.attention_backend, args.matmul_backend) == ("auto", None, None)
     assert (args.max_request_sequences, args.max_request_body_bytes) == (256, 32 << 20)
     args = parse_args(["--max-request-sequences", "8", "--max-request-body-bytes", "1MiB"])
     assert (args.max_request_sequences, args.max_request_body_bytes) == (8, 1 << 20)
