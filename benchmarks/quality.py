@@ -15,6 +15,11 @@ The unquantized model (`--dtype`, float32 by default) is the reference; each sch
   figure is the mean over prompts. "identical" counts prompts whose N tokens all agree;
 - resident weight bytes (MiB) of each model.
 
+An 8-bit KV cache (`--kv-cache-dtype`, fp8 and int8 by default) is compared the same way:
+the unquantized model with an 8-bit cache against itself with the full-precision cache,
+on `--window` token windows and again on `--long-window` token windows (errors in the
+cache add up over a long context), with the cache bytes per token of each.
+
 The text is benchmarks/quality_text.txt, about 4,100 tokens with SmolLM2's tokenizer,
 all public domain: the US Declaration of Independence (the National Archives
 transcription), Lincoln's Gettysburg Address (Bliss copy) and Second Inaugural Address,
@@ -29,7 +34,7 @@ is not a .gguf file); the reference is dequantized from the same blocks, so the 
 agree up to float rounding. "int4" re-quantizes the reference's float weights (for the
 default model: weights that were already Q4_1, rounded again to int4 groups of 128).
 
-    python benchmarks/quality.py [--quantization gguf,int4,fp8] [--window 512] [--json]
+    python benchmarks/quality.py [--quantization gguf,int4,fp8] [--kv-cache-dtype fp8,int8] [--window 512] [--json]
     python benchmarks/quality.py --model path/to/hf-folder --dtype bfloat16
 """
 
@@ -157,20 +162,22 @@ def text_windows(tokenizer, text: str, window: int) -> list[list[int]]:
     return [w for w in windows if len(w) >= 2]
 
 
-def window_logits_fn(loaded, window: int):
+def window_logits_fn(loaded, window: int, kv_cache_dtype: str = "auto"):
     """A function from a token list (at most `window` long) to the logits at every one of
-    its positions ([len, vocab] float32), the sequence prefilled from position 0. One
-    compiled program per model: every window is padded to `window` tokens."""
+    its positions ([len, vocab] float32), the sequence prefilled from position 0 into a
+    cache of `kv_cache_dtype`. One compiled program per model: every window is padded to
+    `window` tokens."""
     import jax
     from flax import nnx
 
-    from jaxserve.kv_cache import allocate_kv_cache
+    from jaxserve.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
     from jaxserve.model_inputs import ModelInputs
 
     graphdef, state = nnx.split(loaded.model)
     step = jax.jit(lambda state, kv, inputs: nnx.merge(graphdef, state)(inputs, kv), donate_argnums=(1,))
     num_blocks = -(-window // BLOCK_SIZE)
-    kv = allocate_kv_cache(loaded.config, num_blocks + 1, BLOCK_SIZE, loaded.model.dtype)
+    kv = allocate_kv_cache(loaded.config, num_blocks + 1, BLOCK_SIZE,
+                           resolve_kv_cache_dtype(kv_cache_dtype, loaded.model.dtype))
     table = np.arange(1, num_blocks + 1)  # block 0 is the null block
     pad_pos = np.arange(window)
 
@@ -190,7 +197,7 @@ def window_logits_fn(loaded, window: int):
     return logits
 
 
-def greedy_continuations(loaded, prompts: list[str], max_tokens: int) -> list[list[int]]:
+def greedy_continuations(loaded, prompts: list[str], max_tokens: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Each prompt continued greedily for max_tokens tokens (EOS ignored), batched in one engine."""
     from jaxserve.engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
@@ -198,7 +205,7 @@ def greedy_continuations(loaded, prompts: list[str], max_tokens: int) -> list[li
     longest = max(len(loaded.tokenizer.encode(p)) for p in prompts)
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256,
                                             max_model_len=longest + max_tokens, kv_cache_memory=64 << 20,
-                                            warm_up=False))
+                                            kv_cache_dtype=kv_cache_dtype, warm_up=False))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -214,6 +221,7 @@ def run(args) -> dict:
 
     is_gguf = resolve_source(args.model).is_file()
     schemes = [s for s in args.quantization.split(",") if s]
+    kv_dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
     skipped = {}
     if "gguf" in schemes and not is_gguf:
         schemes.remove("gguf")
@@ -247,12 +255,40 @@ def run(args) -> dict:
         del loaded
         gc.collect()
     tokens = sum(len(w) - 1 for w in windows)
+    kv_rows = {d: kv_cache_row(reference, d, args, ref_out) for d in kv_dtypes}
     return {"model": args.model or "SmolLM2-135M-Instruct (default, Q4_1 GGUF)", "dtype": args.dtype,
             "window": args.window, "windows": len(windows), "tokens": tokens,
             "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
             "reference": {"label": f"{args.dtype} (not quantized)", "weight_mib": reference.weight_bytes / 2**20,
                           "perplexity": float(np.exp(ref_nll / tokens))},
-            "schemes": rows, "skipped": skipped}
+            "schemes": rows, "skipped": skipped, "long_window": args.long_window, "kv_cache": kv_rows}
+
+
+def kv_cache_row(reference, kv_dtype: str, args, ref_out: list[list[int]]) -> dict:
+    """The float model with an 8-bit cache against itself with the full one: logit metrics
+    on `--window` and on `--long-window` token windows, then greedy agreement."""
+    from jaxserve.kv_cache import kv_bytes_per_token, kv_dtype_label, resolve_kv_cache_dtype
+
+    dtype = resolve_kv_cache_dtype(kv_dtype, reference.model.dtype)
+    row = {"label": kv_dtype_label(dtype), "bytes_per_token": kv_bytes_per_token(reference.config, dtype),
+           "full_bytes_per_token": kv_bytes_per_token(reference.config, reference.model.dtype), "windows": {}}
+    for window in dict.fromkeys((args.window, args.long_window)):
+        windows = text_windows(reference.tokenizer, TEXT.read_text(), window)[:args.max_windows]
+        full, quantized = window_logits_fn(reference, window), window_logits_fn(reference, window, kv_dtype)
+        stats = LogitStats()
+        for i, ids in enumerate(windows):
+            print(f"kv {kv_dtype}, {window}-token window {i + 1}/{len(windows)}", file=sys.stderr, flush=True)
+            stats += logit_stats(full(ids)[:-1], quantized(ids)[:-1], np.asarray(ids[1:]))
+        summary = summarize(stats)
+        row["windows"][window] = {"windows": len(windows), "tokens": summary["tokens"],
+                                  "perplexity": summary["test_perplexity"],
+                                  "full_perplexity": summary["ref_perplexity"], "mean_kl": summary["mean_kl"],
+                                  "top1_agreement": summary["top1_agreement"]}
+        del full, quantized
+        gc.collect()
+    row.update(greedy_agreement(ref_out, greedy_continuations(reference, PROMPTS, args.max_tokens, kv_dtype),
+                                args.max_tokens))
+    return row
 
 
 def print_table(result: dict) -> None:
@@ -267,15 +303,31 @@ def print_table(result: dict) -> None:
         rows.append((r["label"], f"{r['weight_mib']:.1f}", f"{r['perplexity']:.3f}", f"{r['mean_kl']:.2e}",
                      f"{100 * r['top1_agreement']:.2f}%", f"{100 * r['greedy_agreement']:.1f}%",
                      f"{r['greedy_identical']}/{result['prompts']}"))
-    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-    print("| " + " | ".join(h.ljust(w) if c == 0 else h.rjust(w) for c, (h, w) in enumerate(zip(header, widths)))
-          + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print("| " + " | ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
-              + " |")
+    _print_rows(header, rows)
     for scheme, why in result["skipped"].items():
         print(f"{scheme} skipped: {why}")
+    if result["kv_cache"]:
+        print(f"\nKV cache, against the {ref['label']} model with its full-precision cache:")
+        header = ("KV cache", "bytes/token", "window", "perplexity (full)", "mean KL (nats)", "top-1 agree",
+                  "greedy agree", "identical")
+        rows = []
+        for r in result["kv_cache"].values():
+            for window, w in r["windows"].items():
+                rows.append((r["label"], f"{r['bytes_per_token']} vs {r['full_bytes_per_token']}",
+                             f"{w['windows']} x {window}", f"{w['perplexity']:.3f} ({w['full_perplexity']:.3f})",
+                             f"{w['mean_kl']:.2e}", f"{100 * w['top1_agreement']:.2f}%",
+                             f"{100 * r['greedy_agreement']:.1f}%", f"{r['greedy_identical']}/{result['prompts']}"))
+        _print_rows(header, rows)
+
+
+def _print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+    for i, row in enumerate([header, *rows]):
+        print("| " + " | ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
+              + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
 def main(argv=None) -> int:
@@ -283,7 +335,10 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="a HF folder or .gguf file (default: the embedded model)")
     p.add_argument("--dtype", default="float32", help="dtype of the reference and of the quantized models' rest")
     p.add_argument("--quantization", default="gguf,int4,fp8", help="comma-separated schemes to compare")
+    p.add_argument("--kv-cache-dtype", default="fp8,int8",
+                   help="comma-separated 8-bit KV caches to compare with the full one ('' for none)")
     p.add_argument("--window", type=int, default=512, help="tokens per independent window of the text")
+    p.add_argument("--long-window", type=int, default=2048, help="the KV cache rows' long-context windows")
     p.add_argument("--max-windows", type=int, default=None, help="score only the first windows (default: all)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy continuation length N per prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

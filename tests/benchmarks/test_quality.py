@@ -96,7 +96,7 @@ def test_text_windows_start_with_bos_and_cover_the_text(tiny_llama_tok_dir):
 def test_script_smoke_on_tiny_model(tiny_llama_tok_dir, tmp_path):
     out = subprocess.run(
         [sys.executable, "benchmarks/quality.py", "--model", str(tiny_llama_tok_dir), "--window", "32",
-         "--max-windows", "2", "--max-tokens", "4", "--json"],
+         "--long-window", "64", "--kv-cache-dtype", "fp8,int8", "--max-windows", "2", "--max-tokens", "4", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "JAXSERVE_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
@@ -108,3 +108,12 @@ def test_script_smoke_on_tiny_model(tiny_llama_tok_dir, tmp_path):
         assert row["perplexity"] > 1 and row["mean_kl"] >= 0
         assert 0 <= row["top1_agreement"] <= 1 and 0 <= row["greedy_agreement"] <= 1
         assert 0 < row["weight_mib"] < result["reference"]["weight_mib"]
+    assert sorted(result["kv_cache"]) == ["fp8", "int8"]
+    for row in result["kv_cache"].values():
+        assert row["bytes_per_token"] < row["full_bytes_per_token"]
+        assert sorted(row["windows"], key=int) == ["32", "64"]
+        for w in row["windows"].values():
+            assert w["windows"] == 2 and w["mean_kl"] >= 0 and 0 <= w["top1_agreement"] <= 1
+        # The full-cache side of the short windows is the reference row's computation.
+        assert row["windows"]["32"]["full_perplexity"] == pytest.approx(result["reference"]["perplexity"], rel=1e-6)
+        assert 0 <= row["greedy_agreement"] <= 1
