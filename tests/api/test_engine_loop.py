@@ -59,6 +59,9 @@ class ScriptedEngine:
     def has_unfinished(self):
         return bool(self.requests)
 
+    def cache_config_info(self):
+        return {"block_size": "4", "cache_dtype": "auto", "num_gpu_blocks": "8"}
+
     def abort_request(self, request_id):
         self.aborted.append(request_id)
         return self.requests.pop(request_id, None) is not None
@@ -229,3 +232,4 @@ def test_metrics_page_parses_and_counts():
     assert m["jaxserve:inter_token_latency_seconds_count"] == 0  # the script records one token time
     assert m["jaxserve:time_to_first_token_seconds_count"] == 1
     assert m['jaxserve:e2e_request_latency_seconds_bucket{le="+Inf"}'] == 1
+    assert m['jaxserve:cache_config_info{block_size="4",cache_dtype="auto",num_gpu_blocks="8"}'] == 1
