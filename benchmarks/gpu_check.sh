@@ -72,24 +72,23 @@ nvidia-smi || true
 # can); the script still exits non-zero if any step failed.
 status=0
 
+# kernel_section NAME TEST_FILE TEST_TIMEOUT BENCH_TIMEOUT OUTPUT_STEM: a kernel's tests compiled
+# on the GPU, then its microbenchmark (benchmarks/kernels.py --only NAME), JSON and PNG into $OUT.
+kernel_section() {
+  local name=$1 tests=$2 test_timeout=$3 bench_timeout=$4 stem=$5
+  echo "== $name kernels vs references on the GPU"
+  JAXSERVE_MGPU_ON_GPU=1 timeout "$test_timeout" "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
+      "$tests" 2>&1 | tee "$OUT/${stem}_tests.txt" || status=1
+  echo "== $name microbenchmark"
+  timeout "$bench_timeout" "$PYTHON" benchmarks/kernels.py --only "$name" --json "$OUT/$stem.json" \
+      --plot "$OUT/$stem.png" 2>&1 | tee "$OUT/$stem.txt" || status=1
+}
+
 if wanted attention; then
-  echo "== attention kernel vs references on the GPU"
-  JAXSERVE_MGPU_ON_GPU=1 timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
-      tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
-
-  echo "== attention microbenchmark"
-  timeout 180 "$PYTHON" benchmarks/kernels.py --only attention --json "$OUT/kernels.json" \
-      --plot "$OUT/kernels.png" 2>&1 | tee "$OUT/kernels.txt" || status=1
+  kernel_section attention tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 150 180 attention
 fi
-
 if wanted matmul; then
-  echo "== quantized matmul kernels vs references on the GPU"
-  JAXSERVE_MGPU_ON_GPU=1 timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
-      tests/pallas_kernels/test_quantized_matmul_mgpu.py 2>&1 | tee "$OUT/matmul_tests.txt" || status=1
-
-  echo "== quantized matmul microbenchmark"
-  timeout 240 "$PYTHON" benchmarks/kernels.py --only matmul --json "$OUT/matmul.json" \
-      --plot "$OUT/matmul.png" 2>&1 | tee "$OUT/matmul.txt" || status=1
+  kernel_section matmul tests/pallas_kernels/test_quantized_matmul_mgpu.py 200 240 matmul
 fi
 
 if wanted e2e; then
