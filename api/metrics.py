@@ -149,6 +149,19 @@ class Metrics:
                    [("", [f'finished_reason="{r}"'], n) for r, n in self.finished.items()])
             counter("num_requests_rejected", "Requests answered 503 because the waiting queue was full.",
                     self.rejected)
+            spec = stats.spec_decoding
+            if spec is not None:  # vLLM's spec_decode metrics
+                counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+                counter("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+                counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens)
+                metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                       "Accepted tokens per draft position.",
+                       [("", [f'position="{i}"'], n) for i, n in enumerate(spec.accepted_per_position)])
+                gauge("spec_decode_acceptance_rate", "Accepted over drafted tokens since start-up.",
+                      spec.acceptance_rate)
+                gauge("spec_decode_mean_acceptance_length",
+                      "Tokens per verification step since start-up: accepted drafts plus one.",
+                      spec.mean_acceptance_length)
             histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft)
             histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl)
             histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",

@@ -17,6 +17,10 @@ tokens). A request that ended in step N may have had one more token computed in 
 is dropped, never shown. Requests with penalties need their whole history on the host,
 so while one runs, a step first waits for the batch in flight (the serial loop).
 
+Speculative decoding (`speculative_config`) runs the serial loop: a proposer needs each
+request's latest tokens to guess the next ones, and a step that verifies k drafts
+advances a request by up to k + 1 tokens, so the host's work per token shrinks anyway.
+
     step k:   schedule(N+1) -> dispatch(N+1) -> fetch(N) -> update(N) -> detokenize(N)
     device:   ...[ step N ][ step N+1 ]...
 """
@@ -38,6 +42,8 @@ from jaxserve.model_runner import ModelRunner, StepHandle
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import NullProfiler, StepProfiler
+from jaxserve.spec_decode import SpeculativeConfig
+from jaxserve.spec_decode.proposers import Proposer, make_proposer
 from jaxserve.tokenization import encode_prompt
 from jaxserve.weights import LoadedModel, load_model
 from jaxserve.weights.load import default_cache_dir
@@ -63,6 +69,11 @@ class EngineConfig:
     warm_up: bool = True
     generation_config: str = "auto"  # "auto", "vllm" or a folder (see jaxserve.generation_config)
     async_scheduling: bool = True  # overlap the host's work for step N with the device's step N+1
+    # Draft tokens verified in the step (vLLM's --speculative-config: a SpeculativeConfig, a dict or its JSON)
+    speculative_config: SpeculativeConfig | dict | str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
 class LLMEngine:
@@ -74,10 +85,12 @@ class LLMEngine:
         self.generation = read_generation_config(loaded.source, config.generation_config)
         self.eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + self.generation.eos_token_ids))
         dtype = loaded.model.dtype
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         num_blocks = config.num_blocks or num_blocks_for_memory(mcfg, config.kv_cache_memory, config.block_size,
                                                                 kv_dtype)
         capacity = (num_blocks - 1) * config.block_size
+        spec = config.speculative_config
+        num_spec = spec.num_speculative_tokens if spec else 0
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if max_model_len > capacity:
             logger.warning("max_model_len %d is more than the KV cache holds; using %d", max_model_len, capacity)
@@ -87,7 +100,7 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching, num_speculative_tokens=num_spec,
         ))
         self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
                                                              kv_dtype)
@@ -96,11 +109,16 @@ class LLMEngine:
             loaded.model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
             kv_dtype=kv_dtype, buckets=list(config.token_buckets) if config.token_buckets else None,
+            num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
         )
+        self.proposer: Proposer | None = make_proposer(spec, self) if spec else None
+        self.async_scheduling = config.async_scheduling and spec is None
         self.outputs = OutputProcessor(self.tokenizer)
         self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
         # Set a jaxserve.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
+        if spec:
+            logger.info("speculative decoding: %s, %d tokens per step", spec.method, num_spec)
         logger.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.1f MiB)", num_blocks,
                     config.block_size, capacity, kv_dtype_label(kv_dtype), self.runner.kv.nbytes / 2**20)
         if config.warm_up:
@@ -187,16 +205,22 @@ class LLMEngine:
         if self._in_flight is not None and self._needs_known_tokens():
             return self._collect()
         profiler = self.profiler
+        if self.proposer is not None:
+            with profiler.phase("propose"):
+                self.proposer.propose(self.scheduler.running)
         with profiler.phase("schedule"):
             batch = self.scheduler.schedule()
         handle = None
         if batch is not None:
             with profiler.phase("dispatch"):
-                handle = self.runner.dispatch(batch)
+                draft_probs = self.proposer.draft_probs(batch) if self.proposer is not None else None
+                handle = self.runner.dispatch(batch, draft_probs)
+                if self.proposer is not None:
+                    self.proposer.follow(batch)
             profiler.dispatched_step(batch, handle.out.token_ids)
         outputs = self._collect() if self._in_flight is not None else []
         self._in_flight = (batch, handle)
-        if batch is None or not self.config.async_scheduling:
+        if batch is None or not self.async_scheduling:
             outputs += self._collect()
         return outputs
 
@@ -208,7 +232,10 @@ class LLMEngine:
         with profiler.phase("wait"):
             output = handle.fetch() if handle is not None else None
         with profiler.phase("update"):
-            results = self.scheduler.update(batch, output.token_ids if output is not None else ())
+            if output is None:
+                results = self.scheduler.update(batch)
+            else:
+                results = self.scheduler.update(batch, output.token_ids, output.num_tokens)
         with profiler.phase("detokenize"):
             return self.outputs.process(results, output, self.scheduler)
 

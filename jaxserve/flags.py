@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 
+from jaxserve.spec_decode.config import SpeculativeConfig
+
 BACKENDS = ["auto", "pallas", "reference"]
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend."""
+    """--dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config."""
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
                    help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
@@ -23,9 +25,21 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-backend", choices=BACKENDS, default=None,
                    help="quantized matmuls: the Mosaic GPU kernels (Hopper, bf16/f16 models) or the pure-JAX "
                         "references; default $JAXSERVE_MATMUL_BACKEND or auto")
+    p.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative_config,
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4}\' (draft_num_layers N: only its first N layers; no model: '
+                        'the target itself)')
 
 
 def model_engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields those flags set."""
     return {"kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
-            "matmul_backend": args.matmul_backend}
+            "matmul_backend": args.matmul_backend, "speculative_config": args.speculative_config}
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

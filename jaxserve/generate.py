@@ -57,13 +57,15 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def buckets_for(prompt_lens: list[int], limit: int = 2048) -> tuple[int, ...]:
-    """Just the two programs this run needs: all prompts at once, and one token each."""
+def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int = 1) -> tuple[int, ...]:
+    """Just the programs this run needs: all prompts at once, and one token each (or one
+    plus its draft tokens, with speculative decoding)."""
     from jaxserve.model_runner import MIN_TOKENS
 
     def pow2(n):
         return max(MIN_TOKENS, 1 << (n - 1).bit_length())
-    return tuple(sorted({pow2(len(prompt_lens)), min(pow2(sum(prompt_lens)), limit)}))
+    decode = {pow2(len(prompt_lens) * n) for n in {1, tokens_per_seq}}
+    return tuple(sorted(decode | {min(pow2(sum(prompt_lens)), limit)}))
 
 
 def main(argv=None) -> int:
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lens = [len(ids) for ids in prompt_ids]
-    buckets = buckets_for(lens)
+    spec = args.speculative_config
+    buckets = buckets_for(lens, tokens_per_seq=1 + (spec.num_speculative_tokens if spec else 0))
     engine = LLMEngine(loaded, EngineConfig(
         max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
         max_model_len=max(lens) + params.max_tokens + 1, kv_cache_memory=256 << 20,

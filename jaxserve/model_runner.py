@@ -16,6 +16,11 @@ and the LM head and sampler, whose cost grows with the rows, work on the real ba
 compiled by `warm_up()`; `compilations` counts XLA compiles so tests can show none
 happen later.
 
+With speculative decoding (`num_speculative_tokens` k > 0) the body hands over k + 1
+hidden states per sequence, one per draft position and the bonus, and a step with draft
+tokens runs the verify head (`spec_decode.rejection_sampler.verify`) on them instead of
+the sampler: up to k + 1 tokens per sequence.
+
 `dispatch(batch)` only enqueues the step and returns a handle; `handle.fetch()` waits for
 its sampled tokens. The sampled tokens also stay on the device (`last_tokens`), where the
 next step reads the ones it needs (`StepBatch.pending_tokens`): with the overlapped loop,
@@ -37,6 +42,7 @@ from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks
 from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.sampler import SamplerOutput, SamplingMetadata, sample
+from jaxserve.spec_decode.rejection_sampler import VerifyOutput, verify
 from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -51,10 +57,11 @@ MIN_TOKENS = 1
 class RunnerOutput:
     """One row per scheduled sequence (padding rows removed)."""
 
-    token_ids: np.ndarray  # int32 [S]
-    logprobs: np.ndarray | None  # float32 [S] when some sequence asked for logprobs
-    top_logprob_ids: np.ndarray | None  # int32 [S, k] when some sequence asked for logprobs
+    token_ids: np.ndarray  # int32 [S], or [S, k+1] after verifying draft tokens
+    logprobs: np.ndarray | None  # float32 [S] ([S, k+1]) when some sequence asked for logprobs
+    top_logprob_ids: np.ndarray | None  # int32 [S, n] ([S, k+1, n]) when some sequence asked for logprobs
     top_logprobs: np.ndarray | None
+    num_tokens: np.ndarray | None = None  # int32 [S] after verifying draft tokens: tokens per row
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -78,6 +85,8 @@ class ModelRunner:
         attention: AttentionFn,
         kv_dtype=None,
         buckets: list[int] | None = None,
+        num_speculative_tokens: int = 0,
+        draft_distributions: bool = False,
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -90,15 +99,19 @@ class ModelRunner:
                              f"{max_num_batched_tokens=}")
         # NOTE: arrays are committed to the device up front: jit keys its cache on whether an
         # argument is committed, and the donated cache comes back committed after step one.
-        device = jax.devices()[0]
+        self.device = device = jax.devices()[0]
         kv = allocate_kv_cache(self.config, num_blocks, block_size, kv_dtype or model.dtype)
         self.kv: KVCache = jax.device_put(kv, device)
         graphdef, params = nnx.split(unstack_layers(model))
+        self.graphdef, self.attention = graphdef, attention
         self.params = jax.device_put(params, device)
         rows = max_num_seqs
+        self.num_speculative_tokens = k = num_speculative_tokens
+        self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)
 
         def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens):
-            """Hidden states [max_num_seqs, D] of each sequence's last token, and the cache."""
+            """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
+            of its k + 1 verified positions [max_num_seqs, k + 1, D]), and the cache."""
             inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
             hidden, kv = nnx.merge(graphdef, params).hidden_states(inputs, kv, attention=attention)
             return hidden[inputs.logits_indices], kv
@@ -106,12 +119,22 @@ class ModelRunner:
         def head(params, hidden, meta: SamplingMetadata):
             """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
             r = meta.temperature.shape[0]
-            out = sample(nnx.merge(graphdef, params).logits(hidden[:r]), meta)
+            last = hidden[:r, -1] if k else hidden[:r]  # with speculation, a plain step's positions are all its last
+            out = sample(nnx.merge(graphdef, params).logits(last), meta)
             return out, jnp.zeros(rows, jnp.int32).at[:r].set(out.token_ids)
+
+        def verify_head(params, hidden, meta: SamplingMetadata, draft_ids, num_drafts, draft_probs):
+            """Verify the first R rows' draft tokens (R: draft_ids' rows); keep each row's last token."""
+            r = draft_ids.shape[0]
+            logits = nnx.merge(graphdef, params).logits(hidden[:r].reshape(r * (k + 1), -1))
+            out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
+            last = jnp.take_along_axis(out.token_ids, out.num_tokens[:, None] - 1, axis=1)[:, 0]
+            return out, jnp.zeros(rows, jnp.int32).at[:r].set(last)
 
         # jit is applied here, once; the step functions stay plain functions.
         self._body = jax.jit(body, donate_argnames=("kv",))
         self._head = jax.jit(head)
+        self._verify_head = jax.jit(verify_head)
         # The latest step's sampled tokens, by row, on the device.
         self.last_tokens = jax.device_put(np.zeros(rows, np.int32), device)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
@@ -134,17 +157,23 @@ class ModelRunner:
     def rows_for(self, num_seqs: int) -> int:
         return min(1 << (num_seqs - 1).bit_length(), self.max_num_seqs)
 
-    def warm_up(self) -> None:
-        """Compile every program now, so that serving never waits on the compiler."""
+    def warm_up(self, heads: bool = True) -> None:
+        """Compile every program now, so that serving never waits on the compiler; without
+        `heads`, only what `write_kv` runs."""
         for t in self.buckets:
             inputs, pending = self._pad_inputs(None, *self.bucket_for(t))
             hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        self.kv = self._copy_blocks(self.kv, np.zeros((self.max_num_seqs, 2), np.int32))
+        jax.block_until_ready(self.kv)
+        if not heads:
+            return
         for r in self.row_buckets:
             for penalties in (False, True):
                 out, _ = self._head(self.params, hidden, _dummy_sampling(r, penalties, self.max_model_len))
                 out.token_ids.block_until_ready()
-        self.kv = self._copy_blocks(self.kv, np.zeros((self.max_num_seqs, 2), np.int32))
-        jax.block_until_ready(self.kv)
+                if self.num_speculative_tokens:
+                    out, _ = self._verify_head(self.params, hidden, *self._verify_args(None, r, penalties))
+                    out.token_ids.block_until_ready()
         logger.info("compiled %d token buckets %s and %d row buckets %s", len(self.buckets), self.buckets,
                     len(self.row_buckets), self.row_buckets)
 
@@ -154,15 +183,42 @@ class ModelRunner:
         """Run one step and wait for its sampled tokens."""
         return self.dispatch(batch).fetch()
 
-    def dispatch(self, batch: StepBatch) -> StepHandle:
-        """Enqueue one step on the device and return at once."""
+    def dispatch(self, batch: StepBatch, draft_probs: jax.Array | None = None) -> StepHandle:
+        """Enqueue one step on the device and return at once. `draft_probs` [R, k, V]: the
+        distributions draft tokens were drawn from (draft models; None: point masses)."""
         if batch.block_copies:
             self._run_copies(batch.block_copies)
         inputs, pending = self._pad_inputs(batch, *self.bucket_for(batch.num_tokens))
         hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
-        meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
-        out, self.last_tokens = self._head(self.params, hidden, meta)
+        if batch.verify is not None:
+            args = self._verify_args(batch, self.rows_for(batch.num_seqs), draft_probs=draft_probs)
+            out, self.last_tokens = self._verify_head(self.params, hidden, *args)
+        else:
+            meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
+            out, self.last_tokens = self._head(self.params, hidden, meta)
         return StepHandle(out, batch.num_seqs, batch.sampling.want_logprobs, batch.sampling.num_logprobs)
+
+    def _verify_args(self, batch: StepBatch | None, r: int, penalties: bool = False, draft_probs=None):
+        """The verify head's arguments for R = r rows (padding rows have no drafts)."""
+        k = self.num_speculative_tokens
+        draft_ids, num_drafts = np.zeros((r, k), np.int32), np.zeros(r, np.int32)
+        if batch is None:
+            meta = _dummy_sampling(r * (k + 1), penalties, self.max_model_len)
+        else:
+            meta = self._pad_sampling(batch.verify, r * (k + 1))
+            draft_ids[: batch.num_seqs] = batch.spec_token_ids
+            num_drafts[: batch.num_seqs] = batch.num_spec_tokens
+        if self.draft_distributions and draft_probs is None:  # warm-up (committed, as the real ones are)
+            draft_probs = jax.device_put(np.zeros((r, k, self.config.vocab_size), np.float32), self.device)
+        return meta, draft_ids, num_drafts, draft_probs
+
+    def write_kv(self, batch: StepBatch) -> None:
+        """Run a step's tokens through the layers for their K/V only (no logits): a draft
+        model follows the target's steps this way, so its cache holds what the target's does."""
+        if batch.block_copies:
+            self._run_copies(batch.block_copies)
+        inputs, pending = self._pad_inputs(batch, *self.bucket_for(batch.num_tokens))
+        _, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         pairs = np.zeros((max(self.max_num_seqs, len(copies)), 2), np.int32)  # (0, 0): null onto itself
@@ -176,7 +232,8 @@ class ModelRunner:
         qsl = np.zeros(s + 1, np.int32)
         seq_lens = np.zeros(s, np.int32)
         tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
-        logits_at = np.zeros(self.max_num_seqs, np.int32)
+        k = self.num_speculative_tokens
+        logits_at = np.zeros((self.max_num_seqs, k + 1) if k else self.max_num_seqs, np.int32)
         if batch is not None:
             n, m = batch.num_tokens, batch.num_seqs
             ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
@@ -184,7 +241,11 @@ class ModelRunner:
             qsl[m + 1 :] = n  # padding sequences have no tokens
             seq_lens[:m] = batch.seq_lens
             tables[:m, : batch.block_tables.shape[1]] = batch.block_tables
-            logits_at[:m] = batch.logits_indices
+            if k:  # positions of each row's drafts and its bonus; rows without drafts: the last, repeated
+                drafts = batch.num_spec_tokens[:, None]
+                logits_at[:m] = batch.logits_indices[:, None] - drafts + np.minimum(np.arange(k + 1), drafts)
+            else:
+                logits_at[:m] = batch.logits_indices
             p = len(batch.pending_tokens)
             pending_at[:p], pending_rows[:p] = batch.pending_tokens, batch.pending_rows
         return ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at), PendingTokens(pending_at, pending_rows)
@@ -224,19 +285,20 @@ class PendingTokens:
 class StepHandle:
     """A dispatched step; `fetch()` waits for its sampled tokens (one row per sequence)."""
 
-    def __init__(self, out: SamplerOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int):
+    def __init__(self, out: SamplerOutput | VerifyOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int):
         self.out, self.num_seqs, self.want_logprobs, self.num_logprobs = out, num_seqs, want_logprobs, num_logprobs
 
     def fetch(self) -> RunnerOutput:
         out, n, k = self.out, self.num_seqs, self.num_logprobs
         token_ids = np.asarray(out.token_ids)[:n]
+        num_tokens = np.asarray(out.num_tokens)[:n] if isinstance(out, VerifyOutput) else None
         if not self.want_logprobs:
-            return RunnerOutput(token_ids, None, None, None)
+            return RunnerOutput(token_ids, None, None, None, num_tokens)
         logprobs = np.asarray(out.logprobs)[:n]
         if k:
-            return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, :k],
-                                np.asarray(out.top_logprobs)[:n, :k])
-        return RunnerOutput(token_ids, logprobs, None, None)
+            return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, ..., :k],
+                                np.asarray(out.top_logprobs)[:n, ..., :k], num_tokens)
+        return RunnerOutput(token_ids, logprobs, None, None, num_tokens)
 
 
 def _dummy_sampling(s: int, penalties: bool, width: int) -> SamplingMetadata:

@@ -49,21 +49,25 @@ class OutputProcessor:
     def process(self, results: list[StepResult], output: RunnerOutput | None, scheduler: Scheduler) -> list[RequestOutput]:
         now = time.monotonic()
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
-        for req, row in results:
+        for req, row, num_tokens in results:
             if req.request_id not in self._sample:
                 continue  # aborted by the user
             group, i = self._sample[req.request_id]
             text, new_ids = "", []
             if row is not None:
-                token = req.output_token_ids[-1]
-                new_ids = [token]
-                self._record_logprobs(group, i, req, token, output, row)
-                self._record_time(group, i, now)
+                first = len(req.output_token_ids) - num_tokens  # more than one: accepted draft tokens
                 detok = group.detokenizers[i]
-                if detok is not None:
-                    text = detok.push(token)
-                    if detok.stop_reason is not None:
-                        self._stop_on_string(req, detok.stop_reason, scheduler)
+                for j, token in enumerate(req.output_token_ids[first:]):
+                    new_ids.append(token)
+                    self._record_logprobs(group, i, req, token, output, row, j if output.num_tokens is not None else None)
+                    self._record_time(group, i, now)
+                    if detok is not None:
+                        text += detok.push(token)
+                        if detok.stop_reason is not None:
+                            self._stop_on_string(req, detok.stop_reason, scheduler)
+                            if j + 1 < num_tokens:  # as if the accepted drafts after it were never sampled
+                                req.drop_outputs_after(first + j + 1)
+                            break
             if req.is_finished and group.detokenizers[i] is not None:
                 text += group.detokenizers[i].finish()
             deltas.setdefault(group.request_id, {})[i] = (text, new_ids)
@@ -76,14 +80,16 @@ class OutputProcessor:
                 self._forget(group)
         return outputs
 
-    def _record_logprobs(self, group, i, req, token, output, row) -> None:
+    def _record_logprobs(self, group, i, req, token, output, row, position) -> None:
+        """`position`: which of the row's verified positions the token is (None: one token per row)."""
         k = req.sampling_params.logprobs
         if k is not None:
-            logprob = float(output.logprobs[row])
+            at = row if position is None else (row, position)
+            logprob = float(output.logprobs[at])
             group.cumulative_logprobs[i] += logprob
             entry = {}
             if k and output.top_logprob_ids is not None:
-                entry = dict(zip(output.top_logprob_ids[row, :k].tolist(), output.top_logprobs[row, :k].tolist()))
+                entry = dict(zip(output.top_logprob_ids[at][:k].tolist(), output.top_logprobs[at][:k].tolist()))
             entry[token] = logprob
             group.logprobs[i].append(entry)
 

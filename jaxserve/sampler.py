@@ -68,12 +68,7 @@ class SamplerOutput:
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """logits: f32 [S, V] straight from the model."""
     raw_logits = logits
-    if meta.history is not None:
-        logits = apply_penalties(logits, meta)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    banned = jnp.where(meta.ban[:, None], meta.banned_token_ids, logits.shape[1])  # V: out of range
-    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
-
+    logits = adjust_logits(logits, meta)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     token_ids = jax.lax.cond(
         jnp.all(meta.temperature == 0), lambda: greedy,
@@ -98,6 +93,15 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(token_ids, chosen, top_ids, top_values)
 
 
+def adjust_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Penalties, then the tokens banned until min_tokens: greedy is the argmax of these."""
+    if meta.history is not None:
+        logits = apply_penalties(logits, meta)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    banned = jnp.where(meta.ban[:, None], meta.banned_token_ids, logits.shape[1])  # V: out of range
+    return logits.at[rows, banned].set(-jnp.inf, mode="drop")
+
+
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """Repetition penalty over prompt and output; presence and frequency over output only."""
     num_seqs, vocab = logits.shape
@@ -116,18 +120,34 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def _draw(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    return invert_cdf(probabilities(logits, meta), draw_uniforms(meta))
+
+
+def probabilities(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """The distribution a row draws from: temperature, then top-k, top-p and min-p, on
+    adjusted logits (`adjust_logits`). f32 [S, V]."""
     temperature = jnp.where(meta.temperature > 0, meta.temperature, 1.0)
     logits = logits / temperature[:, None]
     needs_filter = jnp.any((meta.top_k > 0) | (meta.top_p < 1) | (meta.min_p > 0))
     logits = jax.lax.cond(needs_filter, _filter, lambda l, m: l, logits, meta)
+    return jax.nn.softmax(logits, axis=-1)
 
-    probs = jax.nn.softmax(logits, axis=-1)
-    cdf = jnp.cumsum(probs, axis=-1)
+
+def draw_uniforms(meta: SamplingMetadata, stream: int | None = None) -> jax.Array:
+    """One uniform number in [0, 1) per row from its own stream; `stream` picks an
+    independent one from the same key (speculative decoding's acceptance tests)."""
     keys = jax.vmap(sample_key)(meta.seeds, meta.sample_index, meta.output_index)
-    u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
+    if stream is not None:
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, stream)
+    return jax.vmap(jax.random.uniform)(keys)
+
+
+def invert_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """The token each row's uniform `u` picks from `probs` (rows need not be normalized)."""
+    cdf = jnp.cumsum(probs, axis=-1)
     # The first token whose CDF passes u; zero-probability tokens span empty intervals.
-    token = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u)
-    return jnp.minimum(token, logits.shape[1] - 1).astype(jnp.int32)
+    token = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u * cdf[:, -1])
+    return jnp.minimum(token, probs.shape[-1] - 1).astype(jnp.int32)
 
 
 def sample_key(seed: jax.Array, sample_index: jax.Array, output_index: jax.Array) -> jax.Array:

@@ -11,11 +11,13 @@ from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
 
 def build_step_batch(
     step_id: int, rows: list[tuple[Request, int]], tables: list[list[int]], block_size: int,
-    copies: list[tuple[int, int]]
+    copies: list[tuple[int, int]], num_speculative_tokens: int = 0,
 ) -> StepBatch:
     """`rows`: (request, number of its tokens to run) in row order; `tables`: their block ids.
 
-    Built before the rows' counters advance: a row starts at its `num_computed_tokens`.
+    Built before the rows' counters advance: a row starts at its `num_computed_tokens`,
+    and its last `len(request.spec_token_ids)` tokens are draft tokens to verify. With
+    drafts in the step, the sampling rows are per draft position (`SamplingBatch.verify`).
     """
     num_seqs = len(rows)
     counts = np.fromiter((n for _, n in rows), np.int32, num_seqs)
@@ -27,6 +29,7 @@ def build_step_batch(
     pending_tokens, pending_rows = [], []
     for req, n in rows:
         start = req.num_computed_tokens
+        n -= len(req.spec_token_ids)
         known = req.all_token_ids[start : start + n]
         ids += known
         if len(known) < n:  # its last token was sampled by the step in flight: the device has it
@@ -34,6 +37,7 @@ def build_step_batch(
             pending_tokens.append(len(ids))
             pending_rows.append(req.pending_row)
             ids.append(0)
+        ids += req.spec_token_ids
     input_ids = np.array(ids, np.int32)
     # positions: start of each row, plus 0..n-1 within the row
     row_of_token = np.repeat(np.arange(num_seqs), counts)
@@ -44,6 +48,11 @@ def build_step_batch(
     for i, t in enumerate(tables):
         block_tables[i, : len(t)] = t
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    num_spec = np.fromiter((len(r.spec_token_ids) for r, _ in rows), np.int32, num_seqs)
+    spec_token_ids = np.zeros((num_seqs, num_speculative_tokens), np.int32)
+    for i, (r, _) in enumerate(rows):
+        spec_token_ids[i, : len(r.spec_token_ids)] = r.spec_token_ids
+    requests = [r for r, _ in rows]
 
     return StepBatch(
         step_id=step_id,
@@ -56,15 +65,22 @@ def build_step_batch(
         seq_lens=starts + counts,
         block_tables=block_tables,
         logits_indices=query_start_loc[1:] - 1,
-        samples=starts + counts == np.fromiter((r.num_tokens for r, _ in rows), np.int32, num_seqs),
+        samples=starts + counts - num_spec == np.fromiter((r.num_tokens for r, _ in rows), np.int32, num_seqs),
         pending_tokens=np.array(pending_tokens, np.int32),
         pending_rows=np.array(pending_rows, np.int32),
-        sampling=build_sampling_batch([r for r, _ in rows]),
+        sampling=build_sampling_batch(requests),
         block_copies=copies,
+        num_spec_tokens=num_spec,
+        spec_token_ids=spec_token_ids,
+        verify=build_verify_sampling(requests, num_speculative_tokens) if num_spec.any() else None,
     )
 
 
-def build_sampling_batch(requests: list[Request]) -> SamplingBatch:
+def build_sampling_batch(requests: list[Request], offsets: list[int] | None = None,
+                         extra_history: list[list[int]] | None = None) -> SamplingBatch:
+    """One row per request. `offsets`: the token each row samples is that many after the
+    request's next one; `extra_history`: tokens that come before it (draft tokens)."""
+    offsets = offsets or [0] * len(requests)
     params = [r.sampling_params for r in requests]
     num = len(requests)
     table = np.array([p.row for p in params], np.float32).reshape(num, len(SamplingParams.ROW_FIELDS))
@@ -73,7 +89,7 @@ def build_sampling_batch(requests: list[Request]) -> SamplingBatch:
     banned = np.zeros((num, MAX_BANNED_TOKENS), np.int32)
     ban = np.zeros(num, bool)
     for i, (r, p) in enumerate(zip(requests, params)):
-        if p.min_tokens and r.num_output_tokens < p.min_tokens:
+        if p.min_tokens and r.num_output_tokens + offsets[i] < p.min_tokens:
             ids = banned_token_ids(r)
             banned[i] = ids[0]  # repeats of a real id are harmless; the rest overwrite
             banned[i, : len(ids)] = ids
@@ -88,7 +104,7 @@ def build_sampling_batch(requests: list[Request]) -> SamplingBatch:
         repetition_penalty=columns["repetition_penalty"],
         seeds=np.array([(r.seed >> 32, r.seed & 0xFFFFFFFF) for r in requests], np.uint32).reshape(num, 2),
         sample_index=np.fromiter((r.sample_index for r in requests), np.int32, num),
-        output_index=np.fromiter((r.num_output_tokens for r in requests), np.int32, num),
+        output_index=np.fromiter((r.num_output_tokens + o for r, o in zip(requests, offsets)), np.int32, num),
         banned_token_ids=banned,
         ban=ban,
         want_logprobs=any(p.logprobs is not None for p in params),
@@ -98,7 +114,7 @@ def build_sampling_batch(requests: list[Request]) -> SamplingBatch:
         # NOTE: penalties read the whole history from the host, so the engine never
         # schedules a request that uses them while one of its tokens is still pending.
         assert all(r.num_pending == 0 for r, p in zip(requests, params) if p.uses_penalties)
-        known = [r.all_token_ids for r in requests]
+        known = [r.all_token_ids + (extra_history[i] if extra_history else []) for i, r in enumerate(requests)]
         width = max(len(t) for t in known)
         batch.history = np.zeros((num, width), np.int32)
         for i, tokens in enumerate(known):
@@ -106,6 +122,21 @@ def build_sampling_batch(requests: list[Request]) -> SamplingBatch:
         batch.history_lens = np.fromiter((len(t) for t in known), np.int32, num)
         batch.prompt_lens = np.fromiter((r.num_prompt_tokens for r in requests), np.int32, num)
     return batch
+
+
+def build_verify_sampling(requests: list[Request], k: int) -> SamplingBatch:
+    """Sampling rows for verifying draft tokens: row i * (k + 1) + j samples the token after
+    the request's next one and its first j drafts, exactly as if those drafts were its
+    tokens (its RNG stream position, min_tokens, penalty history). Positions past a
+    request's drafts repeat its last one."""
+    expanded, offsets, history = [], [], []
+    for r in requests:
+        for j in range(k + 1):
+            j = min(j, len(r.spec_token_ids))
+            expanded.append(r)
+            offsets.append(j)
+            history.append(r.spec_token_ids[:j])
+    return build_sampling_batch(expanded, offsets, history)
 
 
 def banned_token_ids(req: Request) -> list[int]:

@@ -79,6 +79,9 @@ class Request:
         self.sample_index = sample_index
         self.cache_salt = cache_salt  # requests with different salts never share cached KV
         self.output_token_ids: list[int] = []
+        # Draft tokens proposed to follow the last token (speculative decoding), verified by
+        # the next step that runs this request; the scheduler clears them once it has.
+        self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending = 0  # sampled tokens whose ids the host does not know yet (steps in flight)
         self.pending_row = 0  # the row of the latest step that samples one: where the device has it
@@ -88,11 +91,18 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
 
     def append_output(self, token_id: int) -> None:
-        """The oldest pending token's id has arrived."""
+        """The oldest pending token's id has arrived (or a verified draft token)."""
         assert self.num_pending > 0, f"{self.request_id}: a token arrived that no step sampled"
         self.num_pending -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def drop_outputs_after(self, num_outputs: int) -> None:
+        """Forget the generated tokens after the first `num_outputs` (a finished request's
+        accepted draft tokens that came after its stop string)."""
+        assert self.is_finished and self.num_pending == 0
+        del self.output_token_ids[num_outputs:]
+        del self.all_token_ids[self.num_prompt_tokens + num_outputs :]
 
     @property
     def num_output_tokens(self) -> int:

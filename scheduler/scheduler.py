@@ -36,12 +36,43 @@ class SchedulerConfig:
     # Most tokens one request's prefill may take in a step (0: whatever budget is left).
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
+    # The most draft tokens a request may verify in one step (speculative decoding; 0: off).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"{self.max_num_batched_tokens=} must be >= {self.max_num_seqs=}")
         if self.block_size < 1 or self.num_blocks < 2:
             raise ValueError(f"{self.block_size=} must be >= 1 and {self.num_blocks=} >= 2")
+
+
+@dataclasses.dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters since start-up (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # verifications of a request's draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [k]: accepted at draft position i
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step yields on average: the accepted drafts and one more."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 class SchedulerStats(NamedTuple):
@@ -55,6 +86,7 @@ class SchedulerStats(NamedTuple):
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decoding: SpecDecodingStats | None = None  # a copy; None without speculative decoding
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -62,11 +94,12 @@ class SchedulerStats(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    """A request that sampled a token this step (`row` indexes the step's outputs), or
-    that the scheduler ended without one (`row` is None)."""
+    """A request that sampled tokens this step (`row` indexes the step's outputs; its last
+    `num_tokens` outputs are new), or that the scheduler ended without one (`row` is None)."""
 
     request: Request
     row: int | None
+    num_tokens: int = 1  # more than one when draft tokens were accepted
 
 
 class Scheduler:
@@ -84,6 +117,7 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache and found there, once per admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_stats = SpecDecodingStats()
 
     # -- requests in and out ----------------------------------------------------------
 
@@ -152,6 +186,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._chunk(req, budget)
+            req.spec_token_ids = self._drafts(req, n, budget)
+            n += len(req.spec_token_ids)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
@@ -184,6 +220,7 @@ class Scheduler:
             if allocated is None:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.pop(0)
+            req.spec_token_ids = []
             req.num_computed_tokens += num_cached
             if self.kv.enable_prefix_caching and not holds_blocks:
                 self.prefix_cache_queries += req.num_tokens
@@ -200,19 +237,27 @@ class Scheduler:
         rows = list(scheduled.values())
         tables = [self.kv.tables[r.request_id] for r, _ in rows]
         self._step_id += 1
-        batch = build_step_batch(self._step_id, rows, tables, cfg.block_size, self.kv.take_copies())
+        batch = build_step_batch(self._step_id, rows, tables, cfg.block_size, self.kv.take_copies(),
+                                 cfg.num_speculative_tokens)
         # The step's tokens count as computed now, and a row that reaches the end of its
-        # request samples a pending token: the next step can be scheduled at once.
+        # request samples a pending token: the next step can be scheduled at once. Draft
+        # tokens count once they are verified (update()); rejected ones are simply
+        # overwritten later, never erased.
         for row, (req, n) in enumerate(rows):
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.spec_token_ids)
+            req.spec_token_ids = []
             if req.num_computed_tokens == req.num_tokens:
                 req.num_pending += 1
                 req.pending_row = row
         self._in_flight[self._step_id] = [req for req, _ in rows]
         return batch
 
-    def update(self, batch: StepBatch | None, sampled_token_ids=()) -> list[StepResult]:
+    def update(self, batch: StepBatch | None, sampled_token_ids=(), num_sampled=None) -> list[StepResult]:
         """Write a step's results back: the sampled tokens' ids, finished requests.
+
+        `sampled_token_ids` has one token per row, or with draft tokens in the step a row
+        of tokens per row of which the first `num_sampled[row]` are real: the accepted
+        drafts and the token sampled after them.
 
         Call it once for every batch schedule() returned, in order (with the overlapped
         loop, after the next step has been scheduled), and with None when schedule()
@@ -223,21 +268,34 @@ class Scheduler:
         if batch is None:
             return results
         tokens = np.asarray(sampled_token_ids).tolist()  # Python ints, once, not per row
+        counts = None if num_sampled is None else np.asarray(num_sampled).tolist()
+        num_drafts = batch.num_spec_tokens.tolist()
         for row, (req, samples) in enumerate(zip(self._in_flight.pop(batch.step_id), batch.samples.tolist())):
             if req.is_finished:
                 continue  # ended (EOS, a stop string, an abort) after this step was scheduled
-            self.kv.cache_full_blocks(req)
             if not samples:
+                self.kv.cache_full_blocks(req)
                 continue  # a prefill chunk that did not reach the end: nothing sampled
-            token = tokens[row]
-            req.append_output(token)
+            new = [tokens[row]] if counts is None else tokens[row][: counts[row]]
+            if num_drafts[row]:
+                self.spec_stats.observe(num_drafts[row], len(new) - 1)
+            req.num_pending += len(new) - 1  # accepted drafts arrive like sampled tokens
+            status = None
+            for appended, token in enumerate(new, 1):
+                req.append_output(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    break
+            req.num_pending -= len(new) - appended  # tokens after a stop are dropped
+            # Accepted drafts were computed by this step (their K/V is written).
+            req.num_computed_tokens += min(len(new) - 1, appended)
+            self.kv.cache_full_blocks(req)
             if self.forks:
                 # A preempted parent has no blocks to share: its samples start from scratch.
                 self._release_forks(req, fork=req.status == RequestStatus.RUNNING)
-            status = self._stop_status(req, token)
             if status is not None:
                 self._finish(req, status)
-            results.append(StepResult(req, row))
+            results.append(StepResult(req, row, appended))
         return results
 
     # -- helpers ----------------------------------------------------------------------
@@ -248,6 +306,19 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         return min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_limit)
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The request's draft tokens that fit this step: after its one decode token, within
+        the token budget, max_tokens, the context, and room in the block pool."""
+        if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(self.config.num_speculative_tokens, budget - 1,
+                   req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens)
+        drafts = req.spec_token_ids[: max(room, 0)]
+        if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+            return []  # no room to speculate: a plain decode step, no preemption for drafts
+        return drafts
 
     def _at_length(self, req: Request) -> bool:
         """Its pending tokens reach max_tokens or the context: it ends when they arrive."""
@@ -282,6 +353,7 @@ class Scheduler:
         """Free the request's blocks; it is recomputed from its first token when readmitted."""
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         if req.status == RequestStatus.RUNNING:
@@ -330,6 +402,8 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=dataclasses.replace(self.spec_stats, accepted_per_position=list(
+                self.spec_stats.accepted_per_position)) if self.config.num_speculative_tokens else None,
         )
 
     def check_integrity(self) -> None:

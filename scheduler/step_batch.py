@@ -66,6 +66,10 @@ class StepBatch:
     pending_rows: np.ndarray  # int32 [P]: rows of the step in flight
     sampling: SamplingBatch
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies, done before the step
+    # Speculative decoding: a row's last num_spec_tokens[i] tokens are draft tokens to verify.
+    num_spec_tokens: np.ndarray  # int32 [S]
+    spec_token_ids: np.ndarray  # int32 [S, k]: the drafts, zero padded (k: the scheduler's lookahead)
+    verify: SamplingBatch | None = None  # [S * (k + 1)] rows, one per draft position and the bonus; None: no drafts
 
     @property
     def num_tokens(self) -> int:

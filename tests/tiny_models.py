@@ -29,14 +29,15 @@ TINY_MODELS = {
 }
 
 
-def make_tiny_model(name: str, folder: Path, seed: int = 0, dtype: str = "float32"):
-    """Write `config.json` + `model.safetensors` for TINY_MODELS[name]; return the torch model."""
+def make_tiny_model(name: str, folder: Path, seed: int = 0, dtype: str = "float32", **config):
+    """Write `config.json` + `model.safetensors` for TINY_MODELS[name] (`config`: more
+    overrides); return the torch model."""
     import torch
     import transformers
 
     arch, overrides = TINY_MODELS[name]
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(**{**BASE, **overrides})
+    config = config_cls(**{**BASE, **overrides, **config})
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():

@@ -1,0 +1,70 @@
+"""Proposers: who guesses the draft tokens each step verifies.
+
+Before a step is scheduled, `propose(running)` sets `spec_token_ids` on each running
+request that is decoding (all its tokens known, one to compute); the scheduler fits as
+many as the step has room for. A proposer that draws its drafts from a distribution
+(a draft model) hands those distributions to the verify step through `draft_probs`;
+n-gram drafts are point masses and have none.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import jax
+
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.ngram import propose_ngram
+from scheduler import Request, StepBatch
+
+if TYPE_CHECKING:
+    from jaxserve.engine import LLMEngine
+
+
+class Proposer(Protocol):
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` of the running requests to draft for."""
+
+    def draft_probs(self, batch: StepBatch) -> jax.Array | None:
+        """f32 [R, k, V]: what the batch's drafts were drawn from, by row (None: point masses)."""
+
+    def follow(self, batch: StepBatch) -> None:
+        """The target has dispatched `batch` (a draft model writes the same tokens' K/V)."""
+
+
+def make_proposer(config: SpeculativeConfig, engine: LLMEngine) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    from jaxserve.spec_decode.draft_model import DraftModelProposer  # loads a second model
+
+    return DraftModelProposer(config, engine)
+
+
+def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]:
+    """The requests to propose for: decoding, with room for a draft token, and only while
+    the batch is small enough (disable_by_batch_size)."""
+    for req in running:
+        req.spec_token_ids = []
+    if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
+        return []
+    return [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.num_pending == 0
+            and r.num_output_tokens + 1 < r.sampling_params.max_tokens]
+
+
+class NgramProposer:
+    """Prompt lookup in each request's own tokens (see spec_decode.ngram)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, running: list[Request]) -> None:
+        c = self.config
+        for req in decoding(running, c):
+            req.spec_token_ids = propose_ngram(req.all_token_ids, c.num_speculative_tokens, c.prompt_lookup_min,
+                                               c.prompt_lookup_max)
+
+    def draft_probs(self, batch: StepBatch) -> None:
+        return None
+
+    def follow(self, batch: StepBatch) -> None:
+        pass
