@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jaxserve.backend import select_attention, select_matmul
 from jaxserve.generation_config import read_generation_config
 from jaxserve.kv_cache import kv_dtype_label, num_blocks_for_memory, resolve_kv_cache_dtype
-from jaxserve.model_runner import ModelRunner, StepHandle
+from jaxserve.model_runner import ModelRunner, StepHandle, token_buckets
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import NullProfiler, StepProfiler
@@ -108,7 +108,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
-            kv_dtype=kv_dtype, buckets=list(config.token_buckets) if config.token_buckets else None,
+            kv_dtype=kv_dtype, buckets=self._token_buckets(num_spec),
             num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
         )
         self.proposer: Proposer | None = make_proposer(spec, self) if spec else None
@@ -123,6 +123,15 @@ class LLMEngine:
                     config.block_size, capacity, kv_dtype_label(kv_dtype), self.runner.kv.nbytes / 2**20)
         if config.warm_up:
             self.runner.warm_up()
+
+    def _token_buckets(self, num_spec: int) -> list[int] | None:
+        """The configured buckets; by default the runner's powers of two, plus one for a
+        single sequence verifying its drafts (1 + k tokens: no padding at batch 1)."""
+        if self.config.token_buckets:
+            return list(self.config.token_buckets)
+        if not num_spec:
+            return None
+        return sorted(set(token_buckets(self.config.max_num_batched_tokens)) | {num_spec + 1})
 
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache's settings, as /metrics shows them (vLLM's cache_config_info labels)."""

@@ -31,3 +31,14 @@ def test_gpu_e2e_smoke_runs_the_reference_on_cpu(weights_cache, default_model):
     stdout = run("benchmarks/gpu_e2e.py", "--smoke", "--dtype", "float32", env={"JAXSERVE_CACHE": str(weights_cache)})
     assert "| kv-fp8   | reference  |" in stdout
     assert "Pallas backends not run: it needs a Hopper GPU" in stdout
+
+
+def test_spec_decode_smoke(weights_cache, default_model):
+    rows = json.loads(run("benchmarks/spec_decode.py", "--smoke", "--json", env={"JAXSERVE_CACHE": str(weights_cache)}))
+    assert [(r["prompt_set"], r["batch"], r["method"]) for r in rows] == [
+        (s, 1, m) for s in ("repetitive", "chat") for m in ("none", "ngram", "draft")]
+    for r in rows:
+        assert r["requests"] == 2 and 2 <= r["output_tokens"] <= 32 and r["decode_tok_s"] > 0
+        speculative = r["method"] != "none"
+        assert (r["mismatches"] is not None) == speculative
+        assert r["acceptance_rate"] is None or 0 <= r["acceptance_rate"] <= 1
