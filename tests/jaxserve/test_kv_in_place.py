@@ -36,7 +36,7 @@ def test_steps_update_the_cache_in_place(tiny_llama, num_blocks, kv_cache_dtype)
                                                                ignore_eos=True))
     batches = []
     dispatch = runner.dispatch
-    runner.dispatch = lambda batch: (batches.append(batch), dispatch(batch))[1]
+    runner.dispatch = lambda batch, *rest: (batches.append(batch), dispatch(batch, *rest))[1]
     engine.generate_all()
     assert any(b.block_copies for b in batches), "the workload should copy a block (n=2 forks)"
     # The same buffers after every step, copy-on-write copies included.
