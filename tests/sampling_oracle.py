@@ -1,6 +1,9 @@
-"""The sampler's filters restated by brute force in NumPy: the oracle for the sampler tests."""
+"""The sampler's filters restated by brute force in NumPy: the oracle for the sampler tests
+(and `meta`, the sampler's per-row parameters for those tests)."""
 
 import numpy as np
+
+from jaxserve.sampler import SamplingMetadata
 
 
 def kept_by_documentation(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -29,3 +32,26 @@ def target_distribution(logits: np.ndarray, temperature: float = 1.0, top_k: int
     keep = kept_by_documentation(z, top_k, top_p, min_p)
     p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
     return p / p.sum()
+
+
+def meta(n, **fields):
+    f, i = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    base = dict(temperature=f + 1, top_p=f + 1, top_k=i, min_p=f, presence_penalty=f, frequency_penalty=f,
+                repetition_penalty=f + 1, seeds=seed_words(np.arange(n)), sample_index=i, output_index=i,
+                banned_token_ids=np.zeros((n, 4), np.int32), ban=np.zeros(n, bool), want_logprobs=np.bool_(False))
+    for key, value in fields.items():
+        base[key] = np.broadcast_to(np.asarray(value, base[key].dtype), base[key].shape).copy() \
+            if key not in ("history", "history_lens", "prompt_lens", "want_logprobs", "banned_token_ids", "seeds") \
+            else np.asarray(value)
+    return SamplingMetadata(**base)
+
+
+def seed_words(seeds) -> np.ndarray:
+    """64-bit seeds as the sampler's (high, low) uint32 words."""
+    seeds = np.asarray(seeds, np.uint64)
+    return np.stack([seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)

@@ -28,36 +28,13 @@ from scipy import stats
 
 from jaxserve.sampler import MAX_LOGPROBS, SamplingMetadata, sample
 from jaxserve.spec_decode.rejection_sampler import verify
-from tests.sampling_oracle import target_distribution
+from tests.sampling_oracle import meta, seed_words, softmax, target_distribution
 
 verify_jit = jax.jit(verify)
 sample_jit = jax.jit(sample)
 
 
-def metadata(rows: int, **fields) -> SamplingMetadata:
-    """`rows` sampling rows: temperature 1, no filters, no penalties, seeds 0..rows-1."""
-    f, i = np.zeros(rows, np.float32), np.zeros(rows, np.int32)
-    base = dict(temperature=f + 1, top_p=f + 1, top_k=i, min_p=f, presence_penalty=f, frequency_penalty=f,
-                repetition_penalty=f + 1, seeds=seed_words(np.arange(rows)), sample_index=i, output_index=i,
-                banned_token_ids=np.zeros((rows, 4), np.int32), ban=np.zeros(rows, bool),
-                want_logprobs=np.bool_(False))
-    for key, value in fields.items():
-        if key in ("history", "history_lens", "prompt_lens"):
-            base[key] = np.asarray(value, np.int32)
-        else:
-            base[key] = np.broadcast_to(np.asarray(value, base[key].dtype), base[key].shape).copy()
-    return SamplingMetadata(**base)
-
-
-def seed_words(seeds) -> np.ndarray:
-    """64-bit seeds as the sampler's (high, low) uint32 words."""
-    seeds = np.asarray(seeds, np.uint64)
-    return np.stack([seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
-
-
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+metadata = meta  # `rows` sampling rows: temperature 1, no filters, no penalties, seeds 0..rows-1
 
 
 def log_softmax(x):

@@ -5,33 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import MAX_LOGPROBS, SamplingMetadata, apply_penalties, sample
-from tests.sampling_oracle import kept_by_documentation
+from jaxserve.sampler import MAX_LOGPROBS, apply_penalties, sample
+from tests.sampling_oracle import kept_by_documentation, meta, seed_words, softmax
 
 V = 12
-
-
-def meta(n, **fields):
-    f, i = np.zeros(n, np.float32), np.zeros(n, np.int32)
-    base = dict(temperature=f + 1, top_p=f + 1, top_k=i, min_p=f, presence_penalty=f, frequency_penalty=f,
-                repetition_penalty=f + 1, seeds=seed_words(np.arange(n)), sample_index=i, output_index=i,
-                banned_token_ids=np.zeros((n, 4), np.int32), ban=np.zeros(n, bool), want_logprobs=np.bool_(False))
-    for key, value in fields.items():
-        base[key] = np.broadcast_to(np.asarray(value, base[key].dtype), base[key].shape).copy() \
-            if key not in ("history", "history_lens", "prompt_lens", "want_logprobs", "banned_token_ids", "seeds") \
-            else np.asarray(value)
-    return SamplingMetadata(**base)
-
-
-def seed_words(seeds) -> np.ndarray:
-    """64-bit seeds as the sampler's (high, low) uint32 words."""
-    seeds = np.asarray(seeds, np.uint64)
-    return np.stack([seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
-
-
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 def target_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
