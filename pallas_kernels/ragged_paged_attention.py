@@ -5,7 +5,9 @@ decode tokens alike); sequence `s` owns tokens `query_start_loc[s]:query_start_l
 which are the last `q_len` positions of its `kv_lens[s]`-token context. Its K/V live in
 the pages `block_tables[s, :cdiv(kv_lens[s], page_size)]`, already written for this
 step's tokens. Attention is causal within a sequence, optionally limited to a sliding
-window and soft-capped. An 8-bit cache (fp8 or int8 pages) comes with `k_scales` and
+window and soft-capped. A `tree_mask` word per new token restricts which of its
+sequence's first 32 new tokens it sees (speculative tree verification, see
+`ragged_paged_attention_reference`). An 8-bit cache (fp8 or int8 pages) comes with `k_scales` and
 `v_scales` (see `pallas_kernels.quantized_kv`); pages are dequantized as they are loaded.
 
 This module holds the pure-JAX version (XLA gathers and einsums). It is the CPU serving
@@ -35,8 +37,16 @@ def ragged_paged_attention_reference(
     kv_chunk_pages: int | None = None,
     k_scales: jax.Array | None = None,  # float32 [num_pages, num_kv_heads, page_size] of an 8-bit cache
     v_scales: jax.Array | None = None,
+    tree_mask: jax.Array | None = None,  # int32 [T]: one word per new token (speculative tree verification)
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
     """Attention of every new token over its own sequence's paged context.
+
+    `tree_mask`: a new token at offset i of its sequence's new tokens sees the new token
+    at offset j < 32 only if bit j of its word is set (on top of causality, j <= i).
+    Context keys and new tokens at offsets >= 32 follow the plain causal rule, so a word
+    of -1 changes nothing. A draft tree to verify is one sequence's new tokens [root,
+    node_1 .. node_N] (N <= 31) in BFS order, each word holding the bits of the node's
+    ancestors and itself; other sequences' tokens get -1.
 
     The flat tokens are cut into query tiles, each inside one sequence: by default
     one-token tiles for decode tokens and `PREFILL_TILE`-token tiles for prefill chunks
@@ -51,6 +61,7 @@ def ragged_paged_attention_reference(
     if (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales come together: pass both (an 8-bit cache) or neither")
     scales = None if k_scales is None else (jnp.asarray(k_scales), jnp.asarray(v_scales))
+    tree_mask = None if tree_mask is None else jnp.asarray(tree_mask, jnp.int32)
     chunk_pages = kv_chunk_pages or max(1, 128 // k_pages.shape[1])
     num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
@@ -66,7 +77,7 @@ def ragged_paged_attention_reference(
     q32 = q.astype(jnp.float32) * sm_scale
     for tile, selected, tile_bound in passes:
         out = _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, query_start_loc, q_lens,
-                            selected, tile, tile_bound, chunk_pages, sliding_window, soft_cap)
+                            selected, tile, tile_bound, chunk_pages, sliding_window, soft_cap, tree_mask)
     return out
 
 
@@ -83,7 +94,7 @@ _GROUP_ROWS = 128
 
 
 def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, query_start_loc, q_lens, selected,
-                  tq, max_tiles, chunk_pages, sliding_window, soft_cap):
+                  tq, max_tiles, chunk_pages, sliding_window, soft_cap, tree_mask):
     """Attention for the first `selected[s]` new tokens of each sequence s (0 or q_lens[s]),
     in at most `max_tiles` tiles of `tq` tokens, written into `out`."""
     num_tokens, num_heads, head_dim = q32.shape
@@ -105,7 +116,9 @@ def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, que
     q_off = first_q[:, None] + jnp.arange(tq)[None, :]  # [NT, TQ]
     q_valid = tile_valid[:, None] & (q_off < selected[seq][:, None])
     token = jnp.where(q_valid, query_start_loc[seq][:, None] + q_off, num_tokens)
-    q_pos = (kv_lens[seq] - q_lens[seq])[:, None] + q_off  # position of each query token
+    new0 = kv_lens[seq] - q_lens[seq]  # [NT]: position of the sequence's first new token
+    q_pos = new0[:, None] + q_off  # position of each query token
+    words = None if tree_mask is None else tree_mask[jnp.minimum(token, num_tokens - 1)]  # [NT, TQ]
     seq_len = jnp.where(tile_valid, kv_lens[seq], 0)  # [NT]
 
     # Pad the block table so every chunk slice is in bounds (dynamic_slice would clamp);
@@ -118,7 +131,8 @@ def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, que
     def attend_group(g, out):
         """Attention for tiles [g * group_size, (g + 1) * group_size)."""
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * group_size, group_size, axis=0)
-        g_token, g_valid, g_pos, g_len, g_tables = map(take, (token, q_valid, q_pos, seq_len, tables))
+        g_token, g_valid, g_pos, g_len, g_tables, g_new0 = map(take, (token, q_valid, q_pos, seq_len, tables, new0))
+        g_words = None if words is None else take(words)
         # [NG, TQ, H, D] -> [NG, KV, G, TQ, D]
         qt = q32[jnp.minimum(g_token, num_tokens - 1)]
         qt = qt.reshape(group_size, tq, num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
@@ -146,6 +160,10 @@ def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, que
             mask = in_seq[:, None, :] & g_valid[:, :, None] & (kv_pos[None, None, :] <= g_pos[:, :, None])
             if sliding_window is not None:
                 mask &= kv_pos[None, None, :] > g_pos[:, :, None] - sliding_window
+            if g_words is not None:
+                j = kv_pos[None, None, :] - g_new0[:, None, None]  # [NG, 1, C]: offset among the new tokens
+                bit = (g_words[:, :, None] >> (j & 31)) & 1  # j & 31: a shift in range for every j
+                mask &= (j < 0) | (j >= 32) | (bit != 0)
             mask = mask[:, None, None]  # [NG, 1, 1, TQ, C]
             s = jnp.where(mask, s, -jnp.inf)
 

@@ -61,6 +61,13 @@ P). That costs [64, block_kv] multiplies per block instead of [block_kv, D] in t
 upcast, and adds no bf16 rounding of scaled values. The ring slot is freed as soon as
 it is read, before the matmul.
 
+A tree mask (`tree_mask`, a word per new token: speculative tree verification, see the
+reference) travels with the query rows: gathered into the same tile-major row order
+([tiles * rows] int32), one TMA per unit beside Q on the same barrier, then held in
+registers for the unit. Only blocks holding some of a sequence's first 32 new tokens
+apply it (a second select after the causal / window one); without a tree the kernel is
+built without it.
+
 Slots past a sequence's context (the tail of its last page, pages it does not own) may
 hold anything, NaN included (the tests fill them with NaN, and their scales too): their
 scores are replaced by -inf with a select (only in blocks that cross the causal
@@ -98,7 +105,7 @@ _LOG2E = math.log2(math.e)
 _NEG_BIG = -1e30  # finite "no key yet" running max: exp2(m_old - m_new) stays NaN-free
 
 # Columns of the int32 [max_items, _META] work list the kernel reads.
-_TILE, _SEQ, _BLK_BEGIN, _BLK_END, _POS0, _KV_LEN, _NUM_Q = range(7)
+_TILE, _SEQ, _BLK_BEGIN, _BLK_END, _POS0, _KV_LEN, _NUM_Q, _NEW0 = range(8)
 _META = 8
 
 
@@ -150,11 +157,13 @@ class TuningConfig:
         if self.block_kv % page_size:
             raise ValueError(f"{self.block_kv=} must be a multiple of {page_size=}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, kv_itemsize: int | None = None) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, kv_itemsize: int | None = None,
+                   tree: bool = False) -> int:
         """Shared memory the kernel asks for: buffers (1 KiB aligned), barriers, reductions.
 
         `kv_itemsize` 1 is an 8-bit cache: its K/V ring costs half, plus the scales' ring
-        and one upcast [block_kv, D] buffer per compute warpgroup.
+        and one upcast [block_kv, D] buffer per compute warpgroup. `tree` adds the
+        double-buffered tree mask words of the query rows.
         """
         align = lambda n: -(-n // 1024) * 1024
         wgs, rows, steps, bkv = self.num_compute_wgs, ROWS_PER_WG, self.max_concurrent_steps, self.block_kv
@@ -165,9 +174,10 @@ class TuningConfig:
         scales = 2 * align(steps * bkv * 4) if quantized else 0
         upcast = align(wgs * bkv * head_dim * itemsize) if quantized else 0
         lse = align(wgs * rows * 4)
+        words = align(2 * wgs * rows * 4) if tree else 0
         p = align(wgs * rows * bkv * itemsize) if self.p_via_smem else 0
         barriers = 8 * (2 * wgs + 1 + 4 * steps)
-        return q + kv + scales + upcast + lse + p + barriers + _REDUCTION_SCRATCH
+        return q + kv + scales + upcast + lse + words + p + barriers + _REDUCTION_SCRATCH
 
 
 def default_query_tile(num_tokens: int, num_seqs: int) -> int:
@@ -183,16 +193,18 @@ def default_query_tile(num_tokens: int, num_seqs: int) -> int:
 
 def default_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, page_size: int, *, num_ctas: int | None = None,
-                   query_tile: int | None = None, p_via_smem: bool = False, kv_dtype=None) -> TuningConfig:
+                   query_tile: int | None = None, p_via_smem: bool = False, kv_dtype=None,
+                   tree: bool = False) -> TuningConfig:
     """A config for a (token, sequence) bucket and model shape.
 
     Decode-heavy buckets get one-token tiles and one compute warpgroup; prefill-heavy
     ones get 128-row tiles (two warpgroups) so each K/V block feeds more queries. The
     K/V ring is as deep as shared memory allows, up to 4 steps. `kv_dtype` is the
-    pages' dtype when it is 8-bit (the ring then costs half, the upcast buffers more).
+    pages' dtype when it is 8-bit (the ring then costs half, the upcast buffers more);
+    `tree` is for calls with a tree mask.
     """
     kv_itemsize = jnp.dtype(kv_dtype).itemsize if kv_dtype is not None else 2
-    smem = lambda c: c.smem_bytes(head_dim, 2, kv_itemsize)
+    smem = lambda c: c.smem_bytes(head_dim, 2, kv_itemsize, tree)
     cfg = TuningConfig(block_kv=max(128, page_size), num_ctas=num_ctas or device_sm_count(), p_via_smem=p_via_smem)
     cfg = cfg.with_query_tile(query_tile or default_query_tile(num_tokens, num_seqs), num_heads // num_kv_heads)
     while smem(cfg) > SMEM_BYTES and cfg.block_kv > max(64, page_size):
@@ -218,12 +230,13 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _KV8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8), jnp.dtype(jnp.int8))
 
 
-def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None,
+def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None, tree_mask=None,
                        config: TuningConfig | None = None) -> str | None:
     """Why the kernel cannot run these shapes / dtypes (/ config), or None if it can.
 
     Without scales q, k and v are all bf16 or all f16; with `k_scales` and `v_scales`
-    (float32 [P, KV, page_size], see `quantized_kv`) the pages are e4m3 or int8.
+    (float32 [P, KV, page_size], see `quantized_kv`) the pages are e4m3 or int8. A
+    `tree_mask` is int32 [T].
     """
     if q.ndim != 3 or k_pages.ndim != 4:
         return f"expected q [T, H, D] and pages [P, page_size, KV, D], got {q.shape=} {k_pages.shape=}"
@@ -251,6 +264,8 @@ def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if tuple(s.shape) != want or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
                 return f"{name} must be float32 {want} (pages, KV heads, page_size), got {s.dtype} {tuple(s.shape)}"
+    if tree_mask is not None and (tuple(tree_mask.shape) != q.shape[:1] or jnp.dtype(tree_mask.dtype) != jnp.int32):
+        return f"tree_mask must be int32 {q.shape[:1]} (a word per token), got {tree_mask.dtype} {tree_mask.shape}"
     if kv_dim != head_dim:
         return f"{head_dim=} of q != {kv_dim=} of the pages"
     if head_dim not in (64, 128):
@@ -268,14 +283,15 @@ def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None
             config.check(groups=num_heads // num_kv_heads, page_size=page_size)
         except ValueError as e:
             return str(e)
-        if (smem := config.smem_bytes(head_dim, 2, k_pages.dtype.itemsize)) > SMEM_BYTES:
+        if (smem := config.smem_bytes(head_dim, 2, k_pages.dtype.itemsize, tree_mask is not None)) > SMEM_BYTES:
             return f"{config} needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
     return None
 
 
-def is_supported(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None,
+def is_supported(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None, tree_mask=None,
                  config: TuningConfig | None = None) -> bool:
-    return unsupported_reason(q, k_pages, v_pages, k_scales=k_scales, v_scales=v_scales, config=config) is None
+    return unsupported_reason(q, k_pages, v_pages, k_scales=k_scales, v_scales=v_scales, tree_mask=tree_mask,
+                              config=config) is None
 
 
 # ------------------------------------------------------------------------------------
@@ -287,7 +303,7 @@ def is_supported(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None,
 class WorkPlan:
     """Device-side work list of one step; depends on kv_lens / query_start_loc only."""
 
-    work: jax.Array  # int32 [max_items, _META]: tile, seq, kv block range, pos0, kv_len, num_q
+    work: jax.Array  # int32 [max_items, _META]: tile, seq, kv block range, pos0, kv_len, num_q, new0
     num_items: jax.Array  # int32 [1]: items in use (a prefix of `work`)
     item_tile: jax.Array  # int32 [max_items]: each item's tile; NT for unused items
     tile_tokens: jax.Array  # int32 [NT, TQ]: flat token of each tile slot; T where empty
@@ -328,7 +344,8 @@ def plan_work(kv_lens, query_start_loc, *, num_tokens: int, num_kv_heads: int,
     seq = jnp.minimum(seq, num_seqs - 1)
     first_q = (ids - (tile_end[seq] - tiles_per_seq[seq])) * tq  # offset in the sequence's new tokens
     num_q = jnp.where(tile_valid, jnp.clip(q_lens[seq] - first_q, 0, tq), 0)
-    pos0 = kv_lens[seq] - q_lens[seq] + first_q  # context position of the tile's first token
+    new0 = kv_lens[seq] - q_lens[seq]  # context position of the sequence's first new token
+    pos0 = new0 + first_q  # context position of the tile's first token
     slot = jnp.arange(tq, dtype=jnp.int32)
     tile_tokens = jnp.where(slot < num_q[:, None], (qsl[seq] + first_q)[:, None] + slot, num_tokens)
 
@@ -352,8 +369,7 @@ def plan_work(kv_lens, query_start_loc, *, num_tokens: int, num_kv_heads: int,
     n, k = num_blocks[tile], jnp.maximum(splits[tile], 1)
     b0 = blk_begin[tile] + part * n // k  # an even split of the tile's blocks
     b1 = jnp.where(item_valid, blk_begin[tile] + (part + 1) * n // k, b0)
-    zero = jnp.zeros_like(tile)
-    work = jnp.stack([tile, seq[tile], b0, b1, pos0[tile], kv_lens[seq[tile]], num_q[tile], zero], axis=1)
+    work = jnp.stack([tile, seq[tile], b0, b1, pos0[tile], kv_lens[seq[tile]], num_q[tile], new0[tile]], axis=1)
 
     # -- where each flat token's output row lives ------------------------------------
     token = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -425,7 +441,7 @@ class _Shapes:
 
 
 def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_window: int | None,
-                  soft_cap: float | None, interpret):
+                  soft_cap: float | None, tree: bool, interpret):
     nwg, bkv, stages, num_ctas = cfg.num_compute_wgs, cfg.block_kv, cfg.max_concurrent_steps, cfg.num_ctas
     kv_heads, dim, page_size, groups, rows = shp.num_kv_heads, shp.head_dim, shp.page_size, shp.groups, shp.rows
     pages_per_block = bkv // page_size
@@ -447,7 +463,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
         """The n-th unit of this CTA: its kv head and its item's fields."""
         u = lax.axis_index("sm") + n * num_ctas
         item = lax.div(u, i32(kv_heads))
-        fields = {f: work_ref[item, f] for f in (_TILE, _SEQ, _BLK_BEGIN, _BLK_END, _POS0, _KV_LEN, _NUM_Q)}
+        names = (_TILE, _SEQ, _BLK_BEGIN, _BLK_END, _POS0, _KV_LEN, _NUM_Q) + ((_NEW0,) if tree else ())
+        fields = {f: work_ref[item, f] for f in names}
         return item, lax.rem(u, i32(kv_heads)), fields
 
     # -- memory warpgroup ------------------------------------------------------------
@@ -536,6 +553,18 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             visible &= key > q_pos - sliding_window
         return jnp.where(visible, s, -jnp.inf)
 
+    def holds_tree(blk, f):
+        """Whether the block holds some of the sequence's first 32 new tokens (the tree's)."""
+        return (blk * bkv + bkv > f[_NEW0]) & (blk * bkv < f[_NEW0] + 32)
+
+    def apply_tree_mask(s, blk, f, words):
+        """Hide new token j < 32 from the rows whose word (`words`, [64] int32) lacks bit j."""
+        key = plgpu.broadcasted_iota(i32, s.shape, 1, layout=layout) + blk * bkv
+        j = key - f[_NEW0]  # offset among the sequence's new tokens
+        bit = lax.shift_right_logical(lax.broadcast_in_dim(words, s.shape, [0]), j & 31) & 1  # j & 31: in range
+        visible = (j < 0) | (j >= 32) | (bit != 0)
+        return jnp.where(visible, s, -jnp.inf)
+
     def upcast(src, dst, num_valid=None):
         """8-bit [bkv, D] block in smem -> q's dtype in `dst` (exact: e4m3 and int8 values
         are all bf16 / f16 numbers), rows >= num_valid zeroed (they may be NaN or garbage)."""
@@ -563,8 +592,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
                 row = plgpu.broadcasted_iota(i32, v.shape, 0, layout=layout) + c * ROWS_PER_WG
                 chunk[...] = jnp.where(row < num_valid, v, jnp.zeros_like(v))
 
-    def compute_wg(work_ref, num_items_ref, q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem, vs_smem,
-                   up_smem, lse_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar):
+    def compute_wg(work_ref, num_items_ref, q_ref, tree_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem,
+                   vs_smem, up_smem, lse_smem, tree_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar):
         wg = lax.axis_index("wg")
         my_units = num_units(num_items_ref)
 
@@ -574,8 +603,10 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             buf = lax.rem(n, i32(2))
             q_rows = pl.ds(f[_TILE] * rows + wg * ROWS_PER_WG, ROWS_PER_WG)
             plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(head * dim, dim)], qo_smem.at[buf, wg], q_bar.at[buf, wg])
+            if tree:  # the same rows' tree words, on the same barrier
+                plgpu.copy_gmem_to_smem(tree_ref.at[q_rows], tree_smem.at[buf, wg], q_bar.at[buf, wg])
 
-        def step_body(j, carry, step0, qo, f):
+        def step_body(j, carry, step0, qo, f, words):
             acc, m, l = carry  # [64, D] f32, [64] f32 (base-2 running max), [64] f32
             step = step0 + j
             slot = lax.rem(step, i32(stages))
@@ -607,6 +638,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
 
             s = soft_capped(s)
             s = lax.cond(needs_mask(blk, f, wg), lambda x: apply_mask(x, blk, f, wg), lambda x: x, s)
+            if tree:
+                s = lax.cond(holds_tree(blk, f), lambda x: apply_tree_mask(x, blk, f, words), lambda x: x, s)
             m_new = jnp.maximum(m, s.max(axis=1) * log2_scale)
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -672,6 +705,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             buf = lax.rem(n, i32(2))
             qo = qo_smem.at[buf, wg]  # [64, D]: this unit's query rows, later its output rows
             plgpu.barrier_wait(q_bar.at[buf, wg])
+            # [64] int32: each row's tree word, read before load_q(n + 2) refills the buffer.
+            words = plgpu.load(tree_smem.at[buf, wg], layout=row_layout) if tree else None
 
             # The other buffer held unit n - 1's output, already read by its store.
             @pl.when(n + 1 < my_units)
@@ -684,7 +719,7 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
                 plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), row_layout),
             )
             num_steps = f[_BLK_END] - f[_BLK_BEGIN]
-            acc, m, l = lax.fori_loop(0, num_steps, lambda j, c: step_body(j, c, step0, qo, f), init)
+            acc, m, l = lax.fori_loop(0, num_steps, lambda j, c: step_body(j, c, step0, qo, f, words), init)
 
             # Rows that saw no key (l == 0) give o = 0 and lse = -inf.
             acc = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
@@ -709,12 +744,13 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
         plgpu.wait_smem_to_gmem(0)
 
     def body(*refs):
-        if quantized:
-            (work_ref, num_items_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, *scratch) = refs
-        else:
-            (work_ref, num_items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch) = refs
-            ks_ref = vs_ref = None
-        (qo_smem, k_smem, v_smem, ks_smem, vs_smem, up_smem, lse_smem, p_smem,
+        # Inputs (the optional ones as passed by the entry point), outputs, scratch.
+        work_ref, num_items_ref, tables_ref, q_ref, *refs = refs
+        tree_ref = refs.pop(0) if tree else None
+        k_ref, v_ref, *refs = refs
+        ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+        o_ref, lse_ref, *scratch = refs
+        (qo_smem, k_smem, v_smem, ks_smem, vs_smem, up_smem, lse_smem, tree_smem, p_smem,
          q_bar, k_full, v_full, k_free, v_free, tail_bar) = scratch
         wg = lax.axis_index("wg")
 
@@ -722,8 +758,8 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
         def _():
             if nwg == 2:  # 2 x 232 + 40 registers per thread fill the SM's 64K
                 plgpu.set_max_registers(232, action="increase")
-            compute_wg(work_ref, num_items_ref, q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem, vs_smem,
-                       up_smem, lse_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar)
+            compute_wg(work_ref, num_items_ref, q_ref, tree_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem,
+                       vs_smem, up_smem, lse_smem, tree_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar)
 
         @pl.when(wg == nwg)
         def _():
@@ -748,8 +784,9 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
         plgpu.SMEM((stages, bkv), jnp.float32) if quantized else None,  # V scales ring
         plgpu.SMEM((nwg, bkv, dim), shp.dtype, transforms=tiled) if quantized else None,  # upcast K / V
         plgpu.SMEM((nwg, ROWS_PER_WG), jnp.float32),  # log-sum-exp
+        plgpu.SMEM((2, nwg, ROWS_PER_WG), jnp.int32) if tree else None,  # tree words, buffered as Q
         plgpu.SMEM((nwg, ROWS_PER_WG, bkv), shp.dtype, transforms=tiled) if cfg.p_via_smem else None,
-        plgpu.Barrier(num_barriers=(2, nwg)),  # Q landed, per buffer and WG
+        plgpu.Barrier(num_arrivals=2 if tree else 1, num_barriers=(2, nwg)),  # Q (+ tree words) landed
         plgpu.Barrier(num_arrivals=pages_per_block * copies_per_page, num_barriers=stages),  # K slot full
         plgpu.Barrier(num_arrivals=pages_per_block * copies_per_page, num_barriers=stages),  # V slot full
         plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot free
@@ -820,6 +857,7 @@ def ragged_paged_attention(
     kv_chunk_pages: int | None = None,
     config: TuningConfig | None = None,
     plan: WorkPlan | None = None,
+    tree_mask: jax.Array | None = None,  # int32 [T]: a tree mask word per token (see the reference)
     interpret=None,
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
     """`ragged_paged_attention_reference` on a Hopper GPU (see the module docstring).
@@ -830,11 +868,15 @@ def ragged_paged_attention(
     saves recomputing the work list; it carries its config. `interpret=True` or a
     `plgpu.InterpretGPUParams` runs the Mosaic GPU interpreter instead of a GPU.
     With `k_scales` and `v_scales` the pages are an 8-bit cache (`quantized_kv`),
-    dequantized inside the kernel.
+    dequantized inside the kernel. `tree_mask` limits which of its sequence's first 32
+    new tokens each token sees, as in `ragged_paged_attention_reference`.
     """
     del kv_chunk_pages
-    scales = dict(k_scales=k_scales, v_scales=v_scales)
-    if (reason := unsupported_reason(q, k_pages, v_pages, **scales)) is not None:
+    tree = tree_mask is not None
+    if tree:
+        tree_mask = jnp.asarray(tree_mask)
+    optional = dict(k_scales=k_scales, v_scales=v_scales, tree_mask=tree_mask)
+    if (reason := unsupported_reason(q, k_pages, v_pages, **optional)) is not None:
         raise NotImplementedError(f"ragged_paged_attention (Mosaic GPU): {reason}")
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
@@ -848,12 +890,13 @@ def ragged_paged_attention(
         config = plan.config
     elif config is None:
         config = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size,
-                                query_tile=query_tile, p_via_smem=bool(interpret), kv_dtype=k_pages.dtype)
+                                query_tile=query_tile, p_via_smem=bool(interpret), kv_dtype=k_pages.dtype,
+                                tree=tree)
     elif query_tile is not None:
         config = config.with_query_tile(query_tile, groups)
     if interpret:  # the interpreter's wgmma takes its A operand from smem only
         config = dataclasses.replace(config, p_via_smem=True)
-    if (reason := unsupported_reason(q, k_pages, v_pages, **scales, config=config)) is not None:
+    if (reason := unsupported_reason(q, k_pages, v_pages, **optional, config=config)) is not None:
         raise NotImplementedError(f"ragged_paged_attention (Mosaic GPU): {reason}")
     if plan is None:
         plan = plan_work(kv_lens, query_start_loc, num_tokens=num_tokens, num_kv_heads=num_kv_heads,
@@ -863,15 +906,22 @@ def ragged_paged_attention(
     shapes = _Shapes(jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), num_kv_heads, head_dim, page_size, groups, rows,
                      plan.work.shape[0], max_pages)
     kernel = _build_kernel(config, shapes, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap, interpret=interpret)
-    q_tiles = _gather_query_tiles(q, plan.tile_tokens, num_kv_heads, rows, ROWS_PER_WG * config.num_compute_wgs)
+                           soft_cap=soft_cap, tree=tree, interpret=interpret)
+    pad_rows = ROWS_PER_WG * config.num_compute_wgs
+    q_tiles = _gather_query_tiles(q, plan.tile_tokens, num_kv_heads, rows, pad_rows)
+    tree_rows = ()
+    # [NT * rows + pad_rows]: the words in the query rows' order (a one-wide "query" of G heads).
+    # Padding rows get 0: they may see no key at all, which gives o = 0 and lse = -inf, never read.
+    if tree:
+        words = jnp.broadcast_to(tree_mask[:, None, None], (num_tokens, groups, 1))
+        tree_rows = (_gather_query_tiles(words, plan.tile_tokens, 1, rows, pad_rows).reshape(-1),)
     # Free reshapes: a page of one KV head is then a rectangular [page_size, D] TMA box.
     k2d = k_pages.reshape(num_pages * page_size, num_kv_heads * head_dim)
     v2d = v_pages.reshape(num_pages * page_size, num_kv_heads * head_dim)
     kv = (k2d, v2d)
     if k_scales is not None:  # [P, KV * page_size]: a page's scales of one KV head are one row slice
         kv += (k_scales.reshape(num_pages, -1), v_scales.reshape(num_pages, -1))
-    o_part, lse = kernel(plan.work, plan.num_items, jnp.asarray(block_tables, jnp.int32), q_tiles, *kv)
+    o_part, lse = kernel(plan.work, plan.num_items, jnp.asarray(block_tables, jnp.int32), q_tiles, *tree_rows, *kv)
 
     out_tiles = _combine(o_part, lse, plan, rows, num_kv_heads, head_dim)
     return _tiles_to_tokens(out_tiles, plan, groups, q.dtype)

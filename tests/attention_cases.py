@@ -89,9 +89,14 @@ def make_case(
 
 
 def dense_attention(
-    case: AttentionCase, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+    case: AttentionCase, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    tree_mask: np.ndarray | None = None,
 ) -> np.ndarray:
-    """float64 attention, one sequence at a time over its dense K/V. Padding rows are 0."""
+    """float64 attention, one sequence at a time over its dense K/V. Padding rows are 0.
+
+    With `tree_mask` (a word per token), token t sees its sequence's new token at offset
+    j < 32 only if bit j of tree_mask[t] is set.
+    """
     num_tokens, num_heads, head_dim = case.q.shape
     groups = num_heads // case.k_pages.shape[2]
     out = np.zeros((num_tokens, num_heads, head_dim))
@@ -104,6 +109,10 @@ def dense_attention(
             allowed = keys <= pos
             if sliding_window is not None:
                 allowed &= keys > pos - sliding_window
+            if tree_mask is not None:
+                offset = keys - (kv_len - (end - start))  # among the sequence's new tokens
+                bits = np.array([int(tree_mask[t]) >> j & 1 if 0 <= j < 32 else 1 for j in offset], bool)
+                allowed &= bits
             for h in range(num_heads):
                 kh = k[:, h // groups].astype(np.float64)
                 vh = v[:, h // groups].astype(np.float64)
@@ -157,3 +166,28 @@ def quantize_case(case: AttentionCase, dtype, rng: np.random.Generator) -> tuple
     quantized = dataclasses.replace(case, k_pages=k, v_pages=v, k_scales=k_scales, v_scales=v_scales,
                                     dense_k=dense_k, dense_v=dense_v)
     return quantized, dataclasses.replace(quantized, k_pages=k_deq, v_pages=v_deq, k_scales=None, v_scales=None)
+
+
+def tree_words(parents: list[int]) -> list[int]:
+    """int32 mask words of a draft tree in BFS order (parents[i] < i; the root's is -1):
+    node i's word has the bits of its ancestors and itself."""
+    words = []
+    for i, parent in enumerate(parents):
+        assert parent < i
+        words.append((words[parent] if parent >= 0 else 0) | 1 << i)
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # bit 31 is the sign
+
+
+def kary_tree(num_nodes: int, k: int) -> list[int]:
+    """Parents of a complete k-ary draft tree in BFS order (k = 1: a chain)."""
+    return [-1] + [(i - 1) // k for i in range(1, num_nodes)]
+
+
+def batch_tree_mask(case: AttentionCase, trees: dict[int, list[int]]) -> np.ndarray:
+    """int32 [T]: sequence s's new tokens carry `tree_words(trees[s])`, every other token -1."""
+    mask = np.full(case.q.shape[0], -1, np.int32)
+    for s, parents in trees.items():
+        start, end = case.query_start_loc[s], case.query_start_loc[s + 1]
+        assert end - start == len(parents), (s, end - start, len(parents))
+        mask[start:end] = tree_words(parents)
+    return mask

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.attention_cases import dense_attention, make_case, quantize_case
+from tests.attention_cases import batch_tree_mask, dense_attention, kary_tree, make_case, quantize_case, tree_words
 
 
 def run_reference(case, **kwargs):
@@ -61,3 +61,59 @@ def test_8bit_cache_equals_the_dequantized_pages(dtype):
         np.testing.assert_allclose(got, run_reference(dequantized, **kwargs), atol=2e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="both"):
         run_reference(quantized, sm_scale=0.25, k_scales=quantized.k_scales)
+
+
+# Draft trees to verify, in BFS order (each node's parent; the root's is -1): a chain, and
+# a tree with two or three children per node over three levels.
+CHAIN = [-1, 0, 1, 2, 3]
+BUSHY = [-1, 0, 0, 0, 1, 1, 2, 3, 3, 3, 5]
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 2.0), (9, 3.0)])
+def test_tree_verification_in_a_mixed_batch(groups, window, soft_cap):
+    """A prefill chunk, decodes and two draft trees in one batch; the trees' new tokens
+    cross a page boundary, and one tree starts at position 0."""
+    rng = np.random.default_rng(groups * 10 + (window or 0))
+    q_lens, kv_lens = [13, 1, len(CHAIN), 1, len(BUSHY)], [20, 9, 22, 16, len(BUSHY)]
+    case = make_case(rng, q_lens, kv_lens, num_heads=2 * groups, num_kv_heads=2, head_dim=16,
+                     page_size=4, pad_tokens=3, pad_seqs=1)
+    mask = batch_tree_mask(case, {2: CHAIN, 4: BUSHY})
+    kwargs = dict(sm_scale=0.25, sliding_window=window, soft_cap=soft_cap)
+    want = dense_attention(case, tree_mask=mask, **kwargs)
+    assert not np.allclose(want, dense_attention(case, **kwargs)), "the trees must change something"
+    for tile, chunk in [(None, None), (1, 1), (4, 2), (16, 3)]:
+        got = run_reference(case, tree_mask=mask, query_tile=tile, kv_chunk_pages=chunk, **kwargs)
+        assert np.isfinite(got).all(), (tile, chunk)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"{tile=} {chunk=}")
+    # A word of -1 is no tree: the very same numbers as without one.
+    all_bits = np.full(case.q.shape[0], -1, np.int32)
+    np.testing.assert_array_equal(run_reference(case, tree_mask=all_bits, **kwargs), run_reference(case, **kwargs))
+
+
+def test_tree_of_32_nodes_and_offsets_past_32():
+    """Bit 31 (the sign) is node 31's; new tokens at offsets >= 32 and context keys
+    ignore the words (random ones here, each with its own bit)."""
+    rng = np.random.default_rng(5)
+    binary = kary_tree(32, 2)
+    case = make_case(rng, [32, 40], [40, 45], num_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
+    mask = batch_tree_mask(case, {0: binary})
+    assert mask[31] < 0 and tree_words(binary)[31] == mask[31]
+    own_bit = np.where(np.arange(40) < 32, 1 << np.minimum(np.arange(40), 31), 0).astype(np.uint32)
+    mask[32:] = (rng.integers(0, 1 << 32, 40, dtype=np.uint32) | own_bit).view(np.int32)
+    want = dense_attention(case, sm_scale=0.25, tree_mask=mask)
+    for tile in (None, 8):
+        got = run_reference(case, sm_scale=0.25, tree_mask=mask, query_tile=tile)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"{tile=}")
+
+
+def test_tree_verification_with_an_8bit_cache():
+    rng = np.random.default_rng(12)
+    case = make_case(rng, [5, 1, len(BUSHY)], [21, 9, 30], num_heads=6, num_kv_heads=2, head_dim=16,
+                     page_size=4, pad_tokens=2)
+    quantized, dequantized = quantize_case(case, "int8", rng)
+    mask = batch_tree_mask(case, {0: CHAIN, 2: BUSHY})
+    kwargs = dict(sm_scale=0.25, tree_mask=mask)
+    got = run_reference(quantized, k_scales=quantized.k_scales, v_scales=quantized.v_scales, **kwargs)
+    np.testing.assert_allclose(got, dense_attention(quantized, **kwargs), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, run_reference(dequantized, **kwargs), atol=2e-6, rtol=1e-6)

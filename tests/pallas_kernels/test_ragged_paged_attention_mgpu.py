@@ -6,14 +6,16 @@
    shared first page, padding tokens and sequences, GQA 1 / 3 / 8, window and soft-cap,
    flash-decoding splits, one and two compute warpgroups. Unused pages and slots are NaN.
    An 8-bit cache (e4m3 / int8 with per-token scales; unused int8 slots hold random
-   bytes, unused scales NaN) is checked against both on the dequantized pages.
-2. Lowered for CUDA with `jax.export` at production shapes (bf16, e4m3 and int8 caches);
+   bytes, unused scales NaN) is checked against both on the dequantized pages. Draft
+   trees (a tree mask word per token) in mixed batches.
+2. Lowered for CUDA with `jax.export` at production shapes (bf16, e4m3 and int8 caches,
+   with and without a tree mask);
    Mosaic GPU targets sm_90 when no GPU is present and checks the shared-memory budget
    (227 KiB) while lowering.
 
 With JAXSERVE_MGPU_ON_GPU=1 (benchmarks/gpu_check.sh) the same cases run compiled on
-the GPU instead of interpreted, and production-shape cases are added against the
-reference.
+the GPU instead of interpreted, and production-shape cases (tree verification included)
+are added against the reference.
 """
 
 import dataclasses
@@ -28,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.attention_cases import dense_attention, make_case, quantize_case
+from tests.attention_cases import batch_tree_mask, dense_attention, kary_tree, make_case, quantize_case
 from tests.pallas_kernels.smem import record_smem
 
 ON_GPU = os.environ.get("JAXSERVE_MGPU_ON_GPU") == "1"
@@ -199,6 +201,41 @@ def test_8bit_cache_two_compute_warpgroups():
           tol=dict(atol=5e-3, rtol=5e-3), sm_scale=0.125, sliding_window=33)
 
 
+# Draft trees to verify, in BFS order (each node's parent; the root's is -1): a chain, a
+# tree with two children per node, and 20 nodes with three children each.
+CHAIN = [-1, 0, 1, 2]
+BUSHY = [-1, 0, 0, 1, 1, 2, 2, 3, 5]
+TERNARY_20 = kary_tree(20, 3)
+
+
+@pytest.mark.parametrize("window,soft_cap,kv8", [(None, None, None), (40, 3.0, "int8")])
+def test_tree_verification_in_a_mixed_batch(window, soft_cap, kv8):
+    """A prefill chunk, decodes and two draft trees (tiles of 4 tokens). The bushy tree's
+    new tokens (positions 60..68) cross a kv block boundary: its second tile's tree bits
+    fall in a block wholly before its causal diagonal."""
+    rng = np.random.default_rng(21 + (window or 0))
+    q_lens, kv_lens = [13, 1, len(CHAIN), 1, len(BUSHY)], [70, 9, 150, 64, 60 + len(BUSHY)]
+    case = make_case(rng, q_lens, kv_lens, num_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
+                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    mask = batch_tree_mask(case, {2: CHAIN, 4: BUSHY})
+    kwargs = dict(config=small_config(query_tile=4), sm_scale=0.125, sliding_window=window, soft_cap=soft_cap,
+                  tree_mask=mask)
+    if kv8 is None:
+        check(case, **kwargs)
+    else:
+        quantized, dequantized = quantize_case(case, KV8[kv8], rng)
+        check(quantized, dequantized=dequantized, **kwargs)
+
+
+def test_tree_verification_two_compute_warpgroups():
+    """A 20-node tree in 16-token tiles of 128 rows (GQA 8), beside a prefill chunk and a decode."""
+    rng = np.random.default_rng(9)
+    case = make_case(rng, [40, 1, len(TERNARY_20)], [100, 130, 50], num_heads=16, num_kv_heads=2, head_dim=64,
+                     page_size=8, pad_tokens=2, dtype=jnp.bfloat16)
+    mask = batch_tree_mask(case, {2: TERNARY_20})
+    check(case, config=small_config(query_tile=16, num_compute_wgs=2), sm_scale=0.125, tree_mask=mask)
+
+
 # -- plan and validation (no kernel) ------------------------------------------------
 
 
@@ -292,6 +329,17 @@ def test_8bit_cache_inputs_are_checked():
     assert mgpu.is_supported(q, fp8, fp8, k_scales=scales, v_scales=scales, config=deep)
 
 
+def test_tree_mask_input_is_checked():
+    sds = jax.ShapeDtypeStruct
+    q, pages = sds((4, 8, 64), jnp.bfloat16), sds((4, 16, 2, 64), jnp.bfloat16)
+    assert mgpu.is_supported(q, pages, pages, tree_mask=sds((4,), jnp.int32))
+    for bad in (sds((4,), jnp.uint32), sds((5,), jnp.int32), sds((4, 1), jnp.int32)):
+        assert "tree_mask must be int32 (4,)" in mgpu.unsupported_reason(q, pages, pages, tree_mask=bad)
+    # The words' buffer counts against shared memory.
+    config = mgpu.TuningConfig(block_kv=128, max_concurrent_steps=2)
+    assert config.smem_bytes(64, tree=True) == config.smem_bytes(64) + 1024  # int32 [2, 1, 64], 1 KiB aligned
+
+
 # -- 2. lowered for an H100 / H200 at production shapes ----------------------------
 
 # (name, tokens, seqs, context, page_size, head_dim, window, soft_cap); 32 query / 8 KV heads
@@ -313,19 +361,20 @@ PRODUCTION = [
 
 
 def lower_for_cuda(num_tokens, num_seqs, context, page_size, head_dim, window, soft_cap, *,
-                   num_heads=32, num_kv_heads=8, config=None, dtype=jnp.bfloat16, kv_dtype=None):
+                   num_heads=32, num_kv_heads=8, config=None, dtype=jnp.bfloat16, kv_dtype=None, tree=False):
     """jax.export for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated).
 
-    `kv_dtype` e4m3 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales)."""
+    `kv_dtype` e4m3 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales);
+    `tree` with a tree mask."""
     max_pages = -(-context // page_size)
     num_pages = num_seqs * max_pages + 1
     config = config or mgpu.default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size,
-                                           kv_dtype=kv_dtype)
+                                           kv_dtype=kv_dtype, tree=tree)
+    optional = (("k_scales", "v_scales") if kv_dtype is not None else ()) + (("tree_mask",) if tree else ())
 
-    def fn(*args):  # the six arrays, then the scales of an 8-bit cache
-        scales = dict(zip(("k_scales", "v_scales"), args[6:]))
-        return mgpu.ragged_paged_attention(*args[:6], **scales, sm_scale=head_dim**-0.5, sliding_window=window,
-                                           soft_cap=soft_cap, config=config)
+    def fn(*args):  # the six arrays, then the optional ones
+        return mgpu.ragged_paged_attention(*args[:6], **dict(zip(optional, args[6:])), sm_scale=head_dim**-0.5,
+                                           sliding_window=window, soft_cap=soft_cap, config=config)
 
     pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     args = (jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype), pages, pages,
@@ -333,6 +382,8 @@ def lower_for_cuda(num_tokens, num_seqs, context, page_size, head_dim, window, s
             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
     if kv_dtype is not None:
         args += (jax.ShapeDtypeStruct((num_pages, num_kv_heads, page_size), jnp.float32),) * 2
+    if tree:
+        args += (jax.ShapeDtypeStruct((num_tokens,), jnp.int32),)
     with record_smem() as smem:
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
     return exported, config, smem
@@ -363,6 +414,29 @@ def test_8bit_cache_lowers_for_hopper(name, tokens, seqs, context, page_size, he
     assert "mosaic_gpu" in exported.mlir_module()
     if smem:
         assert smem == [config.smem_bytes(head_dim, 2, 1)], (smem, config)
+        assert smem[0] <= mgpu.SMEM_BYTES
+
+
+# Tree verification: 64 or 8 sequences of a 16-node (or 32-node) tree each beside decodes,
+# and a mixed batch; bf16 and 8-bit caches, one and two compute warpgroups.
+TREE_PRODUCTION = [
+    ("tree_b64_n16", 1024, 64, 8192, 16, 128, None, None, None),
+    ("tree_b8_n32_window_cap", 256, 8, 32768, 16, 128, 4096, 30.0, None),
+    ("tree_mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0, None),
+    ("tree_b64_n16_fp8", 1024, 64, 8192, 16, 128, None, None, "fp8"),
+    ("tree_decode_b64_int8_hd64", 64, 64, 8192, 16, 64, None, None, "int8"),
+]
+
+
+@pytest.mark.parametrize("name,tokens,seqs,context,page_size,head_dim,window,soft_cap,kv8", TREE_PRODUCTION,
+                         ids=[p[0] for p in TREE_PRODUCTION])
+def test_tree_mask_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8):
+    kv_dtype = KV8[kv8] if kv8 else None
+    exported, config, smem = lower_for_cuda(tokens, seqs, context, page_size, head_dim, window, soft_cap,
+                                            kv_dtype=kv_dtype, tree=True)
+    assert "mosaic_gpu" in exported.mlir_module()
+    if smem:
+        assert smem == [config.smem_bytes(head_dim, 2, 1 if kv8 else 2, tree=True)], (smem, config)
         assert smem[0] <= mgpu.SMEM_BYTES
 
 
@@ -447,6 +521,27 @@ def test_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft_cap, p_via
     tokens, seqs = case.q.shape[0], len(case.kv_lens)
     config = dataclasses.replace(mgpu.default_config(tokens, seqs, 32, 8, 128, 16), p_via_smem=p_via_smem)
     kwargs = dict(sm_scale=128**-0.5, sliding_window=window, soft_cap=soft_cap)
+    got = run_kernel(case, config=config, **kwargs)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, run_reference(case, **kwargs), **BF16_TOL)
+    assert not got[case.num_real_tokens:].any()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (1024, 30.0)])
+def test_tree_verification_production_shapes_on_gpu(window, soft_cap):
+    """A prefill chunk, decodes and eight draft trees (chains, 2- to 4-ary, 16 to 32 nodes)."""
+    rng = np.random.default_rng(17)
+    trees = [kary_tree(n, k) for n, k in [(16, 1), (16, 2), (16, 3), (16, 4), (32, 2), (31, 3), (8, 2), (24, 4)]]
+    q_lens = [512, 1, 1, 1, 1] + [len(t) for t in trees]
+    contexts = [0, 63, 1000, 4090, 8000, 20000, 5, 777]  # before each tree's new tokens
+    kv_lens = [3000, 100, 4096, 9000, 17] + [c + len(t) for c, t in zip(contexts, trees)]
+    case = make_case(rng, q_lens, kv_lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    mask = batch_tree_mask(case, {5 + i: t for i, t in enumerate(trees)})
+    tokens, seqs = case.q.shape[0], len(case.kv_lens)
+    config = mgpu.default_config(tokens, seqs, 32, 8, 128, 16, tree=True)
+    kwargs = dict(sm_scale=128**-0.5, sliding_window=window, soft_cap=soft_cap, tree_mask=mask)
     got = run_kernel(case, config=config, **kwargs)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, run_reference(case, **kwargs), **BF16_TOL)
