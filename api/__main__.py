@@ -12,23 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import socket
 import sys
 
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES
-from jaxserve.flags import add_model_flags, model_engine_kwargs
-
-UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-         "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """'67108864', '64MiB', '1.5GiB' -> bytes (K/M/G are binary units, as for memory)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 4GiB)")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+from jaxserve.flags import add_model_flags, model_engine_kwargs, parse_bytes
 
 
 def parse_args(argv=None) -> argparse.Namespace:

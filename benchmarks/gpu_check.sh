@@ -5,8 +5,8 @@
 #   attention  the Mosaic GPU attention kernel against the references, compiled on the GPU
 #              (tests/pallas_kernels/test_ragged_paged_attention_mgpu.py with
 #              JAXSERVE_MGPU_ON_GPU=1: the interpreter's small cases plus production shapes,
-#              P from registers and via smem), then its microbenchmark (benchmarks/kernels.py
-#              --only attention), JSON and PNG into $OUT;
+#              P from registers and via smem, tree masks for speculative verification), then
+#              its microbenchmark (benchmarks/kernels.py --only attention), JSON and PNG into $OUT;
 #   matmul     the W4A16 and FP8 quantized matmul kernels the same way
 #              (tests/pallas_kernels/test_quantized_matmul_mgpu.py, then benchmarks/kernels.py
 #              --only matmul: bf16 XLA dot vs the kernels at Llama-3-8B shapes, 1..256 tokens);
@@ -14,14 +14,17 @@
 #              kernels equal the reference path's (float, int4, fp8, gguf, fp8 KV cache), and
 #              both backends' output tokens/s;
 #   steploop   the device-idle fraction between steps with the overlapped loop and with the
-#              serial one (benchmarks/throughput.py --profile, a short workload).
+#              serial one (benchmarks/throughput.py --profile, a short workload);
+#   plan       python -m jaxserve.plan --measure on the default model in bf16: the engine's
+#              decode steps over batches 1..256 beside the roofline bound from the device
+#              table, JSON and PNG into $OUT.
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
 #     bash benchmarks/gpu_check.sh                  # every section; results in ${OUT:-benchmarks/results}
 #     bash benchmarks/gpu_check.sh --only matmul    # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(attention matmul e2e steploop)
+SECTIONS=(attention matmul e2e steploop plan)
 only=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -85,7 +88,7 @@ kernel_section() {
 }
 
 if wanted attention; then
-  kernel_section attention tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 150 180 attention
+  kernel_section attention tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 180 180 attention
 fi
 if wanted matmul; then
   kernel_section matmul tests/pallas_kernels/test_quantized_matmul_mgpu.py 200 240 matmul
@@ -102,6 +105,12 @@ if wanted steploop; then
     timeout 300 "$PYTHON" benchmarks/throughput.py --baseline none --profile $loop --num-requests 64 \
         --max-num-seqs 32 2>&1 | grep -v "generating" | tee -a "$OUT/step_loop.txt" || status=1
   done
+fi
+
+if wanted plan; then
+  echo "== plan: measured decode steps against the roofline bound"
+  timeout 300 "$PYTHON" -m jaxserve.plan --measure --dtype bfloat16 --context 256 --json "$OUT/plan.json" \
+      --plot "$OUT/plan.png" 2>&1 | tee "$OUT/plan.txt" || status=1
 fi
 
 echo "== done (status $status): results in $OUT"

@@ -50,6 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxserve import roofs  # noqa: E402
 from pallas_kernels import quantized_matmul_mgpu as qmgpu  # noqa: E402
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
 from pallas_kernels.quantized_matmul import fp8_matmul_reference, int4_matmul_reference  # noqa: E402
@@ -197,15 +198,6 @@ def time_call(fn, args, *, runs: int, on_gpu: bool, once: bool = False) -> Timin
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) / 5 * 1e6)
     return Timing(statistics.median(samples), None, "wall")
-
-
-def copy_bandwidth(on_gpu: bool, runs: int) -> float:
-    """Device-to-device copy bandwidth in GB/s: read + write of a 1 GiB (CPU: 64 MiB) buffer."""
-    n = (1 << 30 if on_gpu else 1 << 26) // 2
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 2)  # one fused read + write pass
-    us = time_call(copy, (x,), runs=runs, on_gpu=on_gpu).total_us
-    return 2 * x.nbytes / (us * 1e-6) / 1e9
 
 
 # -- one case --------------------------------------------------------------------
@@ -477,7 +469,7 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__} on {device.device_kind}")
     if not run_kernel:
         print("no GPU: timing the references only (--interpret also checks the kernels, interpreted)")
-    copy_gbs = copy_bandwidth(on_gpu, args.runs)
+    copy_gbs = roofs.copy_bandwidth(None if on_gpu else 1 << 27) / 1e9  # CPU: 128 MiB
     result = dict(jax=jax.__version__, device=device.device_kind, copy_gbs=copy_gbs)
 
     if args.only in (None, "attention"):

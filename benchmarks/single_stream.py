@@ -140,7 +140,7 @@ def roofline_tok_s(engine, max_tokens: int) -> float:
     import jax
 
     from jaxserve.kv_cache import kv_bytes_per_token
-    from jaxserve.profiling import read_bandwidth
+    from jaxserve.roofs import read_bandwidth
 
     cfg = engine.loaded.config
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))

@@ -37,11 +37,12 @@ import jax.numpy as jnp
 
 from jaxserve.backend import select_attention, select_matmul
 from jaxserve.generation_config import read_generation_config
-from jaxserve.kv_cache import kv_dtype_label, num_blocks_for_memory, resolve_kv_cache_dtype
+from jaxserve.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
 from jaxserve.model_runner import ModelRunner, StepHandle, token_buckets
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import NullProfiler, StepProfiler
+from jaxserve.sizing import both_units, plan_kv
 from jaxserve.spec_decode import SpeculativeConfig
 from jaxserve.spec_decode.proposers import Proposer, make_proposer
 from jaxserve.tokenization import encode_prompt
@@ -86,15 +87,20 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + self.generation.eos_token_ids))
         dtype = loaded.model.dtype
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-        num_blocks = config.num_blocks or num_blocks_for_memory(mcfg, config.kv_cache_memory, config.block_size,
-                                                                kv_dtype)
-        capacity = (num_blocks - 1) * config.block_size
         spec = config.speculative_config
         num_spec = spec.num_speculative_tokens if spec else 0
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        if max_model_len > capacity:
-            logger.warning("max_model_len %d is more than the KV cache holds; using %d", max_model_len, capacity)
+        kv_plan = plan_kv(mcfg, kv_dtype, context=max_model_len, block_size=config.block_size,
+                          memory_bytes=config.kv_cache_memory, num_blocks=config.num_blocks)
+        num_blocks, capacity = kv_plan.num_blocks, kv_plan.usable_tokens
+        if kv_plan.max_sequences == 0:
+            logger.warning("the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
+                           "using max_model_len %d (python -m jaxserve.plan sizes the cache)", capacity,
+                           max_model_len, both_units(kv_plan.bytes_per_sequence), capacity)
             max_model_len = capacity
+        else:
+            logger.info("plan: %d sequences of max_model_len %d fit in the KV cache at once (%s each)",
+                        kv_plan.max_sequences, max_model_len, both_units(kv_plan.bytes_per_sequence))
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,

@@ -4,6 +4,7 @@ model is loaded and run). Imports nothing heavy: `--help` stays quick."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from jaxserve.spec_decode.config import SpeculativeConfig
 
@@ -30,6 +31,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4}\' (draft_num_layers N: only its first N layers; no model: '
                         'the target itself)')
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'67108864', '64MiB', '1.5GiB', '80GB' -> bytes. GiB, MiB, KiB (and a bare G, M, K)
+    are binary units; GB, MB, kB decimal ones, as on devices' data sheets."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 4GiB, 80GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def model_engine_kwargs(args: argparse.Namespace) -> dict:

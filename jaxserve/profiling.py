@@ -215,19 +215,4 @@ def device_report(runner, profiler: StepProfiler, top: int = 2) -> str:
     return "\n\n".join(report)
 
 
-def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second this device reads, the best of `repeats` sums over a large array:
-    the roof a memory-bound decode step runs under."""
-    x = jax.device_put(jax.numpy.ones(megabytes << 18, jax.numpy.float32))
-    total = jax.jit(lambda a: a.sum())
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return x.nbytes / best
-
-
-__all__ = ["NullProfiler", "StepProfiler", "breakdown_table", "device_breakdown", "device_report", "op_parts",
-           "read_bandwidth"]
+__all__ = ["NullProfiler", "StepProfiler", "breakdown_table", "device_breakdown", "device_report", "op_parts"]

@@ -118,9 +118,37 @@ def resolve_source(model: str | None) -> Path:
         return path.resolve()
     if path.exists():
         raise ValueError(f"{path} is neither a .gguf file nor a model folder")
-    if model.count("/") != 1 or model.startswith((".", "/")):
+    if not _is_hub_id(model):
         raise FileNotFoundError(f"no model file or folder at {model!r} (and it does not look like a hub id)")
     return _download(model)
+
+
+def read_hf_config(model: str | None) -> tuple[dict, str]:
+    """The config.json (or a GGUF file's metadata as one) of `model` and where it came
+    from, without reading weights; a hub id fetches its config.json alone."""
+    path = Path(model).expanduser() if model else None
+    if path is not None and not path.exists() and _is_hub_id(model):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            config_file = hf_hub_download(model, "config.json")
+        except Exception as e:
+            raise FileNotFoundError(f"could not download {model!r}'s config.json from the Hugging Face hub: {e}") from e
+        with open(config_file) as f:
+            return json.load(f), model
+    source = resolve_source(model)
+    return _source_config(source, GGUFFile(source) if source.is_file() else None), str(source)
+
+
+def _is_hub_id(model: str) -> bool:
+    return model.count("/") == 1 and not model.startswith((".", "/"))
+
+
+def _source_config(source: Path, gguf: GGUFFile | None) -> dict:
+    if gguf is not None:
+        return gguf.hf_config()
+    with open(source / "config.json") as f:
+        return json.load(f)
 
 
 def _download(repo_id: str) -> Path:
@@ -143,12 +171,10 @@ def _cache_key(source: Path, dtype, quant: QuantConfig | None) -> str:
 
 def _convert(source: Path, dtype, quant: QuantConfig | None, progress: bool) -> LoadedModel:
     gguf = GGUFFile(source) if source.is_file() else None
+    hf_config = _source_config(source, gguf)
     if gguf is not None:
-        hf_config = gguf.hf_config()
         tensors, total = gguf.tensors(keep_q4=quant is not None and quant.method == "gguf"), gguf.num_tensors
     else:
-        with open(source / "config.json") as f:
-            hf_config = json.load(f)
         files = safetensors_reader.safetensors_files(source)
         total = safetensors_reader.count_tensors(files)
         if quant is not None and quant.method == "compressed-tensors":

@@ -7,14 +7,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from api.__main__ import parse_args, parse_bytes
+from api.__main__ import parse_args
 from api.server import default_model_name
+from jaxserve.flags import parse_bytes
 
 
 def test_sizes():
     assert parse_bytes("67108864") == 64 << 20
     assert parse_bytes("64MiB") == parse_bytes("64m") == 64 << 20
     assert parse_bytes("1.5GiB") == 3 << 29
+    assert parse_bytes("80GB") == 80 * 10**9  # decimal, as devices' data sheets count
     for bad in ("", "lots", "12 parsecs", "-1GiB"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bytes(bad)
