@@ -88,7 +88,7 @@ class LLMEngine:
         dtype = loaded.model.dtype
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         spec = config.speculative_config
-        num_spec = spec.num_speculative_tokens if spec else 0
+        num_spec = spec.num_draft_tokens if spec else 0
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
         kv_plan = plan_kv(mcfg, kv_dtype, context=max_model_len, block_size=config.block_size,
                           memory_bytes=config.kv_cache_memory, num_blocks=config.num_blocks)
@@ -107,6 +107,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             enable_prefix_caching=config.enable_prefix_caching, num_speculative_tokens=num_spec,
+            draft_tree=spec and spec.tree,
         ))
         self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
                                                              kv_dtype)
@@ -116,6 +117,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
             kv_dtype=kv_dtype, buckets=self._token_buckets(num_spec),
             num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
+            draft_tree=spec and spec.tree,
         )
         self.proposer: Proposer | None = make_proposer(spec, self) if spec else None
         self.async_scheduling = config.async_scheduling and spec is None

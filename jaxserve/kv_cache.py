@@ -119,6 +119,21 @@ def copy_blocks(kv: KVCache, pairs: jax.Array) -> KVCache:
     return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), kv)
 
 
+def move_slots(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """kv[slot dst[i]] = kv[slot src[i]] in every layer and array, scales included, all
+    read before any is written (a tree's accepted drafts moved next to each other)."""
+    k, v = (x.reshape(x.shape[0], -1, *x.shape[3:]) for x in (kv.k, kv.v))  # [L, slots, KV, D]
+    out = KVCache(k.at[:, dst].set(k[:, src]).reshape(kv.k.shape), v.at[:, dst].set(v[:, src]).reshape(kv.v.shape))
+    if kv.k_scale is not None:
+        block_size = kv.block_size
+
+        def move_scales(x):  # [L, num_blocks, KV, block_size]
+            values = x[:, src // block_size, :, src % block_size]
+            return x.at[:, dst // block_size, :, dst % block_size].set(values)
+        out.k_scale, out.v_scale = move_scales(kv.k_scale), move_scales(kv.v_scale)
+    return out
+
+
 def write_kv(pages: KVCache, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
     """Store each token's K and V [T, KV, D] at its flat slot (`page * page_size + offset`)
     of the folded cache, quantizing them first if the cache is 8-bit."""

@@ -86,6 +86,7 @@ class Attention(nnx.Module):
             out = attention(
                 q, pages.k, pages.v, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
                 sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, **pages.scales(),
+                **({} if inputs.tree_mask is None else {"tree_mask": inputs.tree_mask}),
             )
         with jax.named_scope("o_proj"):
             return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), pages

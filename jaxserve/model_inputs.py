@@ -24,6 +24,7 @@ class ModelInputs:
     seq_lens: jax.Array  # int32 [S]: context length after this step
     block_tables: jax.Array  # int32 [S, max_blocks]
     logits_indices: jax.Array  # int32 [S]: flat index of the token whose logits we want
+    tree_mask: jax.Array | None = None  # int32 [T]: speculating with a tree (see StepBatch.tree_mask)
 
     @classmethod
     def from_numpy(cls, **arrays: np.ndarray) -> ModelInputs:

@@ -38,11 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks
+from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slots
 from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.sampler import SamplerOutput, SamplingMetadata, sample
 from jaxserve.spec_decode.rejection_sampler import VerifyOutput, verify
+from jaxserve.spec_decode.tree_verify import TreeVerifyOutput, verify_tree
+from scheduler.draft_tree import DraftTree
 from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ logger = logging.getLogger(__name__)
 # product at about the memory bandwidth, while 2-8 rows run about three times slower, so
 # single-stream decode must not be padded.
 MIN_TOKENS = 1
+NULL_SLOT = 0  # the null block's first slot (kv_cache.NULL_BLOCK is 0): where moves that do nothing go
 
 
 @dataclasses.dataclass
@@ -87,6 +90,7 @@ class ModelRunner:
         buckets: list[int] | None = None,
         num_speculative_tokens: int = 0,
         draft_distributions: bool = False,
+        draft_tree: DraftTree | None = None,
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -108,6 +112,9 @@ class ModelRunner:
         rows = max_num_seqs
         self.num_speculative_tokens = k = num_speculative_tokens
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)
+        # Drafts shaped as a tree (not a chain): tree attention, tree verification, and the
+        # accepted path's K/V moved next to each other after each verify step.
+        self.tree = tree = draft_tree if draft_tree is not None and not draft_tree.is_chain else None
 
         def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens):
             """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
@@ -127,14 +134,29 @@ class ModelRunner:
             """Verify the first R rows' draft tokens (R: draft_ids' rows); keep each row's last token."""
             r = draft_ids.shape[0]
             logits = nnx.merge(graphdef, params).logits(hidden[:r].reshape(r * (k + 1), -1))
-            out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
+            if tree is None:
+                out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
+            else:  # column 0 is the root (not a draft); a request keeps a BFS prefix of the tree
+                valid = jnp.arange(k + 1)[None, :] <= num_drafts[:, None]
+                out = verify_tree(logits, meta, tree, jnp.pad(draft_ids, ((0, 0), (1, 0))), valid,
+                                  None if draft_probs is None else jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))))
             last = jnp.take_along_axis(out.token_ids, out.num_tokens[:, None] - 1, axis=1)[:, 0]
             return out, jnp.zeros(rows, jnp.int32).at[:r].set(last)
+
+        def compact(kv, out: TreeVerifyOutput, tree_slots):
+            """Move each row's accepted drafts' K/V to the slots after its root, in path order
+            (tree_slots [R, N+1]: the slots of the root and its nodes)."""
+            depth = jnp.arange(out.path.shape[1])[None, :]
+            moved = (depth < out.num_tokens[:, None]) & (out.path != depth)
+            src = jnp.take_along_axis(tree_slots, out.path, axis=1)
+            dst = tree_slots[:, : out.path.shape[1]]
+            return move_slots(kv, jnp.where(moved, src, NULL_SLOT).ravel(), jnp.where(moved, dst, NULL_SLOT).ravel())
 
         # jit is applied here, once; the step functions stay plain functions.
         self._body = jax.jit(body, donate_argnames=("kv",))
         self._head = jax.jit(head)
         self._verify_head = jax.jit(verify_head)
+        self._compact = jax.jit(compact, donate_argnames=("kv",))
         # The latest step's sampled tokens, by row, on the device.
         self.last_tokens = jax.device_put(np.zeros(rows, np.int32), device)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
@@ -174,6 +196,8 @@ class ModelRunner:
                 if self.num_speculative_tokens:
                     out, _ = self._verify_head(self.params, hidden, *self._verify_args(None, r, penalties))
                     out.token_ids.block_until_ready()
+                    if self.tree is not None:
+                        self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
         logger.info("compiled %d token buckets %s and %d row buckets %s", len(self.buckets), self.buckets,
                     len(self.row_buckets), self.row_buckets)
 
@@ -191,8 +215,11 @@ class ModelRunner:
         inputs, pending = self._pad_inputs(batch, *self.bucket_for(batch.num_tokens))
         hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
         if batch.verify is not None:
-            args = self._verify_args(batch, self.rows_for(batch.num_seqs), draft_probs=draft_probs)
-            out, self.last_tokens = self._verify_head(self.params, hidden, *args)
+            r = self.rows_for(batch.num_seqs)
+            out, self.last_tokens = self._verify_head(self.params, hidden, *self._verify_args(batch, r,
+                                                                                           draft_probs=draft_probs))
+            if self.tree is not None:
+                self.kv = self._compact(self.kv, out, self._tree_slots(batch, r))
         else:
             meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
             out, self.last_tokens = self._head(self.params, hidden, meta)
@@ -211,6 +238,16 @@ class ModelRunner:
         if self.draft_distributions and draft_probs is None:  # warm-up (committed, as the real ones are)
             draft_probs = jax.device_put(np.zeros((r, k, self.config.vocab_size), np.float32), self.device)
         return meta, draft_ids, num_drafts, draft_probs
+
+    def _tree_slots(self, batch: StepBatch | None, r: int) -> np.ndarray:
+        """i32 [r, N+1]: each row's slots of its root and its drafts (rows without: the null slot)."""
+        slots = np.full((r, self.num_speculative_tokens + 1), NULL_SLOT, np.int32)
+        if batch is not None:
+            for i, m in enumerate(batch.num_spec_tokens.tolist()):
+                if m:
+                    end = batch.query_start_loc[i + 1]
+                    slots[i, : m + 1] = batch.slot_mapping[end - m - 1 : end]
+        return slots
 
     def write_kv(self, batch: StepBatch) -> None:
         """Run a step's tokens through the layers for their K/V only (no logits): a draft
@@ -248,7 +285,13 @@ class ModelRunner:
                 logits_at[:m] = batch.logits_indices
             p = len(batch.pending_tokens)
             pending_at[:p], pending_rows[:p] = batch.pending_tokens, batch.pending_rows
-        return ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at), PendingTokens(pending_at, pending_rows)
+        tree_mask = None
+        if self.tree is not None:  # every step: one compiled program per bucket, not two
+            tree_mask = np.full(t, -1, np.int32)
+            if batch is not None and batch.tree_mask is not None:
+                tree_mask[: batch.num_tokens] = batch.tree_mask
+        inputs = ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at, tree_mask)
+        return inputs, PendingTokens(pending_at, pending_rows)
 
     def _pad_sampling(self, b: SamplingBatch, s: int) -> SamplingMetadata:
         def pad(a, fill=0):
@@ -291,7 +334,7 @@ class StepHandle:
     def fetch(self) -> RunnerOutput:
         out, n, k = self.out, self.num_seqs, self.num_logprobs
         token_ids = np.asarray(out.token_ids)[:n]
-        num_tokens = np.asarray(out.num_tokens)[:n] if isinstance(out, VerifyOutput) else None
+        num_tokens = np.asarray(out.num_tokens)[:n] if isinstance(out, (VerifyOutput, TreeVerifyOutput)) else None
         if not self.want_logprobs:
             return RunnerOutput(token_ids, None, None, None, num_tokens)
         logprobs = np.asarray(out.logprobs)[:n]

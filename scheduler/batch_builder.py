@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from scheduler.draft_tree import DraftTree
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
@@ -11,13 +12,16 @@ from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
 
 def build_step_batch(
     step_id: int, rows: list[tuple[Request, int]], tables: list[list[int]], block_size: int,
-    copies: list[tuple[int, int]], num_speculative_tokens: int = 0,
+    copies: list[tuple[int, int]], tree: DraftTree | None = None,
 ) -> StepBatch:
     """`rows`: (request, number of its tokens to run) in row order; `tables`: their block ids.
 
     Built before the rows' counters advance: a row starts at its `num_computed_tokens`,
-    and its last `len(request.spec_token_ids)` tokens are draft tokens to verify. With
-    drafts in the step, the sampling rows are per draft position (`SamplingBatch.verify`).
+    and its last `len(request.spec_token_ids)` tokens are draft tokens to verify: the first
+    nodes of `tree` in BFS order (a chain unless speculating with a tree). With drafts in
+    the step, the sampling rows are per tree position (`SamplingBatch.verify`). A draft's
+    K/V go to the next slot, but its position (RoPE) is its depth past the row's decode
+    token, and a tree's drafts see only their ancestors (`tree_mask`).
     """
     num_seqs = len(rows)
     counts = np.fromiter((n for _, n in rows), np.int32, num_seqs)
@@ -49,9 +53,16 @@ def build_step_batch(
         block_tables[i, : len(t)] = t
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     num_spec = np.fromiter((len(r.spec_token_ids) for r, _ in rows), np.int32, num_seqs)
-    spec_token_ids = np.zeros((num_seqs, num_speculative_tokens), np.int32)
+    spec_token_ids = np.zeros((num_seqs, tree.num_nodes if tree else 0), np.int32)
+    tree_mask = None if tree is None or tree.is_chain else np.full(len(input_ids), -1, np.int32)
     for i, (r, _) in enumerate(rows):
-        spec_token_ids[i, : len(r.spec_token_ids)] = r.spec_token_ids
+        m = len(r.spec_token_ids)
+        if m:
+            spec_token_ids[i, :m] = r.spec_token_ids
+            end = query_start_loc[i + 1]
+            positions[end - m : end] -= np.arange(1, m + 1) - tree.depth[1 : m + 1]  # slot offset -> depth
+            if tree_mask is not None:
+                tree_mask[end - m - 1 : end] = tree.ancestor_mask[: m + 1]
     requests = [r for r, _ in rows]
 
     return StepBatch(
@@ -72,7 +83,8 @@ def build_step_batch(
         block_copies=copies,
         num_spec_tokens=num_spec,
         spec_token_ids=spec_token_ids,
-        verify=build_verify_sampling(requests, num_speculative_tokens) if num_spec.any() else None,
+        verify=build_verify_sampling(requests, tree) if num_spec.any() else None,
+        tree_mask=tree_mask,
     )
 
 
@@ -124,18 +136,20 @@ def build_sampling_batch(requests: list[Request], offsets: list[int] | None = No
     return batch
 
 
-def build_verify_sampling(requests: list[Request], k: int) -> SamplingBatch:
-    """Sampling rows for verifying draft tokens: row i * (k + 1) + j samples the token after
-    the request's next one and its first j drafts, exactly as if those drafts were its
-    tokens (its RNG stream position, min_tokens, penalty history). Positions past a
-    request's drafts repeat its last one."""
+def build_verify_sampling(requests: list[Request], tree: DraftTree) -> SamplingBatch:
+    """Sampling rows for verifying draft tokens: row i * (N + 1) + j samples the token after
+    the request's next one and the drafts on the tree's path to position j, exactly as if
+    those drafts were its tokens (its RNG stream position, min_tokens, penalty history).
+    Positions past a request's drafts repeat its last one."""
     expanded, offsets, history = [], [], []
+    paths = tree.path_table
     for r in requests:
-        for j in range(k + 1):
+        for j in range(tree.num_nodes + 1):
             j = min(j, len(r.spec_token_ids))
+            depth = tree.depth[j]
             expanded.append(r)
-            offsets.append(j)
-            history.append(r.spec_token_ids[:j])
+            offsets.append(int(depth))
+            history.append([r.spec_token_ids[node - 1] for node in paths[j, 1 : depth + 1]])
     return build_sampling_batch(expanded, offsets, history)
 
 

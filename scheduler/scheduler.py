@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from scheduler.batch_builder import banned_token_ids, build_step_batch
+from scheduler.draft_tree import DraftTree
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
 from scheduler.step_batch import MAX_BANNED_TOKENS, StepBatch
@@ -38,12 +39,24 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # The most draft tokens a request may verify in one step (speculative decoding; 0: off).
     num_speculative_tokens: int = 0
+    # Their shape: a tree of candidates (None: a chain of num_speculative_tokens).
+    draft_tree: DraftTree | None = None
 
     def __post_init__(self):
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"{self.max_num_batched_tokens=} must be >= {self.max_num_seqs=}")
         if self.block_size < 1 or self.num_blocks < 2:
             raise ValueError(f"{self.block_size=} must be >= 1 and {self.num_blocks=} >= 2")
+        if self.draft_tree is not None and self.draft_tree.num_nodes != self.num_speculative_tokens:
+            raise ValueError(f"a draft tree of {self.draft_tree.num_nodes} nodes verifies that many tokens, "
+                             f"not {self.num_speculative_tokens=}")
+
+    @property
+    def tree(self) -> DraftTree | None:
+        """The drafts' shape, a chain unless a tree was given (None: no speculation)."""
+        if self.draft_tree is not None or not self.num_speculative_tokens:
+            return self.draft_tree
+        return DraftTree.chain(self.num_speculative_tokens)
 
 
 @dataclasses.dataclass
@@ -118,6 +131,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.spec_stats = SpecDecodingStats()
+        self._tree = config.tree
 
     # -- requests in and out ----------------------------------------------------------
 
@@ -237,8 +251,7 @@ class Scheduler:
         rows = list(scheduled.values())
         tables = [self.kv.tables[r.request_id] for r, _ in rows]
         self._step_id += 1
-        batch = build_step_batch(self._step_id, rows, tables, cfg.block_size, self.kv.take_copies(),
-                                 cfg.num_speculative_tokens)
+        batch = build_step_batch(self._step_id, rows, tables, cfg.block_size, self.kv.take_copies(), self._tree)
         # The step's tokens count as computed now, and a row that reaches the end of its
         # request samples a pending token: the next step can be scheduled at once. Draft
         # tokens count once they are verified (update()); rejected ones are simply
@@ -312,10 +325,10 @@ class Scheduler:
         the token budget, max_tokens, the context, and room in the block pool."""
         if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
             return []
-        room = min(self.config.num_speculative_tokens, budget - 1,
-                   req.sampling_params.max_tokens - req.num_output_tokens - 1,
-                   self.config.max_model_len - req.num_tokens)
-        drafts = req.spec_token_ids[: max(room, 0)]
+        # A tree keeps a BFS prefix: its nodes within the depth that max_tokens and the
+        # context leave, as many as the budget has room for.
+        depth = min(req.sampling_params.max_tokens - req.num_output_tokens - 1, self.config.max_model_len - req.num_tokens)
+        drafts = req.spec_token_ids[: max(min(self._tree.nodes_within(depth), budget - 1), 0)]
         if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
             return []  # no room to speculate: a plain decode step, no preemption for drafts
         return drafts

@@ -68,8 +68,11 @@ class StepBatch:
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies, done before the step
     # Speculative decoding: a row's last num_spec_tokens[i] tokens are draft tokens to verify.
     num_spec_tokens: np.ndarray  # int32 [S]
-    spec_token_ids: np.ndarray  # int32 [S, k]: the drafts, zero padded (k: the scheduler's lookahead)
-    verify: SamplingBatch | None = None  # [S * (k + 1)] rows, one per draft position and the bonus; None: no drafts
+    spec_token_ids: np.ndarray  # int32 [S, N]: the drafts in the tree's BFS order, zero padded (N: its nodes)
+    verify: SamplingBatch | None = None  # [S * (N + 1)] rows, one per tree position (a chain: k + 1); None: no drafts
+    # Speculating with a tree (not a chain): each token's attention word (see
+    # ragged_paged_attention_reference's tree_mask): -1, or for a tree's tokens their ancestors.
+    tree_mask: np.ndarray | None = None  # int32 [T]
 
     @property
     def num_tokens(self) -> int:

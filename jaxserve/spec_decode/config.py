@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from typing import Any
+
+from scheduler.draft_tree import DraftTree
 
 METHODS = ("ngram", "draft_model")
 
@@ -20,6 +23,11 @@ class SpeculativeConfig:
       folder, GGUF file or hub id (None: the target itself); `draft_num_layers` keeps only
       its first layers (a layer-truncated self-draft uses the target's embeddings and LM head).
 
+    `speculative_token_tree` (vLLM's key: a list of paths of child ranks, or its text,
+    e.g. "[(0,), (1,), (0, 0)]") shapes each step's drafts as a tree of candidates,
+    verified in one step under tree attention (see scheduler.draft_tree);
+    num_speculative_tokens is then its depth.
+
     No speculation while more than `disable_by_batch_size` sequences run (None: always):
     a large batch is compute-bound, and verifying drafts there costs more than it saves.
     """
@@ -31,6 +39,7 @@ class SpeculativeConfig:
     model: str | None = None
     draft_num_layers: int | None = None
     disable_by_batch_size: int | None = None
+    speculative_token_tree: Any = None
 
     def __post_init__(self):
         checks = [
@@ -52,6 +61,20 @@ class SpeculativeConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.speculative_token_tree is not None and self.tree.max_depth != self.num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) must be the depth of "
+                             f"speculative_token_tree ({self.tree.max_depth})")
+
+    @property
+    def tree(self) -> DraftTree | None:
+        """The drafts' tree (None: a chain of num_speculative_tokens)."""
+        return None if self.speculative_token_tree is None else _tree(self.speculative_token_tree)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified per step: the tree's nodes, or the chain's length."""
+        tree = self.tree
+        return tree.num_nodes if tree is not None else self.num_speculative_tokens
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -71,7 +94,22 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in value:
             raise ValueError(f"the speculative config needs a method ({', '.join(METHODS)})")
+        if value.get("speculative_token_tree") is not None and "num_speculative_tokens" not in value:
+            value = {**value, "num_speculative_tokens": _tree(value["speculative_token_tree"]).max_depth}
         return cls(**value)
+
+
+def _tree(choices) -> DraftTree:
+    """A speculative_token_tree value (a list of paths, or its text as vLLM takes it)."""
+    parsed = choices
+    if isinstance(choices, str):
+        try:
+            parsed = ast.literal_eval(choices)
+        except (ValueError, SyntaxError):
+            parsed = None
+    if not isinstance(parsed, (list, tuple)):
+        raise ValueError(f"speculative_token_tree is not a list of paths: {choices!r}")
+    return DraftTree.from_choices(parsed)
 
 
 def _is_int(x) -> bool:

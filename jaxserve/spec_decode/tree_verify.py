@@ -44,7 +44,7 @@ import numpy as np
 from jaxserve.sampler import (
     MAX_LOGPROBS, SamplingMetadata, adjust_logits, draw_uniforms, invert_cdf, probabilities,
 )
-from jaxserve.spec_decode.tree import DraftTree
+from scheduler.draft_tree import DraftTree
 
 TREE_ACCEPT_STREAM0 = 16  # sibling rank j's acceptance test: stream 16 + j (sampler.draw_uniforms)
 
@@ -119,16 +119,7 @@ def _greedy_path(tree: DraftTree, best: jax.Array, draft_ids: jax.Array, valid: 
         a = tree.parent[i]
         matches.append(matches[a] & valid[:, i] & (draft_ids[:, i] == best[:, a]))
     end = jnp.argmax(jnp.where(jnp.stack(matches, axis=1), jnp.asarray(tree.depth), -1), axis=1)
-    return jnp.asarray(_paths(tree))[end], best[rows, end].astype(jnp.int32)
-
-
-def _paths(tree: DraftTree) -> np.ndarray:
-    """i32 [N+1, D+1]: the positions from the root to each position, then it repeated."""
-    paths = np.zeros((tree.num_nodes + 1, tree.max_depth + 1), np.int32)
-    for i in range(1, tree.num_nodes + 1):
-        paths[i] = paths[tree.parent[i]]
-        paths[i, tree.depth[i]:] = i
-    return paths
+    return jnp.asarray(tree.path_table)[end], best[rows, end].astype(jnp.int32)
 
 
 def _sampled_walk(tree: DraftTree, p_all: jax.Array, q_all: jax.Array | None, draft_ids: jax.Array,

@@ -1,5 +1,5 @@
 """Tree verification (`jaxserve.spec_decode.tree_verify.verify_tree`) and its static tree
-(`jaxserve.spec_decode.tree.DraftTree`) against math they do not implement.
+(`scheduler.draft_tree.DraftTree`) against math they do not implement.
 
 The main test simulates generation as test_rejection_sampler.py does, with a tree of
 drafts in each step: the synthetic Markov target of tests/sampling_oracle.py, children
@@ -23,7 +23,7 @@ import pytest
 from jaxserve.sampler import MAX_LOGPROBS, sample
 from jaxserve.spec_decode import tree_verify
 from jaxserve.spec_decode.rejection_sampler import verify
-from jaxserve.spec_decode.tree import DraftTree
+from scheduler.draft_tree import DraftTree
 from jaxserve.spec_decode.tree_verify import verify_tree
 from tests.sampling_oracle import (
     DRAFT, IGNORED_POSITION, LENGTH, PROMPT, SETTINGS, STOP, TARGET, V, Setting, draw, goodness_of_fit,

@@ -59,6 +59,25 @@ class DraftTree:
     def max_depth(self) -> int:
         return len(self.paths[-1])
 
+    @property
+    def is_chain(self) -> bool:
+        """One draft after another: plain causal attention verifies it."""
+        return self.max_depth == self.num_nodes
+
+    def nodes_within(self, depth: int) -> int:
+        """How many nodes lie at most `depth` deep: the BFS prefix a request can keep when
+        only that many more tokens fit (its max_tokens, the context)."""
+        return int(np.searchsorted(self.depth[1:], max(depth, 0), side="right"))
+
+    @property
+    def path_table(self) -> np.ndarray:
+        """i32 [N+1, D+1]: the positions from the root to each position, then it repeated."""
+        table = np.zeros((self.num_nodes + 1, self.max_depth + 1), np.int32)
+        for i in range(1, self.num_nodes + 1):
+            table[i] = table[self.parent[i]]
+            table[i, self.depth[i]:] = i
+        return table
+
     def __post_init__(self):
         _check(self.paths)
         position = {(): 0} | {path: i + 1 for i, path in enumerate(self.paths)}
