@@ -6,7 +6,11 @@ request (128; a request may end earlier at its EOS), three methods:
 - none: no speculation;
 - ngram: prompt lookup, drafts copied from the request's own tokens
   (`prompt_lookup_min` .. `prompt_lookup_max` tokens matched);
-- draft: a self-draft, the target's first `--draft-num-layers` layers with its LM head.
+- draft: a self-draft, the target's first `--draft-num-layers` layers with its LM head;
+- medusa: Medusa heads (`--medusa-heads`, default the quick preset's; trained first with
+  `python -m jaxserve.train_draft --method medusa --preset quick` when missing) proposing a
+  chain of `--num-speculative-tokens` (at most the heads' number);
+- medusa-tree: the same heads proposing the tree `--token-tree` (top candidates per head).
 
 Two prompt sets from benchmarks/prompts/, each prompt rendered by the model's chat
 template: `repetitive` (rewrite, fix or summarize a given text: the answer copies long
@@ -36,7 +40,7 @@ rate the accepted share of drafted tokens. Mismatches: requests whose greedy tok
 from the `none` run's for the same prompt and batch size (speculation must not change
 them; reported, not fatal).
 
-    python benchmarks/spec_decode.py [--methods none,ngram,draft] [--sets repetitive,chat] [--batch-sizes 1,8]
+    python benchmarks/spec_decode.py [--methods none,ngram,draft,medusa,medusa-tree] [--sets repetitive,chat] [--batch-sizes 1,8]
     python benchmarks/spec_decode.py --limit 4 --max-tokens 64 --plot spec.png
     python benchmarks/spec_decode.py --smoke --json     # 2 prompts, 16 tokens, batch 1, a small engine
 """
@@ -55,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 SETS = ("repetitive", "chat")
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "medusa", "medusa-tree")
+TOKEN_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # top 3 / 2 / 1 of heads 1 / 2 / 3
 
 
 class Prompt(NamedTuple):
@@ -146,7 +151,24 @@ def speculative_config(method: str, args) -> dict | None:
                 "prompt_lookup_max": args.prompt_lookup_max}
     if method == "draft":
         return {"method": "draft_model", "num_speculative_tokens": k, "draft_num_layers": args.draft_num_layers}
+    if method == "medusa":
+        return {"method": "medusa", "model": str(medusa_heads(args)), "num_speculative_tokens": k}
+    if method == "medusa-tree":
+        return {"method": "medusa", "model": str(medusa_heads(args)), "speculative_token_tree": args.token_tree}
     return None
+
+
+def medusa_heads(args) -> Path:
+    """The heads' folder: --medusa-heads, or the quick preset's, trained now if missing."""
+    if args.medusa_heads:
+        return Path(args.medusa_heads)
+    from jaxserve import train_draft
+
+    folder = train_draft.default_out(None, "medusa", "quick")
+    if not (folder / "heads" / "info.json").is_file():
+        print(f"no Medusa heads at {folder}: training them (the quick preset)", file=sys.stderr, flush=True)
+        train_draft.main(["--method", "medusa", "--preset", "quick"])
+    return folder
 
 
 def build_engine(method: str, args):
@@ -307,7 +329,8 @@ def positive_ints(text: str) -> list[int]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", type=choices(METHODS), default=list(METHODS))
+    p.add_argument("--methods", type=choices(METHODS), default=["none", "ngram", "draft"],
+                   help="default none,ngram,draft (medusa and medusa-tree train their heads first if missing)")
     p.add_argument("--sets", type=choices(SETS), default=list(SETS))
     p.add_argument("--batch-sizes", type=positive_ints, default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -317,6 +340,8 @@ def parse_args(argv):
     p.add_argument("--draft-num-layers", type=int, default=8, help="layers of the self-draft")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--medusa-heads", help="the folder train_draft wrote (default: the quick preset's)")
+    p.add_argument("--token-tree", default=TOKEN_TREE, help="medusa-tree's speculative_token_tree")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
     p.add_argument("--smoke", action="store_true",
                    help="tiny: 2 prompts, 16 tokens, batch 1, an engine with few programs to compile "

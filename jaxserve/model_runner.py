@@ -128,7 +128,7 @@ class ModelRunner:
             r = meta.temperature.shape[0]
             last = hidden[:r, -1] if k else hidden[:r]  # with speculation, a plain step's positions are all its last
             out = sample(nnx.merge(graphdef, params).logits(last), meta)
-            return out, jnp.zeros(rows, jnp.int32).at[:r].set(out.token_ids)
+            return out, _by_row(out.token_ids, rows), _by_row(last, rows)
 
         def verify_head(params, hidden, meta: SamplingMetadata, draft_ids, num_drafts, draft_probs):
             """Verify the first R rows' draft tokens (R: draft_ids' rows); keep each row's last token."""
@@ -141,7 +141,10 @@ class ModelRunner:
                 out = verify_tree(logits, meta, tree, jnp.pad(draft_ids, ((0, 0), (1, 0))), valid,
                                   None if draft_probs is None else jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))))
             last = jnp.take_along_axis(out.token_ids, out.num_tokens[:, None] - 1, axis=1)[:, 0]
-            return out, jnp.zeros(rows, jnp.int32).at[:r].set(last)
+            # The position the last token was drawn at: its hidden state is what draft heads read.
+            end = out.num_tokens - 1 if tree is None else jnp.take_along_axis(out.path, out.num_tokens[:, None] - 1,
+                                                                                   axis=1)[:, 0]
+            return out, _by_row(last, rows), _by_row(hidden[jnp.arange(r), end], rows)
 
         def compact(kv, out: TreeVerifyOutput, tree_slots):
             """Move each row's accepted drafts' K/V to the slots after its root, in path order
@@ -159,6 +162,8 @@ class ModelRunner:
         self._compact = jax.jit(compact, donate_argnames=("kv",))
         # The latest step's sampled tokens, by row, on the device.
         self.last_tokens = jax.device_put(np.zeros(rows, np.int32), device)
+        # ... and the hidden state each was drawn from (Medusa and EAGLE heads read it).
+        self.last_hidden = jax.device_put(np.zeros((rows, self.config.hidden_size), model.dtype), device)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         self.compilations = CompileCounter()
 
@@ -191,10 +196,10 @@ class ModelRunner:
             return
         for r in self.row_buckets:
             for penalties in (False, True):
-                out, _ = self._head(self.params, hidden, _dummy_sampling(r, penalties, self.max_model_len))
+                out, *_ = self._head(self.params, hidden, _dummy_sampling(r, penalties, self.max_model_len))
                 out.token_ids.block_until_ready()
                 if self.num_speculative_tokens:
-                    out, _ = self._verify_head(self.params, hidden, *self._verify_args(None, r, penalties))
+                    out, *_ = self._verify_head(self.params, hidden, *self._verify_args(None, r, penalties))
                     out.token_ids.block_until_ready()
                     if self.tree is not None:
                         self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
@@ -216,13 +221,13 @@ class ModelRunner:
         hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
         if batch.verify is not None:
             r = self.rows_for(batch.num_seqs)
-            out, self.last_tokens = self._verify_head(self.params, hidden, *self._verify_args(batch, r,
-                                                                                           draft_probs=draft_probs))
+            args = self._verify_args(batch, r, draft_probs=draft_probs)
+            out, self.last_tokens, self.last_hidden = self._verify_head(self.params, hidden, *args)
             if self.tree is not None:
                 self.kv = self._compact(self.kv, out, self._tree_slots(batch, r))
         else:
             meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
-            out, self.last_tokens = self._head(self.params, hidden, meta)
+            out, self.last_tokens, self.last_hidden = self._head(self.params, hidden, meta)
         return StepHandle(out, batch.num_seqs, batch.sampling.want_logprobs, batch.sampling.num_logprobs)
 
     def _verify_args(self, batch: StepBatch | None, r: int, penalties: bool = False, draft_probs=None):
@@ -311,6 +316,11 @@ class ModelRunner:
             history[: len(b.history), : b.history.shape[1]] = b.history
             meta.history, meta.history_lens, meta.prompt_lens = history, pad(b.history_lens), pad(b.prompt_lens)
         return meta
+
+
+def _by_row(values: jax.Array, rows: int) -> jax.Array:
+    """values [r, ...] in the first r of `rows` rows (the rest zeros): a step's results by row."""
+    return jnp.zeros((rows, *values.shape[1:]), values.dtype).at[: values.shape[0]].set(values)
 
 
 @jax.tree_util.register_dataclass

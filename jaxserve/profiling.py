@@ -169,7 +169,7 @@ def device_breakdown(runner, batch, repeats: int = 10) -> dict[str, float]:
 
     def one_step():
         hidden, runner.kv = runner._body(runner.params, runner.kv, inputs, pending, runner.last_tokens)
-        out, _ = runner._head(runner.params, hidden, meta)
+        out, *_ = runner._head(runner.params, hidden, meta)
         out.token_ids.block_until_ready()
 
     one_step()

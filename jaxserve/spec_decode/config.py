@@ -9,7 +9,7 @@ from typing import Any
 
 from scheduler.draft_tree import DraftTree
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "medusa")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,6 +22,8 @@ class SpeculativeConfig:
     - `draft_model`: a smaller model with the same tokenizer runs ahead. `model` is its
       folder, GGUF file or hub id (None: the target itself); `draft_num_layers` keeps only
       its first layers (a layer-truncated self-draft uses the target's embeddings and LM head).
+    - `medusa`: heads on the target's last hidden state (`model`: the folder
+      `python -m jaxserve.train_draft --method medusa` saved), one per draft position.
 
     `speculative_token_tree` (vLLM's key: a list of paths of child ranks, or its text,
     e.g. "[(0,), (1,), (0, 0)]") shapes each step's drafts as a tree of candidates,
@@ -55,8 +57,8 @@ class SpeculativeConfig:
             (self.disable_by_batch_size is None or (_is_int(self.disable_by_batch_size)
                                                      and self.disable_by_batch_size >= 1),
              f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}"),
-            (self.method == "draft_model" or (self.model is None and self.draft_num_layers is None),
-             "model and draft_num_layers are for method draft_model"),
+            (self.method == "draft_model" or self.draft_num_layers is None, "draft_num_layers is for method draft_model"),
+            (self.method != "ngram" or self.model is None, "method ngram takes no model"),
         ]
         for ok, message in checks:
             if not ok:
