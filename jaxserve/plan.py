@@ -345,12 +345,13 @@ def print_plan(plan: dict) -> None:
 
 
 def print_measured(rows: list[dict]) -> None:
-    print(f"\nmeasured here: the engine's decode step (prompts of {rows[0]['context']} tokens, "
-          f"{rows[0]['steps']} steps timed per batch)")
-    print("| batch | step ms | measured tok/s | bound tok/s | measured / bound |\n|---:|---:|---:|---:|---:|")
+    print(f"\nmeasured here: the engine's decode step (random prompts of {rows[0]['prompt']} tokens, the median of "
+          f"{rows[0]['steps']} steps per batch; context: the sequences' mean while timed)")
+    print("| batch | context | step ms | measured tok/s | bound tok/s | measured / bound |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['step_ms']:,.1f} | {r['tokens_per_s']:,.1f} | {r['bound_tokens_per_s']:,.1f} | "
-              f"{r['ratio']:.2f} |")
+        print(f"| {r['batch']} | {r['context']} | {r['step_ms']:,.1f} | {r['tokens_per_s']:,.1f} | "
+              f"{r['bound_tokens_per_s']:,.1f} | {r['ratio']:.2f} |")
 
 
 def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
@@ -359,17 +360,26 @@ def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = plan["decode"]
-    batches = [r["batch"] for r in rows]
+    if measured:  # the roofs at the measured contexts, so the points and lines compare
+        batches = [r["batch"] for r in measured]
+        memory = [r["memory_roof_tokens_per_s"] for r in measured]
+        compute = [r["compute_roof_tokens_per_s"] for r in measured]
+        bound = [r["bound_tokens_per_s"] for r in measured]
+        context = f"the measured contexts ({measured[0]['context']}-{measured[-1]['context']})"
+    else:
+        rows = plan["decode"]
+        batches = [r["batch"] for r in rows]
+        memory = [r["batch"] / r["memory_ms"] * 1e3 for r in rows]
+        compute = [r["batch"] / r["compute_ms"] * 1e3 for r in rows]
+        bound = [r["tokens_per_s"] for r in rows]
+        context = f"context {plan['setup']['context']}"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(batches, [r["batch"] / r["memory_ms"] * 1e3 for r in rows], "--", color="tab:blue",
-            label="memory roof (bytes / bandwidth)")
-    ax.plot(batches, [r["batch"] / r["compute_ms"] * 1e3 for r in rows], "--", color="tab:red",
-            label="compute roof (FLOPs / peak)")
-    ax.plot(batches, [r["tokens_per_s"] for r in rows], "-", color="k", lw=2, label="bound")
+    ax.plot(batches, memory, "--", color="tab:blue", label="memory roof (bytes / bandwidth)")
+    ax.plot(batches, compute, "--", color="tab:red", label="compute roof (FLOPs / peak)")
+    ax.plot(batches, bound, "-", color="k", lw=2, label="bound")
     if measured:
-        ax.plot([r["batch"] for r in measured], [r["tokens_per_s"] for r in measured], "o-", color="tab:green",
-                label=f"measured (context {measured[0]['context']})")
+        ax.plot(batches, [r["tokens_per_s"] for r in measured], "o-", color="tab:green",
+                label=f"measured (prompts of {measured[0]['prompt']})")
         for r in measured:
             ax.annotate(f"{r['ratio']:.2f}", (r["batch"], r["tokens_per_s"]), textcoords="offset points",
                         xytext=(0, -12), ha="center", fontsize=7)
@@ -377,8 +387,7 @@ def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("decode batch (sequences)")
     ax.set_ylabel("tokens/s")
-    st = plan["setup"]
-    ax.set_title(f"{Path(plan['model']['source']).name}, {st['dtype']}, context {st['context']} on "
+    ax.set_title(f"{Path(plan['model']['source']).name}, {plan['setup']['dtype']}, {context} on "
                  f"{plan['device']['name']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
