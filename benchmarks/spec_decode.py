@@ -285,7 +285,9 @@ def check_matplotlib() -> None:
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Grouped bars: decode tok/s per (set, batch), one bar per method."""
+    """Left: grouped bars, decode tok/s per (set, batch), one bar per method. Right: each
+    speculative row's speed-up against its mean acceptance length (the lesson's claim:
+    speed-up grows with it), batch 1 and larger batches marked apart."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,7 +297,7 @@ def plot(rows: list[Row], path: str) -> None:
     methods = list(dict.fromkeys(r.method for r in rows))
     rate = {(r.prompt_set, r.batch, r.method): r.decode_tok_s for r in rows}
     width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(keys), 4))
+    fig, (ax, acc) = plt.subplots(1, 2, figsize=(5.5 + 1.6 * len(keys), 4), width_ratios=(1.6 * len(keys), 4))
     for m, method in enumerate(methods):
         xs = [k + (m - (len(methods) - 1) / 2) * width for k in range(len(keys))]
         ax.bar(xs, [rate[s, b, method] for s, b in keys], width, label=method)
@@ -303,6 +305,17 @@ def plot(rows: list[Row], path: str) -> None:
     ax.set_ylabel("decode tokens/s")
     ax.set_title("Speculative decoding, SmolLM2-135M float32")
     ax.legend(title="speculation")
+    for r in rows:
+        if r.speedup is not None and r.mean_acceptance_length is not None:
+            acc.scatter(r.mean_acceptance_length, r.speedup, marker="o" if r.batch == 1 else "s",
+                        color=f"C{methods.index(r.method)}")
+            acc.annotate(f"{r.prompt_set[:4]} b{r.batch}", (r.mean_acceptance_length, r.speedup), fontsize=7,
+                         textcoords="offset points", xytext=(4, 2))
+    acc.axhline(1.0, color="k", lw=0.8)
+    acc.set_xlabel("mean acceptance length (tokens per verify step)")
+    acc.set_ylabel("speed-up over none")
+    acc.set_title("o: batch 1, s: larger batches", fontsize=9)
+    acc.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

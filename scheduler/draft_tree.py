@@ -20,6 +20,7 @@ building the attention mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Sequence
 
@@ -69,7 +70,7 @@ class DraftTree:
         only that many more tokens fit (its max_tokens, the context)."""
         return int(np.searchsorted(self.depth[1:], max(depth, 0), side="right"))
 
-    @property
+    @functools.cached_property
     def path_table(self) -> np.ndarray:
         """i32 [N+1, D+1]: the positions from the root to each position, then it repeated."""
         table = np.zeros((self.num_nodes + 1, self.max_depth + 1), np.int32)

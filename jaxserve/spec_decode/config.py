@@ -59,13 +59,20 @@ class SpeculativeConfig:
              f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}"),
             (self.method == "draft_model" or self.draft_num_layers is None, "draft_num_layers is for method draft_model"),
             (self.method != "ngram" or self.model is None, "method ngram takes no model"),
+            (self.method != "medusa" or self.model is not None,
+             "method medusa needs model: the folder python -m jaxserve.train_draft --method medusa wrote"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if self.speculative_token_tree is not None and self.tree.max_depth != self.num_speculative_tokens:
-            raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) must be the depth of "
-                             f"speculative_token_tree ({self.tree.max_depth})")
+        if self.speculative_token_tree is not None:
+            tree = self.tree
+            if tree.max_depth != self.num_speculative_tokens:
+                raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) must be the depth of "
+                                 f"speculative_token_tree ({tree.max_depth})")
+            if not tree.is_chain and self.method != "medusa":
+                raise ValueError(f"speculative_token_tree needs a proposer of candidate trees (medusa); method "
+                                 f"{self.method!r} proposes one chain")
 
     @property
     def tree(self) -> DraftTree | None:

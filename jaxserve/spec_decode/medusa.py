@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 
 class MedusaProposer:
     def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
-        if config.model is None:
-            raise ValueError("method medusa needs model: the folder python -m jaxserve.train_draft --method medusa "
-                             "wrote")
         folder = Path(config.model).expanduser()
         if (folder / "heads" / "info.json").is_file():  # train_draft's output folder
             folder = folder / "heads"

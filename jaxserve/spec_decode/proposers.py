@@ -37,9 +37,6 @@ def make_proposer(config: SpeculativeConfig, engine: LLMEngine) -> Proposer:
         from jaxserve.spec_decode.medusa import MedusaProposer
 
         return MedusaProposer(config, engine)
-    if config.tree is not None and not config.tree.is_chain:
-        raise ValueError(f"speculative_token_tree needs a proposer of candidate trees (medusa); method "
-                         f"{config.method!r} proposes one chain")
     if config.method == "ngram":
         return NgramProposer(config)
     from jaxserve.spec_decode.draft_model import DraftModelProposer  # loads a second model

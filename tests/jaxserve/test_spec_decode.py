@@ -211,7 +211,10 @@ def test_greedy_default_model_with_ngram_equals_plain(default_model):
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "medusa"}', "method must be one of"),
+    ('{"method": "lookahead"}', "method must be one of"),
+    ('{"method": "medusa"}', "method medusa needs model"),
+    ('{"method": "ngram", "model": "x"}', "method ngram takes no model"),
+    ('{"method": "ngram", "speculative_token_tree": "[(0,), (1,)]"}', "proposes one chain"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_max"),
     ('{"method": "ngram", "speculative_tokens": 3}', "unknown speculative config key"),

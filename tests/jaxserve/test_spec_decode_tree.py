@@ -17,7 +17,7 @@ from tests.jaxserve.test_spec_decode import VOCAB, engine, run, tokens, workload
 
 CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)]
 TREE = DraftTree.from_choices(CHOICES)
-SPEC = {"method": "ngram", "speculative_token_tree": str(CHOICES)}
+SPEC = {"method": "medusa", "model": "unused: the oracle below proposes", "speculative_token_tree": str(CHOICES)}
 
 
 class TreeOracleProposer:
@@ -104,7 +104,7 @@ def test_tree_config_is_validated():
                          ({"speculative_token_tree": "nonsense"}, "not a list of paths"),
                          ({"speculative_token_tree": str(CHOICES), "num_speculative_tokens": 2}, "depth")]:
         with pytest.raises(ValueError, match=message):
-            SpeculativeConfig.parse({"method": "ngram", **bad})
+            SpeculativeConfig.parse({**SPEC, **bad})
 
 
 @pytest.mark.parametrize("overrides, engine_kw", [
