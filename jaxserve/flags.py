@@ -30,7 +30,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4}\' (draft_num_layers N: only its first N layers; no model: '
-                        'the target itself)')
+                        'the target itself) or \'{"method": "medusa", "model": HEADS}\' (python -m jaxserve.train_draft; '
+                        'with "speculative_token_tree" a tree of candidates)')
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
