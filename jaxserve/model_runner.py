@@ -128,7 +128,7 @@ class ModelRunner:
             r = meta.temperature.shape[0]
             last = hidden[:r, -1] if k else hidden[:r]  # with speculation, a plain step's positions are all its last
             out = sample(nnx.merge(graphdef, params).logits(last), meta)
-            return out, _by_row(out.token_ids, rows), _by_row(last, rows)
+            return out, _by_row(out.token_ids, rows), _by_row(last, rows) if k else None  # only heads read it
 
         def verify_head(params, hidden, meta: SamplingMetadata, draft_ids, num_drafts, draft_probs):
             """Verify the first R rows' draft tokens (R: draft_ids' rows); keep each row's last token."""
@@ -162,8 +162,9 @@ class ModelRunner:
         self._compact = jax.jit(compact, donate_argnames=("kv",))
         # The latest step's sampled tokens, by row, on the device.
         self.last_tokens = jax.device_put(np.zeros(rows, np.int32), device)
-        # ... and the hidden state each was drawn from (Medusa and EAGLE heads read it).
-        self.last_hidden = jax.device_put(np.zeros((rows, self.config.hidden_size), model.dtype), device)
+        # ... and, when speculating, the hidden state each was drawn from (draft heads read it).
+        hidden_rows = np.zeros((rows, self.config.hidden_size), model.dtype)
+        self.last_hidden = jax.device_put(hidden_rows, device) if k else None
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         self.compilations = CompileCounter()
 

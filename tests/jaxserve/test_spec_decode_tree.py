@@ -13,18 +13,18 @@ import pytest
 
 from jaxserve.spec_decode.proposers import decoding
 from scheduler.draft_tree import DraftTree
-from tests.jaxserve.test_spec_decode import VOCAB, engine, run, tokens, workload
+from tests.jaxserve.test_spec_decode import VOCAB, OracleProposer, engine, run, tokens, workload
 
 CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)]
 TREE = DraftTree.from_choices(CHOICES)
 SPEC = {"method": "medusa", "model": "unused: the oracle below proposes", "speculative_token_tree": str(CHOICES)}
 
 
-class TreeOracleProposer:
+class TreeOracleProposer(OracleProposer):
+    """OracleProposer's bookkeeping; a tree of drafts instead of a chain."""
+
     def __init__(self, truth: dict[tuple, list[int]]):
-        self.truth, self.config = truth, None
-        self.expected_accepted = 0
-        self.calls = 0
+        super().__init__(None, truth)  # the engine's config is set when it builds the proposer
 
     def propose(self, running):
         for req in decoding(running, self.config):
@@ -52,12 +52,6 @@ class TreeOracleProposer:
             accepted = max(int(TREE.depth[i]) for i in [0, *true_child])
             self.expected_accepted += min(accepted, room)
             req.spec_token_ids = drafts
-
-    def draft_probs(self, batch):
-        return None
-
-    def follow(self, batch):
-        pass
 
 
 @pytest.fixture(scope="module")
