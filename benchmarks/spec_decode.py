@@ -1,7 +1,7 @@
 """Speculative decoding on the default model: decode tokens/s with and without drafts.
 
 SmolLM2-135M-Instruct in float32, greedy (temperature 0), up to `--max-tokens` tokens per
-request (128; a request may end earlier at its EOS), three methods:
+request (128; a request may end earlier at its EOS), the methods:
 
 - none: no speculation;
 - ngram: prompt lookup, drafts copied from the request's own tokens
@@ -10,7 +10,9 @@ request (128; a request may end earlier at its EOS), three methods:
 - medusa: Medusa heads (`--medusa-heads`, default the quick preset's; trained first with
   `python -m jaxserve.train_draft --method medusa --preset quick` when missing) proposing a
   chain of `--num-speculative-tokens` (at most the heads' number);
-- medusa-tree: the same heads proposing the tree `--token-tree` (top candidates per head).
+- medusa-tree: the same heads proposing the tree `--token-tree` (top candidates per head);
+- eagle: an EAGLE head (`--eagle-head`, default the quick preset's, trained first when
+  missing) drafting a chain of `--num-speculative-tokens`.
 
 Two prompt sets from benchmarks/prompts/, each prompt rendered by the model's chat
 template: `repetitive` (rewrite, fix or summarize a given text: the answer copies long
@@ -40,7 +42,7 @@ rate the accepted share of drafted tokens. Mismatches: requests whose greedy tok
 from the `none` run's for the same prompt and batch size (speculation must not change
 them; reported, not fatal).
 
-    python benchmarks/spec_decode.py [--methods none,ngram,draft,medusa,medusa-tree] [--sets repetitive,chat] [--batch-sizes 1,8]
+    python benchmarks/spec_decode.py [--methods none,ngram,draft,medusa,medusa-tree,eagle] [--sets repetitive,chat] [--batch-sizes 1,8]
     python benchmarks/spec_decode.py --limit 4 --max-tokens 64 --plot spec.png
     python benchmarks/spec_decode.py --smoke --json     # 2 prompts, 16 tokens, batch 1, a small engine
 """
@@ -59,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 SETS = ("repetitive", "chat")
-METHODS = ("none", "ngram", "draft", "medusa", "medusa-tree")
+METHODS = ("none", "ngram", "draft", "medusa", "medusa-tree", "eagle")
 TOKEN_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # top 3 / 2 / 1 of heads 1 / 2 / 3
 
 
@@ -152,22 +154,26 @@ def speculative_config(method: str, args) -> dict | None:
     if method == "draft":
         return {"method": "draft_model", "num_speculative_tokens": k, "draft_num_layers": args.draft_num_layers}
     if method == "medusa":
-        return {"method": "medusa", "model": str(medusa_heads(args)), "num_speculative_tokens": k}
+        return {"method": "medusa", "model": str(trained_heads("medusa", args.medusa_heads)),
+                "num_speculative_tokens": k}
     if method == "medusa-tree":
-        return {"method": "medusa", "model": str(medusa_heads(args)), "speculative_token_tree": args.token_tree}
+        return {"method": "medusa", "model": str(trained_heads("medusa", args.medusa_heads)),
+                "speculative_token_tree": args.token_tree}
+    if method == "eagle":
+        return {"method": "eagle", "model": str(trained_heads("eagle", args.eagle_head)), "num_speculative_tokens": k}
     return None
 
 
-def medusa_heads(args) -> Path:
-    """The heads' folder: --medusa-heads, or the quick preset's, trained now if missing."""
-    if args.medusa_heads:
-        return Path(args.medusa_heads)
+def trained_heads(method: str, given: str | None) -> Path:
+    """The heads' folder: the one given, or the quick preset's, trained now if missing."""
+    if given:
+        return Path(given)
     from jaxserve import train_draft
 
-    folder = train_draft.default_out(None, "medusa", "quick")
+    folder = train_draft.default_out(None, method, "quick")
     if not (folder / "heads" / "info.json").is_file():
-        print(f"no Medusa heads at {folder}: training them (the quick preset)", file=sys.stderr, flush=True)
-        train_draft.main(["--method", "medusa", "--preset", "quick"])
+        print(f"no {method} heads at {folder}: training them (the quick preset)", file=sys.stderr, flush=True)
+        train_draft.main(["--method", method, "--preset", "quick"])
     return folder
 
 
@@ -343,7 +349,7 @@ def positive_ints(text: str) -> list[int]:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", type=choices(METHODS), default=["none", "ngram", "draft"],
-                   help="default none,ngram,draft (medusa and medusa-tree train their heads first if missing)")
+                   help="default none,ngram,draft (medusa, medusa-tree and eagle train their heads first if missing)")
     p.add_argument("--sets", type=choices(SETS), default=list(SETS))
     p.add_argument("--batch-sizes", type=positive_ints, default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -354,6 +360,7 @@ def parse_args(argv):
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--medusa-heads", help="the folder train_draft wrote (default: the quick preset's)")
+    p.add_argument("--eagle-head", help="the folder train_draft wrote (default: the quick preset's)")
     p.add_argument("--token-tree", default=TOKEN_TREE, help="medusa-tree's speculative_token_tree")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
     p.add_argument("--smoke", action="store_true",

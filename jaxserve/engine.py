@@ -117,7 +117,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
             kv_dtype=kv_dtype, buckets=self._token_buckets(num_spec),
             num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
-            draft_tree=spec and spec.tree,
+            draft_tree=spec and spec.tree, keep_step_hidden=spec is not None and spec.method == "eagle",
         )
         self.proposer: Proposer | None = make_proposer(spec, self) if spec else None
         self.async_scheduling = config.async_scheduling and spec is None
@@ -233,7 +233,7 @@ class LLMEngine:
                 draft_probs = self.proposer.draft_probs(batch) if self.proposer is not None else None
                 handle = self.runner.dispatch(batch, draft_probs)
                 if self.proposer is not None:
-                    self.proposer.follow(batch)
+                    self.proposer.follow(batch, handle)
             profiler.dispatched_step(batch, handle.out.token_ids)
         outputs = self._collect() if self._in_flight is not None else []
         self._in_flight = (batch, handle)

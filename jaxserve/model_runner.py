@@ -91,6 +91,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         draft_distributions: bool = False,
         draft_tree: DraftTree | None = None,
+        keep_step_hidden: bool = False,
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -118,10 +119,11 @@ class ModelRunner:
 
         def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens):
             """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
-            of its k + 1 verified positions [max_num_seqs, k + 1, D]), and the cache."""
+            of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, and with
+            `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all)."""
             inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
             hidden, kv = nnx.merge(graphdef, params).hidden_states(inputs, kv, attention=attention)
-            return hidden[inputs.logits_indices], kv
+            return hidden[inputs.logits_indices], kv, hidden if keep_step_hidden else None
 
         def head(params, hidden, meta: SamplingMetadata):
             """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
@@ -165,6 +167,9 @@ class ModelRunner:
         # ... and, when speculating, the hidden state each was drawn from (draft heads read it).
         hidden_rows = np.zeros((rows, self.config.hidden_size), model.dtype)
         self.last_hidden = jax.device_put(hidden_rows, device) if k else None
+        # With keep_step_hidden: the latest step's padded inputs and every token's hidden state.
+        self.step_inputs: ModelInputs | None = None
+        self.step_hidden: jax.Array | None = None
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         self.compilations = CompileCounter()
 
@@ -190,7 +195,7 @@ class ModelRunner:
         `heads`, only what `write_kv` runs."""
         for t in self.buckets:
             inputs, pending = self._pad_inputs(None, *self.bucket_for(t))
-            hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+            hidden, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
         self.kv = self._copy_blocks(self.kv, np.zeros((self.max_num_seqs, 2), np.int32))
         jax.block_until_ready(self.kv)
         if not heads:
@@ -219,7 +224,8 @@ class ModelRunner:
         if batch.block_copies:
             self._run_copies(batch.block_copies)
         inputs, pending = self._pad_inputs(batch, *self.bucket_for(batch.num_tokens))
-        hidden, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        hidden, self.kv, self.step_hidden = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        self.step_inputs = inputs
         if batch.verify is not None:
             r = self.rows_for(batch.num_seqs)
             args = self._verify_args(batch, r, draft_probs=draft_probs)
@@ -261,7 +267,7 @@ class ModelRunner:
         if batch.block_copies:
             self._run_copies(batch.block_copies)
         inputs, pending = self._pad_inputs(batch, *self.bucket_for(batch.num_tokens))
-        _, self.kv = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        _, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         pairs = np.zeros((max(self.max_num_seqs, len(copies)), 2), np.int32)  # (0, 0): null onto itself

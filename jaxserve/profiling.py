@@ -164,11 +164,11 @@ def device_breakdown(runner, batch, repeats: int = 10) -> dict[str, float]:
     meta = runner._pad_sampling(batch.sampling, runner.rows_for(batch.num_seqs))
     body_args = (runner.params, runner.kv, inputs, pending, runner.last_tokens)
     body_parts = op_parts(runner._body.lower(*body_args).compile().as_text())
-    hidden, _ = jax.eval_shape(runner._body, *body_args)
+    hidden, *_ = jax.eval_shape(runner._body, *body_args)
     head_parts = op_parts(runner._head.lower(runner.params, hidden, meta).compile().as_text())
 
     def one_step():
-        hidden, runner.kv = runner._body(runner.params, runner.kv, inputs, pending, runner.last_tokens)
+        hidden, runner.kv, _ = runner._body(runner.params, runner.kv, inputs, pending, runner.last_tokens)
         out, *_ = runner._head(runner.params, hidden, meta)
         out.token_ids.block_until_ready()
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from scheduler.draft_tree import DraftTree
 
-METHODS = ("ngram", "draft_model", "medusa")
+METHODS = ("ngram", "draft_model", "medusa", "eagle")
+HEAD_METHODS = ("medusa", "eagle")  # heads trained by python -m jaxserve.train_draft
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,6 +25,9 @@ class SpeculativeConfig:
       its first layers (a layer-truncated self-draft uses the target's embeddings and LM head).
     - `medusa`: heads on the target's last hidden state (`model`: the folder
       `python -m jaxserve.train_draft --method medusa` saved), one per draft position.
+    - `eagle`: a one-layer head on the target's hidden states and the next tokens
+      (`model`: the folder `python -m jaxserve.train_draft --method eagle` saved), run
+      autoregressively for a chain of drafts.
 
     `speculative_token_tree` (vLLM's key: a list of paths of child ranks, or its text,
     e.g. "[(0,), (1,), (0, 0)]") shapes each step's drafts as a tree of candidates,
@@ -59,8 +63,9 @@ class SpeculativeConfig:
              f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}"),
             (self.method == "draft_model" or self.draft_num_layers is None, "draft_num_layers is for method draft_model"),
             (self.method != "ngram" or self.model is None, "method ngram takes no model"),
-            (self.method != "medusa" or self.model is not None,
-             "method medusa needs model: the folder python -m jaxserve.train_draft --method medusa wrote"),
+            (self.method not in HEAD_METHODS or self.model is not None,
+             f"method {self.method} needs model: the folder python -m jaxserve.train_draft --method {self.method} "
+             "wrote"),
         ]
         for ok, message in checks:
             if not ok:

@@ -32,7 +32,7 @@ from flax import nnx
 from jaxserve.backend import select_attention
 from jaxserve.model import DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
-from jaxserve.model_runner import ModelRunner
+from jaxserve.model_runner import ModelRunner, StepHandle
 from jaxserve.sampler import invert_cdf, sample_key
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.proposers import decoding
@@ -132,7 +132,7 @@ class DraftModelProposer:
         index[: batch.num_seqs] = [self._rows.get(rid, 0) for rid in batch.request_ids]
         return self._take_rows(self._probs, index)
 
-    def follow(self, batch: StepBatch) -> None:
+    def follow(self, batch: StepBatch, handle: StepHandle) -> None:
         self.runner.write_kv(batch)
 
     # -- the jitted k steps ------------------------------------------------------------------

@@ -158,10 +158,15 @@ def save_heads(folder: str | Path, heads: nnx.Module, info: dict) -> None:
 
 
 def load_heads(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> tuple[nnx.Module, dict]:
-    """The heads saved in `folder` for a target of config `cfg`, and their info."""
+    """The heads saved in `folder` (or in its `heads`: train_draft's output folder) for a
+    target of config `cfg`, and their info."""
     import orbax.checkpoint as ocp
 
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
+    if (folder / "heads" / "info.json").is_file():
+        folder = folder / "heads"
+    if not (folder / "info.json").is_file():
+        raise ValueError(f"{folder} holds no draft heads (python -m jaxserve.train_draft saves them)")
     info = json.loads((folder / "info.json").read_text())
     if info["target_config"]["hidden_size"] != cfg.hidden_size or info["target_config"]["vocab_size"] != cfg.vocab_size:
         raise ValueError(f"the heads in {folder} were trained for another target ({info['target_source']})")

@@ -11,7 +11,6 @@ and stays exact for sampled requests too.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
@@ -21,20 +20,18 @@ from flax import nnx
 
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.heads import MedusaHeads, load_heads
-from jaxserve.spec_decode.proposers import decoding
+from jaxserve.spec_decode.proposers import decoding, sampled_rows
 from scheduler import Request, StepBatch
 from scheduler.draft_tree import DraftTree
 
 if TYPE_CHECKING:
     from jaxserve.engine import LLMEngine
+    from jaxserve.model_runner import StepHandle
 
 
 class MedusaProposer:
     def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
-        folder = Path(config.model).expanduser()
-        if (folder / "heads" / "info.json").is_file():  # train_draft's output folder
-            folder = folder / "heads"
-        heads, info = load_heads(folder, engine.loaded.config, engine.loaded.model.dtype)
+        heads, info = load_heads(config.model, engine.loaded.config, engine.loaded.model.dtype)
         if not isinstance(heads, MedusaHeads):
             raise ValueError(f"{config.model} holds {info['method']} heads, not medusa ones")
         self.tree = config.tree or DraftTree.chain(config.num_speculative_tokens)
@@ -46,15 +43,16 @@ class MedusaProposer:
         widths = [int(self.tree.rank[self.tree.depth == d].max()) + 1 for d in range(1, self.tree.max_depth + 1)]
         self._candidates = jax.jit(_candidates_fn(self.heads[0], self.runner.graphdef, max(widths), self.tree.max_depth))
         self._depth, self._rank = self.tree.depth[1:] - 1, self.tree.rank[1:]
+        self._rows: dict[str, int] = {}  # request id -> its row in the latest step, if it sampled there
         for rows in self.runner.row_buckets:  # compile now, not while serving
             self._candidates(self.heads[1], self.runner.params, self.runner.last_hidden, np.zeros(rows, np.int32))
 
     def propose(self, running: list[Request]) -> None:
-        requests = decoding(running, self.config)
+        requests = [r for r in decoding(running, self.config) if r.request_id in self._rows]
         if not requests:
             return
         rows = np.zeros(self.runner.rows_for(len(requests)), np.int32)
-        rows[: len(requests)] = [req.pending_row for req in requests]
+        rows[: len(requests)] = [self._rows[req.request_id] for req in requests]
         candidates = np.asarray(self._candidates(self.heads[1], self.runner.params, self.runner.last_hidden, rows))
         drafts = candidates[:, self._depth, self._rank]  # [R, N]: node i's head and rank
         for req, tokens in zip(requests, drafts.tolist()):
@@ -63,8 +61,8 @@ class MedusaProposer:
     def draft_probs(self, batch: StepBatch) -> None:
         return None
 
-    def follow(self, batch: StepBatch) -> None:
-        pass
+    def follow(self, batch: StepBatch, handle: StepHandle) -> None:
+        self._rows = sampled_rows(batch)  # where runner.last_hidden holds each request's newest state
 
 
 def _candidates_fn(head_graphdef, target_graphdef, width: int, depth: int):

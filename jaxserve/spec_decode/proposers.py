@@ -19,6 +19,7 @@ from scheduler import Request, StepBatch
 
 if TYPE_CHECKING:
     from jaxserve.engine import LLMEngine
+    from jaxserve.model_runner import StepHandle
 
 
 class Proposer(Protocol):
@@ -28,7 +29,7 @@ class Proposer(Protocol):
     def draft_probs(self, batch: StepBatch) -> jax.Array | None:
         """f32 [R, k, V]: what the batch's drafts were drawn from, by row (None: point masses)."""
 
-    def follow(self, batch: StepBatch) -> None:
+    def follow(self, batch: StepBatch, handle: StepHandle) -> None:
         """The target has dispatched `batch` (a draft model writes the same tokens' K/V)."""
 
 
@@ -37,6 +38,10 @@ def make_proposer(config: SpeculativeConfig, engine: LLMEngine) -> Proposer:
         from jaxserve.spec_decode.medusa import MedusaProposer
 
         return MedusaProposer(config, engine)
+    if config.method == "eagle":
+        from jaxserve.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(config, engine)
     if config.method == "ngram":
         return NgramProposer(config)
     from jaxserve.spec_decode.draft_model import DraftModelProposer  # loads a second model
@@ -55,6 +60,12 @@ def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]
             and r.num_output_tokens + 1 < r.sampling_params.max_tokens]
 
 
+def sampled_rows(batch: StepBatch) -> dict[str, int]:
+    """Request id -> row, for the rows of `batch` that sample a token: where a head finds
+    the hidden state of each request's newest token (a request not in the step has none)."""
+    return {rid: row for row, (rid, samples) in enumerate(zip(batch.request_ids, batch.samples.tolist())) if samples}
+
+
 class NgramProposer:
     """Prompt lookup in each request's own tokens (see spec_decode.ngram)."""
 
@@ -70,5 +81,5 @@ class NgramProposer:
     def draft_probs(self, batch: StepBatch) -> None:
         return None
 
-    def follow(self, batch: StepBatch) -> None:
+    def follow(self, batch: StepBatch, handle: StepHandle) -> None:
         pass

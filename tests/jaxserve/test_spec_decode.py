@@ -94,7 +94,7 @@ class OracleProposer:
     def draft_probs(self, batch):
         return None
 
-    def follow(self, batch):
+    def follow(self, batch, handle):
         pass
 
 
