@@ -269,7 +269,7 @@ def print_table(rows: list[Row], args) -> None:
           f"{args.num_speculative_tokens} draft tokens; ngram lookup {args.prompt_lookup_min}-"
           f"{args.prompt_lookup_max}; self-draft {args.draft_num_layers} layers")
     head = ("set", "batch", "method", "decode tok/s", "speed-up", "mean acc. len", "acc. rate", "mismatches")
-    widths = (10, 5, 6, 12, 8, 13, 9, 10)
+    widths = (10, 5, 11, 12, 8, 13, 9, 10)
     print("| " + " | ".join(f"{h:>{w}}" for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:
