@@ -196,7 +196,7 @@ class ModelRunner:
         for t in self.buckets:
             inputs, pending = self._pad_inputs(None, *self.bucket_for(t))
             hidden, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
-        self.kv = self._copy_blocks(self.kv, np.zeros((self.max_num_seqs, 2), np.int32))
+        self.kv = self._copy_blocks(self.kv, copy_pairs([], self.max_num_seqs))
         jax.block_until_ready(self.kv)
         if not heads:
             return
@@ -270,9 +270,7 @@ class ModelRunner:
         _, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
-        pairs = np.zeros((max(self.max_num_seqs, len(copies)), 2), np.int32)  # (0, 0): null onto itself
-        pairs[: len(copies)] = copies
-        self.kv = self._copy_blocks(self.kv, pairs)
+        self.kv = self._copy_blocks(self.kv, copy_pairs(copies, self.max_num_seqs))
 
     def _pad_inputs(self, batch: StepBatch | None, t: int, s: int) -> tuple[ModelInputs, PendingTokens]:
         ids, pos, slots = (np.zeros(t, np.int32) for _ in range(3))
@@ -323,6 +321,15 @@ class ModelRunner:
             history[: len(b.history), : b.history.shape[1]] = b.history
             meta.history, meta.history_lens, meta.prompt_lens = history, pad(b.history_lens), pad(b.prompt_lens)
         return meta
+
+
+def copy_pairs(copies: list[tuple[int, int]], rows: int) -> np.ndarray:
+    """i32 [max(rows, len(copies)), 2]: (src, dst) block copies padded with (0, 0), the null
+    block onto itself, so that one compiled copy serves every step."""
+    pairs = np.zeros((max(rows, len(copies)), 2), np.int32)
+    if copies:
+        pairs[: len(copies)] = copies
+    return pairs
 
 
 def _by_row(values: jax.Array, rows: int) -> jax.Array:

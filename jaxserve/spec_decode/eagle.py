@@ -37,7 +37,8 @@ from flax import nnx
 from jaxserve.kv_cache import allocate_kv_cache, copy_blocks
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.spec_decode.config import SpeculativeConfig
-from jaxserve.spec_decode.heads import EagleHead, load_heads
+from jaxserve.model_runner import copy_pairs
+from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
 from scheduler import Request, StepBatch
 
@@ -48,9 +49,8 @@ if TYPE_CHECKING:
 
 class EagleProposer:
     def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
-        head, info = load_heads(config.model, engine.loaded.config, engine.loaded.model.dtype)
-        if not isinstance(head, EagleHead):
-            raise ValueError(f"{config.model} holds {info['method']} heads, not eagle ones")
+        self.dtype = engine.loaded.model.dtype
+        head, _ = load_heads(config.model, engine.loaded.config, self.dtype, method="eagle")
         self.config, self.scheduler, self.target = config, engine.scheduler, engine.runner
         target = self.target
         self.head_def, params = nnx.split(head)
@@ -62,7 +62,6 @@ class EagleProposer:
         self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",))
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         # By row of the latest step: the head's guess of h at each row's new last token.
-        self.dtype = engine.loaded.model.dtype
         self._features = jax.device_put(np.zeros((target.max_num_seqs, head.cfg.hidden_size), self.dtype),
                                         target.device)
         self._rows: dict[str, int] = {}  # request id -> its row in the latest step, if it sampled there
@@ -72,16 +71,15 @@ class EagleProposer:
     def warm_up(self) -> None:
         """Compile `follow` for every token bucket and the ends and `propose` for every row bucket."""
         target = self.target
+        none = np.full(target.max_num_seqs, 0, np.int32)  # no row's ends (T = 0: none below it)
         for t in target.buckets:
             inputs, _ = target._pad_inputs(None, *target.bucket_for(t))
             hidden = jax.device_put(np.zeros((t, target.config.hidden_size), self.dtype), target.device)
-            for r in target.row_buckets:  # the ends' program for every row bucket (the smallest T has them all)
-                self._write(inputs, hidden, np.full(target.max_num_seqs, t, np.int32), np.ones(r, np.int32))
-                if t > target.buckets[0]:
-                    break
+            self._write(inputs, hidden, none + t, np.ones(1, np.int32))
         for r in target.row_buckets:
+            self._ends(none, jax.device_put(np.ones(r, np.int32), target.device), np.int32(0))
             self._draft([], r)
-        self.kv = self._copy_blocks(self.kv, np.zeros((target.max_num_seqs, 2), np.int32))
+        self.kv = self._copy_blocks(self.kv, copy_pairs([], target.max_num_seqs))
         jax.block_until_ready(self.kv)
 
     # -- the proposer interface ------------------------------------------------------------
@@ -101,9 +99,7 @@ class EagleProposer:
     def follow(self, batch: StepBatch, handle: StepHandle) -> None:
         """Write the head's entries for the target's step just dispatched (on the device)."""
         if batch.block_copies:
-            pairs = np.zeros((max(self.target.max_num_seqs, len(batch.block_copies)), 2), np.int32)
-            pairs[: len(batch.block_copies)] = batch.block_copies
-            self.kv = self._copy_blocks(self.kv, pairs)
+            self.kv = self._copy_blocks(self.kv, copy_pairs(batch.block_copies, self.target.max_num_seqs))
         target, m = self.target, batch.num_seqs
         t = target.step_inputs.input_ids.shape[0]
         # Each row's first verified position; rows that sample nothing: T (their last entry's

@@ -157,9 +157,10 @@ def save_heads(folder: str | Path, heads: nnx.Module, info: dict) -> None:
     tmp.rename(folder)
 
 
-def load_heads(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> tuple[nnx.Module, dict]:
+def load_heads(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, method: str | None = None
+               ) -> tuple[nnx.Module, dict]:
     """The heads saved in `folder` (or in its `heads`: train_draft's output folder) for a
-    target of config `cfg`, and their info."""
+    target of config `cfg`, and their info; `method`: the kind they must be."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder).expanduser()
@@ -168,6 +169,8 @@ def load_heads(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> tuple
     if not (folder / "info.json").is_file():
         raise ValueError(f"{folder} holds no draft heads (python -m jaxserve.train_draft saves them)")
     info = json.loads((folder / "info.json").read_text())
+    if method is not None and info["method"] != method:
+        raise ValueError(f"{folder} holds {info['method']} heads, not {method} ones")
     if info["target_config"]["hidden_size"] != cfg.hidden_size or info["target_config"]["vocab_size"] != cfg.vocab_size:
         raise ValueError(f"the heads in {folder} were trained for another target ({info['target_source']})")
     abstract = nnx.eval_shape(lambda: make_heads(info["method"], cfg, info["num_heads"], dtype))

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.spec_decode.config import SpeculativeConfig
-from jaxserve.spec_decode.heads import MedusaHeads, load_heads
+from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
 from scheduler import Request, StepBatch
 from scheduler.draft_tree import DraftTree
@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 
 class MedusaProposer:
     def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
-        heads, info = load_heads(config.model, engine.loaded.config, engine.loaded.model.dtype)
-        if not isinstance(heads, MedusaHeads):
-            raise ValueError(f"{config.model} holds {info['method']} heads, not medusa ones")
+        heads, _ = load_heads(config.model, engine.loaded.config, engine.loaded.model.dtype, method="medusa")
         self.tree = config.tree or DraftTree.chain(config.num_speculative_tokens)
         if self.tree.max_depth > heads.num_heads:
             raise ValueError(f"{config.model} has {heads.num_heads} heads; the drafts need {self.tree.max_depth}")
