@@ -10,6 +10,7 @@ stdout says which (tests read it).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -17,13 +18,25 @@ import sys
 
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES
 from jaxserve.flags import add_model_flags, model_engine_kwargs, parse_bytes
+from scheduler import SamplingParams
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m api", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
-    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: from the model file)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the name(s) clients pass as `model`; responses report the first (default: from the model "
+                        "file)")
+    p.add_argument("--tokenizer", metavar="FOLDER",
+                   help="a folder with tokenizer.json to use instead of the model's (e.g. for weights without one)")
+    p.add_argument("--chat-template", help="a chat template file, or the template text itself, used instead of the "
+                                           "tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own chat_template (else such a request is a 400)")
+    p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
+                   help=f"most logprobs/top_logprobs a request may ask for, at most {SamplingParams.MAX_LOGPROBS} "
+                        f"(default {SamplingParams.MAX_LOGPROBS})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
@@ -34,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
                    help="bytes for the KV cache, e.g. 512MiB (default 1GiB)")
     p.add_argument("--num-blocks", type=int, help="KV-cache blocks (overrides --kv-cache-memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="vLLM's: the fraction of the GPU's memory (XLA's bytes_limit) the engine may use; the KV "
+                        "cache gets what the weights and the largest step leave, measured after a warm-up "
+                        "(overrides --kv-cache-memory; a GPU only)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=None,
@@ -52,6 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                                        "or ~/.cache/jaxserve)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per generation request (its id, prompt size and sampling parameters)")
+    p.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy in front of the server strips "
+                                                   "(FastAPI's root_path)")
+    p.add_argument("--allowed-origins", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
+    p.add_argument("--allowed-methods", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
+    p.add_argument("--allowed-headers", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     return p.parse_args(argv)
 
 
@@ -63,21 +90,29 @@ def main(argv=None) -> int:
     from api.server import create_app
     from jaxserve.default_model import DefaultModelMissing
     from jaxserve.engine import LLMEngine
+    from jaxserve.tokenization import read_chat_template
 
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          max_model_len=args.max_model_len, block_size=args.block_size,
                          kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
+                         gpu_memory_utilization=args.gpu_memory_utilization,
                          enable_prefix_caching=not args.no_prefix_caching, generation_config=args.generation_config,
                          async_scheduling=not args.no_async_scheduling, **model_engine_kwargs(args))
     try:
+        chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                                      progress=sys.stderr.isatty(), quantization=args.quantization, **engine_kwargs)
+                                      progress=sys.stderr.isatty(), quantization=args.quantization,
+                                      tokenizer=args.tokenizer, **engine_kwargs)
+        cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                    allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+        app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key,
+                         max_waiting=args.max_waiting, max_request_sequences=args.max_request_sequences,
+                         max_request_body_bytes=args.max_request_body_bytes, chat_template=chat_template,
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests, cors=cors)
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting,
-                     max_request_sequences=args.max_request_sequences,
-                     max_request_body_bytes=args.max_request_body_bytes)
 
     # Bind first, so --port 0 can report the port it got before serving.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -86,8 +121,8 @@ def main(argv=None) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"jaxserve: serving {app.state.server.model_name} on {url}", flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level, access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=5, root_path=args.root_path)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse
 from api import openapi
 from api.engine_loop import SampleDelta
 from api.errors import bad_request
-from api.logprobs import chat_logprobs
-from api.protocol import ChatCompletionRequest
+from api.logprobs import chat_logprobs, vllm_prompt_logprobs
+from api.ignored_fields import note_ignored_fields
+from api.protocol import ChatCompletionRequest, ChatTemplateFields
 from api.serving import (
     EventStream, ServerState, collect, disconnected_response, new_id, start_generation, stream_events,
     unless_disconnected,
@@ -27,14 +28,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
     state.check_model(body.model)
+    note_ignored_fields(request, body.warn_ignored())
     body.check()
-    if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = body.template_messages()
+    if body.logprobs:
+        state.check_logprobs(body.top_logprobs, "top_logprobs")
+    state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+    check_template(state, body)
     with state.admit(1, body.n) as reservation:  # a 503 comes now, before the template renders
-        add_special = body.add_special_tokens if body.add_special_tokens is not None else False
-        _, prompt = await state.off_loop(encode_chat, state.tokenizer, messages, state.vocab_size,
-                                         add_special_tokens=add_special, param="messages")
+        prompt = await chat_prompt(state, body)
         requested, max_param = body.requested_max_tokens
         max_tokens = state.max_tokens_for(len(prompt), requested, "messages")
         top_logprobs = body.top_logprobs or 0
@@ -67,7 +68,31 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
                         "logprobs": logprobs, "finish_reason": choice.finish_reason,
                         "stop_reason": choice.stop_reason})
-    return JSONResponse({**header, "choices": choices, "usage": tally.usage()})
+    prompt_logprobs = vllm_prompt_logprobs(prompt, tally.prompt_logprobs[0], body.prompt_logprobs or 0,
+                                           state.token_text)  # vLLM's: beside the choices
+    return JSONResponse({**header, "choices": choices, "usage": tally.usage(), "prompt_logprobs": prompt_logprobs})
+
+
+def check_template(state: ServerState, body: ChatTemplateFields) -> None:
+    """A 400 unless `body`'s messages can be rendered: a template, and a trusted one."""
+    own = body.chat_template
+    if own is not None and not state.trust_request_chat_template:
+        raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                          "Refused request with untrusted chat template.", "chat_template")
+    if state.tokenizer is None or not (own or state.chat_template or getattr(state.tokenizer, "chat_template", None)):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+
+
+async def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
+    """The token ids of `body`'s messages rendered by the chat template (in the tokenizer
+    thread), truncated as it asks (chat completions and /tokenize)."""
+    add_special = body.add_special_tokens if body.add_special_tokens is not None else False
+    kwargs = body.template_kwargs()
+    if state.chat_template and "chat_template" not in kwargs:
+        kwargs["chat_template"] = state.chat_template
+    _, prompt = await state.off_loop(encode_chat, state.tokenizer, body.template_messages(), state.vocab_size,
+                                     add_special_tokens=add_special, param="messages", **kwargs)
+    return state.truncate_prompt(prompt, getattr(body, "truncate_prompt_tokens", None))
 
 
 def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs: int):

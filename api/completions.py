@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 
 from api import openapi
 from api.engine_loop import SampleDelta
-from api.logprobs import completion_logprobs
+from api.ignored_fields import note_ignored_fields
+from api.logprobs import completion_logprobs, echo_entries, vllm_prompt_logprobs
 from api.protocol import CompletionRequest
 from api.serving import (
     EventStream, ServerState, Tally, collect, disconnected_response, new_id, start_generation, stream_events,
@@ -26,12 +27,16 @@ async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
     state.check_model(body.model)
+    note_ignored_fields(request, body.warn_ignored())
     body.check()
+    state.check_logprobs(body.logprobs, "logprobs")
+    state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     requested = body.prompts()
     with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True
         prompts, prompt_texts = await state.off_loop(_encode_prompts, state, requested, add_special, body.echo,
                                                      param="prompt")
+        prompts = [state.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
         max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
         params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults)
         call_id, created = new_id("cmpl"), int(time.time())
@@ -42,18 +47,26 @@ async def create_completion(body: CompletionRequest, request: Request):
     header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
 
     if body.stream:
-        events = stream_events(generation, tally, header, body.include_usage, _chunk_choice(tally, body, state, echo))
+        events = stream_events(generation, tally, header, body.include_usage,
+                               _chunk_choice(tally, body, state, echo, prompts))
         return EventStream(events, on_close=generation.close)
     if await unless_disconnected(request, collect(generation, tally)) is None:
         return disconnected_response()
     choices = []
+    prompt_k = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs
     for index, choice in enumerate(tally.choices):
+        prompt, prompt_logprobs = prompts[index // body.n], tally.prompt_logprobs[index // body.n]
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(choice.token_ids, choice.logprobs, state.token_text, 0)
+            token_ids, entries = choice.token_ids, choice.logprobs
+            if echo:  # the prompt's tokens first, as vLLM
+                token_ids = prompt + token_ids
+                entries = echo_entries(prompt, prompt_logprobs, body.logprobs) + entries
+            logprobs = completion_logprobs(token_ids, entries, state.token_text, 0)
         choices.append({"index": index, "text": (echo[index // body.n] if echo else "") + choice.text,
                         "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                        "stop_reason": choice.stop_reason})
+                        "stop_reason": choice.stop_reason,
+                        "prompt_logprobs": vllm_prompt_logprobs(prompt, prompt_logprobs, prompt_k, state.token_text)})
     return JSONResponse({**header, "choices": choices, "usage": tally.usage()})
 
 
@@ -70,16 +83,23 @@ def _encode_prompts(state: ServerState, prompts: list[str | list[int]], add_spec
     return ids, texts
 
 
-def _chunk_choice(tally: Tally, body: CompletionRequest, state: ServerState, echo: list[str] | None):
+def _chunk_choice(tally: Tally, body: CompletionRequest, state: ServerState, echo: list[str] | None,
+                  prompts: list[list[int]]):
     offsets = [0] * len(tally.choices)  # logprobs text_offset, continued across chunks
 
     def choice(index: int, sample: SampleDelta) -> dict | None:
         text = sample.new_text
-        if echo and not tally.choices[index].started:
+        echoing = echo and not tally.choices[index].started
+        if echoing:
             text = echo[index // body.n] + text
         logprobs = None
         if body.logprobs is not None and sample.new_token_ids:
-            logprobs = completion_logprobs(sample.new_token_ids, sample.new_logprobs, state.token_text, offsets[index])
+            token_ids, entries = sample.new_token_ids, sample.new_logprobs
+            if echoing:  # the prompt's tokens lead the first chunk
+                prompt = prompts[index // body.n]
+                token_ids = prompt + token_ids
+                entries = echo_entries(prompt, tally.prompt_logprobs[index // body.n], body.logprobs) + entries
+            logprobs = completion_logprobs(token_ids, entries, state.token_text, offsets[index])
             offsets[index] += sum(len(t) for t in logprobs["tokens"])
         if not text and logprobs is None and sample.finish_reason is None:
             return None  # the detokenizer held this token's text back (a partial character)

@@ -66,6 +66,7 @@ class StepDelta:
     samples: list[SampleDelta]
     finished: bool
     num_cached_tokens: int
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs, on the request's first delta
 
 
 @dataclasses.dataclass
@@ -89,6 +90,7 @@ class _Abort:
 class _Stream:
     queue: asyncio.Queue
     finished_samples: set[int] = dataclasses.field(default_factory=set)
+    sent_prompt_logprobs: bool = False
 
 
 _STOP = object()
@@ -369,7 +371,11 @@ def _delta(output: RequestOutput, stream: _Stream) -> StepDelta:
             finish_reason=c.finish_reason if newly_finished else None,
             stop_reason=c.stop_reason if newly_finished else None, text=c.text if newly_finished else None,
         ))
-    return StepDelta(output.request_id, samples, output.finished, output.num_cached_tokens)
+    prompt_logprobs = None
+    if output.prompt_logprobs is not None and not stream.sent_prompt_logprobs:
+        stream.sent_prompt_logprobs = True  # complete once a token is out; never appended to again
+        prompt_logprobs = list(output.prompt_logprobs)
+    return StepDelta(output.request_id, samples, output.finished, output.num_cached_tokens, prompt_logprobs)
 
 
 def _put_all(batch) -> None:

@@ -25,6 +25,10 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ID = "x-token-id"  # below the vocabulary size
 OUTPUT_TOKENS = "x-output-tokens"  # a count of generated tokens: below the context length,
 # since a prompt has at least one token (the server refuses more with context_length_exceeded)
+CONTEXT_TOKENS = "x-context-tokens"  # a count of prompt tokens: at most the context length
+REQUEST_CHAT_TEMPLATE = "x-request-chat-template"  # null only, unless the server trusts request templates
+# ... and for objects keyed by token ids written as decimal strings (logit_bias): their key pattern.
+TOKEN_ID_KEYS = "x-token-id-keys"
 
 
 class PrometheusResponse(PlainTextResponse):
@@ -64,6 +68,9 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: FinishReason | None
     stop_reason: int | str | None  # the stop token id or stop string that ended it
+    # vLLM's, with prompt_logprobs (or echo with logprobs): per prompt token null (the first) or
+    # {token_id: {logprob, rank, decoded_token}}; not in streamed chunks.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class Completion(BaseModel):
@@ -108,6 +115,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, as in CompletionChoice
 
 
 class ChatDelta(BaseModel):
@@ -194,7 +202,8 @@ def _ref(model: type[BaseModel]) -> str:
 
 # -- the document -----------------------------------------------------------------------
 
-def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, api_key: bool) -> None:
+def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, api_key: bool,
+                    trust_request_chat_template: bool = False) -> None:
     """Serve the document above at /openapi.json (built once, on the first request)."""
 
     def openapi() -> dict:
@@ -203,9 +212,12 @@ def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, api_ke
                                  routes=app.routes)
             _drop_validation_errors(schema)
             _add_stream_chunks(schema)
-            _bound_per_model(schema, {TOKEN_ID: vocab_size - 1, OUTPUT_TOKENS: max_model_len - 1})
+            _bound_per_model(schema, {TOKEN_ID: vocab_size - 1, OUTPUT_TOKENS: max_model_len - 1,
+                                      CONTEXT_TOKENS: max_model_len})
             if api_key:
                 _require_bearer_on_v1(schema)
+            if not trust_request_chat_template:
+                _refuse_request_chat_templates(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -239,11 +251,38 @@ def _bound_per_model(node, maximum: dict[str, int]) -> None:
         for mark, bound in maximum.items():
             if node.get(mark):
                 node["maximum"] = bound
+        if node.get(TOKEN_ID_KEYS):  # the values' schema stays; the keys get the vocabulary's bound
+            (values,) = node["patternProperties"].values()
+            node["patternProperties"] = {decimal_up_to(maximum[TOKEN_ID]): values}
         for value in node.values():
             _bound_per_model(value, maximum)
     elif isinstance(node, list):
         for value in node:
             _bound_per_model(value, maximum)
+
+
+def decimal_up_to(n: int) -> str:
+    """A regular expression for the decimal integers 0..n, written without leading zeros."""
+    digits = str(n)
+    width = len(digits)
+    options = ["0"]
+    if width > 1:  # 1 .. 10**(width-1) - 1
+        options.append(f"[1-9][0-9]{{0,{width - 2}}}")
+    for i, digit in enumerate(digits):  # width digits: n's first i, then a smaller one, then any
+        low, high = (1 if i == 0 else 0), int(digit) - 1
+        if high >= low:
+            options.append(digits[:i] + f"[{low}-{high}]" + (f"[0-9]{{{width - i - 1}}}" if i < width - 1 else ""))
+    if n > 0:
+        options.append(digits)
+    return "^(" + "|".join(options) + ")$"
+
+
+def _refuse_request_chat_templates(schema: dict) -> None:
+    """Without --trust-request-chat-template, a request's `chat_template` may only be null."""
+    for body in schema["components"]["schemas"].values():
+        field = body.get("properties", {}).get("chat_template")
+        if field is not None and field.get(REQUEST_CHAT_TEMPLATE):
+            field["anyOf"] = [{"type": "null"}]
 
 
 def _require_bearer_on_v1(schema: dict) -> None:

@@ -5,7 +5,7 @@ ranges are `SamplingParams`' own, written as Field constraints so that the OpenA
 states them and a request that fits the schema is accepted (`SamplingParams` still checks
 them, and whatever a schema cannot state: min_tokens <= max_tokens, ...). Only `n` has an
 API cap of its own. Fields the server does not know are ignored, as vLLM does, and logged;
-fields it knows but cannot honour (tools, logit_bias, suffix, ...) are refused with a 400
+fields it knows but cannot honour (tools, suffix, ...) are refused with a 400
 rather than silently dropped, and the schema says which values they may take.
 """
 
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from api.errors import bad_request, from_value_error
-from api.openapi import OUTPUT_TOKENS, TOKEN_ID
+from api.openapi import CONTEXT_TOKENS, OUTPUT_TOKENS, REQUEST_CHAT_TEMPLATE, TOKEN_ID, TOKEN_ID_KEYS
 from scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,13 @@ Int = Annotated[int, INTEGRAL]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID: True}), INTEGRAL]
 OutputTokens = Annotated[int, Field(ge=1, json_schema_extra={OUTPUT_TOKENS: True}), INTEGRAL]
 StopString = Annotated[str, Field(min_length=1)]
+# logit_bias: {"token id": bias}, the ids as decimal strings (OpenAI's); the served schema
+# bounds them by the vocabulary (`TOKEN_ID_KEYS`).
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+Bias = Annotated[float, Field(ge=-SamplingParams.MAX_LOGIT_BIAS, le=SamplingParams.MAX_LOGIT_BIAS)]
+LogitBias = Annotated[dict[TokenIdKey, Bias], Field(json_schema_extra={"additionalProperties": False,
+                                                                       TOKEN_ID_KEYS: True})]
+BadWord = Annotated[str, Field(pattern=r"\S")]  # not blank
 
 
 def refused_unless(**schema) -> dict:
@@ -47,16 +54,36 @@ def refused_unless(**schema) -> dict:
     return {"json_schema_extra": schema}
 
 
+# vLLM fields that would change the output, which this server cannot honour yet: a value
+# other than the harmless one (None: any value) is a 400 naming the field; dropping it
+# silently would return different text than vLLM does.
+UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
+                     "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern")),
+    "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None, "documents": None,
+    "return_tokens_as_token_ids": False,
+    # Declared by one endpoint, so an extra field only of the other: chat's echo (the last
+    # message before the reply) and completions' response_format.
+    "echo": False, "response_format": {"type": "text"},
+}
+_logged_unknown_fields: set[str] = set()
+_MAX_LOGGED_UNKNOWN_FIELDS = 1000
+
 
 class _Body(BaseModel):
     # strict: "16" is not a number and true is not 1, as in the OpenAI API.
     model_config = ConfigDict(extra="allow", strict=True)
 
-    def warn_ignored(self) -> None:
-        if self.model_extra:  # repr: a client's field names must not forge log lines
-            names = sorted(self.model_extra)
-            logger.warning("ignoring %d unknown request field(s): %s", len(names),
-                           ", ".join(repr(name)[:40] for name in names[:8]))
+    def warn_ignored(self) -> list[str]:
+        """The unknown fields this request carried (the server answers them in the
+        `x-ignored-fields` header); each name is logged once per process, as vLLM does."""
+        names = sorted(self.model_extra or ())
+        fresh = [name for name in names if name not in _logged_unknown_fields]
+        if fresh and len(_logged_unknown_fields) < _MAX_LOGGED_UNKNOWN_FIELDS:  # a bound: clients choose the names
+            _logged_unknown_fields.update(fresh)
+            # repr: a client's field names must not forge log lines
+            logger.warning("ignoring unknown request field(s): %s", ", ".join(repr(name)[:40] for name in fresh[:8]))
+        return names
 
 
 class StreamOptions(_Body):
@@ -77,7 +104,7 @@ class _SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, **refused_unless(maxProperties=0))
+    logit_bias: LogitBias | None = None
     # vLLM's extra sampling fields.
     top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None  # 0 or -1: no top-k filter
     min_p: float | None = Field(None, ge=0, le=1)
@@ -86,18 +113,34 @@ class _SamplingBody(_Body):
     min_tokens: Annotated[int, Field(ge=0, json_schema_extra={OUTPUT_TOKENS: True}), INTEGRAL] = 0
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # only these may be sampled
+    bad_words: list[BadWord] | None = None  # words whose tokens the output may never hold
+    # How the text is decoded, as tokenizer.decode (special tokens such as <|im_end|> shown when false).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     priority: Int = 0  # lower is served first
     # None: the endpoint's default (completions add the tokenizer's special tokens, chat
     # leaves BOS to the template).
     add_special_tokens: bool | None = None
     cache_salt: str | None = Field(None, min_length=1)  # requests with different salts share no cached KV
+    # vLLM's: each prompt token's logprob and this many top alternatives (-1, the whole vocabulary: a 400).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    # Keep only the last k prompt tokens (-1: the model's context length), as vLLM.
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, json_schema_extra={CONTEXT_TOKENS: True}), INTEGRAL] \
+        | Literal[-1] | None = None
 
     def check_common(self) -> None:
         self.warn_ignored()
+        for name, harmless in UNSUPPORTED_VLLM_FIELDS.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value != harmless:
+                raise bad_request(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -109,8 +152,12 @@ class _SamplingBody(_Body):
         generation config). A value out of range is a 400 naming the API parameter."""
         fields: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, logprobs=logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs,
             stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or (),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -141,8 +188,13 @@ class CompletionRequest(_SamplingBody):
             raise bad_request("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must equal n (this server returns every sample)", "best_of")
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs covers the prompt's tokens too (as vLLM)."""
         if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -180,7 +232,54 @@ class ChatMessage(_Body):
         return message
 
 
-class ChatCompletionRequest(_SamplingBody):
+# apply_chat_template's parameters and the request's own fields: chat_template_kwargs holds
+# template variables only (a chat_template there would also bypass --trust-request-chat-template).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs", "template_vars",
+})
+
+
+class ChatTemplateFields(_Body):
+    """vLLM's chat-template fields (chat completions and /tokenize). add_generation_prompt
+    None: true unless continue_final_message."""
+
+    # The schema states that the two are not both true.
+    model_config = ConfigDict(json_schema_extra={"not": {
+        "required": ["add_generation_prompt", "continue_final_message"],
+        "properties": {"add_generation_prompt": {"const": True}, "continue_final_message": {"const": True}}}})
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False  # render the last (assistant) message open, to be continued
+    # Only with --trust-request-chat-template (else the schema allows null alone).
+    chat_template: str | None = Field(None, json_schema_extra={REQUEST_CHAT_TEMPLATE: True})
+    chat_template_kwargs: dict[str, Any] | None = Field(None, json_schema_extra={
+        "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})  # extra variables for the template
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+    def check_template_fields(self) -> None:
+        kwargs = self.template_kwargs()
+        if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
+        for name in self.chat_template_kwargs or ():
+            if name in RESERVED_TEMPLATE_KWARGS:  # transformers' own arguments, not template variables
+                raise bad_request(f"chat_template_kwargs may not set {name!r}", "chat_template_kwargs")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `encode_chat`: the request's switches and template variables."""
+        add = self.add_generation_prompt if self.add_generation_prompt is not None else not self.continue_final_message
+        kwargs = {"add_generation_prompt": add, "continue_final_message": self.continue_final_message,
+                  "template_vars": self.chat_template_kwargs or {}}
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
+
+
+class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
 
@@ -198,6 +297,7 @@ class ChatCompletionRequest(_SamplingBody):
 
     def check(self) -> None:
         self.check_common()
+        self.check_template_fields()
         if self.tools or self.functions:
             raise bad_request("tools and functions are not supported by this server",
                               "tools" if self.tools else "functions")
@@ -214,6 +314,3 @@ class ChatCompletionRequest(_SamplingBody):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
-
-    def template_messages(self) -> list[dict]:
-        return [m.for_template(i) for i, m in enumerate(self.messages)]

@@ -3,7 +3,8 @@
     app = create_app(LLMEngine.from_model(), api_key="secret", max_waiting=64)
     uvicorn.run(app)            # or: python -m api
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], vLLM's
+POST /tokenize, POST /detokenize and GET /version (api.tokenize),
 GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
 (Prometheus text), GET /openapi.json (their schema: api.openapi). With an API key, every /v1 request needs `Authorization: Bearer <key>`;
 /health and /metrics stay open, as in vLLM, so probes and scrapers need no secret.
@@ -18,17 +19,21 @@ from __future__ import annotations
 import contextlib
 import hmac
 from pathlib import Path
+from typing import Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from api import chat, completions, openapi
+from api import chat, completions, openapi, tokenize
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, BodySizeLimit
+from api.ignored_fields import IgnoredFieldsHeader
 from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.serving import ServerState
+from scheduler import SamplingParams
 
 
 def default_model_name(engine) -> str:
@@ -38,13 +43,25 @@ def default_model_name(engine) -> str:
     return name.split(".")[0] if source.suffix == ".gguf" else name  # "X.Q4_1.gguf" -> "X"
 
 
-def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
+def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key: str | None = None,
                max_waiting: int | None = None, max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    """An app serving `engine` (an LLMEngine). The engine thread starts with the app's lifespan."""
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, chat_template: str | None = None,
+               trust_request_chat_template: bool = False, max_logprobs: int = SamplingParams.MAX_LOGPROBS,
+               log_requests: bool = True, cors: dict | None = None) -> FastAPI:
+    """An app serving `engine` (an LLMEngine). The engine thread starts with the app's lifespan.
+
+    `model_name`: the name clients pass as `model`, or several (the first is the one
+    responses report); `chat_template` replaces the tokenizer's; `cors`: CORSMiddleware's
+    arguments (allow_origins, ...), None for no CORS headers.
+    """
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
-    model_name = model_name or default_model_name(engine)
+    if not 0 <= max_logprobs <= SamplingParams.MAX_LOGPROBS:  # the sampler computes that many at most
+        raise ValueError(f"max_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {max_logprobs}")
+    if chat_template is not None and engine.tokenizer is None:
+        raise ValueError("a chat template needs a tokenizer; this model has none (see --tokenizer)")
+    names = [model_name] if isinstance(model_name, str) else list(model_name or ())
+    model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
     engine_loop = EngineLoop(engine, Metrics(model_name, engine.cache_config_info()), max_waiting=max_waiting)
 
     @contextlib.asynccontextmanager
@@ -58,16 +75,22 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine_loop, engine.tokenizer, model_name, engine.max_model_len,
                                    engine.loaded.config.vocab_size, engine.generation.sampling,
-                                   TokenText(engine.tokenizer), max_request_sequences)
+                                   TokenText(engine.tokenizer), max_request_sequences, aliases=aliases,
+                                   chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
+                                   max_logprobs=max_logprobs, log_requests=log_requests)
     install_error_handlers(app)
     openapi.install_openapi(app, vocab_size=engine.loaded.config.vocab_size, max_model_len=engine.max_model_len,
-                            api_key=bool(api_key))
+                            api_key=bool(api_key), trust_request_chat_template=trust_request_chat_template)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    # Added last, so outermost: an oversized body is refused before anything else reads it.
+    app.add_middleware(IgnoredFieldsHeader)
+    # Added late, so outside: an oversized body is refused before anything else reads it.
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if cors is not None:  # outermost, so that refusals (401, 413) carry CORS headers a browser can read
+        app.add_middleware(CORSMiddleware, **cors)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(tokenize.router)
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine thread is alive (an empty body)."}, **openapi.errors(503)})
@@ -84,19 +107,20 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})
     async def list_models(request: Request):
-        return {"object": "list", "data": [_model_card(request.app.state.server)]}
+        state: ServerState = request.app.state.server
+        return {"object": "list", "data": [_model_card(state, name) for name in (state.model_name, *state.aliases)]}
 
     @app.get("/v1/models/{model:path}", responses={200: {"model": openapi.ModelCard}, **openapi.errors(404)})
     async def retrieve_model(model: str, request: Request):
         state: ServerState = request.app.state.server
         state.check_model(model)
-        return _model_card(state)
+        return _model_card(state, model)
 
     return app
 
 
-def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
             "max_model_len": state.max_model_len}
 
 
@@ -109,7 +133,7 @@ class APIKeyMiddleware:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and _route_path(scope).startswith("/v1") and scope["method"] != "OPTIONS":
             error = self._check(dict(scope["headers"]).get(b"authorization", b""))
             if error is not None:
                 await error.response()(scope, receive, send)
@@ -126,3 +150,9 @@ class APIKeyMiddleware:
         else:
             return None
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _route_path(scope) -> str:
+    """The path the routes see: uvicorn puts --root-path in front of the request's path."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path

@@ -47,14 +47,36 @@ class ServerState:
     token_text: TokenText
     max_request_sequences: int  # prompts x n of one call
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # more names clients may pass as `model` (--served-model-name a b)
+    chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask for
+    log_requests: bool = True  # one log line per generation call
     # NOTE: one thread, so the tokenizer is never used by two requests at once (transformers'
     # fast tokenizers set truncation state on encode); the engine thread only decodes.
     tokenizer_pool: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.aliases:
             raise model_not_found(model)
+
+    def truncate_prompt(self, prompt: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: the context length)."""
+        if keep is None:
+            return prompt
+        if keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                              f"({self.max_model_len}); please request a smaller truncation size",
+                              "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return prompt[-keep:] if len(prompt) > keep else prompt
+
+    def check_logprobs(self, wanted: int | None, param: str) -> None:
+        """--max-logprobs: a 400 naming `param` for more alternatives than the server allows."""
+        if wanted is not None and wanted > self.max_logprobs:
+            raise bad_request(f"{param} ({wanted}) is greater than this server's maximum ({self.max_logprobs}, "
+                              f"--max-logprobs)", param)
 
     def admit(self, num_prompts: int, n: int) -> Reservation:
         """On arrival: a 400 for a call that fans out to too many sequences, a 503 at once if
@@ -111,6 +133,9 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
     the prompt (`prompt_param`: empty, too long, token ids out of range).
     """
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
+    if state.log_requests:  # the sizes and settings, never the prompt text
+        logger.info("request %s: %s prompt token(s), params %s", call_id, "+".join(str(len(p)) for p in prompts),
+                    params)
     generation = state.engine_loop.generation(ids)
     try:
         await generation.add(prompts, params, reservation, arrival_time=arrival_time, priority=priority,
@@ -146,10 +171,13 @@ class Tally:
         self.prompt_lens = prompt_lens
         self.choices = [Choice() for _ in range(len(request_ids) * n)]
         self.cached_tokens = dict.fromkeys(request_ids, 0)
+        self.prompt_logprobs: list[list | None] = [None] * len(request_ids)  # per prompt, when asked for
 
     def update(self, delta: StepDelta) -> list[tuple[int, SampleDelta]]:
         """Record one delta; returns (choice index, sample delta) for each sample that changed."""
         self.cached_tokens[delta.request_id] = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[self.prompt_index[delta.request_id]] = delta.prompt_logprobs
         changed = []
         for sample in delta.samples:
             index = self.prompt_index[delta.request_id] * self.n + sample.index

@@ -17,14 +17,17 @@
 #              serial one (benchmarks/throughput.py --profile, a short workload);
 #   plan       python -m jaxserve.plan --measure on the default model in bf16: the engine's
 #              decode steps over batches 1..256 beside the roofline bound from the device
-#              table, JSON and PNG into $OUT.
+#              table, JSON and PNG into $OUT;
+#   memory     --gpu-memory-utilization 0.5 on the default model in bf16: the KV cache the
+#              engine chose (blocks, bytes) and the device's memory stats after building it
+#              and after a short generation (memory.txt in $OUT).
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
 #     bash benchmarks/gpu_check.sh                  # every section; results in ${OUT:-benchmarks/results}
 #     bash benchmarks/gpu_check.sh --only matmul    # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(attention matmul e2e steploop plan)
+SECTIONS=(attention matmul e2e steploop plan memory)
 only=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -111,6 +114,39 @@ if wanted plan; then
   echo "== plan: measured decode steps against the roofline bound"
   timeout 300 "$PYTHON" -m jaxserve.plan --measure --dtype bfloat16 --context 256 --json "$OUT/plan.json" \
       --plot "$OUT/plan.png" 2>&1 | tee "$OUT/plan.txt" || status=1
+fi
+
+if wanted memory; then
+  echo "== gpu-memory-utilization 0.5: the KV cache chosen and the device's memory"
+  timeout 300 "$PYTHON" - 2>&1 <<'EOF' | tee "$OUT/memory.txt" || status=1
+import jax
+from jaxserve.engine import LLMEngine
+from jaxserve.sizing import both_units
+from scheduler import SamplingParams
+
+def stats():
+    return jax.devices()[0].memory_stats()
+
+def show(when):
+    s = stats()
+    print(f"{when}: " + ", ".join(f"{k} {both_units(s[k])}" for k in ("bytes_limit", "bytes_in_use",
+                                                                     "peak_bytes_in_use") if k in s))
+
+engine = LLMEngine.from_model(None, dtype="bfloat16", progress=False, gpu_memory_utilization=0.5,
+                              max_num_seqs=32, max_num_batched_tokens=512)
+kv = engine.runner.kv
+limit = stats()["bytes_limit"]
+print(f"KV cache: {kv.num_blocks} blocks of {kv.block_size} tokens, {both_units(kv.nbytes)} "
+      f"({kv.nbytes / limit:.3f} of bytes_limit), max_model_len {engine.max_model_len}")
+show("after building")
+for i in range(32):
+    engine.add_request(str(i), "The capital of France is", SamplingParams(max_tokens=64, ignore_eos=True))
+engine.generate_all()
+show("after 32 x 64 tokens")
+ok = stats()["peak_bytes_in_use"] <= 0.5 * limit * 1.01
+print("peak within 0.5 of bytes_limit (1% slack):", ok)
+raise SystemExit(0 if ok else 1)
+EOF
 fi
 
 echo "== done (status $status): results in $OUT"

@@ -28,6 +28,7 @@ advances a request by up to k + 1 tokens, so the host's work per token shrinks a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxserve.auto_dtype import resolve_dtype
 from jaxserve.backend import select_attention, select_matmul
 from jaxserve.generation_config import read_generation_config
 from jaxserve.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
@@ -42,7 +44,7 @@ from jaxserve.model_runner import ModelRunner, StepHandle, token_buckets
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import NullProfiler, StepProfiler
-from jaxserve.sizing import both_units, plan_kv
+from jaxserve.sizing import both_units, kv_budget_for_utilization, plan_kv
 from jaxserve.spec_decode import SpeculativeConfig
 from jaxserve.spec_decode.proposers import Proposer, make_proposer
 from jaxserve.tokenization import encode_prompt
@@ -62,6 +64,10 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" or "int8" (see jaxserve.kv_cache)
     num_blocks: int | None = None  # overrides kv_cache_memory
+    # vLLM's: the fraction of the device's memory the engine may use; the KV cache gets what
+    # the weights and the largest step leave (measured, see _kv_memory_for_utilization).
+    # Overrides kv_cache_memory; num_blocks overrides it. Needs a device that reports its memory.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
@@ -75,6 +81,9 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        u = self.gpu_memory_utilization
+        if u is not None and not (isinstance(u, (int, float)) and 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
 
 
 class LLMEngine:
@@ -90,8 +99,21 @@ class LLMEngine:
         spec = config.speculative_config
         num_spec = spec.num_draft_tokens if spec else 0
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
+                                                             kv_dtype)
+        self.matmul_backend = select_matmul(config.matmul_backend, loaded.model)  # before the runner splits it
+        make_runner = functools.partial(
+            ModelRunner, loaded.model, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, attention=attention,
+            kv_dtype=kv_dtype, buckets=self._token_buckets(num_spec),
+            num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
+            draft_tree=spec and spec.tree, keep_step_hidden=spec is not None and spec.method == "eagle",
+        )
+        memory_bytes = config.kv_cache_memory
+        if config.gpu_memory_utilization is not None and config.num_blocks is None:
+            memory_bytes = self._kv_memory_for_utilization(make_runner, max_model_len)
         kv_plan = plan_kv(mcfg, kv_dtype, context=max_model_len, block_size=config.block_size,
-                          memory_bytes=config.kv_cache_memory, num_blocks=config.num_blocks)
+                          memory_bytes=memory_bytes, num_blocks=config.num_blocks)
         num_blocks, capacity = kv_plan.num_blocks, kv_plan.usable_tokens
         if kv_plan.max_sequences == 0:
             logger.warning("the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
@@ -109,16 +131,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching, num_speculative_tokens=num_spec,
             draft_tree=spec and spec.tree,
         ))
-        self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
-                                                             kv_dtype)
-        self.matmul_backend = select_matmul(config.matmul_backend, loaded.model)  # before the runner splits it
-        self.runner = ModelRunner(
-            loaded.model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, attention=attention,
-            kv_dtype=kv_dtype, buckets=self._token_buckets(num_spec),
-            num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
-            draft_tree=spec and spec.tree, keep_step_hidden=spec is not None and spec.method == "eagle",
-        )
+        self.runner = make_runner(num_blocks=num_blocks, max_model_len=max_model_len)
         self.proposer: Proposer | None = make_proposer(spec, self) if spec else None
         self.async_scheduling = config.async_scheduling and spec is None
         self.outputs = OutputProcessor(self.tokenizer)
@@ -131,6 +144,35 @@ class LLMEngine:
                     config.block_size, capacity, kv_dtype_label(kv_dtype), self.runner.kv.nbytes / 2**20)
         if config.warm_up:
             self.runner.warm_up()
+
+    def _kv_memory_for_utilization(self, make_runner, max_model_len: int) -> int:
+        """The KV cache's bytes under gpu_memory_utilization, as vLLM sizes it.
+
+        The order matters: the activations of the largest step are known only once it has
+        run, and running needs a cache. So a probe runner with the smallest cache (the null
+        block and one more) compiles and runs every step shape first (warm-up, the largest
+        included); the device's peak in use then is the weights plus the largest step's
+        activations plus that small cache. The cache gets `utilization * bytes_limit` less
+        that peak (the probe's cache excepted); the probe is freed before the real runner
+        allocates it. Its programs compile again for the real cache's shape (the persistent
+        compilation cache keeps both for the next start). A peak from loading the weights
+        (jax cannot reset it) only makes the figure smaller, never too large. Not counted: a
+        draft model (speculative_config), which loads after the cache is sized."""
+        utilization = self.config.gpu_memory_utilization
+        device = jax.devices()[0]
+        require_memory_stats(device)
+        probe = make_runner(num_blocks=2, max_model_len=max_model_len)
+        probe.warm_up()
+        stats = device_memory_stats(device)
+        probe_kv = probe.kv.nbytes
+        jax.tree.map(lambda a: a.delete(), probe.kv)
+        del probe
+        budget = kv_budget_for_utilization(utilization, total_bytes=stats["bytes_limit"],
+                                           peak_bytes=stats["peak_bytes_in_use"] - probe_kv)
+        logger.info("gpu_memory_utilization %s of %s: weights and activations peaked at %s; KV cache budget %s",
+                    utilization, both_units(stats["bytes_limit"]), both_units(stats["peak_bytes_in_use"] - probe_kv),
+                    both_units(budget))
+        return budget
 
     def _token_buckets(self, num_spec: int) -> list[int] | None:
         """The configured buckets; by default the runner's powers of two, plus one for a
@@ -149,13 +191,18 @@ class LLMEngine:
                 "kv_cache_bytes": str(kv.nbytes), "tokens": str((kv.num_blocks - 1) * kv.block_size)}
 
     @classmethod
-    def from_model(cls, model: str | None = None, *, dtype="float32", cache_dir=None, progress: bool = True,
-                   quantization: str | None = None, **engine_kwargs) -> LLMEngine:
+    def from_model(cls, model: str | None = None, *, dtype="auto", cache_dir=None, progress: bool = True,
+                   quantization: str | None = None, tokenizer: str | None = None, **engine_kwargs) -> LLMEngine:
         """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields.
-        `quantization`: "int4", "fp8" or "gguf" (see jaxserve.quantization); None: as the checkpoint is."""
+        `dtype` "auto": the checkpoint's on a GPU, float32 on the CPU (jaxserve.auto_dtype).
+        `quantization`: "int4", "fp8" or "gguf" (see jaxserve.quantization); None: as the checkpoint is.
+        `tokenizer`: a folder whose tokenizer replaces the model's (weights without one)."""
+        if engine_kwargs.get("gpu_memory_utilization") is not None:
+            require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
         enable_compilation_cache(cache_dir)
+        dtype = resolve_dtype(dtype, model)
         loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress,
-                            quantization=quantization)
+                            quantization=quantization, tokenizer=tokenizer)
         return cls(loaded, EngineConfig(**engine_kwargs))
 
     # -- requests -----------------------------------------------------------------------
@@ -177,6 +224,11 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
                              f"got {list(params.stop_token_ids)}")
+        params.check_token_ids(vocab)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words must be tokenized, and this model has no tokenizer")
+            params = params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         prompt_ids = encode_prompt(self.tokenizer, prompt, vocab, add_special_tokens=add_special_tokens)
@@ -257,8 +309,8 @@ class LLMEngine:
             return self.outputs.process(results, output, self.scheduler)
 
     def _needs_known_tokens(self) -> bool:
-        """A running request with penalties: the next batch needs its last token on the host."""
-        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        """A running request with penalties or bad words: the next batch needs its last token on the host."""
+        return any(r.sampling_params.uses_penalties or r.sampling_params.bad_words for r in self.scheduler.running)
 
     def generate_all(self) -> list[RequestOutput]:
         """Step until every request is done; the final output of each, in finishing order."""
@@ -270,6 +322,17 @@ class LLMEngine:
     @property
     def compilations(self) -> int:
         return self.runner.compilations.count
+
+
+def device_memory_stats(device) -> dict | None:
+    """The device's allocator figures (`bytes_limit`, `peak_bytes_in_use`, ...); None on the CPU."""
+    return device.memory_stats()
+
+
+def require_memory_stats(device) -> None:
+    if device_memory_stats(device) is None:
+        raise ValueError(f"gpu_memory_utilization needs a device that reports its memory; the {device.platform} "
+                         "device does not: size the KV cache with kv_cache_memory (--kv-cache-memory) instead")
 
 
 def enable_compilation_cache(cache_dir=None) -> None:

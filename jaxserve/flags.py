@@ -13,7 +13,9 @@ BACKENDS = ["auto", "pallas", "reference"]
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config."""
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the weights' and activations' dtype; auto (the default): the checkpoint's (config.json's "
+                        "torch_dtype; a GGUF file's 16-bit floats, else float16) on a GPU, float32 on the CPU")
     p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
                    help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
                         "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is")

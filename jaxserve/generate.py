@@ -71,6 +71,7 @@ def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int =
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from jaxserve.auto_dtype import resolve_dtype
     from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
     from jaxserve.generation_config import read_generation_config
     from jaxserve.tokenization import encode_chat, encode_prompt
@@ -80,8 +81,8 @@ def main(argv=None) -> int:
     prompts = read_prompts(args)
     try:
         enable_compilation_cache(args.cache_dir)
-        loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=sys.stderr.isatty(),
-                            quantization=args.quantization)
+        loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, args.model), cache_dir=args.cache_dir,
+                            progress=sys.stderr.isatty(), quantization=args.quantization)
         # A flag wins over the model's generation config, which wins over the CLI's defaults.
         flags = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                      seed=args.seed)

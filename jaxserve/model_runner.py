@@ -8,7 +8,8 @@ in between):
   MIN_TOKENS up to max_num_batched_tokens (its attention sees S = min(T, max_num_seqs)
   sequence slots). It hands over the final hidden state of each sequence's last token.
 - the head: final norm, LM head and sampler for R rows, R the number of sequences
-  rounded up to a power of two (at most max_num_seqs), with or without penalties.
+  rounded up to a power of two (at most max_num_seqs), with or without penalties and the
+  token bias (logit_bias, allowed_token_ids, bad_words: one variant for both).
 
 So the compiled set is the token buckets plus twice the row buckets, not their product,
 and the LM head and sampler, whose cost grows with the rows, work on the real batch
@@ -30,6 +31,7 @@ step N+1 is dispatched before the host has seen step N's tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -41,11 +43,11 @@ from flax import nnx
 from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slots
 from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
-from jaxserve.sampler import SamplerOutput, SamplingMetadata, sample
+from jaxserve.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
 from jaxserve.spec_decode.rejection_sampler import VerifyOutput, verify
 from jaxserve.spec_decode.tree_verify import TreeVerifyOutput, verify_tree
 from scheduler.draft_tree import DraftTree
-from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
+from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, token_bias_matrix
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ logger = logging.getLogger(__name__)
 # product at about the memory bandwidth, while 2-8 rows run about three times slower, so
 # single-stream decode must not be padded.
 MIN_TOKENS = 1
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: tokens whose [rows, V] logits are live at once
 NULL_SLOT = 0  # the null block's first slot (kv_cache.NULL_BLOCK is 0): where moves that do nothing go
 
 
@@ -65,6 +68,20 @@ class RunnerOutput:
     top_logprob_ids: np.ndarray | None  # int32 [S, n] ([S, k+1, n]) when some sequence asked for logprobs
     top_logprobs: np.ndarray | None
     num_tokens: np.ndarray | None = None  # int32 [S] after verifying draft tokens: tokens per row
+    prompt_logprobs: PromptLogprobsOutput | None = None  # when some row asked for prompt logprobs
+
+
+@dataclasses.dataclass
+class PromptLogprobsOutput:
+    """One entry per prompt token whose logprob the step computed (in step order)."""
+
+    request_ids: list[str]
+    positions: np.ndarray  # int32 [N]: the token's position in its prompt (>= 1)
+    token_ids: np.ndarray  # int32 [N]: the prompt token there
+    logprobs: np.ndarray  # float32 [N]: its logprob given the tokens before it
+    ranks: np.ndarray  # int32 [N]: 1 + how many tokens are more likely
+    top_ids: np.ndarray  # int32 [N, k]: the k most likely tokens (k: the most any row asked for)
+    top_logprobs: np.ndarray  # float32 [N, k]
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -115,15 +132,16 @@ class ModelRunner:
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)
         # Drafts shaped as a tree (not a chain): tree attention, tree verification, and the
         # accepted path's K/V moved next to each other after each verify step.
+        self.keep_step_hidden = keep_step_hidden
         self.tree = tree = draft_tree if draft_tree is not None and not draft_tree.is_chain else None
 
-        def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens):
+        def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens, keep_hidden=False):
             """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
             of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, and with
             `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all)."""
             inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
             hidden, kv = nnx.merge(graphdef, params).hidden_states(inputs, kv, attention=attention)
-            return hidden[inputs.logits_indices], kv, hidden if keep_step_hidden else None
+            return hidden[inputs.logits_indices], kv, hidden if keep_step_hidden or keep_hidden else None
 
         def head(params, hidden, meta: SamplingMetadata):
             """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
@@ -148,6 +166,18 @@ class ModelRunner:
                                                                                    axis=1)[:, 0]
             return out, _by_row(last, rows), _by_row(hidden[jnp.arange(r), end], rows)
 
+        def prompt_head(params, hidden, targets):
+            """Every token's logprob tables for prompt logprobs, PROMPT_LOGITS_ROWS tokens at a time:
+            no [T, V] array is ever whole, on the device or off it."""
+            model = nnx.merge(graphdef, params)
+
+            def one(args):  # lax.map vmaps it over each group of rows
+                h, target = args
+                return prompt_logprob_tables(model.logits(h[None]), target[None])
+
+            tables = jax.lax.map(one, (hidden, targets), batch_size=min(PROMPT_LOGITS_ROWS, hidden.shape[0]))
+            return tuple(t[:, 0] for t in tables)
+
         def compact(kv, out: TreeVerifyOutput, tree_slots):
             """Move each row's accepted drafts' K/V to the slots after its root, in path order
             (tree_slots [R, N+1]: the slots of the root and its nodes)."""
@@ -159,6 +189,9 @@ class ModelRunner:
 
         # jit is applied here, once; the step functions stay plain functions.
         self._body = jax.jit(body, donate_argnames=("kv",))
+        # Steps with prompt logprobs keep every token's hidden state: a variant compiled when the first comes.
+        self._body_keeping_hidden = jax.jit(functools.partial(body, keep_hidden=True), donate_argnames=("kv",))
+        self._prompt_head = jax.jit(prompt_head)
         self._head = jax.jit(head)
         self._verify_head = jax.jit(verify_head)
         self._compact = jax.jit(compact, donate_argnames=("kv",))
@@ -202,7 +235,8 @@ class ModelRunner:
             return
         for r in self.row_buckets:
             for penalties in (False, True):
-                out, *_ = self._head(self.params, hidden, _dummy_sampling(r, penalties, self.max_model_len))
+                meta = _dummy_sampling(r, penalties, self.max_model_len, self.config.vocab_size)
+                out, *_ = self._head(self.params, hidden, meta)
                 out.token_ids.block_until_ready()
                 if self.num_speculative_tokens:
                     out, *_ = self._verify_head(self.params, hidden, *self._verify_args(None, r, penalties))
@@ -224,8 +258,17 @@ class ModelRunner:
         if batch.block_copies:
             self._run_copies(batch.block_copies)
         inputs, pending = self._pad_inputs(batch, *self.bucket_for(batch.num_tokens))
-        hidden, self.kv, self.step_hidden = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        targets = batch.prompt_logprob_targets
+        run_body = self._body if targets is None else self._body_keeping_hidden
+        hidden, self.kv, self.step_hidden = run_body(self.params, self.kv, inputs, pending, self.last_tokens)
         self.step_inputs = inputs
+        prompt = None
+        if targets is not None:
+            padded = np.zeros(len(inputs.input_ids), np.int32)
+            padded[: len(targets)] = np.maximum(targets, 0)
+            prompt = (self._prompt_head(self.params, self.step_hidden, padded), _prompt_rows(batch))
+            if not self.keep_step_hidden:
+                self.step_hidden = None
         if batch.verify is not None:
             r = self.rows_for(batch.num_seqs)
             args = self._verify_args(batch, r, draft_probs=draft_probs)
@@ -235,14 +278,14 @@ class ModelRunner:
         else:
             meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
             out, self.last_tokens, self.last_hidden = self._head(self.params, hidden, meta)
-        return StepHandle(out, batch.num_seqs, batch.sampling.want_logprobs, batch.sampling.num_logprobs)
+        return StepHandle(out, batch.num_seqs, batch.sampling.want_logprobs, batch.sampling.num_logprobs, prompt)
 
     def _verify_args(self, batch: StepBatch | None, r: int, penalties: bool = False, draft_probs=None):
         """The verify head's arguments for R = r rows (padding rows have no drafts)."""
         k = self.num_speculative_tokens
         draft_ids, num_drafts = np.zeros((r, k), np.int32), np.zeros(r, np.int32)
         if batch is None:
-            meta = _dummy_sampling(r * (k + 1), penalties, self.max_model_len)
+            meta = _dummy_sampling(r * (k + 1), penalties, self.max_model_len, self.config.vocab_size)
         else:
             meta = self._pad_sampling(batch.verify, r * (k + 1))
             draft_ids[: batch.num_seqs] = batch.spec_token_ids
@@ -316,10 +359,15 @@ class ModelRunner:
             output_index=pad(b.output_index),
             banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.want_logprobs),
         )
-        if b.history is not None:
-            history = np.zeros((s, self.max_model_len), np.int32)
-            history[: len(b.history), : b.history.shape[1]] = b.history
-            meta.history, meta.history_lens, meta.prompt_lens = history, pad(b.history_lens), pad(b.prompt_lens)
+        if b.history is not None or b.token_bias is not None:
+            # One variant for penalties and the token bias (rows without either leave their
+            # logits as they are), so the compiled set stays two per row bucket.
+            history, lens, prompt_lens = np.zeros((s, self.max_model_len), np.int32), np.zeros(s, np.int32), None
+            if b.history is not None:
+                history[: len(b.history), : b.history.shape[1]] = b.history
+                lens, prompt_lens = pad(b.history_lens), pad(b.prompt_lens)
+            meta.history, meta.history_lens, meta.prompt_lens = history, lens, lens if prompt_lens is None else prompt_lens
+            meta.token_bias = token_bias_matrix(b.token_bias or [], s, self.config.vocab_size)
         return meta
 
 
@@ -352,10 +400,21 @@ class PendingTokens:
 class StepHandle:
     """A dispatched step; `fetch()` waits for its sampled tokens (one row per sequence)."""
 
-    def __init__(self, out: SamplerOutput | VerifyOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int):
+    def __init__(self, out: SamplerOutput | VerifyOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int,
+                 prompt=None):
         self.out, self.num_seqs, self.want_logprobs, self.num_logprobs = out, num_seqs, want_logprobs, num_logprobs
+        self.prompt = prompt  # (device tables, _prompt_rows(batch)) with prompt logprobs
 
     def fetch(self) -> RunnerOutput:
+        result = self._fetch_samples()
+        if self.prompt is not None:
+            (logprobs, ranks, top_ids, top_values), (at, request_ids, positions, token_ids, k) = self.prompt
+            result.prompt_logprobs = PromptLogprobsOutput(
+                request_ids, positions, token_ids, np.asarray(logprobs)[at], np.asarray(ranks)[at],
+                np.asarray(top_ids)[at, :k], np.asarray(top_values)[at, :k])
+        return result
+
+    def _fetch_samples(self) -> RunnerOutput:
         out, n, k = self.out, self.num_seqs, self.num_logprobs
         token_ids = np.asarray(out.token_ids)[:n]
         num_tokens = np.asarray(out.num_tokens)[:n] if isinstance(out, (VerifyOutput, TreeVerifyOutput)) else None
@@ -368,12 +427,33 @@ class StepHandle:
         return RunnerOutput(token_ids, logprobs, None, None, num_tokens)
 
 
-def _dummy_sampling(s: int, penalties: bool, width: int) -> SamplingMetadata:
+def prompt_logprob_tables(logits: jax.Array, targets: jax.Array):
+    """Per token (logits f32 [T, V], targets i32 [T]): the target's logprob and rank (1 + how
+    many tokens are strictly more likely, as vLLM), and the top MAX_LOGPROBS ids and logprobs."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    values, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[1]))
+    return chosen, ranks, ids.astype(jnp.int32), values
+
+
+def _prompt_rows(batch: StepBatch):
+    """Host-side bookkeeping of a step's prompt logprobs: which flat tokens report one, for
+    which request and prompt position, the prompt token, and how many alternatives to keep."""
+    targets = batch.prompt_logprob_targets
+    at = np.flatnonzero(targets >= 0)
+    rows = np.searchsorted(batch.query_start_loc, at, side="right") - 1
+    request_ids = [batch.request_ids[r] for r in rows.tolist()]
+    return at, request_ids, batch.positions[at] + 1, targets[at], batch.num_prompt_logprobs
+
+
+def _dummy_sampling(s: int, penalties: bool, width: int, vocab_size: int) -> SamplingMetadata:
     f, i = np.zeros(s, np.float32), np.zeros(s, np.int32)
     meta = SamplingMetadata(f, f + 1, i, f, f, f, f + 1, np.zeros((s, 2), np.uint32), i, i,
                             np.zeros((s, MAX_BANNED_TOKENS), np.int32), np.zeros(s, bool), np.bool_(False))
     if penalties:
         meta.history, meta.history_lens, meta.prompt_lens = np.zeros((s, width), np.int32), i, i
+        meta.token_bias = np.zeros((s, vocab_size), np.float32)
     return meta
 
 

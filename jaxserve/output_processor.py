@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.model_runner import RunnerOutput
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.model_runner import PromptLogprobsOutput, RunnerOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from scheduler import Request, RequestStatus, Scheduler, StepResult
 
 
@@ -23,6 +24,7 @@ class RequestGroup:
     logprobs: list[list[dict[int, float]]]
     cumulative_logprobs: list[float]
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled in prompt order
 
     @property
     def finished(self) -> bool:
@@ -34,20 +36,26 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
         self._sample: dict[str, tuple[RequestGroup, int]] = {}  # sample request id -> (group, index)
+        self._decode_token = functools.lru_cache(maxsize=65536)(self._decode_one)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], samples: list[Request],
             arrival_time: float) -> None:
         p = samples[0].sampling_params
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop, include_stop=p.include_stop_str_in_output,
-                                         min_tokens=p.min_tokens) if self.tokenizer else None for _ in samples]
+                                         min_tokens=p.min_tokens, skip_special_tokens=p.skip_special_tokens,
+                                         spaces_between_special_tokens=p.spaces_between_special_tokens)
+                  if self.tokenizer else None for _ in samples]
         group = RequestGroup(request_id, prompt, prompt_ids, samples, detoks, [[] for _ in samples],
-                             [0.0] * len(samples), RequestMetrics(arrival_time))
+                             [0.0] * len(samples), RequestMetrics(arrival_time),
+                             [None] if p.prompt_logprobs is not None else None)
         self.groups[request_id] = group
         for i, req in enumerate(samples):
             self._sample[req.request_id] = (group, i)
 
     def process(self, results: list[StepResult], output: RunnerOutput | None, scheduler: Scheduler) -> list[RequestOutput]:
         now = time.monotonic()
+        if output is not None and output.prompt_logprobs is not None:
+            self._record_prompt_logprobs(output.prompt_logprobs)
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         for req, row, num_tokens in results:
             if req.request_id not in self._sample:
@@ -57,11 +65,14 @@ class OutputProcessor:
             if row is not None:
                 first = len(req.output_token_ids) - num_tokens  # more than one: accepted draft tokens
                 detok = group.detokenizers[i]
+                # As vLLM: the EOS or stop token that ended it is not text, unless include_stop_str_in_output.
+                hide_stop_token = self._ended_by_token(req) and not req.sampling_params.include_stop_str_in_output
+                text_end = len(req.output_token_ids) - int(hide_stop_token)  # the tokens before it are text
                 for j, token in enumerate(req.output_token_ids[first:]):
                     new_ids.append(token)
                     self._record_logprobs(group, i, req, token, output, row, j if output.num_tokens is not None else None)
                     self._record_time(group, i, now)
-                    if detok is not None:
+                    if detok is not None and first + j < text_end:
                         text += detok.push(token)
                         if detok.stop_reason is not None:
                             self._stop_on_string(req, detok.stop_reason, scheduler)
@@ -93,6 +104,28 @@ class OutputProcessor:
             entry[token] = logprob
             group.logprobs[i].append(entry)
 
+    def _record_prompt_logprobs(self, out: PromptLogprobsOutput) -> None:
+        """Append each prompt position's entry in order; one already there (a step computed it
+        before the request was preempted and recomputed) is not added twice."""
+        k_of = {}
+        for n, request_id in enumerate(out.request_ids):
+            found = self._sample.get(request_id)
+            if found is None:
+                continue  # aborted
+            group = found[0]
+            position = int(out.positions[n])
+            if len(group.prompt_logprobs) != position:
+                continue
+            k = k_of.setdefault(request_id, group.samples[0].sampling_params.prompt_logprobs)
+            entry = {t: Logprob(v, rank, self._decode_token(t)) for rank, (t, v) in
+                     enumerate(zip(out.top_ids[n][:k].tolist(), out.top_logprobs[n][:k].tolist()), 1)}
+            token = int(out.token_ids[n])
+            entry[token] = Logprob(float(out.logprobs[n]), int(out.ranks[n]), self._decode_token(token))
+            group.prompt_logprobs.append(entry)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
     @staticmethod
     def _record_time(group: RequestGroup, i: int, now: float) -> None:
         m = group.metrics
@@ -101,6 +134,11 @@ class OutputProcessor:
         m.last_token_time = now
         if i == 0:
             m.token_times.append(now)
+
+    @staticmethod
+    def _ended_by_token(req: Request) -> bool:
+        """It stopped on an EOS or stop token (its last output token), not on a stop string."""
+        return req.status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
 
     @staticmethod
     def _stop_on_string(req: Request, stop: str, scheduler: Scheduler) -> None:
@@ -120,10 +158,11 @@ class OutputProcessor:
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 new_text=new_text, new_token_ids=new_ids,
             ))
+        group.metrics.first_scheduled_time = group.samples[0].first_scheduled_time
         if group.finished:
             group.metrics.finished_time = now
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
-                             group.samples[0].num_cached_tokens, group.metrics)
+                             group.samples[0].num_cached_tokens, group.metrics, group.prompt_logprobs)
 
     def abort(self, request_id: str) -> RequestGroup | None:
         group = self.groups.get(request_id)

@@ -5,6 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A prompt token's (or an alternative's) log-probability, as vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int  # 1 + how many tokens the model found strictly more likely
+    decoded_token: str | None = None  # the token's own text (None without a tokenizer)
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One of a request's `n` samples, as of the latest step."""
@@ -32,6 +41,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)  # of the first sample
+    first_scheduled_time: float | None = None  # when the first sample first ran (the queue time ends)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -47,3 +57,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens
+    # before it and the top alternatives, {token_id: Logprob}; None for the first (as vLLM).
+    # Complete from the first output that has a generated token on.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

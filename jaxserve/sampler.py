@@ -1,8 +1,10 @@
 """On-device sampling with per-sequence parameters, vectorized over the batch.
 
-Order of operations (vLLM's): penalties on the raw logits, then the tokens banned until
-`min_tokens`, then greedy argmax or temperature, top-k, top-p and min-p and a draw.
-Logprobs are those of the raw model output, computed only when some row asks for them. Each row draws from its own random stream,
+Order of operations (vLLM's): the token bias on the raw logits (logit_bias added,
+allowed_token_ids and bad words' banned tokens at -inf), then penalties, then the tokens
+banned until `min_tokens`, then greedy argmax or temperature, top-k, top-p and min-p and a
+draw. Logprobs are those of the raw model output (before any of this), computed only when
+some row asks for them. Each row draws from its own random stream,
 `fold_in(fold_in(key(seed), sample_index), output_index)`, so a request's samples never
 depend on the batch, and the `n` samples of one seed are independent of each other and of
 every other seed's samples.
@@ -50,10 +52,12 @@ class SamplingMetadata:
     banned_token_ids: jax.Array  # i32 [S, B]
     ban: jax.Array  # bool [S]
     want_logprobs: jax.Array  # bool []: some row asked for logprobs (else none are computed)
-    # None when no sequence uses penalties (a separately compiled variant).
+    # None when no sequence uses penalties or a token bias (a separately compiled variant,
+    # so requests without them pay nothing for them).
     history: jax.Array | None = None  # i32 [S, W]
     history_lens: jax.Array | None = None  # i32 [S]
     prompt_lens: jax.Array | None = None  # i32 [S]
+    token_bias: jax.Array | None = None  # f32 [S, V]: added to the raw logits (`step_batch.token_bias_matrix`)
 
 
 @jax.tree_util.register_dataclass
@@ -94,7 +98,11 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
 
 
 def adjust_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """Penalties, then the tokens banned until min_tokens: greedy is the argmax of these."""
+    """The token bias, penalties, then the tokens banned until min_tokens: greedy is the
+    argmax of these. (Rows without a bias or penalties add zeros and divide by one: their
+    logits are unchanged, bit for bit.)"""
+    if meta.token_bias is not None:
+        logits = logits + meta.token_bias
     if meta.history is not None:
         logits = apply_penalties(logits, meta)
     rows = jnp.arange(logits.shape[0])[:, None]

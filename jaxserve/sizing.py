@@ -185,6 +185,24 @@ def plan_kv(cfg: ModelConfig, kv_dtype, *, context: int, block_size: int = 16, m
     return KVPlan(kv_bytes_per_token(cfg_per_device, kv_dtype), block_size, num_blocks, context)
 
 
+def kv_budget_for_utilization(utilization: float, *, total_bytes: int, peak_bytes: int) -> int:
+    """KV-cache bytes under vLLM's --gpu-memory-utilization: the engine may use
+    `utilization` of the device's `total_bytes`; what the weights and the largest step's
+    activations took at their peak (`peak_bytes`, measured after warm-up) is not the
+    cache's. Raises ValueError when nothing is left, saying what utilization would do."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    allowed = int(utilization * total_bytes)
+    budget = allowed - peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} allows {both_units(allowed)} of {both_units(total_bytes)}, but "
+            f"the weights and the largest step's activations already take {both_units(peak_bytes)}: nothing is "
+            f"left for the KV cache; give more than {peak_bytes / total_bytes:.3f} (or lower max_num_batched_tokens "
+            f"/ max_num_seqs)")
+    return budget
+
+
 def per_device_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The config of one device's shard: KV heads divided by tp (at least one each)."""
     if tp == 1:

@@ -7,7 +7,7 @@ import numpy as np
 from scheduler.draft_tree import DraftTree
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
-from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch
+from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, TokenBias
 
 
 def build_step_batch(
@@ -64,6 +64,14 @@ def build_step_batch(
             if tree_mask is not None:
                 tree_mask[end - m - 1 : end] = tree.ancestor_mask[: m + 1]
     requests = [r for r, _ in rows]
+    targets = None
+    if any(r.needs_prompt_logprobs for r in requests):
+        targets = np.full(len(input_ids), -1, np.int32)
+        for i, r in enumerate(requests):
+            if r.needs_prompt_logprobs:  # tokens at positions p < P - 1 predict prompt[p + 1]
+                start, end = int(starts[i]), min(int(starts[i] + counts[i]), r.num_prompt_tokens - 1)
+                at = query_start_loc[i]
+                targets[at : at + max(end - start, 0)] = r.prompt_token_ids[start + 1 : end + 1]
 
     return StepBatch(
         step_id=step_id,
@@ -85,6 +93,9 @@ def build_step_batch(
         spec_token_ids=spec_token_ids,
         verify=build_verify_sampling(requests, tree) if num_spec.any() else None,
         tree_mask=tree_mask,
+        prompt_logprob_targets=targets,
+        num_prompt_logprobs=max((r.sampling_params.prompt_logprobs or 0) for r in requests
+                                if r.needs_prompt_logprobs) if targets is not None else 0,
     )
 
 
@@ -122,6 +133,13 @@ def build_sampling_batch(requests: list[Request], offsets: list[int] | None = No
         want_logprobs=any(p.logprobs is not None for p in params),
         num_logprobs=max((p.logprobs or 0) for p in params),
     )
+    if any(p.uses_token_bias for p in params):
+        # NOTE: bad words read the output from the host, as penalties do (the engine waits
+        # for a pending token of such a request before scheduling it).
+        assert all(r.num_pending == 0 for r, p in zip(requests, params) if p.bad_words)
+        outputs = [r.all_token_ids[r.num_prompt_tokens:] + (extra_history[i] if extra_history else [])
+                   if p.bad_words else [] for i, (r, p) in enumerate(zip(requests, params))]
+        batch.token_bias = [TokenBias.for_row(p, out) for p, out in zip(params, outputs)]
     if any(p.uses_penalties for p in params):
         # NOTE: penalties read the whole history from the host, so the engine never
         # schedules a request that uses them while one of its tokens is still pending.

@@ -85,10 +85,21 @@ class Request:
         self.num_computed_tokens = 0
         self.num_pending = 0  # sampled tokens whose ids the host does not know yet (steps in flight)
         self.pending_row = 0  # the row of the latest step that samples one: where the device has it
+        self.first_scheduled_time: float | None = None  # when it first ran: its time in the queue ends
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: RequestStatus) -> None:
+        if status == RequestStatus.RUNNING and self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
+        self._status = status
 
     def append_output(self, token_id: int) -> None:
         """The oldest pending token's id has arrived (or a verified draft token)."""
@@ -113,6 +124,13 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt and generated tokens, pending ones included."""
         return len(self.all_token_ids) + self.num_pending
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to be computed: asked for (once per request, by its
+        first sample) and no token sampled yet (after that, a recompute needs none)."""
+        return self.sampling_params.prompt_logprobs is not None and self.fork_of is None \
+            and self.num_output_tokens == 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -36,14 +36,36 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top alternatives to report per generated token
+    # How the output text is decoded (tokenizer.decode's options, vLLM's defaults).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # How many top alternatives to report per prompt token (None: no prompt logprobs); such
+    # a request computes its whole prompt, skipping the prefix cache.
+    prompt_logprobs: int | None = None
+    # Token-level constraints, applied to the raw logits before everything else (vLLM's):
+    # biases added to the logits ({token id: bias in [-100, 100]}), the only ids that may be
+    # sampled, and words whose token sequence the output may never contain.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    # bad_words as token sequences (`with_bad_words_tokenized`; the engine fills it in).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), init=False, repr=False,
+                                                                         compare=False)
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100
 
     def __post_init__(self):
         # Accept lists (and a bare string for stop) from callers; store tuples.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.logit_bias is not None:  # OpenAI's keys are strings ("50"); vLLM's are ints
+            object.__setattr__(self, "logit_bias", _token_id_keys(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        bad_words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
+        object.__setattr__(self, "bad_words", bad_words)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -72,8 +94,25 @@ class SamplingParams:
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}"),
             (isinstance(self.include_stop_str_in_output, bool),
              f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"),
+            (isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"),
+            (isinstance(self.spaces_between_special_tokens, bool),
+             f"spaces_between_special_tokens must be a bool, got {self.spaces_between_special_tokens!r}"),
             (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None
+             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
+             f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
+            (self.logit_bias is None or all(_is_int(t) and t >= 0 and _is_number(b)
+                                            and -self.MAX_LOGIT_BIAS <= b <= self.MAX_LOGIT_BIAS
+                                            for t, b in self.logit_bias.items()),
+             f"logit_bias must map token ids to biases in [-{self.MAX_LOGIT_BIAS}, {self.MAX_LOGIT_BIAS}], "
+             f"got {self.logit_bias!r}"),
+            (self.allowed_token_ids is None or (bool(self.allowed_token_ids)
+                                                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+             f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words),
+             f"bad_words must be non-blank strings, got {self.bad_words!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -96,10 +135,38 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def uses_token_bias(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words: the sampler's per-row bias over the vocabulary."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The token ids these parameters name must lie in the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            outside = sorted(t for t in ids if t >= vocab_size)
+            if outside:
+                raise ValueError(f"{name} must name token ids below the vocabulary size {vocab_size}, "
+                                 f"got {outside[:8]}")
+
+    def with_bad_words_tokenized(self, encode) -> SamplingParams:
+        """A copy whose `bad_words_token_ids` holds each bad word's tokens, as vLLM forms them:
+        the word as it is and with a leading space (a word mid-text), the latter only when it
+        is a different word of as many tokens. `encode`: text -> token ids, no special tokens."""
+        sequences: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            plain = tuple(encode(word.lstrip()))
+            spaced = tuple(encode(" " + word.lstrip()))
+            sequences.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        params = self.replace()
+        object.__setattr__(params, "bad_words_token_ids", tuple(s for s in sequences if s))
+        return params
+
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
         """Build from user input, naming any field that does not exist."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -115,3 +182,10 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _token_id_keys(bias: dict) -> dict:
+    """{token id: bias} with the ids as ints ("50" -> 50); a key that is no id stays, to be refused."""
+    if not isinstance(bias, dict):
+        return bias
+    return {int(t) if isinstance(t, str) and t.isascii() and t.isdigit() else t: b for t, b in bias.items()}

@@ -223,7 +223,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
             holds_blocks = bool(self.kv.tables.get(req.request_id))  # a forked sample
-            cached = [] if holds_blocks else self.kv.find_cached_prefix(req)
+            # Prompt logprobs need every prompt position's logits: computed, not taken from the cache.
+            cached = [] if holds_blocks or req.needs_prompt_logprobs else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * cfg.block_size
             n = min(req.num_uncomputed_tokens - num_cached, budget, self._chunk_limit)
             while (allocated := self.kv.allocate_slots(req, n, cached)) is None:

@@ -13,6 +13,7 @@ flat token axis for three sequences, a prefill chunk of 3 and two decodes:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -41,10 +42,68 @@ class SamplingBatch:
     history: np.ndarray | None = None  # int32 [S, W]: prompt then output tokens, zero padded
     history_lens: np.ndarray | None = None  # int32 [S]
     prompt_lens: np.ndarray | None = None  # int32 [S]
+    # logit_bias, allowed_token_ids and bad_words, one entry per row (None: the row has none),
+    # only when some sequence uses them; the runner makes it a dense bias over the vocabulary.
+    token_bias: list[TokenBias | None] | None = None
 
     @property
     def all_greedy(self) -> bool:
         return bool(np.all(self.temperature == 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBias:
+    """One row's changes to its raw logits for one step: `values` added at `ids`
+    (logit_bias); with `allowed`, every other id is banned (allowed_token_ids); `banned`
+    ids too (the last tokens of bad words whose other tokens the output ends with)."""
+
+    ids: tuple[int, ...]
+    values: tuple[float, ...]
+    allowed: tuple[int, ...] | None
+    banned: tuple[int, ...]
+
+    @classmethod
+    def for_row(cls, params, output_ids: Sequence[int]) -> TokenBias | None:
+        """`params`: the request's SamplingParams; `output_ids`: its output so far (with any
+        draft tokens before the position sampled). None when it uses none of these."""
+        if not params.uses_token_bias:
+            return None
+        bias = params.logit_bias or {}
+        return cls(tuple(bias), tuple(bias.values()), params.allowed_token_ids,
+                   tuple(banned_by_bad_words(params.bad_words_token_ids, output_ids)))
+
+
+def banned_by_bad_words(words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:
+    """vLLM's rule: a word's last token is banned when the output ends with the rest of it
+    (a one-token word: always), so the output never holds a whole word."""
+    banned = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix <= len(output_ids) and (prefix == 0 or list(output_ids[len(output_ids) - prefix:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
+def token_bias_matrix(rows: Sequence[TokenBias | None], num_rows: int, vocab_size: int) -> np.ndarray:
+    """float32 [num_rows, vocab_size]: what each row adds to its logits (-inf: banned; rows
+    past `rows` and rows without a TokenBias: zeros). Ids outside the vocabulary are dropped."""
+    matrix = np.zeros((num_rows, vocab_size), np.float32)
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        if row.allowed is not None:
+            matrix[i] = -np.inf
+            matrix[i, _inside(row.allowed, vocab_size)] = 0
+        ids = np.asarray(row.ids, np.int64)
+        inside = ids < vocab_size
+        matrix[i, ids[inside]] += np.asarray(row.values, np.float32)[inside]  # ids are distinct (dict keys)
+        matrix[i, _inside(row.banned, vocab_size)] = -np.inf
+    return matrix
+
+
+def _inside(ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    ids = np.asarray(ids, np.int64)
+    return ids[ids < vocab_size]
 
 
 @dataclasses.dataclass
@@ -73,6 +132,10 @@ class StepBatch:
     # Speculating with a tree (not a chain): each token's attention word (see
     # ragged_paged_attention_reference's tree_mask): -1, or for a tree's tokens their ancestors.
     tree_mask: np.ndarray | None = None  # int32 [T]
+    # Prompt logprobs: per token, the prompt token that follows it, whose logprob the step
+    # reports (-1: none wanted); None when no row wants any.
+    prompt_logprob_targets: np.ndarray | None = None  # int32 [T]
+    num_prompt_logprobs: int = 0  # the most top alternatives any of them asked for
 
     @property
     def num_tokens(self) -> int:

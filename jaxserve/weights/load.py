@@ -63,12 +63,15 @@ def load_model(
     use_cache: bool = True,
     progress: bool = True,
     quantization: str | None = None,
+    tokenizer: str | Path | None = None,
 ) -> LoadedModel:
     """Load `model` (None: the embedded default) as a `DecoderLM` with its tokenizer.
 
     `quantization` ("int4", "fp8", "gguf"; None: as the checkpoint is) stores the
-    attention and MLP projections quantized (see jaxserve.quantization).
+    attention and MLP projections quantized (see jaxserve.quantization). `tokenizer`: a
+    folder with a tokenizer.json to use instead of the model's own (weights without one).
     """
+    tokenizer_override = load_tokenizer(tokenizer) if tokenizer is not None else None  # fail before the weights
     source = resolve_source(model)
     dtype = jnp.dtype(dtype)
     quant = resolve_quantization(source, quantization)
@@ -83,6 +86,8 @@ def load_model(
         loaded = _convert(source, dtype, quant, progress)
         if use_cache:
             _save(entry, loaded)
+    if tokenizer_override is not None:
+        loaded.tokenizer = tokenizer_override
     logger.info("weights: %.1f MiB resident, %s", loaded.weight_bytes / 2**20,
                 quant.label if quant else f"{dtype} (not quantized)")
     return loaded
@@ -211,6 +216,14 @@ def _load_tokenizer(source: Path, gguf: GGUFFile | None):
         logger.warning("%s has no tokenizer.json; prompts must be given as token ids", source)
         return None
     return _fast_tokenizer(source)
+
+
+def load_tokenizer(folder: str | Path):
+    """The tokenizer in `folder` (its tokenizer.json, tokenizer_config.json, chat template)."""
+    folder = Path(folder).expanduser()
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {folder}")
+    return _fast_tokenizer(folder)
 
 
 def _fast_tokenizer(folder: Path):

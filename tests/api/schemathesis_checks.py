@@ -14,15 +14,16 @@ import schemathesis
 #   n            prompts x n is over --max-request-sequences
 #   min_tokens   more than the max_tokens the request ends up with (the rest of the context)
 #   best_of      not equal to n
-#   stream_options, top_logprobs, echo: only with stream, with logprobs, without logprobs
+#   stream_options, top_logprobs: only with stream, with logprobs
 #   messages     the chat template refuses the conversation
 # plus code context_length_exceeded (the prompt and max_tokens do not fit in the context).
 # NOTE: the three rules between fields could be written into the schema (if/then), but then
 # schemathesis' coverage phase makes one valid request per operation instead of about 120
 # (its boundary values), so they stay rules of the handlers, listed here.
 RUNTIME_RULES = {
-    "/v1/completions": {"prompt", "n", "min_tokens", "best_of", "stream_options", "echo"},
+    "/v1/completions": {"prompt", "n", "min_tokens", "best_of", "stream_options"},
     "/v1/chat/completions": {"messages", "n", "min_tokens", "stream_options", "top_logprobs"},
+    "/tokenize": {"messages"},
 }
 
 

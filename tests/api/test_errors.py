@@ -45,7 +45,7 @@ COMPLETION_CASES = [
     ({"prompt": "hi", "min_tokens": 50, "max_tokens": 10}, "min_tokens"),
     ({"prompt": "hi", "stop_token_ids": [10**12], "min_tokens": 1}, "stop_token_ids"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "hi", "logit_bias": {"50": 10}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"49152": 10}}, "logit_bias"),  # past the vocabulary
     ({"prompt": ""}, "prompt"),  # the engine's ValueError: an empty prompt
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),

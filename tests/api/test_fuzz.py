@@ -49,7 +49,7 @@ values = ["{name}"]
 "body.model" = {{ dictionary = "served_model", probability = 0.9 }}
 
 [[operations]]
-include-path-regex = "^/v1/(chat/)?completions$"
+include-path-regex = "^/(v1/(chat/)?completions|tokenize)$"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404"]
 """
 
@@ -99,7 +99,7 @@ def test_schemathesis_finds_nothing(fuzzed):
     assert "No issues found" in run.stdout
     cases, checks, statuses = tally(events)
     operations = {op for op, _ in cases if op != "Stateful tests"}
-    assert len(operations) == 6, operations
+    assert len(operations) == 9, operations
     # Operations with parameters get MAX_EXAMPLES fuzzed examples (the others have one to make).
     for op in ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models/{model}"):
         assert cases[op, "fuzzing"] >= MAX_EXAMPLES, cases

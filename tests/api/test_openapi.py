@@ -91,8 +91,23 @@ def test_schema_has_only_json_schema_keywords_and_the_vocabulary_bound(schema):
                 walk(value)
 
     walk(schema)
-    assert len(token_ids) == 4  # prompt ids, lists of prompt ids, stop_token_ids (of both endpoints)
+    # prompt ids, lists of prompt ids, stop_token_ids and allowed_token_ids (of both endpoints), /detokenize's tokens
+    assert len(token_ids) == 7
     assert all(t["minimum"] == 0 and t["maximum"] == VOCAB - 1 for t in token_ids)
+
+
+@pytest.mark.parametrize("body", ["CompletionRequest", "ChatCompletionRequest"])
+def test_logit_bias_keys_are_the_vocabulary(schema, body):
+    import re
+
+    (member,) = [m for m in schema["components"]["schemas"][body]["properties"]["logit_bias"]["anyOf"]
+                 if m.get("type") == "object"]
+    assert member["additionalProperties"] is False
+    ((pattern, values),) = member["patternProperties"].items()
+    assert [k for k in map(str, range(3 * VOCAB)) if re.search(pattern, k)] == [str(i) for i in range(VOCAB)]
+    assert not any(re.search(pattern, k) for k in ("", "01", "-1", "1.0", "x"))
+    assert (values["minimum"], values["maximum"]) == (-100, 100)
+    assert accepts("logit_bias", {VOCAB - 1: 100}) and not accepts("logit_bias", {1: 100.5})
 
 
 def test_responses_are_documented(schema):
