@@ -32,7 +32,8 @@ if os.environ.get("JAXSERVE_NO_XLA_FLAGS") != "1":
 # start, that its models are unavailable.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]
 
 
 def __getattr__(name):
@@ -49,8 +50,8 @@ def __getattr__(name):
         from jaxserve import outputs
 
         return getattr(outputs, name)
-    if name == "SamplingParams":
-        from scheduler import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        import scheduler
 
-        return SamplingParams
+        return getattr(scheduler, name)
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

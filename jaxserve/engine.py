@@ -15,7 +15,8 @@ text, so the device never waits for the host between steps. Batch N+1 is built b
 host knows N's tokens; the device feeds them in (see scheduler/request.py, pending
 tokens). A request that ended in step N may have had one more token computed in N+1: it
 is dropped, never shown. Requests with penalties need their whole history on the host,
-so while one runs, a step first waits for the batch in flight (the serial loop).
+and a request with a grammar (structured output) needs its latest token to build its
+mask, so while one runs, a step first waits for the batch in flight (the serial loop).
 
 Speculative decoding (`speculative_config`) runs the serial loop: a proposer needs each
 request's latest tokens to guess the next ones, and a step that verifies k drafts
@@ -31,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -47,10 +49,12 @@ from jaxserve.profiling import NullProfiler, StepProfiler
 from jaxserve.sizing import both_units, kv_budget_for_utilization, plan_kv
 from jaxserve.spec_decode import SpeculativeConfig
 from jaxserve.spec_decode.proposers import Proposer, make_proposer
+from jaxserve.structured import GrammarCompiler
+from jaxserve.structured.backend import LLGuidanceBackend
 from jaxserve.tokenization import encode_prompt
 from jaxserve.weights import LoadedModel, load_model
 from jaxserve.weights.load import default_cache_dir
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, StepBatch
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, StepBatch, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +139,7 @@ class LLMEngine:
         self.proposer: Proposer | None = make_proposer(spec, self) if spec else None
         self.async_scheduling = config.async_scheduling and spec is None
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self._grammar_backend)
         self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
         # Set a jaxserve.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
@@ -207,6 +212,22 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
 
+    def compile_grammar(self, spec: StructuredOutputsParams) -> Future:
+        """Compile a structured_outputs spec in the background (cached by the spec); the
+        Future's exception is a GrammarError saying what is wrong. A server awaits it
+        before add_request, so a slow grammar never holds up the step loop."""
+        return self.grammars.compile(spec)
+
+    def _grammar_backend(self) -> LLGuidanceBackend:
+        """The grammar engine over this model's tokenizer (made on the first compile);
+        a ValueError saying why when there is none it can read."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer, and this model has none")
+        try:
+            return LLGuidanceBackend(self.tokenizer, self.eos_token_ids, self.loaded.config.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"structured output needs a tokenizer the grammar engine can read: {e}") from None
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | dict | None = None,
                     *, priority: int = 0, arrival_time: float | None = None, add_special_tokens: bool = True,
                     cache_salt: str | None = None) -> None:
@@ -231,6 +252,8 @@ class LLMEngine:
             params = params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        # Waits for the grammar unless it is compiled already (the server's case, see compile_grammar).
+        grammar = self.compile_grammar(params.structured_outputs).result() if params.structured_outputs else None
         prompt_ids = encode_prompt(self.tokenizer, prompt, vocab, add_special_tokens=add_special_tokens)
         prompt_text = prompt if isinstance(prompt, str) else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -241,6 +264,8 @@ class LLMEngine:
                                    fork_of=samples[0] if i else None, sample_index=i, cache_salt=cache_salt))
         for req in samples:  # validate all before queueing any
             self.scheduler.check_request(req)
+        for req in samples:  # each sample follows its own output
+            req.grammar = self.grammars.request_grammar(grammar) if grammar is not None else None
         if any(r.request_id in self.outputs.groups for r in samples):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.outputs.add(request_id, prompt_text, prompt_ids, samples, arrival)
@@ -309,8 +334,10 @@ class LLMEngine:
             return self.outputs.process(results, output, self.scheduler)
 
     def _needs_known_tokens(self) -> bool:
-        """A running request with penalties or bad words: the next batch needs its last token on the host."""
-        return any(r.sampling_params.uses_penalties or r.sampling_params.bad_words for r in self.scheduler.running)
+        """A running request with penalties, bad words or a grammar: the next batch needs its
+        last token on the host."""
+        return any(r.sampling_params.uses_penalties or r.sampling_params.bad_words or r.grammar is not None
+                   for r in self.scheduler.running)
 
     def generate_all(self) -> list[RequestOutput]:
         """Step until every request is done; the final output of each, in finishing order."""

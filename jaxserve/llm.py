@@ -48,6 +48,9 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in params:  # all grammars compile at once, in the background
+            if p.structured_outputs is not None:
+                self.engine.compile_grammar(p.structured_outputs)
         ids = []
         for prompt, p in zip(prompts, params):
             ids.append(f"llm-{self._counter}")

@@ -47,7 +47,7 @@ from jaxserve.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, samp
 from jaxserve.spec_decode.rejection_sampler import VerifyOutput, verify
 from jaxserve.spec_decode.tree_verify import TreeVerifyOutput, verify_tree
 from scheduler.draft_tree import DraftTree
-from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, token_bias_matrix
+from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, bitmask_words, token_bias_matrix
 
 logger = logging.getLogger(__name__)
 
@@ -359,15 +359,19 @@ class ModelRunner:
             output_index=pad(b.output_index),
             banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.want_logprobs),
         )
-        if b.history is not None or b.token_bias is not None:
-            # One variant for penalties and the token bias (rows without either leave their
-            # logits as they are), so the compiled set stays two per row bucket.
+        if b.history is not None or b.token_bias is not None or b.token_bitmask is not None:
+            # One variant for penalties, the token bias and the grammar's bitmask (rows without
+            # any leave their logits as they are), so the compiled set stays two per row bucket.
             history, lens, prompt_lens = np.zeros((s, self.max_model_len), np.int32), np.zeros(s, np.int32), None
             if b.history is not None:
                 history[: len(b.history), : b.history.shape[1]] = b.history
                 lens, prompt_lens = pad(b.history_lens), pad(b.prompt_lens)
             meta.history, meta.history_lens, meta.prompt_lens = history, lens, lens if prompt_lens is None else prompt_lens
             meta.token_bias = token_bias_matrix(b.token_bias or [], s, self.config.vocab_size)
+            words = bitmask_words(self.config.vocab_size)
+            meta.token_bitmask = np.full((s, words), -1, np.int32)
+            if b.token_bitmask is not None:  # the grammar's vocabulary may run past the model's: cut
+                meta.token_bitmask[: len(b.token_bitmask)] = b.token_bitmask[:, :words]
         return meta
 
 
@@ -454,6 +458,7 @@ def _dummy_sampling(s: int, penalties: bool, width: int, vocab_size: int) -> Sam
     if penalties:
         meta.history, meta.history_lens, meta.prompt_lens = np.zeros((s, width), np.int32), i, i
         meta.token_bias = np.zeros((s, vocab_size), np.float32)
+        meta.token_bitmask = np.full((s, bitmask_words(vocab_size)), -1, np.int32)
     return meta
 
 

@@ -1,10 +1,11 @@
 """On-device sampling with per-sequence parameters, vectorized over the batch.
 
-Order of operations (vLLM's): the token bias on the raw logits (logit_bias added,
-allowed_token_ids and bad words' banned tokens at -inf), then penalties, then the tokens
-banned until `min_tokens`, then greedy argmax or temperature, top-k, top-p and min-p and a
-draw. Logprobs are those of the raw model output (before any of this), computed only when
-some row asks for them. Each row draws from its own random stream,
+Order of operations (vLLM's): the structured-output grammar's bitmask (tokens it forbids
+at -inf), then the token bias on those logits (logit_bias added, allowed_token_ids and bad
+words' banned tokens at -inf), then penalties, then the tokens banned until `min_tokens`,
+then greedy argmax or temperature, top-k, top-p and min-p and a draw. Logprobs are those
+of the model's output after the grammar's mask only (a row without a grammar: the raw
+output), computed only when some row asks for them. Each row draws from its own random stream,
 `fold_in(fold_in(key(seed), sample_index), output_index)`, so a request's samples never
 depend on the batch, and the `n` samples of one seed are independent of each other and of
 every other seed's samples.
@@ -58,6 +59,9 @@ class SamplingMetadata:
     history_lens: jax.Array | None = None  # i32 [S]
     prompt_lens: jax.Array | None = None  # i32 [S]
     token_bias: jax.Array | None = None  # f32 [S, V]: added to the raw logits (`step_batch.token_bias_matrix`)
+    # Structured output: bit j of word i allows token 32 * i + j (llguidance's layout); rows
+    # without a grammar are all ones. In the same variant as token_bias.
+    token_bitmask: jax.Array | None = None  # i32 [S, ceil(V / 32)]
 
 
 @jax.tree_util.register_dataclass
@@ -71,6 +75,7 @@ class SamplerOutput:
 
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """logits: f32 [S, V] straight from the model."""
+    logits = apply_grammar_mask(logits, meta)
     raw_logits = logits
     logits = adjust_logits(logits, meta)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -108,6 +113,21 @@ def adjust_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = jnp.where(meta.ban[:, None], meta.banned_token_ids, logits.shape[1])  # V: out of range
     return logits.at[rows, banned].set(-jnp.inf, mode="drop")
+
+
+def apply_grammar_mask(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Tokens the row's grammar forbids at -inf. First of all, before the logprobs too (as
+    vLLM: a constrained request's logprobs are the model's over what the grammar allows)."""
+    if meta.token_bitmask is None:
+        return logits
+    return jnp.where(unpack_bitmask(meta.token_bitmask, logits.shape[1]), logits, -jnp.inf)
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool [S, V] from a packed i32 [S, W] mask: token t is allowed iff bit t % 32 of word t // 32 is set."""
+    token = jnp.arange(vocab_size)
+    words = bitmask[:, token // 32]
+    return (jnp.right_shift(words, (token % 32).astype(jnp.int32)) & 1) != 0
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:

@@ -5,11 +5,11 @@ Pure Python and NumPy: nothing here imports jax (a test checks).
 
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats, StepResult
 from scheduler.step_batch import SamplingBatch, StepBatch
 
 __all__ = [
     "KVCacheManager", "Request", "RequestStatus", "SamplingBatch", "SamplingParams", "Scheduler",
-    "SchedulerConfig", "SchedulerStats", "StepBatch", "StepResult",
+    "SchedulerConfig", "SchedulerStats", "StepBatch", "StepResult", "StructuredOutputsParams",
 ]

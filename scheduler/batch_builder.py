@@ -140,6 +140,14 @@ def build_sampling_batch(requests: list[Request], offsets: list[int] | None = No
         outputs = [r.all_token_ids[r.num_prompt_tokens:] + (extra_history[i] if extra_history else [])
                    if p.bad_words else [] for i, (r, p) in enumerate(zip(requests, params))]
         batch.token_bias = [TokenBias.for_row(p, out) for p, out in zip(params, outputs)]
+    if any(r.grammar is not None for r in requests):
+        # NOTE: the grammar follows the output on the host, as penalties do.
+        assert all(r.num_pending == 0 for r in requests if r.grammar is not None)
+        words = next(r.grammar.bitmask_words for r in requests if r.grammar is not None)
+        batch.token_bitmask = np.full((num, words), -1, np.int32)  # rows without a grammar: every token
+        for i, r in enumerate(requests):
+            if r.grammar is not None:
+                r.grammar.fill_bitmask(batch.token_bitmask[i], extra_history[i] if extra_history else ())
     if any(p.uses_penalties for p in params):
         # NOTE: penalties read the whole history from the host, so the engine never
         # schedules a request that uses them while one of its tokens is still pending.

@@ -90,6 +90,9 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
+        # Structured output: the matcher of the output's grammar (jaxserve.structured's
+        # RequestGrammar: `fill_bitmask(row, ahead)`, `accept(token)`), set by the engine.
+        self.grammar = None
 
     @property
     def status(self) -> RequestStatus:
@@ -107,6 +110,8 @@ class Request:
         self.num_pending -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def drop_outputs_after(self, num_outputs: int) -> None:
         """Forget the generated tokens after the first `num_outputs` (a finished request's

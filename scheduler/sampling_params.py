@@ -4,7 +4,72 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json as json_module
 from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """A constraint on the output's text (vLLM's names); exactly one field is set.
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
+    regular expression the whole output matches; choice: one of these strings exactly;
+    grammar: a Lark grammar (llguidance's dialect; `start` is the start rule).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self):
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_fields = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {set_fields or 'none'}")
+        checks = [
+            (self.json is None or isinstance(self.json, (dict, str)),
+             f"structured_outputs.json must be a JSON schema (object or its text), got {self.json!r}"),
+            (isinstance(self.json_object, bool), f"structured_outputs.json_object must be a bool, "
+                                                 f"got {self.json_object!r}"),
+            (self.regex is None or isinstance(self.regex, str),
+             f"structured_outputs.regex must be a string, got {self.regex!r}"),
+            (self.choice is None or (isinstance(self.choice, tuple) and bool(self.choice)
+                                     and all(isinstance(c, str) and c for c in self.choice)),
+             f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}"),
+            (self.grammar is None or isinstance(self.grammar, str),
+             f"structured_outputs.grammar must be a string, got {self.grammar!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """Hashable, the same for equal constraints (a schema dict by its canonical JSON)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = json_module.dumps(value, sort_keys=True, separators=(",", ":"))
+        return (self.kind, value)
+
+    def __hash__(self):
+        return hash(self.key())
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
+        return cls(**fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +113,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    # A constraint on the output's text (JSON schema, regex, choice, grammar): the sampler
+    # masks every token the grammar does not allow. A dict becomes StructuredOutputsParams.
+    structured_outputs: StructuredOutputsParams | dict | None = None
     # bad_words as token sequences (`with_bad_words_tokenized`; the engine fills it in).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), init=False, repr=False,
                                                                          compare=False)
@@ -68,6 +136,11 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", bad_words)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
+        elif not (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams)):
+            raise ValueError("structured_outputs must be an object with one of json, json_object, regex, choice, "
+                             f"grammar; got {self.structured_outputs!r}")
         self._validate()
 
     def _validate(self) -> None:

@@ -340,6 +340,8 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
+        if req.grammar is not None and req.grammar.error is not None:
+            return RequestStatus.FINISHED_ABORTED  # its grammar engine gave up (logged): no unconstrained text
         num_output = len(req.output_token_ids)
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:

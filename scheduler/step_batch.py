@@ -45,6 +45,9 @@ class SamplingBatch:
     # logit_bias, allowed_token_ids and bad_words, one entry per row (None: the row has none),
     # only when some sequence uses them; the runner makes it a dense bias over the vocabulary.
     token_bias: list[TokenBias | None] | None = None
+    # Structured output: the tokens each row's grammar allows, packed (bit j of word i:
+    # token 32 * i + j; rows without a grammar: all ones), only when some row has a grammar.
+    token_bitmask: np.ndarray | None = None  # int32 [S, bitmask_words(vocab)]
 
     @property
     def all_greedy(self) -> bool:
@@ -71,6 +74,11 @@ class TokenBias:
         bias = params.logit_bias or {}
         return cls(tuple(bias), tuple(bias.values()), params.allowed_token_ids,
                    tuple(banned_by_bad_words(params.bad_words_token_ids, output_ids)))
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a packed mask over the vocabulary."""
+    return (vocab_size + 31) // 32
 
 
 def banned_by_bad_words(words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:

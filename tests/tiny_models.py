@@ -81,3 +81,21 @@ def make_tiny_tokenizer(folder: Path, *, add_bos: bool = True, chat_template: st
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    chat_template=chat_template)
     fast.save_pretrained(folder)
+
+
+def make_tiny_char_tokenizer(folder: Path) -> None:
+    """A byte-level `tokenizer.json` with one token per printable ASCII character (all but
+    '~') and the space: every text over those characters encodes, so a grammar engine can
+    build any JSON, regex or choice from the tiny models' 97 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    space = "Ġ"  # the byte-level alphabet's name for " "
+    chars = [space] + [chr(c) for c in range(33, 127) if chr(c) != "~"]
+    vocab = {t: i for i, t in enumerate(SPECIALS + chars)}
+    assert len(vocab) == BASE["vocab_size"]
+    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(folder)

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sampler import (
-    MAX_LOGPROBS, SamplingMetadata, adjust_logits, draw_uniforms, invert_cdf, probabilities,
+    MAX_LOGPROBS, SamplingMetadata, adjust_logits, apply_grammar_mask, draw_uniforms, invert_cdf,
+    probabilities,
 )
 
 ACCEPT_STREAM = 1  # the acceptance test's uniforms: independent of the draws' (sampler.draw_uniforms)
@@ -48,6 +49,7 @@ def verify(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.Array, num_
     masses, as n-gram drafts are)."""
     num_rows, k = draft_ids.shape
     vocab = logits.shape[-1]
+    logits = apply_grammar_mask(logits, meta)  # the logprobs below too
     adjusted = adjust_logits(logits, meta)
     position = jnp.arange(k)[None, :]
     is_draft = position < num_drafts[:, None]  # [R, K]

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampler import (
-    MAX_LOGPROBS, SamplingMetadata, adjust_logits, draw_uniforms, invert_cdf, probabilities,
+    MAX_LOGPROBS, SamplingMetadata, adjust_logits, apply_grammar_mask, draw_uniforms, invert_cdf,
+    probabilities,
 )
 from scheduler.draft_tree import DraftTree
 
@@ -71,6 +72,7 @@ def verify_tree(logits: jax.Array, meta: SamplingMetadata, tree: DraftTree, draf
     if width != tree.num_nodes + 1 or logits.shape[0] != num_rows * width:
         raise ValueError(f"{tree.num_nodes=} does not fit {draft_ids.shape=} and {logits.shape=}")
     vocab = logits.shape[-1]
+    logits = apply_grammar_mask(logits, meta)  # the logprobs below too
     adjusted = adjust_logits(logits, meta)
     greedy_path, greedy_last = _greedy_path(tree, jnp.argmax(adjusted, axis=-1).reshape(num_rows, width),
                                             draft_ids, valid)

@@ -1,0 +1,53 @@
+"""What a request carries when its output is constrained: its matcher, following its output.
+
+The scheduler sees only this duck type (`Request.grammar`; the scheduler imports nothing
+from jaxserve): `fill_bitmask` for each row it samples, `accept` for each token that
+arrives. The matcher follows the output tokens, not the KV cache, so preemption (which
+keeps the output and recomputes its KV) needs nothing; draft tokens are looked ahead
+through and rolled back, never kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxserve.structured.backend import Matcher
+
+logger = logging.getLogger(__name__)
+
+
+class RequestGrammar:
+    def __init__(self, matcher: Matcher, bitmask_words: int):
+        self.matcher = matcher
+        self.bitmask_words = bitmask_words
+        # Why the matcher gave up (e.g. a regex whose lexer outgrew the engine's limits), or
+        # None. The scheduler then ends the request (finish_reason "abort") rather than let
+        # it go on unconstrained.
+        self.error: str | None = None
+
+    def fill_bitmask(self, row: np.ndarray, ahead: Sequence[int] = ()) -> None:
+        """The tokens allowed after the output so far and then `ahead` (draft tokens before
+        the row's position), packed into `row`. After a draft the grammar forbids, the row
+        cannot be reached (verification rejects that draft): it gets the last valid state's mask."""
+        valid = self.matcher.num_valid_prefix(list(ahead)) if ahead else 0
+        if valid:
+            self.matcher.accept_tokens(list(ahead[:valid]))
+        self.matcher.fill_bitmask(row)
+        if valid:
+            self.matcher.rollback(valid)
+        self._check()
+
+    def accept(self, token_id: int) -> None:
+        """The sequence's next output token. After the grammar is complete only EOS can come
+        (the mask allows nothing else): nothing to follow."""
+        if self.error is None and not self.matcher.is_terminated():
+            self.matcher.accept_tokens([token_id])
+            self._check()
+
+    def _check(self) -> None:
+        if self.error is None and self.matcher.is_error():
+            self.error = self.matcher.error()
+            logger.error("structured output: the grammar engine failed; the request ends: %s", self.error)
