@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -34,6 +35,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         state.check_logprobs(body.top_logprobs, "top_logprobs")
     state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     check_template(state, body)
+    structured_outputs = await state.structured_outputs(body)  # a named tool's arguments: its schema
+    tool = body.called_tool()
     with state.admit(1, body.n) as reservation:  # a 503 comes now, before the template renders
         prompt = await chat_prompt(state, body)
         requested, max_param = body.requested_max_tokens
@@ -41,7 +44,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         top_logprobs = body.top_logprobs or 0
         names = {"max_tokens": max_param, "logprobs": "top_logprobs"}
         params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None, names,
-                                      state.sampling_defaults)
+                                      state.sampling_defaults, structured_outputs)
         call_id, created = new_id("chatcmpl"), int(time.time())
         generation, tally = await start_generation(state, call_id, [prompt], params, reservation,
                                                    arrival_time=arrival, priority=body.priority, param_names=names,
@@ -52,10 +55,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.stream:
         chunk_header = {**header, "object": "chat.completion.chunk"}
         # OpenAI's first chunk of each choice carries the role and empty content.
-        opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for index in range(len(tally.choices))]
+        # A named tool's call opens with its id and name; its arguments follow as they come.
+        tool_calls = [tool_call(tool.function.name) for _ in tally.choices] if tool else None
+        opening = [{"index": index, "logprobs": None, "finish_reason": None,
+                    "delta": {"role": "assistant", "content": ""} if tool is None else
+                    {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **tool_calls[index]}]}}
+                   for index in range(len(tally.choices))]
         events = stream_events(generation, tally, chunk_header, body.include_usage,
-                               _chunk_choice(body, state, top_logprobs), opening)
+                               _chunk_choice(body, state, top_logprobs, tool is not None), opening)
         return EventStream(events, on_close=generation.close)
     if await unless_disconnected(request, collect(generation, tally)) is None:
         return disconnected_response()
@@ -65,7 +72,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if body.logprobs:
             logprobs = {"content": chat_logprobs(choice.token_ids, choice.logprobs, state.token_text, top_logprobs),
                         "refusal": None}
-        choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+        message = {"role": "assistant", "content": choice.text}
+        if tool is not None:  # as vLLM: the text is the arguments of a call to the named function
+            call = tool_call(tool.function.name)
+            call["function"]["arguments"] = choice.text
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        choices.append({"index": index, "message": message,
                         "logprobs": logprobs, "finish_reason": choice.finish_reason,
                         "stop_reason": choice.stop_reason})
     prompt_logprobs = vllm_prompt_logprobs(prompt, tally.prompt_logprobs[0], body.prompt_logprobs or 0,
@@ -95,7 +107,12 @@ async def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]
     return state.truncate_prompt(prompt, getattr(body, "truncate_prompt_tokens", None))
 
 
-def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs: int):
+def tool_call(name: str) -> dict:
+    """A call of the function `name`, its arguments still empty."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": ""}}
+
+
+def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs: int, tool_call_arguments: bool):
     def choice(index: int, sample: SampleDelta) -> dict | None:
         logprobs = None
         if body.logprobs and sample.new_token_ids:
@@ -103,7 +120,11 @@ def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs:
                                                  top_logprobs), "refusal": None}
         if not sample.new_text and logprobs is None and sample.finish_reason is None:
             return None  # the detokenizer held this token's text back (a partial character)
-        return {"index": index, "delta": {"content": sample.new_text} if sample.new_text else {},
+        delta = {}
+        if sample.new_text:
+            delta = ({"tool_calls": [{"index": 0, "function": {"arguments": sample.new_text}}]} if tool_call_arguments
+                     else {"content": sample.new_text})
+        return {"index": index, "delta": delta,
                 "logprobs": logprobs, "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
 
     return choice

@@ -32,13 +32,14 @@ async def create_completion(body: CompletionRequest, request: Request):
     state.check_logprobs(body.logprobs, "logprobs")
     state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     requested = body.prompts()
+    structured_outputs = await state.structured_outputs(body)
     with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True
         prompts, prompt_texts = await state.off_loop(_encode_prompts, state, requested, add_special, body.echo,
                                                      param="prompt")
         prompts = [state.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
         max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
-        params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults)
+        params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults, structured_outputs)
         call_id, created = new_id("cmpl"), int(time.time())
         generation, tally = await start_generation(state, call_id, prompts, params, reservation,
                                                    arrival_time=arrival, priority=body.priority,

@@ -88,7 +88,13 @@ def _decoder_kinds(decoder) -> set[str]:
 
 def ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
     """An engine logprobs entry (top-k plus the sampled token) from most to least likely."""
-    return sorted(entry.items(), key=lambda kv: -kv[1])
+    return sorted(((t, finite(lp)) for t, lp in entry.items()), key=lambda kv: -kv[1])
+
+
+def finite(logprob: float) -> float:
+    """-inf (a token the grammar or allowed_token_ids rules out) as vLLM writes it: -9999.0,
+    since JSON has no infinity."""
+    return max(logprob, -9999.0)
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], tokens: TokenText,
@@ -103,7 +109,7 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | N
     for token_id, entry in zip(token_ids, entries):
         text = tokens.text(token_id)
         out["tokens"].append(text)
-        out["token_logprobs"].append(None if entry is None else entry[token_id])
+        out["token_logprobs"].append(None if entry is None else finite(entry[token_id]))
         out["top_logprobs"].append(None if entry is None else {tokens.text(t): lp for t, lp in ranked(entry)})
         out["text_offset"].append(text_offset)
         text_offset += len(text)
@@ -116,7 +122,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], tokens:
     def item(token_id, logprob):
         return {"token": tokens.text(token_id), "logprob": logprob, "bytes": tokens.bytes(token_id)}
 
-    return [{**item(token_id, entry[token_id]),
+    return [{**item(token_id, finite(entry[token_id])),
              "top_logprobs": [item(t, lp) for t, lp in ranked(entry)[:top_logprobs]]}
             for token_id, entry in zip(token_ids, entries)]
 
@@ -132,12 +138,11 @@ def echo_entries(prompt_token_ids: list[int], prompt_logprobs: list, k: int) -> 
 def vllm_prompt_logprobs(prompt_token_ids: list[int], prompt_logprobs: list | None, k: int,
                          tokens: TokenText) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token_id:
-    {logprob, rank, decoded_token}} for the token and its top `k` alternatives; -inf is
-    clamped to -9999.0 (JSON has no infinity)."""
+    {logprob, rank, decoded_token}} for the token and its top `k` alternatives."""
     if prompt_logprobs is None:
         return None
     return [None if entry is None else
-            {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+            {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
                       "decoded_token": lp.decoded_token if lp.decoded_token is not None else tokens.text(t)}
              for t, lp in entry.items() if lp.rank <= k or t == token}
             for token, entry in zip(prompt_token_ids, prompt_logprobs)]

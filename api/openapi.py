@@ -94,9 +94,21 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON that follows the function's parameters schema
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the reply is a call of the function tool_choice names
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -118,9 +130,22 @@ class ChatCompletion(BaseModel):
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, as in CompletionChoice
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # on the call's first chunk
+    arguments: str  # the next piece of the arguments' JSON
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None  # on the call's first chunk, with type and the function's name
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # on each choice's first chunk
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None  # with a named tool_choice, instead of content
 
 
 class ChatChunkChoice(BaseModel):

@@ -5,20 +5,21 @@ ranges are `SamplingParams`' own, written as Field constraints so that the OpenA
 states them and a request that fits the schema is accepted (`SamplingParams` still checks
 them, and whatever a schema cannot state: min_tokens <= max_tokens, ...). Only `n` has an
 API cap of its own. Fields the server does not know are ignored, as vLLM does, and logged;
-fields it knows but cannot honour (tools, suffix, ...) are refused with a 400
+fields it knows but cannot honour (suffix, tool_choice "auto", ...) are refused with a 400
 rather than silently dropped, and the schema says which values they may take.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from api.errors import bad_request, from_value_error
+from api.errors import APIError, bad_request, from_value_error
 from api.openapi import CONTEXT_TOKENS, OUTPUT_TOKENS, REQUEST_CHAT_TEMPLATE, TOKEN_ID, TOKEN_ID_KEYS
 from scheduler import SamplingParams
+from scheduler.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,11 @@ def refused_unless(**schema) -> dict:
 # other than the harmless one (None: any value) is a 400 naming the field; dropping it
 # silently would return different text than vLLM does.
 UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
-                     "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern")),
+    **dict.fromkeys(("structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")),
     "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None, "documents": None,
     "return_tokens_as_token_ids": False,
-    # Declared by one endpoint, so an extra field only of the other: chat's echo (the last
-    # message before the reply) and completions' response_format.
-    "echo": False, "response_format": {"type": "text"},
+    # Declared by completions only, so an extra field of chat (the last message before the reply).
+    "echo": False,
 }
 _logged_unknown_fields: set[str] = set()
 _MAX_LOGGED_UNKNOWN_FIELDS = 1000
@@ -88,6 +87,114 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+# -- structured output: the fields that constrain the text (vLLM's shapes) ----------------
+
+class Constraint(NamedTuple):
+    """One request field's constraint on the output."""
+
+    field: str  # the request field that sets it (named when two are given)
+    fields: dict[str, Any]  # StructuredOutputsParams' fields
+    param: str  # where a 400 about its content points: response_format, tools[0].function.parameters
+    what: str  # how a message names it: "response_format 'person'", "function 'get_weather'"
+
+
+# How a 400 names what could not be compiled, per StructuredOutputsParams kind.
+_KIND_NOUNS = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+               "choice": "choices", "grammar": "grammar"}
+
+
+def invalid_constraint(constraint: Constraint, kind: str, detail: str) -> APIError:
+    """The 400 for a constraint the grammar engine refused, saying what is wrong (`detail`)."""
+    return bad_request(f"Cannot use the {_KIND_NOUNS[kind]} of {constraint.what} (invalid, or a feature this "
+                       f"server does not support): {detail.strip()}", constraint.param)
+
+
+class JsonSchemaFormat(_Body):
+    """response_format's json_schema. `strict` is accepted and needs nothing: the output
+    always follows the schema."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # required with type json_schema (a 400 naming response_format)
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("response_format", {"json_object": True}, "response_format", "response_format")
+        if self.json_schema is None:
+            raise bad_request("response_format of type json_schema needs a json_schema", "response_format")
+        schema = self.json_schema.schema_
+        fields = {"json": schema} if schema is not None else {"json_object": True}
+        return Constraint("response_format", fields, "response_format",
+                          f"response_format {self.json_schema.name!r}")
+
+
+NonEmptyString = Annotated[str, Field(min_length=1)]
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: exactly one constraint, and its options."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt constraint must not leave the output free
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[NonEmptyString], Field(min_length=1)] | None = None
+    grammar: str | None = None  # Lark (llguidance's) or GBNF
+    json_object: bool | None = None
+    # Options: those that need nothing here are accepted (there is no fallback backend, and
+    # JSON never has free whitespace); those that would change the output are refused.
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = Field(None, **refused_unless(enum=[False, None]))
+    whitespace_pattern: str | None = Field(None, **refused_unless(enum=[None]))
+    structural_tag: str | None = Field(None, **refused_unless(enum=[None]))
+
+    def constraint(self) -> Constraint:
+        for name in ("disable_additional_properties", "whitespace_pattern", "structural_tag"):
+            if getattr(self, name):
+                raise bad_request(f"structured_outputs.{name} is not supported by this server",
+                                  "structured_outputs")
+        fields = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        if len(fields) != 1:
+            raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
+                              f"(got {', '.join(fields) or 'none'})", "structured_outputs")
+        (kind,) = fields
+        return Constraint("structured_outputs", fields, "structured_outputs", f"structured_outputs.{kind}")
+
+
+# The legacy guided_* fields and the constraint each one sets.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def structured_spec(constraints: list[Constraint]) -> tuple[StructuredOutputsParams, Constraint] | None:
+    """The one constraint among `constraints` as the engine's parameter, and where it came
+    from; None without any. More than one is a 400."""
+    if not constraints:
+        return None
+    if len(constraints) > 1:
+        names = ", ".join(c.field for c in constraints)
+        raise bad_request(f"only one constraint on the output may be given, got {names}", constraints[1].field)
+    (constraint,) = constraints
+    fields = dict(constraint.fields)
+    if "choice" in fields:
+        fields["choice"] = tuple(fields["choice"])
+    try:
+        return StructuredOutputsParams(**fields), constraint
+    except ValueError as e:
+        raise bad_request(f"{constraint.param}: {e}", constraint.param) from None
 
 
 class _SamplingBody(_Body):
@@ -128,6 +235,13 @@ class _SamplingBody(_Body):
     # Keep only the last k prompt tokens (-1: the model's context length), as vLLM.
     truncate_prompt_tokens: Annotated[int, Field(ge=1, json_schema_extra={CONTEXT_TOKENS: True}), INTEGRAL] \
         | Literal[-1] | None = None
+    # Structured output: at most one of these (a schema, a regex, a choice, a grammar).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmptyString], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     def check_common(self) -> None:
         self.warn_ignored()
@@ -138,6 +252,18 @@ class _SamplingBody(_Body):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
+    def constraints(self) -> list[Constraint]:
+        """Each field's constraint on the output (a 400 for more than one comes later)."""
+        found = [self.response_format.constraint() if self.response_format else None,
+                 self.structured_outputs.constraint() if self.structured_outputs else None]
+        found += [Constraint(name, {kind: getattr(self, name)}, name, name) for name, kind in GUIDED_FIELDS.items()
+                  if getattr(self, name) is not None]
+        return [c for c in found if c is not None]
+
+    def structured_outputs_spec(self) -> tuple[StructuredOutputsParams, Constraint] | None:
+        """The request's constraint on the output and where it came from (None: free text)."""
+        return structured_spec(self.constraints())
+
     @property
     def engine_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
@@ -147,7 +273,8 @@ class _SamplingBody(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, param_names: dict[str, str],
-                        defaults: dict[str, Any]) -> SamplingParams:
+                        defaults: dict[str, Any],
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's parameters; fields the request leaves unset take `defaults` (the model's
         generation config). A value out of range is a 400 naming the API parameter."""
         fields: dict[str, Any] = dict(
@@ -159,6 +286,8 @@ class _SamplingBody(_Body):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+        if structured_outputs is not None:
+            fields["structured_outputs"] = structured_outputs
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty)
@@ -279,6 +408,30 @@ class ChatTemplateFields(_Body):
         return kwargs
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
@@ -290,23 +443,54 @@ class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     max_completion_tokens: OutputTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None  # needs logprobs
-    tools: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
-    tool_choice: str | dict[str, Any] | None = Field(None, **refused_unless(enum=["none", "auto", None]))
+    tools: list[Tool] | None = None  # rendered by the chat template
+    # "none" (the default without tools) or a named function; "auto" (the default with tools)
+    # and "required" need a tool-call parser, which this server lacks: a 400.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, **refused_unless(**{"not": {"const": "required"}}))
     functions: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
-    response_format: dict[str, Any] | None = Field(None, **refused_unless(properties={"type": {"const": "text"}}))
 
     def check(self) -> None:
         self.check_common()
         self.check_template_fields()
-        if self.tools or self.functions:
-            raise bad_request("tools and functions are not supported by this server",
-                              "tools" if self.tools else "functions")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+        if self.functions:
+            raise bad_request("functions is not supported by this server (use tools)", "functions")
+        if self.tool_choice == "required" or (self.tools and self.tool_choice in (None, "auto")):
+            raise bad_request(f"tool_choice {self.tool_choice or 'auto'!r} is not supported by this server (it "
+                              f"needs a tool-call parser); give tool_choice \"none\" or a named function",
+                              "tool_choice")
+        self.called_tool_index()  # a 400 unless the named function is among the tools
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def called_tool_index(self) -> int | None:
+        """The index in tools of the function that tool_choice names (its arguments are the output), or None."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        name = self.tool_choice.function.name
+        for index, tool in enumerate(self.tools or ()):
+            if tool.function.name == name:
+                return index
+        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
+
+    def called_tool(self) -> Tool | None:
+        index = self.called_tool_index()
+        return None if index is None else self.tools[index]
+
+    def constraints(self) -> list[Constraint]:
+        index = self.called_tool_index()
+        if index is None:
+            return super().constraints()
+        function = self.tools[index].function
+        return [*super().constraints(), Constraint("tool_choice", {"json": function.arguments_schema()},
+                                                   f"tools[{index}].function.parameters",
+                                                   f"function {function.name!r}")]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = super().template_kwargs()
+        if self.tools:  # as vLLM: the template may describe them to the model
+            kwargs["tools"] = [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools]
+        return kwargs
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:

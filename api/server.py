@@ -67,6 +67,8 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine_loop.start()
+        if engine.tokenizer is not None:  # structured output needs one
+            engine.grammars.prepare()  # in the background: the first structured request need not wait for it
         try:
             yield
         finally:

@@ -26,8 +26,11 @@ from api.engine_loop import (
 )
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
 from api.logprobs import TokenText
+from api.protocol import invalid_constraint
+from jaxserve.structured import GrammarError
 from jaxserve.tokenization import PromptError
 from scheduler import SamplingParams
+from scheduler.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,25 @@ class ServerState:
             return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, call)
         except PromptError as e:
             raise bad_request(str(e), param) from None
+
+    async def structured_outputs(self, body) -> StructuredOutputsParams | None:
+        """The request's constraint on the output (None: free text), its grammar compiled.
+
+        The compile runs in the engine's pool while this request waits and others go on; an
+        invalid schema, regex or grammar is a 400 naming the field that gave it, and never
+        reaches the engine (whose add_request then finds the grammar compiled)."""
+        found = body.structured_outputs_spec()
+        if found is None:
+            return None
+        spec, constraint = found
+        try:
+            await asyncio.wrap_future(self.engine_loop.engine.compile_grammar(spec))
+        except GrammarError as e:
+            raise invalid_constraint(constraint, e.kind, e.detail) from None
+        except ValueError as e:  # the grammar engine cannot read this model's tokenizer (made on the first compile)
+            raise bad_request(f"{constraint.field}: structured output is not available with this model: {e}",
+                              constraint.field) from None
+        return spec
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, what: str) -> int:
         """The output limit (None: the rest of the context); a 400 if the request cannot fit.

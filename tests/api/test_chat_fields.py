@@ -1,7 +1,8 @@
 """vLLM's request fields around the prompt, on the session server through the real `openai`
 client (`extra_body` for vLLM's): add_generation_prompt, continue_final_message,
 truncate_prompt_tokens, the `x-ignored-fields` header for unknown fields, and the 400s for
-fields the server cannot honour (response_format, guided decoding, tools).
+fields the server cannot honour (tool_choice "auto" and "required", functions, beam search,
+structural tags, ...). What it does honour of structured output: test_structured_output.py.
 
 Oracles: transformers' tokenizer and chat template (read from the same GGUF), and the same
 request sent with the prompt's token ids cut by hand.
@@ -109,19 +110,28 @@ def test_unknown_fields_are_named_in_a_header_and_logged_once(server, client):
     assert [log.count(repr(name)) for name in names] == [1, 1]  # three requests, one log line each name
 
 
-@pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["red", "blue"]),
-    ("structured_outputs", {"choice": ["red", "blue"]}),
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": TOOLS}, "tool_choice"),  # tool_choice "auto" (the default with tools) needs a tool-call parser
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "[a-z]+", "whitespace_pattern": " "}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}, "disable_additional_properties": True}}, "structured_outputs"),
 ])
-def test_fields_the_server_cannot_honour_are_400s_naming_them(client, field, value):
+def test_fields_the_server_cannot_honour_are_400s_naming_them(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body={field: value})
-    assert e.value.body["param"] == field
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body=fields)
+    assert e.value.body["param"] == param
+
+
+def test_tools_with_tool_choice_none_go_to_the_template_and_the_reply_is_text(client):
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, tools=TOOLS, tool_choice="none")
+    assert out.choices[0].message.tool_calls is None and out.usage.completion_tokens >= 1
 
 
 @pytest.mark.parametrize("field, value, harmless", [
@@ -129,7 +139,9 @@ def test_fields_the_server_cannot_honour_are_400s_naming_them(client, field, val
     ("length_penalty", 0.5, 1.0),
     ("return_tokens_as_token_ids", True, False),
     ("logits_processors", ["my.module:Processor"], None),
-    ("guided_grammar", "root ::= \"a\"", None),
+    ("guided_decoding_backend", "xgrammar", None),
+    ("guided_whitespace_pattern", "[ ]*", None),
+    ("structural_tag", "{}", None),
 ])
 def test_vllm_fields_that_would_change_the_output_are_400s_on_both_endpoints(client, field, value, harmless):
     """vLLM honours these; dropping them would answer with different text, so each is a 400
@@ -142,16 +154,15 @@ def test_vllm_fields_that_would_change_the_output_are_400s_on_both_endpoints(cli
         assert create(model=MODEL, max_tokens=1, extra_body={field: harmless}, **args).usage.completion_tokens == 1
 
 
-def test_echo_in_chat_and_response_format_in_completions_are_refused(client):
-    """Each endpoint lacks the other's field: vLLM's chat `echo` and completions'
-    `response_format` would change the output, so they are 400s too."""
+def test_echo_in_chat_is_refused_and_response_format_text_is_free_text(client):
+    """vLLM's chat `echo` would change the output, so it is a 400; response_format
+    {"type": "text"} (OpenAI's default) asks for nothing, on both endpoints."""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body={"echo": True})
     assert e.value.body["param"] == "echo"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
-                                  extra_body={"response_format": {"type": "json_object"}})
-    assert e.value.body["param"] == "response_format"
     plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
                                       extra_body={"response_format": {"type": "text"}})
     assert plain.usage.completion_tokens == 1
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
+                                          response_format={"type": "text"})
+    assert chat.usage.completion_tokens == 1

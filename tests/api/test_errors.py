@@ -69,8 +69,9 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
      "response_format"),
 ]
 
