@@ -42,3 +42,15 @@ def test_spec_decode_smoke(weights_cache, default_model):
         speculative = r["method"] != "none"
         assert (r["mismatches"] is not None) == speculative
         assert r["acceptance_rate"] is None or 0 <= r["acceptance_rate"] <= 1
+
+
+def test_structured_smoke_with_profile(weights_cache, default_model):
+    stdout = run("benchmarks/structured.py", "--smoke", "--profile", env={"JAXSERVE_CACHE": str(weights_cache)})
+    # Both arms generate every token they were asked for (the grammar cannot end within 8).
+    assert "| tokens generated, batch 1                |          8 |             8 |" in stdout
+    assert "| tokens generated, batch 2                |         16 |            16 |" in stdout
+    assert "constrained finish reasons: {1: {'length': 1}, 2: {'length': 2}}" in stdout
+    for row in ("decode tok/s, batch 2", "time to first token (ms), cold grammar", "grammar compile alone (ms), cold",
+                "| constrained                        |", "constrained: device time of its commonest step"):
+        assert row in stdout
+    assert "the sampler alone, 2 rows, median ms: plain" in stdout
