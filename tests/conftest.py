@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import make_tiny_model, make_tiny_tokenizer
+from tests.tiny_models import make_tiny_char_tokenizer, make_tiny_model, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,6 +45,18 @@ def tiny_llama_tok(tiny_llama_tok_dir):
     from jaxserve.weights import load_model
 
     return load_model(str(tiny_llama_tok_dir), use_cache=False, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_chars(tmp_path_factory):
+    """The tiny Llama with a byte-level tokenizer of one token per character: a grammar
+    engine can spell any JSON, regex or choice with it (structured output)."""
+    from jaxserve.weights import load_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama-chars")
+    make_tiny_model("llama", folder)
+    make_tiny_char_tokenizer(folder)
+    return load_model(str(folder), use_cache=False, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,6 @@ from scheduler import SamplingParams, StructuredOutputsParams
 from tests.jaxserve.test_spec_decode import OracleProposer
 from tests.jaxserve.test_spec_decode_tree import SPEC as TREE_SPEC
 from tests.jaxserve.test_spec_decode_tree import TreeOracleProposer
-from tests.tiny_models import make_tiny_char_tokenizer, make_tiny_model
 
 PERSON = {
     "type": "object",
@@ -65,13 +64,8 @@ def follows(spec: dict, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_chars(tmp_path_factory):
-    from jaxserve.weights import load_model
-
-    folder = tmp_path_factory.mktemp("tiny-llama-chars")
-    make_tiny_model("llama", folder)
-    make_tiny_char_tokenizer(folder)
-    return load_model(str(folder), use_cache=False, progress=False)
+def tiny_chars(tiny_llama_chars):
+    return tiny_llama_chars
 
 
 def engine(loaded, **kw):
@@ -159,12 +153,16 @@ def test_free_and_constrained_requests_are_unchanged_by_each_other(tiny_chars):
     assert texts(batched) == texts(alone)
 
 
-def test_preemption_keeps_the_grammar_in_step(tiny_chars):
+@pytest.mark.parametrize("setting", ["preempted", "chunked"])
+def test_preemption_and_chunked_prefill_keep_the_grammar_in_step(tiny_chars, setting):
     prompts, params = workload()
     roomy = run(engine(tiny_chars), prompts, params)
-    eng = engine(tiny_chars, num_blocks=40)
+    kw = {"preempted": dict(num_blocks=40),
+          "chunked": dict(long_prefill_token_threshold=3, max_num_batched_tokens=16, token_buckets=(8, 16))}[setting]
+    eng = engine(tiny_chars, **kw)
     assert texts(run(eng, prompts, params)) == texts(roomy)
-    assert eng.scheduler.num_preemptions > 0
+    if setting == "preempted":
+        assert eng.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
