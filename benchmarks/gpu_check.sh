@@ -20,14 +20,17 @@
 #              table, JSON and PNG into $OUT;
 #   memory     --gpu-memory-utilization 0.5 on the default model in bf16: the KV cache the
 #              engine chose (blocks, bytes) and the device's memory stats after building it
-#              and after a short generation (memory.txt in $OUT).
+#              and after a short generation (memory.txt in $OUT);
+#   structured constrained against free decode at batch 1 and 32 with its profile
+#              (benchmarks/structured.py --profile): on a GPU the host's mask fill weighs
+#              more against a millisecond step (structured.txt in $OUT).
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
 #     bash benchmarks/gpu_check.sh                  # every section; results in ${OUT:-benchmarks/results}
 #     bash benchmarks/gpu_check.sh --only matmul    # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(attention matmul e2e steploop plan memory)
+SECTIONS=(attention matmul e2e steploop plan memory structured)
 only=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -147,6 +150,11 @@ ok = stats()["peak_bytes_in_use"] <= 0.5 * limit * 1.01
 print("peak within 0.5 of bytes_limit (1% slack):", ok)
 raise SystemExit(0 if ok else 1)
 EOF
+fi
+
+if wanted structured; then
+  echo "== structured output: constrained against free decode"
+  timeout 300 "$PYTHON" benchmarks/structured.py --profile 2>&1 | grep -v "^  round" | tee "$OUT/structured.txt" || status=1
 fi
 
 echo "== done (status $status): results in $OUT"
