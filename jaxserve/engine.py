@@ -139,7 +139,10 @@ class LLMEngine:
         self.proposer: Proposer | None = make_proposer(spec, self) if spec else None
         self.async_scheduling = config.async_scheduling and spec is None
         self.outputs = OutputProcessor(self.tokenizer)
-        self.grammars = GrammarCompiler(self._grammar_backend)
+        # NOTE: a factory that does not hold the engine: a reference cycle would keep every
+        # dropped engine (and its compiled programs' memory maps) alive until a full GC.
+        self.grammars = GrammarCompiler(functools.partial(grammar_backend, self.tokenizer, self.eos_token_ids,
+                                                          mcfg.vocab_size))
         self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
         # Set a jaxserve.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
@@ -218,15 +221,6 @@ class LLMEngine:
         before add_request, so a slow grammar never holds up the step loop."""
         return self.grammars.compile(spec)
 
-    def _grammar_backend(self) -> LLGuidanceBackend:
-        """The grammar engine over this model's tokenizer (made on the first compile);
-        a ValueError saying why when there is none it can read."""
-        if self.tokenizer is None:
-            raise ValueError("structured output needs the model's tokenizer, and this model has none")
-        try:
-            return LLGuidanceBackend(self.tokenizer, self.eos_token_ids, self.loaded.config.vocab_size)
-        except ValueError as e:
-            raise ValueError(f"structured output needs a tokenizer the grammar engine can read: {e}") from None
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | dict | None = None,
                     *, priority: int = 0, arrival_time: float | None = None, add_special_tokens: bool = True,
@@ -349,6 +343,17 @@ class LLMEngine:
     @property
     def compilations(self) -> int:
         return self.runner.compilations.count
+
+
+def grammar_backend(tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int) -> LLGuidanceBackend:
+    """The grammar engine over a model's tokenizer (made on the first compile); a
+    ValueError saying why when there is none it can read."""
+    if tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer, and this model has none")
+    try:
+        return LLGuidanceBackend(tokenizer, eos_token_ids, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"structured output needs a tokenizer the grammar engine can read: {e}") from None
 
 
 def device_memory_stats(device) -> dict | None:

@@ -8,8 +8,10 @@ byte-level tokenizer of one token per character, can spell any JSON, so its outp
 exercise the mask at every step: left alone it would never write valid JSON.
 """
 
+import gc
 import json
 import re
+import weakref
 
 import jsonschema
 import numpy as np
@@ -263,6 +265,22 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_clear_error(tiny_llama_
         with pytest.raises(ValueError, match="a tokenizer the grammar engine can read"):
             eng.add_request("r", "the cat", SamplingParams(structured_outputs={"regex": "a"}))
     assert not eng.has_unfinished()
+
+
+def test_a_dropped_engine_is_freed_at_once(tiny_chars):
+    """No reference cycle through the grammar compiler: an engine (and its compiled
+    programs, each holding memory maps) goes when its last reference does, not at some later
+    full GC. A test session builds hundreds of engines; kept alive, their maps ran the process
+    out of vm.max_map_count and XLA crashed."""
+    eng = engine(tiny_chars, warm_up=False)
+    run(eng, *workload(count=2))
+    ref = weakref.ref(eng)
+    gc.disable()
+    try:
+        del eng
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def test_a_spec_compiles_once(tiny_chars):
