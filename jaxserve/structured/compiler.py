@@ -67,11 +67,6 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return future
 
-    def is_cached(self, spec: StructuredOutputsParams) -> bool:
-        with self._lock:
-            future = self._cache.get(spec.key())
-        return future is not None and future.done()
-
     def request_grammar(self, compiled) -> RequestGrammar:
         """A new sequence's matcher for a compiled grammar, at its start."""
         backend = self.backend
