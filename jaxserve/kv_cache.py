@@ -4,7 +4,8 @@
     k_scale, v_scale: [num_layers, num_blocks, num_kv_heads, block_size]   (8-bit caches only)
 
 Every layer has its own `num_blocks` pages, but the host block manager hands out one
-block id that is valid in all layers. The model folds the layer axis into the page axis
+block id that is valid in all layers. Each layer writes its tokens into the cache as it
+is (`write_kv`); for attention the model folds the layer axis into the page axis
 (`[num_layers * num_blocks, ...]`, a free reshape: `fold_layers`) and offsets block ids by
 `layer * num_blocks`, so attention sees one flat pool of pages and never a per-layer
 slice (which would cost a copy of the layer's cache every step).
@@ -64,10 +65,6 @@ class KVCache:
 def fold_layers(kv: KVCache) -> KVCache:
     """The cache as one pool of pages: every array's [L, num_blocks] axes merged."""
     return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), kv)
-
-
-def unfold_layers(pages: KVCache, num_layers: int) -> KVCache:
-    return jax.tree.map(lambda x: x.reshape(num_layers, x.shape[0] // num_layers, *x.shape[1:]), pages)
 
 
 def resolve_kv_cache_dtype(name: str | None, model_dtype) -> jnp.dtype:
@@ -134,15 +131,20 @@ def move_slots(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return out
 
 
-def write_kv(pages: KVCache, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """Store each token's K and V [T, KV, D] at its flat slot (`page * page_size + offset`)
-    of the folded cache, quantizing them first if the cache is 8-bit."""
-    if pages.k_scale is None:
-        return KVCache(_write_slots(pages.k, slots, k.astype(pages.dtype)),
-                       _write_slots(pages.v, slots, v.astype(pages.dtype)))
-    (k, k_scale), (v, v_scale) = quantize_kv(k, pages.dtype), quantize_kv(v, pages.dtype)
-    return KVCache(_write_slots(pages.k, slots, k), _write_slots(pages.v, slots, v),
-                   _write_scales(pages.k_scale, slots, k_scale), _write_scales(pages.v_scale, slots, v_scale))
+def write_kv(kv: KVCache, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Store each token's K and V [T, KV, D] at its slot (`block * block_size + offset`) of
+    layer `layer`, quantizing them first if the cache is 8-bit.
+
+    NOTE: it writes the unfolded cache [L, num_blocks, ...], not the folded pages attention
+    reads: XLA gives a scatter into a reshaped view a layout of its own when an axis has
+    size one (one KV head per device: MQA, or tensor parallelism), and then copies the
+    whole cache twice a step to and from it."""
+    if kv.k_scale is None:
+        return KVCache(_write_slots(kv.k, layer, slots, k.astype(kv.dtype)),
+                       _write_slots(kv.v, layer, slots, v.astype(kv.dtype)))
+    (k, k_scale), (v, v_scale) = quantize_kv(k, kv.dtype), quantize_kv(v, kv.dtype)
+    return KVCache(_write_slots(kv.k, layer, slots, k), _write_slots(kv.v, layer, slots, v),
+                   _write_scales(kv.k_scale, layer, slots, k_scale), _write_scales(kv.v_scale, layer, slots, v_scale))
 
 
 def _one_row_guard(slots: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -153,16 +155,15 @@ def _one_row_guard(slots: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.
     return jnp.concatenate([slots, jnp.zeros(1, slots.dtype)]), jnp.concatenate([values, jnp.zeros_like(values)])
 
 
-def _write_slots(pages: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """pages[slot // page_size, slot % page_size] = values, for each token."""
+def _write_slots(cache: jax.Array, layer: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """cache[layer, slot // block_size, slot % block_size] = values, for each token."""
     slots, values = _one_row_guard(slots, values)
-    flat = pages.reshape(-1, *pages.shape[2:])
-    flat = flat.at[slots].set(values, mode="promise_in_bounds")
-    return flat.reshape(pages.shape)
+    block_size = cache.shape[2]
+    return cache.at[layer, slots // block_size, slots % block_size].set(values, mode="promise_in_bounds")
 
 
-def _write_scales(scales: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """scales[slot // page_size, :, slot % page_size] = values [T, KV], for each token."""
+def _write_scales(scales: jax.Array, layer: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """scales[layer, slot // block_size, :, slot % block_size] = values [T, KV], for each token."""
     slots, values = _one_row_guard(slots, values)
-    page_size = scales.shape[-1]
-    return scales.at[slots // page_size, :, slots % page_size].set(values, mode="promise_in_bounds")
+    block_size = scales.shape[-1]
+    return scales.at[layer, slots // block_size, :, slots % block_size].set(values, mode="promise_in_bounds")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, fold_layers, unfold_layers, write_kv
+from jaxserve.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.quantization import QuantConfig, QuantizedLinear
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -65,23 +65,25 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
         self.cfg = cfg
 
-    def __call__(self, x, inputs: ModelInputs, pages: KVCache, block_offset, inv_freq, attention: AttentionFn):
+    def __call__(self, x, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
         cfg = self.cfg
         t = x.shape[0]
         with jax.named_scope("qkv_proj"):
             q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
-            k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            # KV heads from the weights' shape: under tensor parallelism they may be repeated (jaxserve.sharding).
+            k = self.k_proj(x).reshape(t, -1, cfg.head_dim)
+            v = self.v_proj(x).reshape(t, -1, cfg.head_dim)
             if cfg.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
         with jax.named_scope("rope"):
             q = apply_rope(q, inputs.positions, inv_freq)
             k = apply_rope(k, inputs.positions, inv_freq)
 
-        # Write this step's K/V first; attention then reads the whole context from pages.
+        # Write this step's K/V first; attention then reads the whole context from the pages
+        # of every layer folded into one pool (layer l's pages start at l * num_blocks).
         with jax.named_scope("kv_write"):
-            slots = inputs.slot_mapping + block_offset * pages.k.shape[1]  # folded: [pages, page_size, ...]
-            pages = write_kv(pages, slots, k, v)
+            kv = write_kv(kv, layer_idx, inputs.slot_mapping, k, v)
+        pages, block_offset = fold_layers(kv), layer_idx * kv.num_blocks
         with jax.named_scope("attention"):
             out = attention(
                 q, pages.k, pages.v, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
@@ -89,7 +91,7 @@ class Attention(nnx.Module):
                 **({} if inputs.tree_mask is None else {"tree_mask": inputs.tree_mask}),
             )
         with jax.named_scope("o_proj"):
-            return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), pages
+            return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), kv
 
 
 class MLP(nnx.Module):
@@ -132,27 +134,27 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
     return unstacked
 
 
-def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn, num_blocks: int):
-    """One decoder layer; carry: (x, the folded cache, layer index)."""
-    x, pages, layer_idx = carry
+def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
+    """One decoder layer; carry: (x, the cache, layer index)."""
+    x, kv, layer_idx = carry
     with jax.named_scope("norm"):
         h = layer.input_layernorm(x)
-    h, pages = layer.self_attn(h, inputs, pages, layer_idx * num_blocks, inv_freq, attention)
+    h, kv = layer.self_attn(h, inputs, kv, layer_idx, inv_freq, attention)
     x = x + h
     with jax.named_scope("norm"):
         h = layer.post_attention_layernorm(x)
     x = x + layer.mlp(h)
-    return x, pages, layer_idx + 1
+    return x, kv, layer_idx + 1
 
 
 @functools.cache
-def _jitted_layer(layer_def, attention: AttentionFn, num_blocks: int):
+def _jitted_layer(layer_def, attention: AttentionFn):
     """`_layer` as one jitted function of the layer's weights. The unrolled forward pass calls
     it once per layer: jax then traces and lowers a single layer (unrolling 30 layers in
     Python made each program take seconds to trace, even on a compile-cache hit), and XLA
     inlines the calls into one program with each layer's weights read in place."""
     return jax.jit(lambda carry, state, inputs, inv_freq: _layer(carry, nnx.merge(layer_def, state), inputs, inv_freq,
-                                                                 attention, num_blocks))
+                                                                 attention))
 
 
 class DecoderLM(nnx.Module):
@@ -200,17 +202,15 @@ class DecoderLM(nnx.Module):
         with jax.named_scope("embed"):
             x = self.embed_tokens(inputs.input_ids)  # [T, D]
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
-        num_layers, num_blocks = kv.k.shape[:2]
-        # Fold layers into the page axis: layer l owns pages [l * num_blocks, (l + 1) * num_blocks).
-        carry = (x, fold_layers(kv), jnp.int32(0))
+        carry = (x, kv, jnp.int32(0))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
-            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, num_blocks)
+            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention)
             for layer in self.layers:
                 carry = run_layer(carry, nnx.state(layer), inputs, inv_freq)
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
             carry, _ = jax.lax.scan(
-                lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention, num_blocks),
+                lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention),
                                   None), carry, layer_state)
-        x, pages, _ = carry
-        return x, unfold_layers(pages, num_layers)
+        x, kv, _ = carry
+        return x, kv

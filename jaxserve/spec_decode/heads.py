@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, allocate_kv_cache, fold_layers, unfold_layers
+from jaxserve.kv_cache import KVCache, allocate_kv_cache
 from jaxserve.model import AttentionFn, DecoderLayer, DecoderLM, _layer
 from jaxserve.model_inputs import ModelInputs
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -84,9 +84,8 @@ class EagleHead(nnx.Module):
         (`next_ids` [T], at `inputs.positions`), and the cache with these tokens' K/V."""
         x = self.fc(jnp.concatenate([features, target.embed_tokens(next_ids)], axis=-1))
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
-        x, pages, _ = _layer((x, fold_layers(kv), jnp.int32(0)), self.layer, inputs, inv_freq, attention,
-                             kv.num_blocks)
-        return x, unfold_layers(pages, 1)
+        x, kv, _ = _layer((x, kv, jnp.int32(0)), self.layer, inputs, inv_freq, attention)
+        return x, kv
 
 
 def trainable_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start_loc, *, sm_scale: float,

@@ -10,8 +10,8 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.kv_cache import (
-    allocate_kv_cache, copy_blocks, fold_layers, kv_bytes_per_token, num_blocks_for_memory, resolve_kv_cache_dtype,
-    unfold_layers, write_kv,
+    allocate_kv_cache, copy_blocks, kv_bytes_per_token, num_blocks_for_memory, resolve_kv_cache_dtype,
+    write_kv,
 )
 from pallas_kernels.quantized_kv import codes_to_float, dequantize_kv, quantize_kv
 from scheduler import SamplingParams
@@ -67,21 +67,19 @@ def test_write_then_read_back(name):
     dtype = resolve_kv_cache_dtype(name, jnp.float32)
     kv = allocate_kv_cache(cfg, num_blocks=6, block_size=4, dtype=dtype)
     assert kv.k.dtype == dtype and kv.k_scale.shape == (2, 6, 2, 4)
-    pages = fold_layers(kv)  # 12 pages of 4 slots
     rng = np.random.default_rng(2)
     k, v = (rng.normal(size=(5, 2, 16)).astype(np.float32) for _ in range(2))
-    slots = np.array([4 * 7 + 1, 4 * 7 + 2, 4 * 10 + 0, 4 * 3 + 3, 4 * 11 + 3])  # pages 7, 7, 10, 3, 11
-    pages = write_kv(pages, jnp.asarray(slots), jnp.asarray(k), jnp.asarray(v))
-    for codes, scales, want in [(pages.k, pages.k_scale, k), (pages.v, pages.v_scale, v)]:
-        got = np.asarray(dequantize_kv(codes, scales)).reshape(-1, 2, 16)[slots]
+    slots = np.array([4 * 1 + 1, 4 * 1 + 2, 4 * 4 + 0, 4 * 3 + 3, 4 * 5 + 3])  # blocks 1, 1, 4, 3, 5
+    kv = write_kv(kv, jnp.int32(1), jnp.asarray(slots), jnp.asarray(k), jnp.asarray(v))  # layer 1
+    for codes, scales, want in [(kv.k, kv.k_scale, k), (kv.v, kv.v_scale, v)]:
+        got = np.asarray(dequantize_kv(codes, scales))[1].reshape(-1, 2, 16)[slots]
         np.testing.assert_allclose(got, want, atol=np.abs(want).max() * 2.0**-4)
-        # The scales sit at [page, head, offset]; every other slot's is still zero.
-        s = np.asarray(scales)
+        # The scales sit at [layer, block, head, offset]; every other slot's is still zero.
+        s = np.asarray(scales)[1]
         for slot, row in zip(slots, want):
             np.testing.assert_allclose(s[slot // 4, :, slot % 4], np.abs(row).max(-1) / (127 if name == "int8" else 448),
                                        rtol=1e-6)
-        assert np.count_nonzero(s) == len(slots) * 2
-    assert unfold_layers(pages, 2).k.shape == kv.k.shape
+        assert np.count_nonzero(scales) == len(slots) * 2
 
 
 def test_copy_on_write_copies_scales():
