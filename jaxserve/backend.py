@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.model import AttentionFn
 from jaxserve.quantization import quantized_layers, use_kernel_layout
+from jaxserve.sharding import shard_attention, tensor_parallel_size
+from jaxserve.sizing import per_device_config
 from pallas_kernels.quantized_kv import is_quantized_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -53,14 +55,18 @@ def pallas_unsupported_reason(cfg: ModelConfig, dtype, block_size: int, device: 
 
 
 def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
-                     kv_dtype=None) -> tuple[str, AttentionFn]:
+                     kv_dtype=None, mesh: jax.sharding.Mesh | None = None) -> tuple[str, AttentionFn]:
     """(backend name, attention function) for the flag value `name` (None: env var, else auto),
-    for a KV cache of `kv_dtype` (None: the model's dtype)."""
+    for a KV cache of `kv_dtype` (None: the model's dtype), on `mesh`'s devices (None: the
+    first device). Under tensor parallelism the function runs per device on its own heads."""
     name = name or os.environ.get(ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
-    device = jax.devices()[0]
-    reason = None if name == "reference" else pallas_unsupported_reason(cfg, dtype, block_size, device, kv_dtype)
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    tp = 1 if mesh is None else tensor_parallel_size(mesh)
+    shard_cfg = per_device_config(cfg, tp)  # the kernel sees one device's heads
+    reason = None if name == "reference" else pallas_unsupported_reason(shard_cfg, dtype, block_size, device,
+                                                                        kv_dtype)
     if name == "pallas" and reason is not None:
         raise ValueError(f"the Pallas attention kernel cannot run: {reason}")
     if name == "auto":
@@ -70,8 +76,9 @@ def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
     else:
         fn = ragged_paged_attention_reference
     why = f" (Pallas kernel not used: {reason})" if name == "reference" and reason else ""
-    logger.info("attention backend: %s on %s%s", name, device.device_kind, why)
-    return name, fn
+    where = f", tensor parallel {tp} over devices {[d.id for d in mesh.devices.flat]}" if tp > 1 else ""
+    logger.info("attention backend: %s on %s%s%s", name, device.device_kind, where, why)
+    return name, (shard_attention(fn, mesh) if tp > 1 else fn)
 
 
 def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
@@ -90,7 +97,7 @@ def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
     return None
 
 
-def select_matmul(name: str | None, model) -> str:
+def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:
     """Choose the quantized matmul backend for `name` (None: env var, else auto) and apply
     it to `model` in place: "pallas" converts its quantized layers to the kernel layout.
     Returns the backend used ("pallas" or "reference"). A model with no quantized layers
@@ -98,11 +105,14 @@ def select_matmul(name: str | None, model) -> str:
     name = name or os.environ.get(MATMUL_ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")
-    device = jax.devices()[0]
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     if not quantized_layers(model):
         logger.info("matmul backend: none needed (the model is not quantized)")
         return "reference"
     reason = None if name == "reference" else matmul_unsupported_reason(model, device)
+    if reason is None and mesh is not None and tensor_parallel_size(mesh) > 1:
+        # NOTE: a Pallas call is opaque to GSPMD; the kernels would need their own shard_map.
+        reason = "the quantized matmul kernels do not run under tensor parallelism yet"
     if name == "pallas" and reason is not None:
         raise ValueError(f"the Pallas quantized matmul kernels cannot run: {reason}")
     if name == "auto":

@@ -40,12 +40,14 @@ import jax.numpy as jnp
 
 from jaxserve.auto_dtype import resolve_dtype
 from jaxserve.backend import select_attention, select_matmul
+from jaxserve.flags import ensure_host_devices
 from jaxserve.generation_config import read_generation_config
 from jaxserve.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
 from jaxserve.model_runner import ModelRunner, StepHandle, token_buckets
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import NullProfiler, StepProfiler
+from jaxserve.sharding import check_tensor_parallel, make_mesh
 from jaxserve.sizing import both_units, kv_budget_for_utilization, plan_kv
 from jaxserve.spec_decode import SpeculativeConfig
 from jaxserve.spec_decode.proposers import Proposer, make_proposer
@@ -82,12 +84,26 @@ class EngineConfig:
     async_scheduling: bool = True  # overlap the host's work for step N with the device's step N+1
     # Draft tokens verified in the step (vLLM's --speculative-config: a SpeculativeConfig, a dict or its JSON)
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Tensor parallelism (jaxserve.sharding): the model split over this many devices; the KV
+    # cache memory (kv_cache_memory) is per device, as in python -m jaxserve.plan.
+    tensor_parallel_size: int = 1
+    device_ids: tuple[int, ...] | None = None  # which of jax.devices() (default the first tensor_parallel_size)
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         u = self.gpu_memory_utilization
         if u is not None and not (isinstance(u, (int, float)) and 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+        if self.device_ids is not None:
+            object.__setattr__(self, "device_ids", tuple(self.device_ids))
+        if self.tensor_parallel_size > 1:
+            spec = self.speculative_config
+            if spec is not None and spec.method != "ngram":
+                raise ValueError(f"speculative decoding with {spec.method!r} does not run with tensor parallelism "
+                                 "yet; ngram does")
+            if u is not None:
+                raise ValueError("gpu_memory_utilization does not work with tensor parallelism yet; "
+                                 "give kv_cache_memory (per device)")
 
 
 class LLMEngine:
@@ -103,21 +119,25 @@ class LLMEngine:
         spec = config.speculative_config
         num_spec = spec.num_draft_tokens if spec else 0
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(mcfg, tp)
+        self.mesh = make_mesh(tp, config.device_ids)
         self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
-                                                             kv_dtype)
-        self.matmul_backend = select_matmul(config.matmul_backend, loaded.model)  # before the runner splits it
+                                                             kv_dtype, mesh=self.mesh)
+        self.matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=self.mesh)  # before the runner splits it
         make_runner = functools.partial(
             ModelRunner, loaded.model, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, attention=attention,
             kv_dtype=kv_dtype, buckets=self._token_buckets(num_spec),
             num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
             draft_tree=spec and spec.tree, keep_step_hidden=spec is not None and spec.method == "eagle",
+            mesh=self.mesh,
         )
         memory_bytes = config.kv_cache_memory
         if config.gpu_memory_utilization is not None and config.num_blocks is None:
             memory_bytes = self._kv_memory_for_utilization(make_runner, max_model_len)
         kv_plan = plan_kv(mcfg, kv_dtype, context=max_model_len, block_size=config.block_size,
-                          memory_bytes=memory_bytes, num_blocks=config.num_blocks)
+                          memory_bytes=memory_bytes, num_blocks=config.num_blocks, tp=tp)
         num_blocks, capacity = kv_plan.num_blocks, kv_plan.usable_tokens
         if kv_plan.max_sequences == 0:
             logger.warning("the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
@@ -167,7 +187,7 @@ class LLMEngine:
         (jax cannot reset it) only makes the figure smaller, never too large. Not counted: a
         draft model (speculative_config), which loads after the cache is sized."""
         utilization = self.config.gpu_memory_utilization
-        device = jax.devices()[0]
+        device = self.mesh.devices.flat[0]
         require_memory_stats(device)
         probe = make_runner(num_blocks=2, max_model_len=max_model_len)
         probe.warm_up()
@@ -205,6 +225,8 @@ class LLMEngine:
         `dtype` "auto": the checkpoint's on a GPU, float32 on the CPU (jaxserve.auto_dtype).
         `quantization`: "int4", "fp8" or "gguf" (see jaxserve.quantization); None: as the checkpoint is.
         `tokenizer`: a folder whose tokenizer replaces the model's (weights without one)."""
+        tp = engine_kwargs.get("tensor_parallel_size", 1)
+        ensure_host_devices(tp if engine_kwargs.get("device_ids") is None else max(engine_kwargs["device_ids"]) + 1)
         if engine_kwargs.get("gpu_memory_utilization") is not None:
             require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
         enable_compilation_cache(cache_dir)
@@ -212,6 +234,11 @@ class LLMEngine:
         loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress,
                             quantization=quantization, tokenizer=tokenizer)
         return cls(loaded, EngineConfig(**engine_kwargs))
+
+    def replica(self, device_ids: tuple[int, ...]) -> LLMEngine:
+        """An engine like this one on other devices (a data-parallel replica), from the same
+        loaded weights: nothing is read from disk again."""
+        return LLMEngine(self.loaded, dataclasses.replace(self.config, device_ids=tuple(device_ids)))
 
     # -- requests -----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ model is loaded and run). Imports nothing heavy: `--help` stays quick."""
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -12,7 +13,8 @@ BACKENDS = ["auto", "pallas", "reference"]
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config."""
+    """--dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config,
+    --tensor-parallel-size."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the weights' and activations' dtype; auto (the default): the checkpoint's (config.json's "
                         "torch_dtype; a GGUF file's 16-bit floats, else float16) on a GPU, float32 on the CPU")
@@ -34,6 +36,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\' (draft_num_layers N: only its first N layers; no model: '
                         'the target itself) or \'{"method": "medusa", "model": HEADS}\' (python -m jaxserve.train_draft; '
                         'with "speculative_token_tree" a tree of candidates)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N devices (heads, MLP and vocabulary; the KV cache on its heads); "
+                        "--kv-cache-memory is then per device. On the CPU, jax is asked for N devices")
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
@@ -53,7 +58,24 @@ def parse_bytes(text: str) -> int:
 def model_engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields those flags set."""
     return {"kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
-            "matmul_backend": args.matmul_backend, "speculative_config": args.speculative_config}
+            "matmul_backend": args.matmul_backend, "speculative_config": args.speculative_config,
+            "tensor_parallel_size": args.tensor_parallel_size}
+
+
+def ensure_host_devices(count: int) -> None:
+    """Make jax's CPU backend offer `count` devices (a no-op for one, or when the environment
+    asks for as many already). Call it before anything starts jax's backends: the CPU
+    client's device count is fixed once it exists. GPUs are whatever the machine has."""
+    import os
+
+    if count <= 1 or int(os.environ.get("JAX_NUM_CPU_DEVICES", "0")) >= count:
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as e:  # the backend started already: make_mesh will say if too few devices exist
+        logging.getLogger(__name__).debug("jax_num_cpu_devices not set: %s", e)
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from jaxserve.default_model import DefaultModelMissing
-from jaxserve.flags import add_model_flags, model_engine_kwargs
+from jaxserve.flags import add_model_flags, ensure_host_devices, model_engine_kwargs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,6 +71,7 @@ def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int =
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    ensure_host_devices(args.tensor_parallel_size)  # before jax starts
     from jaxserve.auto_dtype import resolve_dtype
     from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
     from jaxserve.generation_config import read_generation_config

@@ -44,8 +44,11 @@ from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slot
 from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
+from jaxserve.sharding import (kv_cache_sharding, kv_heads_for, make_mesh, param_shardings, replicate_kv_heads,
+                               replicated, tensor_parallel_size)
 from jaxserve.spec_decode.rejection_sampler import VerifyOutput, verify
 from jaxserve.spec_decode.tree_verify import TreeVerifyOutput, verify_tree
+from pallas_kernels.quantized_kv import is_quantized_kv
 from scheduler.draft_tree import DraftTree
 from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, bitmask_words, token_bias_matrix
 
@@ -109,6 +112,7 @@ class ModelRunner:
         draft_distributions: bool = False,
         draft_tree: DraftTree | None = None,
         keep_step_hidden: bool = False,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -119,14 +123,22 @@ class ModelRunner:
         if self.buckets[-1] < max_num_batched_tokens or self.buckets[0] < MIN_TOKENS:
             raise ValueError(f"token buckets {self.buckets} must lie in [{MIN_TOKENS}, ...] and reach "
                              f"{max_num_batched_tokens=}")
-        # NOTE: arrays are committed to the device up front: jit keys its cache on whether an
+        # The devices the step runs on (jaxserve.sharding): one, or tensor-parallel shards.
+        self.mesh = mesh = mesh if mesh is not None else make_mesh(1)
+        tp = tensor_parallel_size(mesh)
+        # NOTE: arrays are committed to the mesh up front: jit keys its cache on whether an
         # argument is committed, and the donated cache comes back committed after step one.
-        self.device = device = jax.devices()[0]
-        kv = allocate_kv_cache(self.config, num_blocks, block_size, kv_dtype or model.dtype)
-        self.kv: KVCache = jax.device_put(kv, device)
+        self.replicated = replicated(mesh)
+        kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        kv_config = dataclasses.replace(self.config, num_kv_heads=kv_heads_for(self.config, tp))
+        kv_shardings = kv_cache_sharding(mesh, quantized=is_quantized_kv(kv_dtype))
+        # Allocated in place, shard by shard: no device ever holds the whole cache.
+        self.kv: KVCache = jax.jit(lambda: allocate_kv_cache(kv_config, num_blocks, block_size, kv_dtype),
+                                   out_shardings=kv_shardings)()
         graphdef, params = nnx.split(unstack_layers(model))
+        params = replicate_kv_heads(params, self.config, tp)
         self.graphdef, self.attention = graphdef, attention
-        self.params = jax.device_put(params, device)
+        self.params = jax.device_put(params, param_shardings(params, mesh))
         rows = max_num_seqs
         self.num_speculative_tokens = k = num_speculative_tokens
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)
@@ -135,25 +147,31 @@ class ModelRunner:
         self.keep_step_hidden = keep_step_hidden
         self.tree = tree = draft_tree if draft_tree is not None and not draft_tree.is_chain else None
 
+        def whole(logits):
+            """Logits gathered whole on every device (under tensor parallelism the LM head splits
+            the vocabulary): the sampler, penalties and grammar masks see the full vocabulary."""
+            return jax.lax.with_sharding_constraint(logits, replicated(mesh))
+
         def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens, keep_hidden=False):
             """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
             of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, and with
             `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all)."""
             inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
             hidden, kv = nnx.merge(graphdef, params).hidden_states(inputs, kv, attention=attention)
+            kv = jax.lax.with_sharding_constraint(kv, kv_shardings)  # the cache comes back as it went in
             return hidden[inputs.logits_indices], kv, hidden if keep_step_hidden or keep_hidden else None
 
         def head(params, hidden, meta: SamplingMetadata):
             """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
             r = meta.temperature.shape[0]
             last = hidden[:r, -1] if k else hidden[:r]  # with speculation, a plain step's positions are all its last
-            out = sample(nnx.merge(graphdef, params).logits(last), meta)
+            out = sample(whole(nnx.merge(graphdef, params).logits(last)), meta)
             return out, _by_row(out.token_ids, rows), _by_row(last, rows) if k else None  # only heads read it
 
         def verify_head(params, hidden, meta: SamplingMetadata, draft_ids, num_drafts, draft_probs):
             """Verify the first R rows' draft tokens (R: draft_ids' rows); keep each row's last token."""
             r = draft_ids.shape[0]
-            logits = nnx.merge(graphdef, params).logits(hidden[:r].reshape(r * (k + 1), -1))
+            logits = whole(nnx.merge(graphdef, params).logits(hidden[:r].reshape(r * (k + 1), -1)))
             if tree is None:
                 out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
             else:  # column 0 is the root (not a draft); a request keeps a BFS prefix of the tree
@@ -196,10 +214,10 @@ class ModelRunner:
         self._verify_head = jax.jit(verify_head)
         self._compact = jax.jit(compact, donate_argnames=("kv",))
         # The latest step's sampled tokens, by row, on the device.
-        self.last_tokens = jax.device_put(np.zeros(rows, np.int32), device)
+        self.last_tokens = jax.device_put(np.zeros(rows, np.int32), self.replicated)
         # ... and, when speculating, the hidden state each was drawn from (draft heads read it).
         hidden_rows = np.zeros((rows, self.config.hidden_size), model.dtype)
-        self.last_hidden = jax.device_put(hidden_rows, device) if k else None
+        self.last_hidden = jax.device_put(hidden_rows, self.replicated) if k else None
         # With keep_step_hidden: the latest step's padded inputs and every token's hidden state.
         self.step_inputs: ModelInputs | None = None
         self.step_hidden: jax.Array | None = None
@@ -291,7 +309,7 @@ class ModelRunner:
             draft_ids[: batch.num_seqs] = batch.spec_token_ids
             num_drafts[: batch.num_seqs] = batch.num_spec_tokens
         if self.draft_distributions and draft_probs is None:  # warm-up (committed, as the real ones are)
-            draft_probs = jax.device_put(np.zeros((r, k, self.config.vocab_size), np.float32), self.device)
+            draft_probs = jax.device_put(np.zeros((r, k, self.config.vocab_size), np.float32), self.replicated)
         return meta, draft_ids, num_drafts, draft_probs
 
     def _tree_slots(self, batch: StepBatch | None, r: int) -> np.ndarray:

@@ -3,9 +3,15 @@
 import os
 from pathlib import Path
 
+import jax
 import pytest
 
 from tests.tiny_models import make_tiny_char_tokenizer, make_tiny_model, make_tiny_tokenizer
+
+# Tensor- and data-parallel tests need several devices. On the CPU jax makes them only if
+# asked before its backend starts; programs on device 0 are the same either way.
+if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    jax.config.update("jax_num_cpu_devices", 4)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -83,11 +83,11 @@ class DraftModelProposer:
         target = engine.runner
         kv_dtype = engine.kv_dtype
         _, attention = select_attention(engine.config.attention_backend, model.cfg, model.dtype, target.block_size,
-                                        kv_dtype)
+                                        kv_dtype, mesh=target.mesh)
         self.runner = ModelRunner(
             model, num_blocks=target.kv.num_blocks, block_size=target.block_size, max_num_seqs=target.max_num_seqs,
             max_num_batched_tokens=target.buckets[-1], max_model_len=target.max_model_len, attention=attention,
-            kv_dtype=kv_dtype, buckets=target.buckets)
+            kv_dtype=kv_dtype, buckets=target.buckets, mesh=target.mesh)  # on the target's devices
         logger.info("draft model: %d layers, KV cache %.1f MiB", model.cfg.num_layers, self.runner.kv.nbytes / 2**20)
         self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",))
         self._take_rows = jax.jit(lambda probs, rows: probs[rows])

@@ -54,16 +54,16 @@ class EagleProposer:
         self.config, self.scheduler, self.target = config, engine.scheduler, engine.runner
         target = self.target
         self.head_def, params = nnx.split(head)
-        self.params = jax.device_put(params, target.device)
+        self.params = jax.device_put(params, target.replicated)
         kv = allocate_kv_cache(head.cfg, target.kv.num_blocks, target.block_size, engine.kv_dtype)
-        self.kv = jax.device_put(kv, target.device)
+        self.kv = jax.device_put(kv, target.replicated)
         self._follow = jax.jit(self._follow_fn, donate_argnames=("kv",))
         self._ends = jax.jit(_ends_fn)
         self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",))
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         # By row of the latest step: the head's guess of h at each row's new last token.
         self._features = jax.device_put(np.zeros((target.max_num_seqs, head.cfg.hidden_size), self.dtype),
-                                        target.device)
+                                        target.replicated)
         self._rows: dict[str, int] = {}  # request id -> its row in the latest step, if it sampled there
         if engine.config.warm_up:
             self.warm_up()
@@ -74,10 +74,10 @@ class EagleProposer:
         none = np.full(target.max_num_seqs, 0, np.int32)  # no row's ends (T = 0: none below it)
         for t in target.buckets:
             inputs, _ = target._pad_inputs(None, *target.bucket_for(t))
-            hidden = jax.device_put(np.zeros((t, target.config.hidden_size), self.dtype), target.device)
+            hidden = jax.device_put(np.zeros((t, target.config.hidden_size), self.dtype), target.replicated)
             self._write(inputs, hidden, none + t, np.ones(1, np.int32))
         for r in target.row_buckets:
-            self._ends(none, jax.device_put(np.ones(r, np.int32), target.device), np.int32(0))
+            self._ends(none, jax.device_put(np.ones(r, np.int32), target.replicated), np.int32(0))
             self._draft([], r)
         self.kv = self._copy_blocks(self.kv, copy_pairs([], target.max_num_seqs))
         jax.block_until_ready(self.kv)
@@ -123,7 +123,7 @@ class EagleProposer:
             for row in np.flatnonzero(~batch.samples):  # a prefill chunk: the prompt's next token
                 req = self.scheduler.requests[batch.request_ids[row]]
                 next_ids[ends[row]] = req.all_token_ids[batch.positions[ends[row]] + 1]
-        device = self.target.device
+        device = self.target.replicated
         ends = self._ends(first, jax.device_put(counts, device), np.int32(t))
         self.kv, self._features = self._follow(self.params, self.target.params, self.kv, hidden, inputs,
                                                next_ids, jax.device_put(ends, device), self.target.last_tokens)

@@ -47,10 +47,12 @@ def test_gguf_weights_equal_transformers_reading(default_model, hf_default_model
     assert checked == 2 + 30 * 9
 
 
-def test_greedy_continuations_equal_transformers_generate(default_model, hf_default_model):
+@pytest.mark.parametrize("tp", [1, 3])
+def test_greedy_continuations_equal_transformers_generate(default_model, hf_default_model, tp):
+    """On one device, and split over three (its 9 heads and 3 KV heads, 3 per device)."""
     tok = default_model.tokenizer
     engine = LLMEngine(default_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                                                   kv_cache_memory=64 << 20))
+                                                   kv_cache_memory=64 << 20, tensor_parallel_size=tp))
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=32))
     ours = {o.request_id: o.outputs[0].token_ids for o in engine.generate_all()}
