@@ -2,6 +2,7 @@
 
     python -m api                                   # the embedded default model on 127.0.0.1:8000
     python -m api --model ./Qwen3-0.6B --port 9000 --api-key secret --max-num-seqs 64 --kv-cache-memory 4GiB
+    python -m api --data-parallel-size 2 --tensor-parallel-size 2   # 2 replicas, on devices 0-1 and 2-3
 
 With --port 0 the system picks a free port; the line `jaxserve: serving MODEL on URL` on
 stdout says which (tests read it).
@@ -17,7 +18,7 @@ import socket
 import sys
 
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES
-from jaxserve.flags import add_model_flags, model_engine_kwargs, parse_bytes
+from jaxserve.flags import add_model_flags, ensure_host_devices, model_engine_kwargs, parse_bytes
 from scheduler import SamplingParams
 
 
@@ -65,6 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'auto': the model's generation_config.json sets defaults for sampling fields a request "
                         "leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json")
     add_model_flags(p)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="M",
+                   help="M engine replicas behind this server, replica i on devices i*tp .. (i+1)*tp-1 (tp: "
+                        "--tensor-parallel-size); each call goes to one, by load and by the prompt's cached prefix "
+                        "(default 1)")
+    p.add_argument("--router-load-bound", type=int, default=None, metavar="N",
+                   help="with replicas: a replica that recently saw a prompt's prefix gets it while it runs and "
+                        "waits at most N sequences more than the least loaded one (default max(2, max-num-seqs/4))")
     p.add_argument("--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE "
                                        "or ~/.cache/jaxserve)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -84,12 +92,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.data_parallel_size < 1:
+        print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
+        return 2
+    ensure_host_devices(args.data_parallel_size * args.tensor_parallel_size)  # on the CPU: before jax starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
     from api.server import create_app
     from jaxserve.default_model import DefaultModelMissing
     from jaxserve.engine import LLMEngine
+    from jaxserve.sharding import replica_device_ids
     from jaxserve.tokenization import read_chat_template
 
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -100,16 +113,20 @@ def main(argv=None) -> int:
                          async_scheduling=not args.no_async_scheduling, **model_engine_kwargs(args))
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+        devices = replica_device_ids(args.tensor_parallel_size, args.data_parallel_size)
+        engine_kwargs["device_ids"] = devices[0]
         engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                                       progress=sys.stderr.isatty(), quantization=args.quantization,
                                       tokenizer=args.tokenizer, **engine_kwargs)
+        engines = [engine] + [engine.replica(ids) for ids in devices[1:]]
         cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                     allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
-        app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key,
+        app = create_app(engines, model_name=args.served_model_name, api_key=args.api_key,
                          max_waiting=args.max_waiting, max_request_sequences=args.max_request_sequences,
                          max_request_body_bytes=args.max_request_body_bytes, chat_template=chat_template,
                          trust_request_chat_template=args.trust_request_chat_template,
-                         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests, cors=cors)
+                         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests, cors=cors,
+                         router_load_bound=args.router_load_bound)
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

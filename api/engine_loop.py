@@ -21,11 +21,14 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import AsyncIterator, NamedTuple
+from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
 
 from api.metrics import Metrics
 from jaxserve.outputs import RequestOutput
 from scheduler import SamplingParams, SchedulerStats
+
+if TYPE_CHECKING:
+    from api.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +108,9 @@ class EngineLoop:
     refused, but a backlog beyond it is, and an idle server admits any call.
     """
 
-    def __init__(self, engine, metrics: Metrics, *, max_waiting: int | None = None):
+    def __init__(self, engine, metrics: Metrics, *, max_waiting: int | None = None, replica: int | None = None):
         self.engine = engine
+        self.replica = replica  # its index among data-parallel replicas (api.replicas), None when alone
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_num_seqs = engine.scheduler.config.max_num_seqs
@@ -128,7 +132,8 @@ class EngineLoop:
         """Start the engine thread; call from inside the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._publish_stats()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="engine-loop" if self.replica is None else f"engine-loop-{self.replica}")
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -144,7 +149,8 @@ class EngineLoop:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def dead_error(self) -> EngineDeadError:
-        return EngineDeadError(f"the engine has stopped: {self.error!r}")
+        what = "the engine" if self.replica is None else f"engine replica {self.replica}"
+        return EngineDeadError(f"{what} has stopped: {self.error!r}")
 
     @property
     def stats(self) -> SchedulerStats | None:
@@ -167,8 +173,24 @@ class EngineLoop:
             if waiting - free_slots >= self.max_waiting:
                 self.metrics.request_rejected()
                 raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting; try again later")
+        return self.reserve(num_sequences)
+
+    def reserve(self, num_sequences: int) -> Reservation:
+        """Queue room for `num_sequences`, unchecked (`admit` checked it, or a ReplicaSet did)."""
         self._admitted += num_sequences
         return Reservation(self, num_sequences)
+
+    @property
+    def backlog(self) -> int:
+        """Sequences waiting (in transit included) beyond the free running slots, as `admit` counts them."""
+        stats, taken = self.snapshot
+        return stats.num_waiting + self._admitted - taken - max(0, self.max_num_seqs - stats.num_running)
+
+    @property
+    def load(self) -> int:
+        """Running + waiting sequences, in transit included: what a router balances."""
+        stats, taken = self.snapshot
+        return stats.num_running + stats.num_waiting + self._admitted - taken
 
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
                 queue: asyncio.Queue, priority: int, cache_salt: str | None) -> asyncio.Future:
@@ -277,9 +299,10 @@ class EngineLoop:
 class Reservation:
     """Queue room that `EngineLoop.admit` granted one API call: held from the call's arrival
     until its requests go to the engine thread (`Generation.add`), or given back when the
-    call fails before that. Use as `with`: leaving gives back whatever was not sent."""
+    call fails before that. Use as `with`: leaving gives back whatever was not sent. (A
+    ReplicaSet holds the room of a call it has not routed yet the same way.)"""
 
-    def __init__(self, engine_loop: EngineLoop, num_sequences: int):
+    def __init__(self, engine_loop: EngineLoop | ReplicaSet, num_sequences: int):
         self.engine_loop = engine_loop
         self.num_sequences = num_sequences
         self.held = True

@@ -15,12 +15,17 @@ generated tokens (a request with n samples counts once, with all its samples' to
 
 The engine thread records; the event loop renders. A lock keeps a histogram's buckets,
 sum and count consistent with each other in one scrape.
+
+Data-parallel replicas (api.replicas) share one registry: each replica's engine thread
+records into its own `Metrics`, whose samples carry an `engine` label, and one page shows
+them all (a family's `# TYPE` line once, as the format requires).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -39,6 +44,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 FINISH_REASONS = ("stop", "length", "abort")
 LABEL = "model_name"
+ENGINE_LABEL = "engine"  # data-parallel replicas only (Metrics.for_replicas)
 
 
 @dataclasses.dataclass
@@ -50,45 +56,36 @@ class _Progress:
 
 
 class Metrics:
-    def __init__(self, model_name: str, cache_config: dict[str, str] | None = None):
+    """One engine's metrics: what its engine thread records, and the page `render` makes.
+
+    Alone (`Metrics(name)`) it has a registry of its own and the label `model_name`. Data-
+    parallel replicas share one registry (`Metrics.for_replicas`), where every metric also
+    carries an `engine` label ("0", "1", ...), as vLLM v1 does, and the set's page
+    (`render_replicas`) adds `jaxserve:engine_up`.
+    """
+
+    def __init__(self, model_name: str, cache_config: dict[str, str] | None = None, *, engine: str | None = None,
+                 families: _Families | None = None):
         self.model_name = model_name
-        self.registry = CollectorRegistry()  # never the global one: one process may serve several apps
-        self._lock = threading.Lock()
+        self.engine = engine
+        # NOTE: the label values' order is the families' label names' order (model_name, engine).
+        self.labels = (model_name,) if engine is None else (model_name, engine)
+        f = self._families = families or _Families(cache_config or {}, per_engine=engine is not None)
+        self.registry = f.registry
+        self._lock = f.lock
         self._progress: dict[str, _Progress] = {}  # engine thread only
-        self._snapshot = _SnapshotCollector(model_name, cache_config or {})
-        self.registry.register(self._snapshot)
+        self.prompt_tokens = f.prompt_tokens.labels(*self.labels)
+        self.generation_tokens = f.generation_tokens.labels(*self.labels)
+        self.success = {reason: f.success.labels(*self.labels, reason) for reason in FINISH_REASONS}
+        self.rejected_total = f.rejected.labels(*self.labels)
+        for name in _HISTOGRAMS:
+            setattr(self, name, getattr(f, name).labels(*self.labels))
 
-        def counter(name, help_, *labels):
-            return Counter(f"jaxserve:{name}", help_, [LABEL, *labels], registry=self.registry)
-
-        def histogram(name, help_, buckets):
-            return Histogram(f"jaxserve:{name}", help_, [LABEL], buckets=buckets,
-                             registry=self.registry).labels(model_name)
-
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens",
-                                         "Number of generation tokens processed.").labels(model_name)
-        success = counter("request_success", "Count of finished requests, by finish reason.", "finished_reason")
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._success = success
-        self.rejected_total = counter("num_requests_rejected",
-                                      "Requests answered 503 because the waiting queue was full.").labels(model_name)
-        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                             E2E_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.", E2E_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.", E2E_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
-                                               TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Number of generation tokens processed.", TOKEN_BUCKETS)
+    @classmethod
+    def for_replicas(cls, model_name: str, cache_config: dict[str, str] | None, num_replicas: int) -> list[Metrics]:
+        """One Metrics per replica, all in one registry, told apart by their `engine` label."""
+        families = _Families(cache_config or {}, per_engine=True)
+        return [cls(model_name, engine=str(i), families=families) for i in range(num_replicas)]
 
     # -- what tests and callers read ----------------------------------------------------
 
@@ -104,7 +101,8 @@ class Metrics:
 
     def _sample(self, name: str, **labels) -> float:
         with self._lock:
-            return self.registry.get_sample_value(name, {LABEL: self.model_name, **labels}) or 0.0
+            own = dict(zip(self._families.label_names, self.labels))
+            return self.registry.get_sample_value(name, {**own, **labels}) or 0.0
 
     # -- recording (engine thread) ------------------------------------------------------
 
@@ -142,7 +140,7 @@ class Metrics:
                 del self._progress[output.request_id]
                 reason = output.outputs[0].finish_reason or "stop"
                 if reason not in self.success:
-                    self.success[reason] = self._success.labels(self.model_name, reason)
+                    self.success[reason] = self._families.success.labels(*self.labels, reason)
                 self.success[reason].inc()
                 self._record_finished(output)
 
@@ -164,63 +162,132 @@ class Metrics:
 
     def render(self, stats: SchedulerStats | None) -> str:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
-        with self._lock:
-            self._snapshot.stats = stats
+        return self._families.render({self.labels: stats})
+
+    @staticmethod
+    def render_replicas(replicas: Sequence[Metrics], stats: Sequence[SchedulerStats | None],
+                        alive: Sequence[bool]) -> str:
+        """The page of replicas made by `for_replicas`: each one's metrics and stats under its
+        `engine` label, and `jaxserve:engine_up` (1 alive, 0 failed)."""
+        return replicas[0]._families.render({m.labels: s for m, s in zip(replicas, stats)},
+                                            up={m.labels: a for m, a in zip(replicas, alive)})
+
+
+# Histogram attributes of Metrics: (name, help, buckets).
+_HISTOGRAMS = {
+    "ttft": ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "itl": ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "e2e": ("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", E2E_BUCKETS),
+    "queue_time": ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                   E2E_BUCKETS),
+    "prefill_time": ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                     E2E_BUCKETS),
+    "decode_time": ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                    E2E_BUCKETS),
+    "request_prompt_tokens": ("request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS),
+    "request_generation_tokens": ("request_generation_tokens", "Number of generation tokens processed.",
+                                  TOKEN_BUCKETS),
+}
+
+
+class _Families:
+    """A registry and its metric families (prometheus_client's parents, labelled by the
+    Metrics that use them). The lock keeps a scrape consistent with the recording threads."""
+
+    def __init__(self, cache_config: dict[str, str], *, per_engine: bool):
+        self.label_names = (LABEL, ENGINE_LABEL) if per_engine else (LABEL,)
+        self.registry = CollectorRegistry()  # never the global one: one process may serve several apps
+        self.lock = threading.Lock()
+        self.snapshot = _SnapshotCollector(self.label_names, cache_config)
+        self.registry.register(self.snapshot)
+
+        def counter(name, help_, *labels):
+            return Counter(f"jaxserve:{name}", help_, [*self.label_names, *labels], registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.success = counter("request_success", "Count of finished requests, by finish reason.", "finished_reason")
+        self.rejected = counter("num_requests_rejected", "Requests answered 503 because the waiting queue was full.")
+        for attr, (name, help_, buckets) in _HISTOGRAMS.items():
+            setattr(self, attr, Histogram(f"jaxserve:{name}", help_, self.label_names, buckets=buckets,
+                                          registry=self.registry))
+
+    def render(self, stats: dict[tuple[str, ...], SchedulerStats | None],
+               up: dict[tuple[str, ...], bool] | None = None) -> str:
+        with self.lock:
+            self.snapshot.stats, self.snapshot.up = stats, up
             return generate_latest(self.registry).decode()
 
 
 class _SnapshotCollector:
-    """The scheduler's stats as gauges and counters, read from the snapshot `render` gives it."""
+    """The scheduler's stats as gauges and counters, read from the snapshots `render` gives
+    it: one sample per engine (per set of label values) in each family."""
 
-    def __init__(self, model_name: str, cache_config: dict[str, str]):
-        self.model_name = model_name
+    def __init__(self, label_names: tuple[str, ...], cache_config: dict[str, str]):
+        self.label_names = list(label_names)
         self.cache_config = cache_config
-        self.stats: SchedulerStats | None = None
+        self.stats: dict[tuple[str, ...], SchedulerStats | None] = {}
+        self.up: dict[tuple[str, ...], bool] | None = None
 
     def collect(self):
         if self.cache_config:
             info = GaugeMetricFamily("jaxserve:cache_config_info", "Information of the KV cache's configuration.",
-                                     labels=[LABEL, *self.cache_config])
-            info.add_metric([self.model_name, *map(str, self.cache_config.values())], 1)
+                                     labels=[*self.label_names, *self.cache_config])
+            for labels in self.stats:
+                info.add_metric([*labels, *map(str, self.cache_config.values())], 1)
             yield info
-        stats = self.stats
-        if stats is None:
+        if self.up is not None:
+            yield self._family(GaugeMetricFamily, "engine_up", "1 while the engine replica runs, 0 after it failed.",
+                               {labels: float(alive) for labels, alive in self.up.items()})
+        stats = {labels: s for labels, s in self.stats.items() if s is not None}
+        if not stats:
             return
-        yield self._gauge("num_requests_running", "Number of requests in model execution batches.", stats.num_running)
-        yield self._gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
-        yield self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)
-        yield self._gauge("kv_cache_free_blocks", "KV-cache blocks held by no request.", stats.num_free_blocks)
-        yield self._gauge("kv_cache_total_blocks", "Usable KV-cache blocks (the null block excluded).",
-                          stats.num_total_blocks)
-        yield self._gauge("prefix_cache_hit_rate", "Fraction of prompt tokens found in the prefix cache.",
-                          stats.prefix_cache_hit_rate)
-        yield self._counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_cache_queries)
-        yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
-        yield self._counter("num_preemptions", "Cumulative number of preemptions from the engine.",
-                            stats.num_preemptions)
-        spec = stats.spec_decoding
-        if spec is not None:  # vLLM's spec_decode metrics
-            yield self._counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
-            yield self._counter("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
-            yield self._counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                                spec.num_accepted_tokens)
+
+        def gauge(name, help_, value):
+            return self._family(GaugeMetricFamily, name, help_, {k: value(s) for k, s in stats.items()})
+
+        def counter(name, help_, value):
+            return self._family(CounterMetricFamily, name, help_, {k: value(s) for k, s in stats.items()})
+
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_cache_usage)
+        yield gauge("kv_cache_free_blocks", "KV-cache blocks held by no request.", lambda s: s.num_free_blocks)
+        yield gauge("kv_cache_total_blocks", "Usable KV-cache blocks (the null block excluded).",
+                    lambda s: s.num_total_blocks)
+        yield gauge("prefix_cache_hit_rate", "Fraction of prompt tokens found in the prefix cache.",
+                    lambda s: s.prefix_cache_hit_rate)
+        yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits)
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                      lambda s: s.num_preemptions)
+        spec = {k: s.spec_decoding for k, s in stats.items() if s.spec_decoding is not None}
+        if spec:  # vLLM's spec_decode metrics
+
+            def spec_family(kind, name, help_, value):
+                return self._family(kind, name, help_, {k: value(d) for k, d in spec.items()})
+
+            yield spec_family(CounterMetricFamily, "spec_decode_num_drafts", "Number of spec decoding drafts.",
+                              lambda d: d.num_drafts)
+            yield spec_family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Number of draft tokens.",
+                              lambda d: d.num_draft_tokens)
+            yield spec_family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                              lambda d: d.num_accepted_tokens)
             per_position = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
-                                               "Accepted tokens per draft position.", labels=[LABEL, "position"])
-            for i, n in enumerate(spec.accepted_per_position):
-                per_position.add_metric([self.model_name, str(i)], n)
+                                               "Accepted tokens per draft position.",
+                                               labels=[*self.label_names, "position"])
+            for labels, d in spec.items():
+                for i, n in enumerate(d.accepted_per_position):
+                    per_position.add_metric([*labels, str(i)], n)
             yield per_position
-            yield self._gauge("spec_decode_acceptance_rate", "Accepted over drafted tokens since start-up.",
-                              spec.acceptance_rate)
-            yield self._gauge("spec_decode_mean_acceptance_length",
+            yield spec_family(GaugeMetricFamily, "spec_decode_acceptance_rate",
+                              "Accepted over drafted tokens since start-up.", lambda d: d.acceptance_rate)
+            yield spec_family(GaugeMetricFamily, "spec_decode_mean_acceptance_length",
                               "Tokens per verification step since start-up: accepted drafts plus one.",
-                              spec.mean_acceptance_length)
+                              lambda d: d.mean_acceptance_length)
 
-    def _gauge(self, name: str, help_: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"jaxserve:{name}", help_, labels=[LABEL])
-        family.add_metric([self.model_name], value)
-        return family
-
-    def _counter(self, name: str, help_: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(f"jaxserve:{name}", help_, labels=[LABEL])
-        family.add_metric([self.model_name], value)
+    def _family(self, kind, name: str, help_: str, values: dict[tuple[str, ...], float]):
+        family = kind(f"jaxserve:{name}", help_, labels=self.label_names)
+        for labels, value in values.items():
+            family.add_metric(list(labels), value)
         return family

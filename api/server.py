@@ -12,6 +12,10 @@ GET /health (200 while the engine thread is alive, 503 after it failed), GET /me
 Limits on what one request may ask: a body of at most `max_request_body_bytes` (413), at
 most `max_request_sequences` prompts x n (400), and, with `max_waiting`, a 503 on arrival
 when the queue is full.
+
+Given several engines (data parallelism, `python -m api --data-parallel-size M`), the app
+serves them as replicas behind one router (api.replicas): /health then lists each replica
+and stays 200 while one lives, and /metrics labels every metric with its `engine`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUE
 from api.ignored_fields import IgnoredFieldsHeader
 from api.logprobs import TokenText
 from api.metrics import Metrics
+from api.replicas import ReplicaSet
 from api.serving import ServerState
 from scheduler import SamplingParams
 
@@ -47,13 +52,20 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
                max_waiting: int | None = None, max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, chat_template: str | None = None,
                trust_request_chat_template: bool = False, max_logprobs: int = SamplingParams.MAX_LOGPROBS,
-               log_requests: bool = True, cors: dict | None = None) -> FastAPI:
-    """An app serving `engine` (an LLMEngine). The engine thread starts with the app's lifespan.
+               log_requests: bool = True, cors: dict | None = None, router_load_bound: int | None = None) -> FastAPI:
+    """An app serving `engine` (an LLMEngine), or a list of engines as data-parallel
+    replicas (built from one LoadedModel). The engine threads start with the app's lifespan.
 
     `model_name`: the name clients pass as `model`, or several (the first is the one
     responses report); `chat_template` replaces the tokenizer's; `cors`: CORSMiddleware's
-    arguments (allow_origins, ...), None for no CORS headers.
+    arguments (allow_origins, ...), None for no CORS headers; `router_load_bound`: with
+    replicas, how much busier than the least loaded one (in sequences) a replica that saw the
+    prompt's prefix may be and still get it (default api.replicas.default_load_bound).
     """
+    engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+    if not engines:
+        raise ValueError("create_app needs an engine")
+    engine = engines[0]  # the replicas share its tokenizer, model config and limits
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
     if not 0 <= max_logprobs <= SamplingParams.MAX_LOGPROBS:  # the sampler computes that many at most
@@ -62,7 +74,11 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
         raise ValueError("a chat template needs a tokenizer; this model has none (see --tokenizer)")
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
-    engine_loop = EngineLoop(engine, Metrics(model_name, engine.cache_config_info()), max_waiting=max_waiting)
+    if len(engines) == 1:
+        engine_loop = EngineLoop(engine, Metrics(model_name, engine.cache_config_info()), max_waiting=max_waiting)
+    else:
+        engine_loop = ReplicaSet(engines, model_name, load_bound=router_load_bound, max_waiting=max_waiting)
+    replicated = isinstance(engine_loop, ReplicaSet)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,16 +111,20 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
     app.include_router(tokenize.router)
 
     @app.get("/health", response_class=Response,
-             responses={200: {"description": "The engine thread is alive (an empty body)."}, **openapi.errors(503)})
+             responses={200: {"description": "The engine thread is alive (an empty body; with data-parallel "
+                                             "replicas, one is alive and the body lists them)."},
+                        **openapi.errors(503)})
     async def health():
         if not engine_loop.is_alive:
-            return JSONResponse(error_body(str(engine_loop.dead_error()), SERVER_ERROR,
-                                           code="engine_dead"), status_code=503)
-        return Response(status_code=200)
+            body = error_body(str(engine_loop.dead_error()), SERVER_ERROR, code="engine_dead")
+            return JSONResponse({**body, **engine_loop.health()} if replicated else body, status_code=503)
+        return JSONResponse(engine_loop.health()) if replicated else Response(status_code=200)
 
     @app.get("/metrics", response_class=openapi.PrometheusResponse,
              responses={200: {"description": "Prometheus text exposition format."}})
     async def metrics():
+        if replicated:
+            return openapi.PrometheusResponse(engine_loop.render_metrics())
         return openapi.PrometheusResponse(engine_loop.metrics.render(engine_loop.stats))
 
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})

@@ -27,6 +27,7 @@ from api.engine_loop import (
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
 from api.logprobs import TokenText
 from api.protocol import invalid_constraint
+from api.replicas import ReplicaSet
 from jaxserve.structured import GrammarError
 from jaxserve.tokenization import PromptError
 from scheduler import SamplingParams
@@ -41,7 +42,7 @@ SSE_DONE = "data: [DONE]\n\n"
 class ServerState:
     """What the route handlers need, kept on `app.state.server`."""
 
-    engine_loop: EngineLoop
+    engine_loop: EngineLoop | ReplicaSet  # one engine, or data-parallel replicas behind a router
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -308,6 +309,8 @@ def sse_error(error: BaseException) -> str:
     """An error after the 200 header went out: OpenAI clients raise it from the stream."""
     if isinstance(error, APIError):
         return sse(error.body())
+    if isinstance(error, EngineDeadError):  # its engine (or data-parallel replica) failed mid-stream
+        return sse(error_body(str(error), SERVER_ERROR, code="engine_dead"))
     logger.error("stream failed: %r", error)
     return sse(error_body(f"{type(error).__name__}: {error}", SERVER_ERROR, code="internal_error"))
 

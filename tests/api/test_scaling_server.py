@@ -1,0 +1,31 @@
+"""`python -m api --tensor-parallel-size 2 --data-parallel-size 2`: a real server on four
+CPU devices (the server asks jax for them before it starts), two replicas of a model split
+in two, answering as the one-device engine does."""
+
+import httpx
+
+from jaxserve.engine import EngineConfig, LLMEngine
+from scheduler import SamplingParams
+from tests.api.conftest import TINY_ENGINE, run_server
+
+PROMPTS = ["the cat sat on the mat", "hello world", "one two three four five six seven eight nine ten"]
+
+
+def test_server_splits_the_model_and_serves_replicas(tiny_folder, tmp_path, tiny_engine):
+    args = ["--model", str(tiny_folder), "--tensor-parallel-size", "2", "--data-parallel-size", "2",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64",
+            "--num-blocks", "64", "--block-size", "4"]
+    with run_server(tmp_path, *args) as server:
+        client = server.client()
+        model = client.models.list().data[0].id
+        got = [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in PROMPTS]
+        health = httpx.get(f"{server.url}/health").json()
+        log = server.log.read_text()
+    assert health == {"replicas": [{"id": 0, "alive": True}, {"id": 1, "alive": True}]}
+    assert "tensor parallel 2 over devices [0, 1]" in log and "tensor parallel 2 over devices [2, 3]" in log
+    engine = LLMEngine(tiny_engine.loaded, EngineConfig(**{**TINY_ENGINE, "block_size": 4}))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8))
+    want = {o.request_id: o.outputs[0].text for o in engine.generate_all()}
+    assert got == [want[str(i)] for i in range(len(PROMPTS))]
