@@ -23,14 +23,18 @@
 #              and after a short generation (memory.txt in $OUT);
 #   structured constrained against free decode at batch 1 and 32 with its profile
 #              (benchmarks/structured.py --profile): on a GPU the host's mask fill weighs
-#              more against a millisecond step (structured.txt in $OUT).
+#              more against a millisecond step (structured.txt in $OUT);
+#   scaling    with 2+ GPUs, benchmarks/throughput.py with data-parallel replicas (DP 2) and,
+#              with 3+, the default model split over 3 (TP 3), each against one GPU in the same
+#              run (scaling.txt in $OUT). On one GPU the tensor-parallel wrapper is still run
+#              by the attention section (the kernel inside shard_map on a one-device mesh).
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
 #     bash benchmarks/gpu_check.sh                  # every section; results in ${OUT:-benchmarks/results}
 #     bash benchmarks/gpu_check.sh --only matmul    # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(attention matmul e2e steploop plan memory structured)
+SECTIONS=(attention matmul e2e steploop plan memory structured scaling)
 only=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -155,6 +159,22 @@ fi
 if wanted structured; then
   echo "== structured output: constrained against free decode"
   timeout 300 "$PYTHON" benchmarks/structured.py --profile 2>&1 | grep -v "^  round" | tee "$OUT/structured.txt" || status=1
+fi
+
+if wanted scaling; then
+  echo "== scaling: tensor parallelism and data-parallel replicas against one GPU"
+  gpus=$("$PYTHON" -c "import jax; print(len(jax.devices()))")
+  if (( gpus < 2 )); then
+    echo "one GPU: nothing to scale over (the attention section ran the tensor-parallel wrapper)" | tee "$OUT/scaling.txt"
+  fi
+  if (( gpus >= 2 )); then
+    timeout 600 "$PYTHON" benchmarks/throughput.py --data-parallel-size 2 --num-requests 64 2>&1 \
+        | tee -a "$OUT/scaling.txt" || status=1
+  fi
+  if (( gpus >= 3 )); then
+    timeout 600 "$PYTHON" benchmarks/throughput.py --tensor-parallel-size 3 --num-requests 64 2>&1 \
+        | tee -a "$OUT/scaling.txt" || status=1
+  fi
 fi
 
 echo "== done (status $status): results in $OUT"

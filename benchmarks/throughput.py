@@ -16,6 +16,14 @@ Reported: output tokens/s (wall time after start-up) and the ratio.
     python benchmarks/throughput.py --baseline vllm --vllm-python .venv-vllm/bin/python
     python benchmarks/throughput.py --baseline none --profile [--no-async-scheduling]
     python benchmarks/throughput.py --baseline none --quantization gguf   # a quantized model's figure
+    python benchmarks/throughput.py --tensor-parallel-size 3 --data-parallel-size 1 --devices 0,1,2
+
+With --tensor-parallel-size or --data-parallel-size above 1 the baseline is jaxserve itself
+on one device (the first of --devices), in the same run: the ratio is the scaling. Replicas
+each run in a thread of their own, with requests assigned by the server's prefix-aware
+router (scheduler.router). On the CPU, jax is asked for as many devices as --devices
+names; they share the machine's cores, so there the figures show the overhead of the
+mechanism, not a speed-up.
 """
 
 from __future__ import annotations
@@ -67,6 +75,74 @@ def run_jaxserve(work: Workload, args) -> dict:
         print(device_report(llm.engine.runner, profiler) + "\n", flush=True)
     return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup,
             "preemptions": sched.num_preemptions, "compilations_after_warm_up": llm.engine.compilations - compiled}
+
+
+def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> dict:
+    """The workload on `dp` engines of `tp` devices each, from one loaded model; each replica
+    steps in its own thread (jax releases the GIL while a device computes)."""
+    import threading
+
+    from jaxserve.engine import LLMEngine
+    from jaxserve.sharding import replica_device_ids
+    from scheduler import SamplingParams
+    from scheduler.router import PrefixRouter
+
+    groups = replica_device_ids(tp, dp, devices)
+    start = time.perf_counter()
+    first = LLMEngine.from_model(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_memory_mb << 20,
+                                 quantization=args.quantization, tensor_parallel_size=tp, device_ids=groups[0],
+                                 progress=False)
+    engines = [first] + [first.replica(g) for g in groups[1:]]
+    startup = time.perf_counter() - start
+    router = PrefixRouter(dp, first.scheduler.config.block_size, load_bound=max(2, args.max_num_seqs // 4))
+    loads = [0] * dp
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+        replica = router.pick(prompt, loads).replica
+        loads[replica] += 1
+        engines[replica].add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    compiled = [e.compilations for e in engines]
+    generated = [0] * dp
+
+    def run(i):
+        generated[i] = sum(len(o.outputs[0].token_ids) for o in engines[i].generate_all())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(dp)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    assert sum(generated) == work.num_output_tokens, (generated, work.num_output_tokens)
+    return {"seconds": elapsed, "output_tok_s": sum(generated) / elapsed, "startup_s": startup,
+            "devices": [list(g) for g in groups], "requests_per_replica": loads,
+            "compilations_after_warm_up": sum(e.compilations for e in engines) - sum(compiled)}
+
+
+def run_scaling(work: Workload, args) -> int:
+    """jaxserve on tp x dp devices against jaxserve on one, in the same run."""
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    one = run_replicas(work, args, 1, 1, args.devices[:1])
+    many = run_replicas(work, args, tp, dp, args.devices)
+    result = {"requests": args.num_requests, "mix": args.mix, "output_tokens": work.num_output_tokens,
+              "one_device": one, "scaled": many, "ratio": many["output_tok_s"] / one["output_tok_s"]}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.num_requests} requests ({args.mix} mix), {work.num_output_tokens} output tokens; "
+          f"start-up (s): one device {one['startup_s']:.1f}, scaled {many['startup_s']:.1f}")
+    rows = [(f"jaxserve, 1 device {one['devices'][0]}", one),
+            (f"jaxserve, TP {tp} x DP {dp}, devices {many['devices']}", many)]
+    width = max(len(r[0]) for r in rows)
+    print(f"| {'engine':<{width}} | {'time (s)':>8} | {'output tok/s':>12} | requests per replica |")
+    print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 14}|{'-' * 22}|")
+    for label, r in rows:
+        print(f"| {label:<{width}} | {r['seconds']:>8.1f} | {r['output_tok_s']:>12.1f} | "
+              f"{str(r['requests_per_replica']):<20} |")
+    print(f"ratio: {result['ratio']:.2f}x  (compilations after warm-up: {one['compilations_after_warm_up']}, "
+          f"{many['compilations_after_warm_up']})")
+    return 0
 
 
 def run_transformers(work: Workload, batch_size: int) -> dict:
@@ -143,8 +219,20 @@ def main(argv=None) -> int:
                                      "none: jaxserve alone, e.g. with --profile)")
     p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
                    help="run jaxserve with quantized projections (the baseline stays float32)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
+    p.add_argument("--devices", type=lambda text: [int(d) for d in text.split(",")], default=None,
+                   help="device ids to use, e.g. 0,1,2,3 (default the first TP x DP)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.tensor_parallel_size * args.data_parallel_size > 1:
+        if args.baseline == "vllm":
+            p.error("with --tensor-parallel-size or --data-parallel-size the baseline is jaxserve on one device")
+        from jaxserve.flags import ensure_host_devices
+
+        args.devices = args.devices or list(range(args.tensor_parallel_size * args.data_parallel_size))
+        ensure_host_devices(max(args.devices) + 1)  # on the CPU: before jax starts
+        return run_scaling(mix_workload(args.mix, args.num_requests, seed=args.seed), args)
 
     # Check the vLLM venv before the long part, so a missing one fails at once.
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
