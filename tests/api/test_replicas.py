@@ -13,17 +13,14 @@ One two-replica server serves the module; the test that kills a replica runs las
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import httpx
-import jax
 import openai
 import pytest
 
 from api.engine_loop import QueueFullError
 from api.replicas import ReplicaSet
 from api.server import create_app
-from jaxserve.engine import EngineConfig, LLMEngine
 from tests.api.conftest import TINY_ENGINE, parse_metrics, serve_in_thread
 from tests.api.test_engine_loop import ScriptedEngine
 from tests.tiny_models import WORDS
@@ -33,19 +30,10 @@ LOAD_BOUND = 2  # the default for max_num_seqs 4: max(2, 4 // 4)
 BLOCK = TINY_ENGINE["block_size"]
 
 
-def replica_config(i: int) -> EngineConfig:
-    """Replica i on device i when jax offers enough devices (and EngineConfig takes device
-    ids); else every replica on the default device, which the routing does not notice."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    if "device_ids" in fields and len(jax.devices()) >= NUM_REPLICAS:
-        return EngineConfig(**TINY_ENGINE, device_ids=(i,))
-    return EngineConfig(**TINY_ENGINE)
-
-
 @pytest.fixture(scope="module")
 def replicated(tiny_engine):
     """(url, ReplicaSet): two replicas built from the one LoadedModel of `tiny_engine`."""
-    engines = [LLMEngine(tiny_engine.loaded, replica_config(i)) for i in range(NUM_REPLICAS)]
+    engines = [tiny_engine.replica((i,)) for i in range(NUM_REPLICAS)]  # on CPU devices 0 and 1
     app = create_app(engines, model_name="tiny", router_load_bound=LOAD_BOUND)
     with serve_in_thread(app) as url:
         yield url, app.state.server.engine_loop
