@@ -63,15 +63,18 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def ensure_host_devices(count: int) -> None:
-    """Make jax's CPU backend offer `count` devices (a no-op for one, or when the environment
-    asks for as many already). Call it before anything starts jax's backends: the CPU
-    client's device count is fixed once it exists. GPUs are whatever the machine has."""
+    """Make jax's CPU backend offer at least `count` devices (a no-op for one, or when the
+    environment or an earlier call asks for as many already). Call it before anything
+    starts jax's backends: the CPU client's device count is fixed once it exists. GPUs are
+    whatever the machine has."""
     import os
 
     if count <= 1 or int(os.environ.get("JAX_NUM_CPU_DEVICES", "0")) >= count:
         return
     import jax
 
+    if jax.config.jax_num_cpu_devices >= count:  # never fewer than an earlier call asked for
+        return
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as e:  # the backend started already: make_mesh will say if too few devices exist
