@@ -67,13 +67,12 @@ def ensure_host_devices(count: int) -> None:
     environment or an earlier call asks for as many already). Call it before anything
     starts jax's backends: the CPU client's device count is fixed once it exists. GPUs are
     whatever the machine has."""
-    import os
-
-    if count <= 1 or int(os.environ.get("JAX_NUM_CPU_DEVICES", "0")) >= count:
+    if count <= 1:
         return
     import jax
 
-    if jax.config.jax_num_cpu_devices >= count:  # never fewer than an earlier call asked for
+    # The config holds $JAX_NUM_CPU_DEVICES or an earlier call's count: never ask for fewer.
+    if jax.config.jax_num_cpu_devices >= count:
         return
     try:
         jax.config.update("jax_num_cpu_devices", count)
