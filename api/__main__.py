@@ -3,6 +3,7 @@
     python -m api                                   # the embedded default model on 127.0.0.1:8000
     python -m api --model ./Qwen3-0.6B --port 9000 --api-key secret --max-num-seqs 64 --kv-cache-memory 4GiB
     python -m api --data-parallel-size 2 --tensor-parallel-size 2   # 2 replicas, on devices 0-1 and 2-3
+    python -m api -tp 16 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:29500  # node 1: --node-rank 1
 
 With --port 0 the system picks a free port; the line `jaxserve: serving MODEL on URL` on
 stdout says which (tests read it).
@@ -18,7 +19,7 @@ import socket
 import sys
 
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES
-from jaxserve.flags import add_model_flags, ensure_host_devices, model_engine_kwargs, parse_bytes
+from jaxserve.flags import add_model_flags, model_engine_kwargs, parse_bytes, start_devices
 from scheduler import SamplingParams
 
 
@@ -95,13 +96,20 @@ def main(argv=None) -> int:
     if args.data_parallel_size < 1:
         print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
-    ensure_host_devices(args.data_parallel_size * args.tensor_parallel_size)  # on the CPU: before jax starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.nnodes > 1 and args.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size does not combine with --nnodes yet: one model spans the nodes")
+        node = start_devices(args, args.data_parallel_size * args.tensor_parallel_size)  # before jax starts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from api.server import create_app
     from jaxserve.default_model import DefaultModelMissing
     from jaxserve.engine import LLMEngine
+    from jaxserve.multihost import Follower
     from jaxserve.sharding import replica_device_ids
     from jaxserve.tokenization import read_chat_template
 
@@ -118,6 +126,11 @@ def main(argv=None) -> int:
         engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                                       progress=sys.stderr.isatty(), quantization=args.quantization,
                                       tokenizer=args.tokenizer, **engine_kwargs)
+        if isinstance(node, Follower):
+            print(f"jaxserve: node {args.node_rank} follows node 0 ({args.dist_init_addr})", flush=True)
+            node.follow(engine)
+            return 0
+        engine.followers = node
         engines = [engine] + [engine.replica(ids) for ids in devices[1:]]
         cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                     allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
@@ -140,7 +153,11 @@ def main(argv=None) -> int:
     print(f"jaxserve: serving {app.state.server.model_name} on {url}", flush=True)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level, access_log=not args.no_access_log,
                             timeout_graceful_shutdown=5, root_path=args.root_path)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        if node is not None:
+            node.stop()
     return 0
 
 

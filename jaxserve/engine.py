@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import secrets
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -44,6 +45,7 @@ from jaxserve.flags import ensure_host_devices
 from jaxserve.generation_config import read_generation_config
 from jaxserve.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
 from jaxserve.model_runner import ModelRunner, StepHandle, token_buckets
+from jaxserve.multihost import Leader
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.profiling import NullProfiler, StepProfiler
@@ -57,6 +59,7 @@ from jaxserve.tokenization import encode_prompt
 from jaxserve.weights import LoadedModel, load_model
 from jaxserve.weights.load import default_cache_dir
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, StepBatch, StructuredOutputsParams
+from scheduler.request import SEED_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +167,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(functools.partial(grammar_backend, self.tokenizer, self.eos_token_ids,
                                                           mcfg.vocab_size))
         self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
+        # On node 0 of several (jaxserve.multihost): the other nodes, which replay every call
+        # that changes state, so all nodes dispatch the same steps.
+        self.followers: Leader | None = None
         # Set a jaxserve.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
         if spec:
@@ -262,6 +268,8 @@ class LLMEngine:
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or self.default_sampling_params()
+        if self.followers is not None and params.seed is None:  # every node must draw the same tokens
+            params = dataclasses.replace(params, seed=secrets.randbits(SEED_BITS))
         vocab = self.loaded.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
@@ -292,6 +300,9 @@ class LLMEngine:
         self.outputs.add(request_id, prompt_text, prompt_ids, samples, arrival)
         for req in samples:
             self.scheduler.add_request(req)
+        if self.followers is not None:
+            self.followers.send("add_request", request_id, prompt, params, priority=priority, arrival_time=arrival,
+                                add_special_tokens=add_special_tokens, cache_salt=cache_salt)
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults, then `overrides`."""
@@ -304,6 +315,8 @@ class LLMEngine:
             return False
         for req in reversed(group.samples):
             self.scheduler.abort_request(req.request_id)
+        if self.followers is not None:
+            self.followers.send("abort_request", request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -317,6 +330,8 @@ class LLMEngine:
         With the overlapped loop these are the outputs of the step dispatched one call
         earlier; the step this call dispatches reports on the next call.
         """
+        if self.followers is not None:
+            self.followers.send("step")
         if self._in_flight is not None and self._needs_known_tokens():
             return self._collect()
         profiler = self.profiler

@@ -14,7 +14,7 @@ BACKENDS = ["auto", "pallas", "reference"]
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config,
-    --tensor-parallel-size."""
+    --tensor-parallel-size, and the several-hosts flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout)."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the weights' and activations' dtype; auto (the default): the checkpoint's (config.json's "
                         "torch_dtype; a GGUF file's 16-bit floats, else float16) on a GPU, float32 on the CPU")
@@ -39,6 +39,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N devices (heads, MLP and vocabulary; the KV cache on its heads); "
                         "--kv-cache-memory is then per device. On the CPU, jax is asked for N devices")
+    g = p.add_argument_group("several hosts", "one model over N nodes (jaxserve.multihost): the same command on "
+                             "every node, each with its own --node-rank; --tensor-parallel-size counts every node's "
+                             "devices. Node 0 serves; the others follow it")
+    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="how many nodes (hosts) hold the model")
+    g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0 to N-1")
+    g.add_argument("--dist-init-addr", metavar="HOST:PORT", help="node 0's address for jax.distributed's coordinator")
+    g.add_argument("--dist-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="node 0 stops, saying which node, when a node misses its heartbeats this long (default 10)")
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
@@ -53,6 +61,20 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 4GiB, 80GB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def start_devices(args: argparse.Namespace, host_devices: int):
+    """Before jax starts: with --nnodes > 1, join the other nodes and return this node's
+    jaxserve.multihost Leader or Follower; else ask jax for `host_devices` CPU devices (see
+    ensure_host_devices) and return None. A ValueError says what is wrong with the flags."""
+    from jaxserve import multihost
+
+    config = multihost.DistConfig(nnodes=args.nnodes, node_rank=args.node_rank, init_addr=args.dist_init_addr,
+                                  heartbeat_timeout=args.dist_timeout)
+    if not config.enabled:
+        ensure_host_devices(host_devices)
+        return None
+    return multihost.start(config, args.tensor_parallel_size)
 
 
 def model_engine_kwargs(args: argparse.Namespace) -> dict:
@@ -71,6 +93,8 @@ def ensure_host_devices(count: int) -> None:
         return
     import jax
 
+    if jax.distributed.is_initialized():  # jaxserve.multihost.start gave this node its share already
+        return
     # The config holds $JAX_NUM_CPU_DEVICES or an earlier call's count: never ask for fewer.
     if jax.config.jax_num_cpu_devices >= count:
         return

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from jaxserve.default_model import DefaultModelMissing
-from jaxserve.flags import add_model_flags, ensure_host_devices, model_engine_kwargs
+from jaxserve.flags import add_model_flags, model_engine_kwargs, start_devices
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,10 +71,15 @@ def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int =
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    ensure_host_devices(args.tensor_parallel_size)  # before jax starts
+    try:
+        node = start_devices(args, args.tensor_parallel_size)  # before jax starts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from jaxserve.auto_dtype import resolve_dtype
     from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
     from jaxserve.generation_config import read_generation_config
+    from jaxserve.multihost import Follower
     from jaxserve.tokenization import encode_chat, encode_prompt
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
@@ -107,6 +112,19 @@ def main(argv=None) -> int:
         generation_config=args.generation_config,
         async_scheduling=not args.no_async_scheduling, **model_engine_kwargs(args),
     ))
+    if isinstance(node, Follower):
+        node.follow(engine)  # every node builds the same engine; node 0's calls drive them all
+        return 0
+    engine.followers = node
+    try:
+        return run(engine, prompts, prompt_ids, params)
+    finally:
+        if node is not None:
+            node.stop()
+
+
+def run(engine, prompts: list[str], prompt_ids: list[list[int]], params) -> int:
+    """Add the prompts, step until all are done and print them."""
     try:
         for i, ids in enumerate(prompt_ids):
             engine.add_request(str(i), ids, params)

@@ -44,8 +44,8 @@ from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slot
 from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
-from jaxserve.sharding import (kv_cache_sharding, kv_heads_for, make_mesh, param_shardings, replicate_kv_heads,
-                               replicated, tensor_parallel_size)
+from jaxserve.sharding import (kv_cache_sharding, kv_heads_for, make_mesh, param_shardings, place,
+                               replicate_kv_heads, replicated, tensor_parallel_size)
 from jaxserve.spec_decode.rejection_sampler import VerifyOutput, verify
 from jaxserve.spec_decode.tree_verify import TreeVerifyOutput, verify_tree
 from pallas_kernels.quantized_kv import is_quantized_kv
@@ -138,7 +138,7 @@ class ModelRunner:
         graphdef, params = nnx.split(unstack_layers(model))
         params = replicate_kv_heads(params, self.config, tp)
         self.graphdef, self.attention = graphdef, attention
-        self.params = jax.device_put(params, param_shardings(params, mesh))
+        self.params = place(params, param_shardings(params, mesh))
         rows = max_num_seqs
         self.num_speculative_tokens = k = num_speculative_tokens
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -159,6 +160,19 @@ def kv_cache_sharding(mesh: jax.sharding.Mesh, quantized: bool):
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def place(tree, shardings):
+    """jax.device_put(tree, shardings), also onto a mesh over several hosts
+    (jaxserve.multihost), where device_put refuses an array held on one device: there each
+    node cuts its own devices' shards from its host copy of the whole array."""
+    def put(x, sharding):
+        if sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        whole = np.asarray(x)
+        return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+
+    return jax.tree.map(put, tree, shardings)
 
 
 @functools.cache

@@ -76,6 +76,11 @@ def load_model(
     dtype = jnp.dtype(dtype)
     quant = resolve_quantization(source, quantization)
     entry = Path(cache_dir or default_cache_dir()) / _cache_key(source, dtype, quant)
+    if use_cache and jax.distributed.is_initialized():
+        # NOTE: orbax saves and restores as a collective of every jax.distributed process and
+        # refuses arrays held by one; each node (jaxserve.multihost) converts on its own.
+        logger.info("several nodes: the converted-weight cache is not used")
+        use_cache = False
     loaded = None
     if use_cache and (entry / "complete").is_file():
         try:
