@@ -43,7 +43,7 @@ from jaxserve.auto_dtype import resolve_dtype
 from jaxserve.backend import select_attention, select_matmul
 from jaxserve.flags import ensure_host_devices
 from jaxserve.generation_config import read_generation_config
-from jaxserve.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
+from jaxserve.kv_cache import KVHandoff, kv_dtype_label, resolve_kv_cache_dtype
 from jaxserve.model_runner import ModelRunner, StepHandle, token_buckets
 from jaxserve.multihost import Leader
 from jaxserve.output_processor import OutputProcessor
@@ -318,6 +318,42 @@ class LLMEngine:
         if self.followers is not None:
             self.followers.send("abort_request", request_id)
         return True
+
+    # -- KV handed between engines (prefill/decode disaggregation) -------------------------
+
+    def export_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> KVHandoff:
+        """The KV of the longest prefix of `prompt_ids` in this engine's prefix cache, in whole
+        blocks: what a prefill engine hands over once a request for the prompt has run. Call
+        it right after the step that finished the request (later steps may evict the blocks;
+        the handoff then holds fewer, and the other engine computes the rest)."""
+        self._check_handoff()
+        blocks = self.scheduler.kv.lookup_prefix(list(prompt_ids), cache_salt)
+        return KVHandoff(len(blocks), self.runner.read_blocks([b.block_id for b in blocks]))
+
+    def import_prefix(self, prompt_ids: list[int], handoff: KVHandoff, cache_salt: str | None = None) -> int:
+        """Put another engine's export_prefix into this engine's prefix cache, so a request for
+        `prompt_ids` (with the same cache_salt) added next computes only the rest. The two may
+        split the model differently (tensor parallelism); the cache's dtype, block size and
+        shape per layer must match. Returns the tokens written (blocks cached here already,
+        or that find no free block, are not)."""
+        self._check_handoff()
+        have, want = handoff.kv, self.runner.kv
+        heads = sorted((have.k.shape[3], want.k.shape[3]))  # a tensor-parallel engine may repeat its KV heads
+        checks = {"KV dtype": (have.dtype, want.dtype), "block size": (have.block_size, want.block_size),
+                  "layers": (have.k.shape[0], want.k.shape[0]), "head size": (have.k.shape[-1], want.k.shape[-1]),
+                  "KV heads": (heads[1] % heads[0], 0)}
+        mismatch = [name for name, (a, b) in checks.items() if a != b]
+        if mismatch:
+            raise ValueError(f"the handed-over KV does not fit this engine's cache: its {', '.join(mismatch)} differ")
+        writes = self.scheduler.kv.adopt_prefix(list(prompt_ids), cache_salt, handoff.num_blocks)
+        self.runner.write_blocks(writes, handoff.kv)
+        return len(writes) * want.block_size
+
+    def _check_handoff(self) -> None:
+        if not self.config.enable_prefix_caching:
+            raise ValueError("handing KV between engines goes through the prefix cache: enable_prefix_caching")
+        if self.followers is not None:
+            raise ValueError("handing KV between engines does not work over several nodes yet")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._in_flight is not None

@@ -62,6 +62,24 @@ class KVCache:
         return {} if self.k_scale is None else {"k_scales": self.k_scale, "v_scales": self.v_scale}
 
 
+@dataclasses.dataclass(frozen=True)
+class KVHandoff:
+    """A prompt prefix's KV as one engine hands it to another (prefill/decode
+    disaggregation): its first `num_blocks` full blocks, rows 0.. of `kv` (padded)."""
+
+    num_blocks: int
+    kv: KVCache  # [L, n >= num_blocks, block_size, KV, D] per array
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.kv.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its blocks (padding left out)."""
+        return self.kv.nbytes * self.num_blocks // max(1, self.kv.num_blocks)
+
+
 def fold_layers(kv: KVCache) -> KVCache:
     """The cache as one pool of pages: every array's [L, num_blocks] axes merged."""
     return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), kv)
@@ -114,6 +132,29 @@ def copy_blocks(kv: KVCache, pairs: jax.Array) -> KVCache:
     scales included (copy-on-write)."""
     src, dst = pairs[:, 0], pairs[:, 1]
     return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), kv)
+
+
+def read_blocks(kv: KVCache, block_ids: jax.Array) -> KVCache:
+    """kv[:, block_ids] in every array: whole blocks, to hand to another engine."""
+    return jax.tree.map(lambda x: x[:, block_ids], kv)
+
+
+def write_blocks(kv: KVCache, blocks: KVCache, rows: jax.Array, block_ids: jax.Array) -> KVCache:
+    """kv[:, block_ids[i]] = blocks[:, rows[i]] in every array: blocks from read_blocks,
+    possibly another engine's whose tensor parallelism repeated its KV heads differently
+    (jaxserve.sharding.replicate_kv_heads); they are repeated or thinned to this cache's."""
+    def write(x, b, head_axis):
+        have, want = b.shape[head_axis], x.shape[head_axis]
+        if want > have:
+            b = jnp.repeat(b, want // have, axis=head_axis)
+        elif have > want:
+            b = jax.lax.slice_in_dim(b, 0, have, have // want, axis=head_axis)
+        return x.at[:, block_ids].set(b[:, rows])
+
+    out = KVCache(write(kv.k, blocks.k, 3), write(kv.v, blocks.v, 3))
+    if kv.k_scale is not None:
+        out.k_scale, out.v_scale = write(kv.k_scale, blocks.k_scale, 2), write(kv.v_scale, blocks.v_scale, 2)
+    return out
 
 
 def move_slots(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slots
+from jaxserve.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slots, read_blocks, write_blocks
 from jaxserve.model import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
@@ -222,6 +222,8 @@ class ModelRunner:
         self.step_inputs: ModelInputs | None = None
         self.step_hidden: jax.Array | None = None
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
+        self._read_blocks = jax.jit(read_blocks)
+        self._write_blocks = jax.jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
         self.compilations = CompileCounter()
 
     # -- buckets ------------------------------------------------------------------------
@@ -263,6 +265,26 @@ class ModelRunner:
                         self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
         logger.info("compiled %d token buckets %s and %d row buckets %s", len(self.buckets), self.buckets,
                     len(self.row_buckets), self.row_buckets)
+
+    # -- KV handed between engines (prefill/decode disaggregation) ---------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> KVCache:
+        """These blocks' KV, [L, n, ...] in every array; n is len(block_ids) padded to a power
+        of two with the null block (few shapes, few compilations)."""
+        ids = np.zeros(1 << max(0, len(block_ids) - 1).bit_length(), np.int32)
+        ids[: len(block_ids)] = block_ids
+        return self._read_blocks(self.kv, ids)
+
+    def write_blocks(self, writes: list[tuple[int, int]], blocks: KVCache) -> None:
+        """Write row i of `blocks` (read_blocks' output, perhaps another engine's, on other
+        devices) into block b, for each (i, b) of `writes`."""
+        if not writes:
+            return
+        n = blocks.k.shape[1]
+        rows, block_ids = np.zeros(n, np.int32), np.zeros(n, np.int32)  # padding writes row 0 to the null block
+        rows[: len(writes)], block_ids[: len(writes)] = zip(*writes)
+        blocks = jax.device_put(blocks, self.replicated)  # a few blocks; the write splits them as the cache is
+        self.kv = self._write_blocks(self.kv, blocks, rows, block_ids)
 
     # -- one step -----------------------------------------------------------------------
 

@@ -53,10 +53,45 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        return self._cached_run(request.all_token_ids, self._extra(request), self._digests(request, max_blocks))
+
+    def lookup_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> list[Block]:
+        """The blocks a request of these tokens would find cached (find_cached_prefix), for
+        handing their KV to another engine (prefill/decode disaggregation)."""
+        if not self.enable_prefix_caching:
+            return []
+        extra = (cache_salt,) if cache_salt is not None else ()
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        return self._cached_run(token_ids, extra, self._chain(token_ids, extra, max_blocks, []))
+
+    def adopt_prefix(self, token_ids: list[int], cache_salt: str | None, num_blocks: int) -> list[tuple[int, int]]:
+        """Make the first `num_blocks` full blocks of `token_ids` cached here, for KV computed
+        by another engine: (position, block id) of each block whose KV the caller must write
+        now; blocks cached already are skipped. They are registered and left unreferenced,
+        as a finished request leaves its blocks, so the request that adds these tokens next
+        finds them (or, should they be evicted first, computes them again). Only as many as
+        the free blocks allow."""
+        if not self.enable_prefix_caching:
+            return []
+        extra = (cache_salt,) if cache_salt is not None else ()
+        num_blocks = min(num_blocks, (len(token_ids) - 1) // self.block_size)
+        digests = self._chain(token_ids, extra, num_blocks, [])
+        chain = self._cached_run(token_ids, extra, digests)
+        first = len(chain)
+        fresh = self.pool.allocate(min(num_blocks - first, self.pool.num_free))
+        for i, block in enumerate(fresh, start=first):
+            parent = chain[-1].prefix_id if chain else None
+            self.pool.register(block, digests[i], self._key(token_ids, extra, i, parent))
+            chain.append(block)
+        self.pool.release(fresh)
+        return [(i, block.block_id) for i, block in enumerate(fresh, start=first)]
+
+    def _cached_run(self, token_ids: list[int], extra: tuple, digests: list[bytes]) -> list[Block]:
+        """The cached blocks of the longest run of `digests` from the first."""
         found: list[Block] = []
-        for i, digest in enumerate(self._digests(request, max_blocks)):
+        for i, digest in enumerate(digests):
             parent = found[-1].prefix_id if found else None
-            block = self.pool.lookup(digest, self._key(request, i, parent))
+            block = self.pool.lookup(digest, self._key(token_ids, extra, i, parent))
             if block is None:
                 break
             found.append(block)
@@ -77,12 +112,13 @@ class KVCacheManager:
             parent = self.pool.blocks[table[i - 1]].prefix_id if i else None
             if i and parent is None:
                 break  # the cache was reset under this request: its later blocks stay unregistered
-            self.pool.register(self.pool.blocks[table[i]], digests[i], self._key(request, i, parent))
+            self.pool.register(self.pool.blocks[table[i]], digests[i],
+                               self._key(request.all_token_ids, self._extra(request), i, parent))
         self.num_registered[rid] = num_full
 
-    def _key(self, request: Request, i: int, parent: int | None) -> BlockKey:
-        tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-        return BlockKey(parent, tokens, self._extra(request) if i == 0 else ())
+    def _key(self, token_ids: list[int], extra: tuple, i: int, parent: int | None) -> BlockKey:
+        tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return BlockKey(parent, tokens, extra if i == 0 else ())
 
     @staticmethod
     def _extra(request: Request) -> tuple:
@@ -90,11 +126,14 @@ class KVCacheManager:
 
     def _digests(self, request: Request, num_blocks: int) -> list[bytes]:
         digests = self.block_digests.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
+        return self._chain(request.all_token_ids, self._extra(request), num_blocks, digests)
+
+    def _chain(self, token_ids: list[int], extra: tuple, num_blocks: int, digests: list[bytes]) -> list[bytes]:
+        """The chained digests of the first `num_blocks` full blocks, extending `digests`."""
         while len(digests) < num_blocks:
             i = len(digests)
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            digests.append(hash_block(digests[-1] if digests else None, chunk, self._extra(request) if i == 0 else ()))
+            chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            digests.append(hash_block(digests[-1] if digests else None, chunk, extra if i == 0 else ()))
         return digests[:num_blocks]
 
     # -- allocation -----------------------------------------------------------------
