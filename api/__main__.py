@@ -74,6 +74,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--router-load-bound", type=int, default=None, metavar="N",
                    help="with replicas: a replica that recently saw a prompt's prefix gets it while it runs and "
                         "waits at most N sequences more than the least loaded one (default max(2, max-num-seqs/4))")
+    g = p.add_argument_group("prefill/decode disaggregation", "a prefill server hands each prompt's KV to a decode "
+                             "server (vLLM's kv_transfer_params; python -m api.disagg_proxy sends calls through both)")
+    g.add_argument("--role", choices=["prefill", "decode"], default=None,
+                   help="this server's part (default: neither; it serves both phases itself)")
+    g.add_argument("--kv-transfer-host", default="127.0.0.1",
+                   help="the interface the KV transfer server listens on (default 127.0.0.1)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a prefill server keeps an offer this long; a decode server waits this long for a pull "
+                        "before computing the prompt itself (default 60)")
+    g.add_argument("--kv-transfer-secret", default=os.environ.get("JAXSERVE_KV_TRANSFER_SECRET"),
+                   help="a key shared by the prefill and decode servers: offers are signed and only signed ones "
+                        "are pulled (default $JAXSERVE_KV_TRANSFER_SECRET; without it a decode server trusts the "
+                        "kv_transfer_params it is sent)")
     p.add_argument("--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE "
                                        "or ~/.cache/jaxserve)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -100,13 +113,19 @@ def main(argv=None) -> int:
     try:
         if args.nnodes > 1 and args.data_parallel_size > 1:
             raise ValueError("--data-parallel-size does not combine with --nnodes yet: one model spans the nodes")
+        if args.role and args.nnodes > 1:
+            raise ValueError("--role does not combine with --nnodes yet")
+        if args.role and args.no_prefix_caching:
+            raise ValueError("--role hands KV over through the prefix cache: drop --no-prefix-caching")
         node = start_devices(args, args.data_parallel_size * args.tensor_parallel_size)  # before jax starts
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
 
+    from api.disagg import DisaggRole
     from api.server import create_app
+    from jaxserve.kv_transfer import KVTransfer
     from jaxserve.default_model import DefaultModelMissing
     from jaxserve.engine import LLMEngine
     from jaxserve.multihost import Follower
@@ -132,6 +151,12 @@ def main(argv=None) -> int:
             return 0
         engine.followers = node
         engines = [engine] + [engine.replica(ids) for ids in devices[1:]]
+        disagg = None
+        if args.role:
+            transfer = KVTransfer(engine.mesh.devices.flat[0], host=args.kv_transfer_host,
+                                  offer_timeout=args.kv_transfer_timeout, pull_timeout=args.kv_transfer_timeout,
+                                  secret=args.kv_transfer_secret)
+            disagg = DisaggRole(args.role, transfer)
         cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                     allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
         app = create_app(engines, model_name=args.served_model_name, api_key=args.api_key,
@@ -139,7 +164,7 @@ def main(argv=None) -> int:
                          max_request_body_bytes=args.max_request_body_bytes, chat_template=chat_template,
                          trust_request_chat_template=args.trust_request_chat_template,
                          max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests, cors=cors,
-                         router_load_bound=args.router_load_bound)
+                         router_load_bound=args.router_load_bound, disagg=disagg)
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -158,6 +183,12 @@ def main(argv=None) -> int:
     finally:
         if node is not None:
             node.stop()
+    if disagg is not None and disagg.transfer.hung_pulls:
+        # A pull that never returned would make Python abort on the way out (jaxserve.kv_transfer).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

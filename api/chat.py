@@ -48,7 +48,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         call_id, created = new_id("chatcmpl"), int(time.time())
         generation, tally = await start_generation(state, call_id, [prompt], params, reservation,
                                                    arrival_time=arrival, priority=body.priority, param_names=names,
-                                                   prompt_param="messages", cache_salt=body.cache_salt)
+                                                   prompt_param="messages", cache_salt=body.cache_salt,
+                                                   kv_transfer_params=body.kv_transfer_params, stream=body.stream)
     header = {"id": call_id, "object": "chat.completion", "created": created, "model": state.model_name,
               "system_fingerprint": None}
 
@@ -82,7 +83,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                         "stop_reason": choice.stop_reason})
     prompt_logprobs = vllm_prompt_logprobs(prompt, tally.prompt_logprobs[0], body.prompt_logprobs or 0,
                                            state.token_text)  # vLLM's: beside the choices
-    return JSONResponse({**header, "choices": choices, "usage": tally.usage(), "prompt_logprobs": prompt_logprobs})
+    return JSONResponse({**header, "choices": choices, "usage": tally.usage(), "prompt_logprobs": prompt_logprobs,
+                         **state.kv_transfer_fields(tally)})
 
 
 def check_template(state: ServerState, body: ChatTemplateFields) -> None:

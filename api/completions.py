@@ -43,7 +43,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         call_id, created = new_id("cmpl"), int(time.time())
         generation, tally = await start_generation(state, call_id, prompts, params, reservation,
                                                    arrival_time=arrival, priority=body.priority,
-                                                   prompt_param="prompt", cache_salt=body.cache_salt)
+                                                   prompt_param="prompt", cache_salt=body.cache_salt,
+                                                   kv_transfer_params=body.kv_transfer_params, stream=body.stream)
     echo = prompt_texts if body.echo else None
     header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
 
@@ -68,7 +69,7 @@ async def create_completion(body: CompletionRequest, request: Request):
                         "logprobs": logprobs, "finish_reason": choice.finish_reason,
                         "stop_reason": choice.stop_reason,
                         "prompt_logprobs": vllm_prompt_logprobs(prompt, prompt_logprobs, prompt_k, state.token_text)})
-    return JSONResponse({**header, "choices": choices, "usage": tally.usage()})
+    return JSONResponse({**header, "choices": choices, "usage": tally.usage(), **state.kv_transfer_fields(tally)})
 
 
 def _encode_prompts(state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool,

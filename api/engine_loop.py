@@ -29,6 +29,7 @@ from scheduler import SamplingParams, SchedulerStats
 
 if TYPE_CHECKING:
     from api.replicas import ReplicaSet
+    from jaxserve.kv_cache import KVHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class StepDelta:
     finished: bool
     num_cached_tokens: int
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs, on the request's first delta
+    kv_handoff: KVHandoff | None = None  # RequestOutput.kv_handoff, on the finishing delta
 
 
 @dataclasses.dataclass
@@ -82,6 +84,8 @@ class _Add:
     cache_salt: str | None
     queue: asyncio.Queue
     future: asyncio.Future
+    kv_handoff: KVHandoff | None = None  # the prompt's KV from a prefill server (api.disagg)
+    export_kv: bool = False  # hand the prompt's KV over when done
 
 
 @dataclasses.dataclass
@@ -193,14 +197,16 @@ class EngineLoop:
         return stats.num_running + stats.num_waiting + self._admitted - taken
 
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
-                queue: asyncio.Queue, priority: int, cache_salt: str | None) -> asyncio.Future:
+                queue: asyncio.Queue, priority: int, cache_salt: str | None, kv_handoff: KVHandoff | None = None,
+                export_kv: bool = False) -> asyncio.Future:
         """Send a request to the engine thread now; the future fails with ValueError (bad
         input) or EngineDeadError, and then nothing runs."""
         future = self._loop.create_future()
         if self.error is not None:
             future.set_exception(self.dead_error())
             return future
-        self._commands.put(_Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future))
+        self._commands.put(_Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future,
+                                kv_handoff, export_kv))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -250,7 +256,8 @@ class EngineLoop:
         self._taken += command.params.n  # queued or refused below, it is no longer in transit
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
-                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt)
+                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt,
+                                    kv_handoff=command.kv_handoff, export_kv=command.export_kv)
         except Exception as e:  # ValueError is the client's fault; anything else is reported as ours
             self._resolve(command.future, e)
             return
@@ -342,14 +349,17 @@ class Generation:
         self.unfinished = set(request_ids)
 
     async def add(self, prompts: list[list[int]], params: SamplingParams, reservation: Reservation, *,
-                  arrival_time: float, priority: int = 0, cache_salt: str | None = None) -> None:
+                  arrival_time: float, priority: int = 0, cache_salt: str | None = None,
+                  kv_handoff: KVHandoff | None = None, export_kv: bool = False) -> None:
         """Queue one engine request per prompt, in the room `reservation` holds for them;
-        raises the first error (the rest are aborted on exit)."""
+        raises the first error (the rest are aborted on exit). `kv_handoff`, `export_kv`:
+        LLMEngine.add_request's, for a single prompt."""
         reservation.spend(len(prompts) * params.n)
         # NOTE: every command is sent before the first await, so a call cancelled while it
         # waits has sent all its requests, and `close` aborts every one of them.
         futures = [self.engine_loop._submit(rid, prompt, params, arrival_time=arrival_time, queue=self.queue,
-                                            priority=priority, cache_salt=cache_salt)
+                                            priority=priority, cache_salt=cache_salt, kv_handoff=kv_handoff,
+                                            export_kv=export_kv)
                    for rid, prompt in zip(self.request_ids, prompts)]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
@@ -398,7 +408,8 @@ def _delta(output: RequestOutput, stream: _Stream) -> StepDelta:
     if output.prompt_logprobs is not None and not stream.sent_prompt_logprobs:
         stream.sent_prompt_logprobs = True  # complete once a token is out; never appended to again
         prompt_logprobs = list(output.prompt_logprobs)
-    return StepDelta(output.request_id, samples, output.finished, output.num_cached_tokens, prompt_logprobs)
+    return StepDelta(output.request_id, samples, output.finished, output.num_cached_tokens, prompt_logprobs,
+                     output.kv_handoff)
 
 
 def _put_all(batch) -> None:

@@ -230,6 +230,8 @@ class _SamplingBody(_Body):
     # leaves BOS to the template).
     add_special_tokens: bool | None = None
     cache_salt: str | None = Field(None, min_length=1)  # requests with different salts share no cached KV
+    # Prefill/decode disaggregation (vLLM's; api.disagg): hand the prompt's KV over, or pull it.
+    kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: each prompt token's logprob and this many top alternatives (-1, the whole vocabulary: a 400).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     # Keep only the last k prompt tokens (-1: the model's context length), as vLLM.

@@ -175,13 +175,13 @@ class ReplicaGeneration:
         self._generation: Generation | None = None
 
     async def add(self, prompts: list[list[int]], params: SamplingParams, reservation: Reservation, *,
-                  arrival_time: float, priority: int = 0, cache_salt: str | None = None) -> None:
+                  arrival_time: float, priority: int = 0, cache_salt: str | None = None, **kv_transfer) -> None:
         """Route the call on its first prompt, then queue all its prompts on that replica."""
         self.replica, routed = self.replica_set.route(reservation, len(prompts) * params.n,
                                                       prompts[0] if prompts else [], cache_salt)
         self._generation = self.replica_set.replicas[self.replica].generation(self.request_ids)
         await self._generation.add(prompts, params, routed, arrival_time=arrival_time, priority=priority,
-                                   cache_salt=cache_salt)
+                                   cache_salt=cache_salt, **kv_transfer)
 
     async def __aiter__(self) -> AsyncIterator[StepDelta]:
         if self._generation is not None:

@@ -30,6 +30,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from api import chat, completions, openapi, tokenize
+from api.disagg import DisaggRole
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, BodySizeLimit
@@ -52,7 +53,8 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
                max_waiting: int | None = None, max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, chat_template: str | None = None,
                trust_request_chat_template: bool = False, max_logprobs: int = SamplingParams.MAX_LOGPROBS,
-               log_requests: bool = True, cors: dict | None = None, router_load_bound: int | None = None) -> FastAPI:
+               log_requests: bool = True, cors: dict | None = None, router_load_bound: int | None = None,
+               disagg: DisaggRole | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine), or a list of engines as data-parallel
     replicas (built from one LoadedModel). The engine threads start with the app's lifespan.
 
@@ -60,7 +62,8 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
     responses report); `chat_template` replaces the tokenizer's; `cors`: CORSMiddleware's
     arguments (allow_origins, ...), None for no CORS headers; `router_load_bound`: with
     replicas, how much busier than the least loaded one (in sequences) a replica that saw the
-    prompt's prefix may be and still get it (default api.replicas.default_load_bound).
+    prompt's prefix may be and still get it (default api.replicas.default_load_bound);
+    `disagg`: the server's part in prefill/decode disaggregation (api.disagg).
     """
     engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
     if not engines:
@@ -95,7 +98,7 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
                                    engine.loaded.config.vocab_size, engine.generation.sampling,
                                    TokenText(engine.tokenizer), max_request_sequences, aliases=aliases,
                                    chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
-                                   max_logprobs=max_logprobs, log_requests=log_requests)
+                                   max_logprobs=max_logprobs, log_requests=log_requests, disagg=disagg)
     install_error_handlers(app)
     openapi.install_openapi(app, vocab_size=engine.loaded.config.vocab_size, max_model_len=engine.max_model_len,
                             api_key=bool(api_key), trust_request_chat_template=trust_request_chat_template)
@@ -123,9 +126,8 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
     @app.get("/metrics", response_class=openapi.PrometheusResponse,
              responses={200: {"description": "Prometheus text exposition format."}})
     async def metrics():
-        if replicated:
-            return openapi.PrometheusResponse(engine_loop.render_metrics())
-        return openapi.PrometheusResponse(engine_loop.metrics.render(engine_loop.stats))
+        page = engine_loop.render_metrics() if replicated else engine_loop.metrics.render(engine_loop.stats)
+        return openapi.PrometheusResponse(page + (disagg.render_metrics() if disagg is not None else ""))
 
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})
     async def list_models(request: Request):

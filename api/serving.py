@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from api.disagg import DisaggRole, check_colocated
 from api.engine_loop import (
     EngineDeadError, EngineLoop, Generation, QueueFullError, Reservation, SampleDelta, StepDelta,
 )
@@ -56,10 +57,15 @@ class ServerState:
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     max_logprobs: int = SamplingParams.MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask for
     log_requests: bool = True  # one log line per generation call
+    disagg: DisaggRole | None = None  # --role prefill|decode: KV handed between servers
     # NOTE: one thread, so the tokenizer is never used by two requests at once (transformers'
     # fast tokenizers set truncation state on encode); the engine thread only decodes.
     tokenizer_pool: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+
+    def kv_transfer_fields(self, tally: Tally) -> dict:
+        """A finished call's `kv_transfer_params` (a prefill server's offer), if it has one."""
+        return {} if self.disagg is None else self.disagg.response_fields(tally.kv_handoff)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name and model not in self.aliases:
@@ -147,14 +153,21 @@ def new_id(prefix: str) -> str:
 
 async def start_generation(state: ServerState, call_id: str, prompts: list[list[int]], params: SamplingParams,
                            reservation: Reservation, *, arrival_time: float, priority: int, prompt_param: str,
-                           cache_salt: str | None, param_names: dict[str, str] | None = None
+                           cache_salt: str | None, param_names: dict[str, str] | None = None,
+                           kv_transfer_params: dict | None = None, stream: bool = False
                            ) -> tuple[Generation, Tally]:
     """Queue the call's engine requests in the room `reservation` holds, and a Tally to
     follow them; every refusal becomes an APIError (and nothing runs).
 
     The sampling fields were checked already, so the engine's other ValueErrors are about
-    the prompt (`prompt_param`: empty, too long, token ids out of range).
+    the prompt (`prompt_param`: empty, too long, token ids out of range). With
+    `kv_transfer_params` (api.disagg), the prompt's KV is pulled first, or handed over after.
     """
+    if state.disagg is None:
+        check_colocated(kv_transfer_params)
+        export_kv, handoff = False, None
+    else:
+        export_kv, handoff = await state.disagg.prepare(kv_transfer_params, len(prompts), stream)
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
     if state.log_requests:  # the sizes and settings, never the prompt text
         logger.info("request %s: %s prompt token(s), params %s", call_id, "+".join(str(len(p)) for p in prompts),
@@ -162,7 +175,7 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
     generation = state.engine_loop.generation(ids)
     try:
         await generation.add(prompts, params, reservation, arrival_time=arrival_time, priority=priority,
-                             cache_salt=cache_salt)
+                             cache_salt=cache_salt, kv_handoff=handoff, export_kv=export_kv)
     except BaseException as e:
         generation.close()
         if isinstance(e, ValueError):
@@ -195,12 +208,15 @@ class Tally:
         self.choices = [Choice() for _ in range(len(request_ids) * n)]
         self.cached_tokens = dict.fromkeys(request_ids, 0)
         self.prompt_logprobs: list[list | None] = [None] * len(request_ids)  # per prompt, when asked for
+        self.kv_handoff = None  # the prompt's KV, when the call asked a prefill server for it
 
     def update(self, delta: StepDelta) -> list[tuple[int, SampleDelta]]:
         """Record one delta; returns (choice index, sample delta) for each sample that changed."""
         self.cached_tokens[delta.request_id] = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[self.prompt_index[delta.request_id]] = delta.prompt_logprobs
+        if delta.kv_handoff is not None:
+            self.kv_handoff = delta.kv_handoff
         changed = []
         for sample in delta.samples:
             index = self.prompt_index[delta.request_id] * self.n + sample.index

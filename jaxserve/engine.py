@@ -170,6 +170,7 @@ class LLMEngine:
         # On node 0 of several (jaxserve.multihost): the other nodes, which replay every call
         # that changes state, so all nodes dispatch the same steps.
         self.followers: Leader | None = None
+        self._exports: dict[str, tuple[list[int], str | None]] = {}  # add_request(export_kv=True): prompt, salt
         # Set a jaxserve.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
         if spec:
@@ -257,8 +258,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | dict | None = None,
                     *, priority: int = 0, arrival_time: float | None = None, add_special_tokens: bool = True,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, kv_handoff: KVHandoff | None = None,
+                    export_kv: bool = False) -> None:
         """Queue a request. Raises ValueError for bad input; nothing is queued then.
+
+        Prefill/decode disaggregation: `kv_handoff` (another engine's export_prefix of this
+        prompt) goes into the prefix cache first, so only the rest is computed; with
+        `export_kv` the finished output carries the prompt's KV (`RequestOutput.kv_handoff`).
 
         A text prompt gets the tokenizer's special tokens (its BOS) unless
         `add_special_tokens` is False; token ids are used as they are. Requests with
@@ -297,6 +303,11 @@ class LLMEngine:
             req.grammar = self.grammars.request_grammar(grammar) if grammar is not None else None
         if any(r.request_id in self.outputs.groups for r in samples):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if kv_handoff is not None:
+            self.import_prefix(prompt_ids, kv_handoff, cache_salt)
+        if export_kv:
+            self._check_handoff()
+            self._exports[request_id] = (prompt_ids, cache_salt)
         self.outputs.add(request_id, prompt_text, prompt_ids, samples, arrival)
         for req in samples:
             self.scheduler.add_request(req)
@@ -311,6 +322,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and all its samples, freeing their KV blocks."""
         group = self.outputs.abort(request_id)
+        self._exports.pop(request_id, None)
         if group is None:
             return False
         for req in reversed(group.samples):
@@ -366,6 +378,14 @@ class LLMEngine:
         With the overlapped loop these are the outputs of the step dispatched one call
         earlier; the step this call dispatches reports on the next call.
         """
+        outputs = self._step()
+        if self._exports:  # now, before a later step can evict the finished prompts' blocks
+            for out in outputs:
+                if out.finished and out.request_id in self._exports:
+                    out.kv_handoff = self.export_prefix(*self._exports.pop(out.request_id))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.followers is not None:
             self.followers.send("step")
         if self._in_flight is not None and self._needs_known_tokens():

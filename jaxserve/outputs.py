@@ -61,3 +61,6 @@ class RequestOutput:
     # before it and the top alternatives, {token_id: Logprob}; None for the first (as vLLM).
     # Complete from the first output that has a generated token on.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With add_request(export_kv=True), on the finished output: the prompt's KV for another
+    # engine (prefill/decode disaggregation; a jaxserve.kv_cache.KVHandoff).
+    kv_handoff: object | None = None

@@ -34,16 +34,18 @@ def greedy(eng, prompt, max_tokens=10):
 def handed_over(loaded, decode_kwargs, prefill_kwargs=None):
     """D's greedy tokens after taking P's KV for PROMPT, the tokens D wrote and its prefix hits."""
     prefill = engine(loaded, **(prefill_kwargs or {}))
-    prefill.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=1))
-    prefill.generate_all()
-    handoff = prefill.export_prefix(PROMPT)
+    prefill.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=1), export_kv=True)
+    (done,) = prefill.generate_all()
+    handoff = done.kv_handoff
     assert handoff.num_blocks == (len(PROMPT) - 1) // 8
 
     decode = engine(loaded, num_blocks=48, **decode_kwargs)
     decode.add_request("o", OTHER, SamplingParams(temperature=0, max_tokens=3))  # D's free blocks are not P's
     decode.generate_all()
+    free = decode.scheduler.kv.num_free_blocks
     written = decode.import_prefix(PROMPT, handoff)
     decode.scheduler.check_integrity()
+    assert decode.scheduler.kv.num_free_blocks == free  # cached, and free to evict, as a finished prompt's
     hits_before = decode.scheduler.stats().prefix_cache_hits
     tokens, _ = greedy(decode, PROMPT)
     return tokens, written, decode.scheduler.stats().prefix_cache_hits - hits_before
@@ -75,6 +77,7 @@ def test_blocks_cached_already_are_not_written_again_and_a_bad_fit_is_refused(ti
     prefill.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=1))
     prefill.generate_all()
     handoff = prefill.export_prefix(PROMPT)
+    assert handoff.num_blocks == 5
     decode = engine(tiny_llama)
     decode.add_request("q", PROMPT[:17], SamplingParams(temperature=0, max_tokens=1))  # caches two blocks
     decode.generate_all()
@@ -84,3 +87,18 @@ def test_blocks_cached_already_are_not_written_again_and_a_bad_fit_is_refused(ti
         engine(tiny_llama, block_size=16, token_buckets=(16, 64)).import_prefix(PROMPT, handoff)
     with pytest.raises(ValueError, match="KV dtype"):
         engine(tiny_llama, kv_cache_dtype="int8").import_prefix(PROMPT, handoff)
+
+
+def test_add_request_takes_the_handoff_and_an_aborted_export_is_dropped(tiny_llama):
+    prefill = engine(tiny_llama)
+    prefill.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=1), export_kv=True)
+    prefill.add_request("gone", OTHER, SamplingParams(temperature=0, max_tokens=1), export_kv=True)
+    prefill.abort_request("gone")
+    (done,) = prefill.generate_all()
+    assert done.request_id == "p" and not prefill._exports
+    decode = engine(tiny_llama)
+    decode.add_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       kv_handoff=done.kv_handoff)
+    (out,) = decode.generate_all()
+    assert out.num_cached_tokens == 40
+    assert out.outputs[0].token_ids == greedy(engine(tiny_llama), PROMPT, max_tokens=4)[0]
