@@ -203,3 +203,31 @@ def tiny_engine(tiny_folder):
     from jaxserve.weights import load_model
 
     return LLMEngine(load_model(str(tiny_folder), use_cache=False, progress=False), EngineConfig(**TINY_ENGINE))
+
+
+def greedy_where_clear(loaded, prompts: list[str], max_tokens: int) -> list[tuple[str, str, bool]]:
+    """The oracle for servers that split the model (which reorders sums and may flip a true
+    near-tie): per prompt, the one-device engine's greedy text, the text of its tokens up to
+    and including the first near-tie (top-2 logprob margin under 1e-3), and whether there was none."""
+    import numpy as np
+
+    from jaxserve.engine import EngineConfig, LLMEngine
+    from scheduler import SamplingParams
+
+    engine = LLMEngine(loaded, EngineConfig(**{**TINY_ENGINE, "block_size": 4}))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2))
+    out = {o.request_id: o.outputs[0] for o in engine.generate_all()}
+    want = []
+    for i in range(len(prompts)):
+        sample = out[str(i)]
+        margins = [float(np.subtract(*sorted(lp.values(), reverse=True)[:2])) for lp in sample.logprobs]
+        clear = next((j for j, m in enumerate(margins) if m < 1e-3), len(margins))
+        want.append((sample.text, engine.tokenizer.decode(sample.token_ids[: clear + 1]), clear == len(margins)))
+    return want
+
+
+def assert_same_where_clear(got: list[str], want: list[tuple[str, str, bool]]) -> None:
+    """Each text equals the oracle's, or shares its text up to the first near-tie."""
+    for text, (full, clear_prefix, all_clear) in zip(got, want, strict=True):
+        assert text == full if all_clear else text.startswith(clear_prefix), (text, full)

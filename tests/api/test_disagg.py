@@ -16,39 +16,16 @@ import sys
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
-from jaxserve.engine import EngineConfig, LLMEngine
-from scheduler import SamplingParams
-from tests.api.conftest import REPO, TINY_ENGINE, run_server
+from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear, run_server
 
 PROMPTS = ["the cat sat on the mat and the dog sat on the log", "one two three four five six seven eight nine ten"]
 MAX_TOKENS = 8
 SECRET = "a shared secret"
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64", "--num-blocks", "64",
                 "--block-size", "4", "--kv-transfer-secret", SECRET, "--kv-transfer-timeout", "10"]
-
-
-def oracle(loaded, prompts):
-    """Per prompt: the colocated greedy text, its text up to the first near-tie, and whether there was none."""
-    engine = LLMEngine(loaded, EngineConfig(**{**TINY_ENGINE, "block_size": 4}))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2))
-    out = {o.request_id: o.outputs[0] for o in engine.generate_all()}
-    want = []
-    for i in range(len(prompts)):
-        sample = out[str(i)]
-        margins = [float(np.subtract(*sorted(lp.values(), reverse=True)[:2])) for lp in sample.logprobs]
-        clear = next((j for j, m in enumerate(margins) if m < 1e-3), len(margins))
-        want.append((sample.text, engine.tokenizer.decode(sample.token_ids[: clear + 1]), clear == len(margins)))
-    return want
-
-
-def assert_same_where_clear(text, want):
-    full, clear_prefix, all_clear = want
-    assert text == full if all_clear else text.startswith(clear_prefix), (text, full)
 
 
 @contextlib.contextmanager
@@ -100,8 +77,7 @@ def test_disaggregated_output_equals_colocated_and_the_kv_moved(servers, tiny_en
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
                                             max_tokens=4, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    for text, want in zip(texts, oracle(tiny_engine.loaded, PROMPTS)):
-        assert_same_where_clear(text, want)
+    assert_same_where_clear(texts, greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS))
 
     sent_now, got_now = transfer_counters(prefill), transfer_counters(decode)
     assert sent_now["offers"] - sent["offers"] == got_now["pulls"] - got["pulls"] == 3
@@ -154,6 +130,7 @@ def test_a_killed_prefill_server_leaves_the_decode_server_computing_the_prompt(t
         answer = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0],
                                            max_tokens=MAX_TOKENS, temperature=0,
                                            extra_body={"kv_transfer_params": offer})
-        assert_same_where_clear(answer.choices[0].text, oracle(tiny_engine.loaded, PROMPTS[:1])[0])
+        want = greedy_where_clear(tiny_engine.loaded, PROMPTS[:1], MAX_TOKENS)
+        assert_same_where_clear([answer.choices[0].text], want)
         assert transfer_counters(decode)["failed_pulls"] == 1
         decode.wait_idle()

@@ -51,7 +51,8 @@ class ScriptedEngine:
         self.generation = SimpleNamespace(sampling={})  # no generation_config.json defaults
         self.scheduler = ScriptedScheduler(max_num_seqs)
 
-    def add_request(self, request_id, prompt, params, *, priority=0, arrival_time=None, cache_salt=None):
+    def add_request(self, request_id, prompt, params, *, priority=0, arrival_time=None, cache_salt=None,
+                    kv_handoff=None, export_kv=False):
         if not prompt:
             raise ValueError("the prompt is empty")
         self.requests[request_id] = [params, [], arrival_time]

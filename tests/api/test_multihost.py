@@ -15,12 +15,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-from jaxserve.engine import EngineConfig, LLMEngine
-from scheduler import SamplingParams
-from tests.api.conftest import REPO, TINY_ENGINE, run_server
+from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear, run_server
 
 PROMPTS = ["the cat sat on the mat", "hello world", "one two three four five six seven eight nine ten"]
 MAX_TOKENS = 8
@@ -59,27 +56,6 @@ def started(cmd: list[str], log):
         process.wait()
 
 
-def greedy_where_clear(loaded, prompts: list[str]) -> list[tuple[str, str, bool]]:
-    """Per prompt, the one-device engine's greedy text, the text of its tokens up to and
-    including the first near-tie, and whether there was none."""
-    engine = LLMEngine(loaded, EngineConfig(**{**TINY_ENGINE, "block_size": 4}))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2))
-    out = {o.request_id: o.outputs[0] for o in engine.generate_all()}
-    want = []
-    for i in range(len(prompts)):
-        sample = out[str(i)]
-        margins = [float(np.subtract(*sorted(lp.values(), reverse=True)[:2])) for lp in sample.logprobs]
-        clear = next((j for j, m in enumerate(margins) if m < 1e-3), len(margins))
-        want.append((sample.text, engine.tokenizer.decode(sample.token_ids[: clear + 1]), clear == len(margins)))
-    return want
-
-
-def assert_same_where_clear(got: list[str], want) -> None:
-    for text, (full, clear_prefix, all_clear) in zip(got, want, strict=True):
-        assert text == full if all_clear else text.startswith(clear_prefix), (text, full)
-
-
 def wait_exit(process: subprocess.Popen, timeout: float) -> tuple[int, float]:
     start = time.monotonic()
     return process.wait(timeout), time.monotonic() - start
@@ -103,7 +79,7 @@ def test_server_over_two_nodes_answers_as_one_device_and_stops_when_a_node_dies(
         log = leader.log.read_text()
     assert code != 0 and waited < 30, log[-3000:]
     assert "node 1 of 2 closed its control connection (it stopped or crashed)" in log, log[-3000:]
-    assert_same_where_clear(got, greedy_where_clear(tiny_engine.loaded, PROMPTS))
+    assert_same_where_clear(got, greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS))
 
 
 def test_a_hung_node_misses_its_heartbeats_and_the_leader_stops_naming_it(tiny_folder, tmp_path):
@@ -146,7 +122,7 @@ def test_generate_over_two_nodes_prints_what_one_device_generates(tiny_folder, t
         header = f"--- [{i}] {p!r}\n"
         assert header in printed, printed[-3000:]
         got.append(printed.split(header, 1)[1].split("\n", 1)[0])
-    assert_same_where_clear(got, greedy_where_clear(tiny_engine.loaded, PROMPTS))
+    assert_same_where_clear(got, greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS))
 
 
 @pytest.mark.parametrize("flags, message", [
