@@ -26,8 +26,9 @@
 #              more against a millisecond step (structured.txt in $OUT);
 #   scaling    with 2+ GPUs, benchmarks/throughput.py with data-parallel replicas (DP 2) and,
 #              with 3+, the default model split over 3 (TP 3), each against one GPU in the same
-#              run (scaling.txt in $OUT). On one GPU the tensor-parallel wrapper is still run
-#              by the attention section (the kernel inside shard_map on a one-device mesh).
+#              run, and benchmarks/disagg.py: a prefill GPU and a decode GPU against a colocated
+#              server on both (scaling.txt in $OUT). On one GPU the tensor-parallel wrapper is
+#              still run by the attention section (the kernel inside shard_map on a one-device mesh).
 # Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
 #
 #     bash benchmarks/gpu_check.sh                  # every section; results in ${OUT:-benchmarks/results}
@@ -170,6 +171,8 @@ if wanted scaling; then
   if (( gpus >= 2 )); then
     timeout 600 "$PYTHON" benchmarks/throughput.py --data-parallel-size 2 --num-requests 64 2>&1 \
         | tee -a "$OUT/scaling.txt" || status=1
+    timeout 600 "$PYTHON" benchmarks/disagg.py --colocated-gpus 0,1 --prefill-gpus 0 --decode-gpus 1 \
+        --num-decode 32 --num-prefill 8 --request-rate 8 2>&1 | tee -a "$OUT/scaling.txt" || status=1
   fi
   if (( gpus >= 3 )); then
     timeout 600 "$PYTHON" benchmarks/throughput.py --tensor-parallel-size 3 --num-requests 64 2>&1 \

@@ -54,3 +54,17 @@ def test_structured_smoke_with_profile(weights_cache, default_model):
                 "| constrained                        |", "constrained: device time of its commonest step"):
         assert row in stdout
     assert "the sampler alone, 2 rows, median ms: plain" in stdout
+
+
+def test_disagg_smoke(weights_cache, default_model, tmp_path):
+    """Colocated, then prefill + decode servers and the proxy, on a tiny mixed workload."""
+    stdout = run("benchmarks/disagg.py", "--num-decode", "2", "--num-prefill", "1", "--decode-input-len", "8",
+                 "--decode-output-len", "4", "--prefill-input-len", "40", "--prefill-output-len", "2",
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128",
+                 "--kv-cache-memory", "64MiB", "--json", str(tmp_path / "d.json"),
+                 env={"JAXSERVE_CACHE": str(weights_cache)})
+    results = json.loads((tmp_path / "d.json").read_text())["results"]
+    for setup in ("colocated", "disaggregated"):
+        assert results[setup]["all"]["completed"] == 3 and results[setup]["all"]["failed"] == 0
+    assert results["disaggregated"]["kv_mib_per_request"] > 0  # the long prompt's two full blocks at least
+    assert "decode group p99 ITL, colocated / disaggregated" in stdout
