@@ -51,12 +51,19 @@ def create_proxy(prefill: list[str], decode: list[str], timeout: float | None = 
             return JSONResponse({"error": {"message": "the body must be a JSON object",
                                            "type": "invalid_request_error", "param": None, "code": None}},
                                 status_code=400)
-        first = await client.post(next(prefill_urls) + path, json=prefill_call(body), headers=headers)
+        prefill_url, decode_url = next(prefill_urls), next(decode_urls)
+        try:
+            first = await client.post(prefill_url + path, json=prefill_call(body), headers=headers)
+        except httpx.HTTPError as e:
+            return _unreachable("prefill", prefill_url, e)
         if first.status_code != 200:
             return Response(first.content, first.status_code, media_type=first.headers.get("content-type"))
         decode_body = {**body, "kv_transfer_params": first.json().get("kv_transfer_params")}
-        upstream = client.build_request("POST", next(decode_urls) + path, json=decode_body, headers=headers)
-        answer = await client.send(upstream, stream=True)
+        upstream = client.build_request("POST", decode_url + path, json=decode_body, headers=headers)
+        try:
+            answer = await client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            return _unreachable("decode", decode_url, e)
         return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
                                  media_type=answer.headers.get("content-type"), background=BackgroundTask(answer.aclose))
 
@@ -87,6 +94,12 @@ def prefill_call(body: dict) -> dict:
     and the request to hand its KV over."""
     call = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens", "min_tokens")}
     return {**call, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+
+
+def _unreachable(kind: str, url: str, error: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"the {kind} server {url} did not answer: {error!r}",
+                                   "type": "server_error", "param": None, "code": "upstream_unreachable"}},
+                        status_code=502)
 
 
 def _headers(request: Request) -> dict[str, str]:

@@ -6,7 +6,8 @@ Oracle: the one-device engine in this process, colocated (prefill and decode in 
 on the same weights; greedy text agrees wherever its top-2 margin is clear (the decode
 server's split reorders sums). The decode server's prefix-cache hits and both servers'
 transfer counters show the KV really moved; every block is free on both sides after a
-call, an abandoned stream, and a prefill server killed before its offer was pulled.
+call, an abandoned stream, and a prefill server killed before its offer was pulled (the
+proxy then answers 502).
 """
 
 import contextlib
@@ -134,3 +135,7 @@ def test_a_killed_prefill_server_leaves_the_decode_server_computing_the_prompt(t
         assert_same_where_clear([answer.choices[0].text], want)
         assert transfer_counters(decode)["failed_pulls"] == 1
         decode.wait_idle()
+        with run_proxy(tmp_path, prefill.url, decode.url) as proxy_url:  # the prefill server is gone
+            answer = httpx.post(f"{proxy_url}/v1/completions", headers=decode.headers, timeout=60,
+                                json={"prompt": PROMPTS[0], "max_tokens": 2})
+        assert answer.status_code == 502 and "prefill server" in answer.json()["error"]["message"]
