@@ -120,6 +120,8 @@ class KVTransfer:
             raise ValueError(f"kv_transfer_params is not an offer of a prefill server: {e!r}") from None
         if set(specs) not in ({"k", "v"}, set(KV_FIELDS)):
             raise ValueError(f"kv_transfer_params.arrays must name k and v (and k_scale, v_scale), got {sorted(specs)}")
+        if not all(len(shape) >= 2 and 0 <= num_blocks <= shape[1] for shape, _ in specs.values()):
+            raise ValueError(f"kv_transfer_params: {num_blocks} blocks do not fit the arrays {params['arrays']}")
         if self.secret is not None and not hmac.compare_digest(str(params.get("signature", "")), self._sign(params)):
             raise ValueError("kv_transfer_params is not signed with this server's --kv-transfer-secret")
         now = time.time()

@@ -67,6 +67,8 @@ def test_unsigned_forged_or_malformed_params_are_a_value_error(ends):
         decode.pull({**params, "transfer_id": "12345"})
     with pytest.raises(ValueError, match="not signed"):
         decode.pull({k: v for k, v in params.items() if k != "signature"})
+    with pytest.raises(ValueError, match="do not fit"):
+        decode.pull(signed(prefill, {**params, "num_blocks": 9}))
     with pytest.raises(ValueError, match="not an offer"):
         decode.pull({"do_remote_prefill": True})
     with pytest.raises(ValueError, match="must name k and v"):
