@@ -1,11 +1,12 @@
-"""The kernel backend switch: Pallas kernels on a GPU that has them, pure JAX elsewhere.
+"""The kernel backend switch: Pallas kernels on a GPU that has them, C++ on the CPU, pure JAX elsewhere.
 
 `select_attention(None, ...)` picks the Mosaic GPU kernel on a Hopper GPU when the
-model's shapes and dtype suit it (bf16 or f16, head_dim 64 or 128), and the pure-JAX
-reference everywhere else. A flag (`--attention-backend`) or the environment variable
-JAXSERVE_ATTENTION_BACKEND forces either: "pallas" (an error if it cannot run) or
-"reference". The choice and its reason are logged at start-up. Other kernels (int4 and
-FP8 matmuls, tree attention) plug into the same switch.
+model's shapes and dtype suit it (bf16 or f16, head_dim 64 or 128); on the CPU, the C++
+kernel (`pallas_kernels.ragged_paged_attention_cpu`, float32 or bf16 K/V) when it builds
+here; the pure-JAX reference everywhere else. A flag (`--attention-backend`) or the
+environment variable JAXSERVE_ATTENTION_BACKEND forces one: "pallas" or "cpu" (an error
+if it cannot run) or "reference". The choice and its reason are logged at start-up. Other
+kernels (int4 and FP8 matmuls, tree attention) plug into the same switch.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from jaxserve.model import AttentionFn
 from jaxserve.quantization import quantized_layers, use_kernel_layout
 from jaxserve.sharding import shard_attention, tensor_parallel_size
 from jaxserve.sizing import per_device_config
+from jaxserve.weights.load import default_cache_dir
+from pallas_kernels import ragged_paged_attention_cpu
 from pallas_kernels.quantized_kv import is_quantized_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "pallas", "reference")
+BACKENDS = ("auto", "pallas", "reference")  # the quantized matmuls'
+ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")
 ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
 MATMUL_ENV_VAR = "JAXSERVE_MATMUL_BACKEND"
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -54,28 +58,41 @@ def pallas_unsupported_reason(cfg: ModelConfig, dtype, block_size: int, device: 
     return unsupported_reason(q, pages, pages, **scales)
 
 
+def cpu_unsupported_reason(dtype, kv_dtype, device: jax.Device) -> str | None:
+    """Why the C++ CPU attention kernel cannot serve here, or None (then it is built and registered)."""
+    reason = ragged_paged_attention_cpu.unsupported_reason(dtype, kv_dtype or dtype, device)
+    return reason or ragged_paged_attention_cpu.build(default_cache_dir())
+
+
 def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
                      kv_dtype=None, mesh: jax.sharding.Mesh | None = None) -> tuple[str, AttentionFn]:
     """(backend name, attention function) for the flag value `name` (None: env var, else auto),
     for a KV cache of `kv_dtype` (None: the model's dtype), on `mesh`'s devices (None: the
     first device). Under tensor parallelism the function runs per device on its own heads."""
     name = name or os.environ.get(ENV_VAR) or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     tp = 1 if mesh is None else tensor_parallel_size(mesh)
     shard_cfg = per_device_config(cfg, tp)  # the kernel sees one device's heads
-    reason = None if name == "reference" else pallas_unsupported_reason(shard_cfg, dtype, block_size, device,
-                                                                        kv_dtype)
-    if name == "pallas" and reason is not None:
-        raise ValueError(f"the Pallas attention kernel cannot run: {reason}")
+    reasons = {}  # why a kernel that was considered cannot run
+    if name in ("auto", "pallas"):
+        reasons["pallas"] = pallas_unsupported_reason(shard_cfg, dtype, block_size, device, kv_dtype)
+    if name == "cpu" or (name == "auto" and reasons["pallas"] is not None):
+        reasons["cpu"] = cpu_unsupported_reason(dtype, kv_dtype, device)
+    if name in ("pallas", "cpu") and reasons[name] is not None:
+        kernel = "Pallas" if name == "pallas" else "CPU"
+        raise ValueError(f"the {kernel} attention kernel cannot run: {reasons[name]}")
     if name == "auto":
-        name = "reference" if reason is not None else "pallas"
+        name = next((kernel for kernel, reason in reasons.items() if reason is None), "reference")
     if name == "pallas":
         from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention as fn
+    elif name == "cpu":
+        fn = ragged_paged_attention_cpu.ragged_paged_attention
     else:
         fn = ragged_paged_attention_reference
-    why = f" (Pallas kernel not used: {reason})" if name == "reference" and reason else ""
+    why = "".join(f" ({kernel} kernel not used: {reason})" for kernel, reason in reasons.items()
+                  if kernel != name and reason)
     where = f", tensor parallel {tp} over devices {[d.id for d in mesh.devices.flat]}" if tp > 1 else ""
     logger.info("attention backend: %s on %s%s%s", name, device.device_kind, where, why)
     return name, (shard_attention(fn, mesh) if tp > 1 else fn)

@@ -1,4 +1,4 @@
-"""The attention backend switch (on this CPU: the reference, unless forced)."""
+"""The attention backend switch (on this CPU: the C++ kernel, else the reference)."""
 
 import logging
 
@@ -7,16 +7,31 @@ import pytest
 
 from jaxserve.backend import select_attention
 from jaxserve.config import ModelConfig
+from pallas_kernels import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 CFG = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 64, 256)
 
 
-def test_auto_on_cpu_is_the_reference_and_says_why(caplog):
+def test_auto_on_cpu_is_the_cpu_kernel_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.backend"):
         name, fn = select_attention(None, CFG, jnp.bfloat16, 16)
-    assert (name, fn) == ("reference", ragged_paged_attention_reference)
+    assert (name, fn) == ("cpu", ragged_paged_attention_cpu.ragged_paged_attention)
     assert "needs a Hopper GPU" in caplog.text
+
+
+def test_an_8bit_cache_on_cpu_is_the_reference_and_forcing_the_cpu_kernel_is_an_error(caplog):
+    with caplog.at_level(logging.INFO, logger="jaxserve.backend"):
+        name, fn = select_attention(None, CFG, jnp.float32, 16, kv_dtype=jnp.int8)
+    assert (name, fn) == ("reference", ragged_paged_attention_reference)
+    assert "cpu kernel not used: it takes float32 or bfloat16" in caplog.text
+    with pytest.raises(ValueError, match="CPU attention kernel cannot run"):
+        select_attention("cpu", CFG, jnp.float32, 16, kv_dtype=jnp.int8)
+
+
+def test_without_a_compiler_the_cpu_kernel_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    assert "no C++ compiler" in ragged_paged_attention_cpu._build(tmp_path)
 
 
 def test_forcing_pallas_where_it_cannot_run_is_an_error():

@@ -1,0 +1,130 @@
+"""Ragged paged attention on the CPU: a C++ kernel called through XLA's FFI.
+
+`ragged_paged_attention` has the signature and the semantics of
+`ragged_paged_attention_reference`. It takes float32 or bfloat16 queries and pages; an
+8-bit cache stays on the reference. The C++ source, `ragged_paged_attention_cpu.cc`, reads
+each key and value row once, straight from its page. The pure-JAX path instead gathers
+every chunk of pages into a copy before multiplying.
+
+`build(cache_dir)` compiles the source with the system C++ compiler (`$CXX`, else `c++`)
+against the FFI headers that jaxlib ships. It writes `cache_dir/cpu_kernels/<key>.so`, the
+key covering the source, the flags, the compiler, jaxlib and this CPU (the code is built
+for it, `-march=native`). Then it registers the handler with XLA. It returns None, or why
+the kernel cannot run here (no compiler, a failed build), so that callers can fall back to
+the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".cc")
+TARGET = "jaxserve_ragged_paged_attention"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
+KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+_lock = threading.Lock()
+_built: dict[str, object] = {}  # "reason": None or why it cannot run; "library": the loaded .so
+
+
+def build(cache_dir: str | os.PathLike) -> str | None:
+    """Compile (once per machine) and register the kernel: None, or why it cannot run here."""
+    with _lock:
+        if "reason" not in _built:
+            _built["reason"] = _build(Path(cache_dir))
+        return _built["reason"]
+
+
+def _cpu_identity() -> str:
+    try:  # the instruction sets -march=native may use
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _build(cache_dir: Path) -> str | None:
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on the PATH; set CXX)"
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.lib.__version__,
+                                    _cpu_identity()]).encode()).hexdigest()[:16]
+    library = cache_dir / "cpu_kernels" / f"ragged_paged_attention_{key}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")  # processes may build at once
+        os.close(fd)
+        logger.info("compiling the CPU attention kernel (once per machine) into %s", library)
+        start = time.perf_counter()
+        done = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", partial],
+                              capture_output=True, text=True)
+        if done.returncode:
+            os.unlink(partial)
+            return f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}"
+        os.replace(partial, library)
+        logger.info("compiled the CPU attention kernel in %.1f s", time.perf_counter() - start)
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu")
+    _built["library"] = lib  # keep it loaded
+    return None
+
+
+def unsupported_reason(q_dtype, kv_dtype, device: jax.Device) -> str | None:
+    """Why the kernel cannot serve these dtypes on `device` (before any build), or None."""
+    if device.platform != "cpu":
+        return f"it runs on the CPU; this device is {device.platform}"
+    if jnp.dtype(q_dtype) not in KV_DTYPES or jnp.dtype(kv_dtype) not in KV_DTYPES:
+        return f"it takes float32 or bfloat16 queries and pages, not {jnp.dtype(q_dtype)} / {jnp.dtype(kv_dtype)}"
+    return None
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,
+    kv_lens: jax.Array,  # int32 [S]
+    block_tables: jax.Array,  # int32 [S, max_pages]
+    query_start_loc: jax.Array,  # int32 [S + 1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    query_tile: int | None = None,
+    kv_chunk_pages: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    tree_mask: jax.Array | None = None,
+) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
+    """`ragged_paged_attention_reference`, computed by the C++ kernel (see the module doc).
+    `query_tile` and `kv_chunk_pages` are the reference's tiling and are ignored here."""
+    del query_tile, kv_chunk_pages
+    if k_scales is not None or v_scales is not None:
+        raise ValueError("the CPU attention kernel takes float32 or bfloat16 pages; an 8-bit cache runs on the "
+                         "reference (--attention-backend reference)")
+    if _built.get("library") is None:
+        raise RuntimeError("the CPU attention kernel is not built: call "
+                           f"pallas_kernels.ragged_paged_attention_cpu.build(cache_dir) first ({_built.get('reason')})")
+    q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
+    if tree_mask is None:
+        tree_mask = jnp.full(q.shape[:1], -1, jnp.int32)  # every bit set: plain causal attention
+    ints = [jnp.asarray(x, jnp.int32) for x in (kv_lens, block_tables, query_start_loc, tree_mask)]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, *ints, sm_scale=np.float32(sm_scale),
+                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))

@@ -1,0 +1,88 @@
+"""The C++ CPU attention kernel (XLA FFI) against the dense float64 oracle, and against the
+pure-JAX reference on the same inputs. Unused pages and slots are NaN (tests/attention_cases):
+a read outside a sequence's context shows up as NaN."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.weights.load import default_cache_dir
+from pallas_kernels import ragged_paged_attention_cpu
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from tests.attention_cases import batch_tree_mask, dense_attention, kary_tree, make_case
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert ragged_paged_attention_cpu.build(default_cache_dir()) is None
+
+
+def run_kernel(case, **kwargs):
+    out = jax.jit(ragged_paged_attention_cpu.ragged_paged_attention, static_argnames=(
+        "sm_scale", "sliding_window", "soft_cap"))(
+        case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, case.query_start_loc, **kwargs)
+    return np.asarray(out, np.float64)
+
+
+@pytest.mark.parametrize("groups,head_dim", [(1, 16), (3, 64), (8, 128)])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 2.0), (40, 3.0)])
+def test_mixed_prefill_and_decode(groups, head_dim, window, soft_cap):
+    """A prefill longer than a query block (16) and a key chunk (32), a chunk continuing an
+    earlier prefill, decodes with long contexts; contexts end mid-page; padding tokens and a
+    padding sequence."""
+    rng = np.random.default_rng(groups * 100 + (window or 0))
+    q_lens, kv_lens = [45, 5, 1, 1, 1], [45, 70, 9, 16, 133]
+    case = make_case(rng, q_lens, kv_lens, num_heads=2 * groups, num_kv_heads=2, head_dim=head_dim,
+                     page_size=8, pad_tokens=3, pad_seqs=1)
+    kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    got = run_kernel(case, **kwargs)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, dense_attention(case, **kwargs), atol=2e-5, rtol=1e-5)
+
+
+def test_many_decodes_split_over_threads():
+    """Enough units (sequences x KV heads) that XLA's thread pool takes some of them."""
+    rng = np.random.default_rng(3)
+    kv_lens = list(rng.integers(1, 300, 48))
+    case = make_case(rng, [1] * 48, kv_lens, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16,
+                     pad_tokens=16, pad_seqs=16)
+    got = run_kernel(case, sm_scale=0.125)
+    np.testing.assert_allclose(got, dense_attention(case, sm_scale=0.125), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_tree_verification_in_a_mixed_batch(window):
+    rng = np.random.default_rng(11)
+    bushy, chain = kary_tree(31, 3), kary_tree(6, 1)
+    q_lens, kv_lens = [13, 1, len(chain), 1, len(bushy)], [20, 9, 40, 16, len(bushy) + 3]
+    case = make_case(rng, q_lens, kv_lens, num_heads=6, num_kv_heads=2, head_dim=16, page_size=4, pad_tokens=3)
+    mask = batch_tree_mask(case, {2: chain, 4: bushy})
+    kwargs = dict(sm_scale=0.25, sliding_window=window)
+    want = dense_attention(case, tree_mask=mask, **kwargs)
+    assert not np.allclose(want, dense_attention(case, **kwargs)), "the trees must change something"
+    np.testing.assert_allclose(run_kernel(case, tree_mask=mask, **kwargs), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                              ("bfloat16", "float32")])
+def test_bfloat16_equals_the_reference_on_the_same_inputs(q_dtype, kv_dtype):
+    rng = np.random.default_rng(5)
+    case = make_case(rng, [20, 1, 1], [20, 50, 77], num_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
+                     pad_tokens=2)
+    q, k, v = jnp.asarray(case.q, q_dtype), jnp.asarray(case.k_pages, kv_dtype), jnp.asarray(case.v_pages, kv_dtype)
+    args = (q, k, v, case.kv_lens, case.block_tables, case.query_start_loc)
+    got = ragged_paged_attention_cpu.ragged_paged_attention(*args, sm_scale=0.125)
+    want = ragged_paged_attention_reference(*args, sm_scale=0.125)
+    assert got.dtype == want.dtype == jnp.dtype(q_dtype)
+    # Both compute in float32 and round the output once to the query's dtype.
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
+
+
+def test_an_8bit_cache_is_refused():
+    case = make_case(np.random.default_rng(0), [1], [4], num_heads=2, num_kv_heads=1, head_dim=16, page_size=4)
+    scales = np.ones((case.k_pages.shape[0], 1, 4), np.float32)
+    with pytest.raises(ValueError, match="8-bit cache runs on the reference"):
+        ragged_paged_attention_cpu.ragged_paged_attention(
+            case.q, np.zeros(case.k_pages.shape, np.int8), np.zeros(case.v_pages.shape, np.int8), case.kv_lens,
+            case.block_tables, case.query_start_loc, sm_scale=1.0, k_scales=scales, v_scales=scales)
