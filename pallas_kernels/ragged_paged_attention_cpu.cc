@@ -27,7 +27,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kQueryBlock = 16;  // query tokens of one sequence that share a pass over its keys
-constexpr int64_t kKeyChunk = 32;    // keys scored together before one softmax rescale
+constexpr int64_t kKeyChunk = 64;    // keys scored together before one softmax rescale
 constexpr int64_t kTransposeRows = 8;  // from this many query rows, transposing a key chunk pays
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
