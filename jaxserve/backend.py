@@ -2,7 +2,7 @@
 
 `select_attention(None, ...)` picks the Mosaic GPU kernel on a Hopper GPU when the
 model's shapes and dtype suit it (bf16 or f16, head_dim 64 or 128); on the CPU, the C++
-kernel (`pallas_kernels.ragged_paged_attention_cpu`, float32 or bf16 K/V) when it builds
+kernel (`pallas_kernels.cpu_kernels`, float32 or bf16 K/V) when it builds
 here; the pure-JAX reference everywhere else. A flag (`--attention-backend`) or the
 environment variable JAXSERVE_ATTENTION_BACKEND forces one: "pallas" or "cpu" (an error
 if it cannot run) or "reference". The choice and its reason are logged at start-up. Other
@@ -23,14 +23,13 @@ from jaxserve.quantization import quantized_layers, use_kernel_layout
 from jaxserve.sharding import shard_attention, tensor_parallel_size
 from jaxserve.sizing import per_device_config
 from jaxserve.weights.load import default_cache_dir
-from pallas_kernels import ragged_paged_attention_cpu
+from pallas_kernels import cpu_kernels
 from pallas_kernels.quantized_kv import is_quantized_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "pallas", "reference")  # the quantized matmuls'
-ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")
+BACKENDS = ("auto", "pallas", "cpu", "reference")
 ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
 MATMUL_ENV_VAR = "JAXSERVE_MATMUL_BACKEND"
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -60,8 +59,8 @@ def pallas_unsupported_reason(cfg: ModelConfig, dtype, block_size: int, device: 
 
 def cpu_unsupported_reason(dtype, kv_dtype, device: jax.Device) -> str | None:
     """Why the C++ CPU attention kernel cannot serve here, or None (then it is built and registered)."""
-    reason = ragged_paged_attention_cpu.unsupported_reason(dtype, kv_dtype or dtype, device)
-    return reason or ragged_paged_attention_cpu.build(default_cache_dir())
+    reason = cpu_kernels.unsupported_reason(dtype, kv_dtype or dtype, device)
+    return reason or cpu_kernels.build(default_cache_dir())
 
 
 def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
@@ -70,8 +69,8 @@ def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
     for a KV cache of `kv_dtype` (None: the model's dtype), on `mesh`'s devices (None: the
     first device). Under tensor parallelism the function runs per device on its own heads."""
     name = name or os.environ.get(ENV_VAR) or "auto"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     tp = 1 if mesh is None else tensor_parallel_size(mesh)
     shard_cfg = per_device_config(cfg, tp)  # the kernel sees one device's heads
@@ -88,7 +87,7 @@ def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
     if name == "pallas":
         from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention as fn
     elif name == "cpu":
-        fn = ragged_paged_attention_cpu.ragged_paged_attention
+        fn = cpu_kernels.ragged_paged_attention
     else:
         fn = ragged_paged_attention_reference
     why = "".join(f" ({kernel} kernel not used: {reason})" for kernel, reason in reasons.items()
@@ -114,18 +113,54 @@ def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
     return None
 
 
+def dense_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str | None:
+    """Why the CPU small-matmul kernel cannot serve this model's tied LM head, or None (then
+    it is built and registered)."""
+    if not model.cfg.tie_word_embeddings:
+        return "it serves tied LM heads (XLA's dot is as fast for the others)"
+    if device.platform != "cpu":
+        return f"it runs on the CPU; this device is {device.platform}"
+    if tp > 1:  # NOTE: a custom call is opaque to GSPMD, like a Pallas call
+        return "it does not run under tensor parallelism"
+    if jnp.dtype(model.dtype) not in cpu_kernels.KV_DTYPES:
+        return f"it takes float32 or bfloat16 weights, not {jnp.dtype(model.dtype).name}"
+    return cpu_kernels.build(default_cache_dir())
+
+
+def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
+    """For a model without quantized layers: "cpu" marks its tied LM head to run its few-row
+    products (decode steps) through the CPU kernel, in place; else "reference"."""
+    if name == "pallas":  # nothing to choose for (as with the variable set for every model)
+        logger.info("matmul backend: reference (the Pallas matmul kernels are for quantized models; this one is "
+                    "not quantized)")
+        name = "reference"
+    reason = None if name == "reference" else dense_matmul_unsupported_reason(model, device, tp)
+    if name == "cpu" and reason is not None:
+        raise ValueError(f"the CPU matmul kernel cannot run: {reason}")
+    use = name != "reference" and reason is None
+    model.few_rows_kernel = use
+    if use:
+        logger.info("matmul backend: cpu on %s for the tied LM head's products of up to %d rows",
+                    device.device_kind, cpu_kernels.MAX_ROWS)
+    elif name == "auto":
+        logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
+    return "cpu" if use else "reference"
+
+
 def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:
-    """Choose the quantized matmul backend for `name` (None: env var, else auto) and apply
-    it to `model` in place: "pallas" converts its quantized layers to the kernel layout.
-    Returns the backend used ("pallas" or "reference"). A model with no quantized layers
-    is left alone (the choice does not apply to it) and gets "reference"."""
+    """Choose the matmul backend for `name` (None: env var, else auto) and apply it to
+    `model` in place. For a quantized model, "pallas" converts its quantized layers to the
+    Mosaic GPU kernels' layout; for a float model, "cpu" sends its few-row products (decode
+    steps) to the CPU kernel (see select_dense_matmul). Returns the backend used."""
     name = name or os.environ.get(MATMUL_ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     if not quantized_layers(model):
-        logger.info("matmul backend: none needed (the model is not quantized)")
-        return "reference"
+        return select_dense_matmul(name, model, device, 1 if mesh is None else tensor_parallel_size(mesh))
+    if name == "cpu":
+        raise ValueError("the CPU matmul kernel takes float weights; this model is quantized (its reference "
+                         "matmuls run on the CPU)")
     reason = None if name == "reference" else matmul_unsupported_reason(model, device)
     if reason is None and mesh is not None and tensor_parallel_size(mesh) > 1:
         # NOTE: a Pallas call is opaque to GSPMD; the kernels would need their own shard_map.

@@ -9,8 +9,7 @@ import re
 
 from jaxserve.spec_decode.config import SpeculativeConfig
 
-BACKENDS = ["auto", "pallas", "reference"]  # the quantized matmuls'
-ATTENTION_BACKENDS = ["auto", "pallas", "cpu", "reference"]
+BACKENDS = ["auto", "pallas", "cpu", "reference"]
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -25,13 +24,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto",
                    help="store K and V in 8 bits (fp8 e4m3 or int8) with a scale per token and KV head: about "
                         "1.9x the tokens of a bf16 cache (3.8x float32) in the same memory; auto: the model's dtype")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+    p.add_argument("--attention-backend", choices=BACKENDS, default=None,
                    help="the Mosaic GPU kernel (Hopper, bf16/f16 models), the C++ CPU kernel (float32/bf16 KV, "
                         "built once with the system compiler) or the pure-JAX reference; default "
                         "$JAXSERVE_ATTENTION_BACKEND or auto (the first of those that can run)")
     p.add_argument("--matmul-backend", choices=BACKENDS, default=None,
                    help="quantized matmuls: the Mosaic GPU kernels (Hopper, bf16/f16 models) or the pure-JAX "
-                        "references; default $JAXSERVE_MATMUL_BACKEND or auto")
+                        "references; float models: the C++ CPU kernel for decode steps' few-row products (cpu) "
+                        "or XLA's dot (reference); default $JAXSERVE_MATMUL_BACKEND or auto")
     p.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative_config,
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '

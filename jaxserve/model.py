@@ -21,6 +21,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model_inputs import ModelInputs
 from jaxserve.quantization import QuantConfig, QuantizedLinear
+from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 AttentionFn = Callable[..., jax.Array]  # the signature of ragged_paged_attention_reference
@@ -35,6 +36,10 @@ class RMSNorm(nnx.Module):
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * h.astype(x.dtype)
+
+
+def uses_few_rows_kernel(x: jax.Array, w: jax.Array) -> bool:
+    return x.ndim == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS and x.dtype == w.dtype
 
 
 def _linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):
@@ -163,7 +168,13 @@ class DecoderLM(nnx.Module):
     The layers are stacked on a leading axis and scanned, or, after `unstack_layers`
     (what the serving engine does), separate modules run one after another. With
     `quantization`, the attention and MLP projections are `QuantizedLinear` layers.
+    `few_rows_kernel`: a tied LM head's products with a few rows (a decode step's) run through
+    the CPU kernel `pallas_kernels.cpu_kernels.small_matmul`. XLA's CPU dot with the
+    embedding table as [vocab, hidden] reads it at a fifth of the memory bandwidth (it
+    transposes it first). jaxserve.backend.select_matmul sets it.
     """
+
+    few_rows_kernel = False
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization: QuantConfig | None = None):
         self.cfg = cfg
@@ -192,7 +203,12 @@ class DecoderLM(nnx.Module):
         """Float32 logits of final hidden states x [S, D] (the final norm, then the LM head)."""
         with jax.named_scope("lm_head"):
             x = self.norm(x)
-            logits = self.embed_tokens.attend(x) if self.cfg.tie_word_embeddings else self.lm_head(x)
+            if not self.cfg.tie_word_embeddings:
+                logits = self.lm_head(x)
+            elif self.few_rows_kernel and uses_few_rows_kernel(x, table := self.embed_tokens.embedding[...]):
+                logits = cpu_kernels.small_matmul(x, table, transposed=True)
+            else:
+                logits = self.embed_tokens.attend(x)
         return logits.astype(jnp.float32)
 
     def hidden_states(

@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve.backend import select_attention
 from jaxserve.config import ModelConfig
-from pallas_kernels import ragged_paged_attention_cpu
+from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 CFG = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 64, 256)
@@ -16,7 +16,7 @@ CFG = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 64, 256)
 def test_auto_on_cpu_is_the_cpu_kernel_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.backend"):
         name, fn = select_attention(None, CFG, jnp.bfloat16, 16)
-    assert (name, fn) == ("cpu", ragged_paged_attention_cpu.ragged_paged_attention)
+    assert (name, fn) == ("cpu", cpu_kernels.ragged_paged_attention)
     assert "needs a Hopper GPU" in caplog.text
 
 
@@ -31,7 +31,7 @@ def test_an_8bit_cache_on_cpu_is_the_reference_and_forcing_the_cpu_kernel_is_an_
 
 def test_without_a_compiler_the_cpu_kernel_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-c++")
-    assert "no C++ compiler" in ragged_paged_attention_cpu._build(tmp_path)
+    assert "no C++ compiler" in cpu_kernels._build(tmp_path)
 
 
 def test_forcing_pallas_where_it_cannot_run_is_an_error():

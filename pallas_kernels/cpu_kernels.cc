@@ -1,14 +1,19 @@
-// Ragged paged attention on the CPU: an XLA FFI custom call, the CPU's counterpart of the
-// Mosaic GPU kernel (same semantics as ragged_paged_attention_reference; see
-// ragged_paged_attention_cpu.py for how it is built and called).
+// The CPU kernels, as XLA FFI custom calls (see cpu_kernels.py for how they are built and called).
 //
-// Why C++: in pure JAX each chunk of pages is first gathered into a copy and then multiplied
-// in many tiny batched matmuls, which reaches a few GB/s. Here every key and value row is
-// read once, straight from its page, and scored against all the query rows that need it
-// (the query heads sharing its KV head, and up to kQueryBlock tokens of one sequence).
+// JaxserveRaggedPagedAttention: the CPU's counterpart of the Mosaic GPU attention kernel, with
+// the semantics of ragged_paged_attention_reference. In pure JAX each chunk of pages is first
+// gathered into a copy and then multiplied in many tiny batched matmuls, which reaches a few
+// GB/s. Here every key and value row is read once, straight from its page, and scored against
+// all the query rows that need it (the query heads sharing its KV head, and up to kQueryBlock
+// tokens of one sequence). Units: (sequence, KV head, block of query tokens).
 //
-// Work is split into units (sequence, KV head, block of query tokens), taken from an atomic
-// counter by the calling thread and by helpers on XLA's intra-op thread pool.
+// JaxserveSmallMatmul: x [M, K] @ w, w [K, N] (or [N, K] with transposed), for the few rows of
+// a decode step. XLA's CPU dot reads the weights of a one-row product on one thread, at well
+// under the memory bandwidth; here each unit is a block of output columns, read once for all
+// M rows. Units: blocks of columns.
+//
+// Units are taken from an atomic counter by the calling thread and by helpers on XLA's
+// intra-op thread pool (run_units).
 
 #include <algorithm>
 #include <atomic>
@@ -230,20 +235,28 @@ void attend(const Problem& p, const Unit& u) {
     }
 }
 
-struct Shared {
-  Problem problem;
-  std::vector<Unit> units;
-  void (*run)(const Problem&, const Unit&);
-  std::atomic<int64_t> next{0}, done{0};
-
-  void work() {
-    const int64_t n = int64_t(units.size());
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      run(problem, units[i]);
-      done.fetch_add(1, std::memory_order_release);
+// Runs run(i) for i in [0, n) on this thread and up to the pool's threads; returns when all are done.
+// Helpers that start late find no work left, and hold `shared` (not this frame) meanwhile.
+template <typename Run>
+void run_units(ffi::ThreadPool& pool, int64_t n, Run run) {
+  struct Shared {
+    Shared(Run run, int64_t n) : run(std::move(run)), n(n) {}
+    Run run;
+    int64_t n;
+    std::atomic<int64_t> next{0}, done{0};
+    void work() {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+        run(i);
+        done.fetch_add(1, std::memory_order_release);
+      }
     }
-  }
-};
+  };
+  auto shared = std::make_shared<Shared>(std::move(run), n);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
 
 template <typename QT, typename KT>
 auto pick(int64_t head_dim) -> void (*)(const Problem&, const Unit&) {
@@ -278,12 +291,11 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
       query_start_loc.element_count() != size_t(p.num_seqs + 1) || tree_mask.element_count() != size_t(p.num_tokens))
     return ffi::Error::InvalidArgument("inconsistent shapes for ragged paged attention");
 
-  auto shared = std::make_shared<Shared>();
-  shared->problem = p;
   const bool q32 = qt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;
-  shared->run = q32 ? (k32 ? pick<float, float>(p.head_dim) : pick<float, uint16_t>(p.head_dim))
-                    : (k32 ? pick<uint16_t, float>(p.head_dim) : pick<uint16_t, uint16_t>(p.head_dim));
+  const auto run = q32 ? (k32 ? pick<float, float>(p.head_dim) : pick<float, uint16_t>(p.head_dim))
+                       : (k32 ? pick<uint16_t, float>(p.head_dim) : pick<uint16_t, uint16_t>(p.head_dim));
   // Units, and zeros for the tokens no sequence owns (padding).
+  std::vector<Unit> units;
   const int32_t* qsl = p.query_start_loc;
   std::vector<char> owned(p.num_tokens, 0);
   for (int32_t s = 0; s < p.num_seqs; ++s) {
@@ -293,23 +305,91 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
     if (end - begin != qsl[s + 1] - qsl[s]) continue;
     std::fill(owned.begin() + begin, owned.begin() + end, 1);
     for (int64_t first = 0; first < end - begin; first += kQueryBlock)
-      for (int32_t h = 0; h < p.num_kv_heads; ++h)
-        shared->units.push_back({s, h, first, std::min(kQueryBlock, end - begin - first)});
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) units.push_back({s, h, first, std::min(kQueryBlock, end - begin - first)});
   }
   const int64_t row = p.num_heads * p.head_dim;
   for (int64_t t = 0; t < p.num_tokens; ++t)
     if (!owned[t]) (q32 ? zero_rows<float> : zero_rows<uint16_t>)(p.out, t, t + 1, row);
+  run_units(pool, int64_t(units.size()), [&p, &units, run](int64_t i) { run(p, units[i]); });
+  return ffi::Error::Success();
+}
 
-  const int64_t n = int64_t(shared->units.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  // Wait for units other threads took; helpers that start later find no work left.
-  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+constexpr int64_t kMaxRows = 16;       // rows of x a small matmul takes
+constexpr int64_t kColumnBlock = 256;  // output columns per unit ([K, N] weights)
+constexpr int64_t kRowBlock = 64;      // weight rows per unit ([N, K] weights)
+
+// y[:, cols] = x @ w[:, cols] for w [K, N]: each weight row's slice read once, for all rows of x.
+template <typename XT, typename WT>
+void matmul_columns(const XT* x, const WT* w, XT* y, int64_t m, int64_t k, int64_t n, int64_t col0, int64_t cols) {
+  float acc[kMaxRows][kColumnBlock] = {};
+  float xf[kMaxRows];
+  for (int64_t i = 0; i < k; ++i) {
+    const WT* wi = w + i * n + col0;
+    for (int64_t r = 0; r < m; ++r) xf[r] = load(x[r * k + i]);
+    for (int64_t r = 0; r < m; ++r) {
+      const float xr = xf[r];
+      float* ar = acc[r];
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) ar[c] += xr * load(wi[c]);
+    }
+  }
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < cols; ++c) store(acc[r][c], y + r * n + col0 + c);
+}
+
+// y[:, rows] = x @ w[rows].T for w [N, K] (a tied embedding as the LM head).
+template <typename XT, typename WT>
+void matmul_rows(const XT* x, const WT* w, XT* y, int64_t m, int64_t k, int64_t n, int64_t row0, int64_t rows) {
+  thread_local std::vector<float> xf;
+  xf.resize(m * k);
+  for (int64_t e = 0; e < m * k; ++e) xf[e] = load(x[e]);
+  for (int64_t j = row0; j < row0 + rows; ++j)
+    for (int64_t r = 0; r < m; ++r) store(dot(xf.data() + r * k, w + j * k, k), y + r * n + j);
+}
+
+template <typename XT, typename WT>
+void small_matmul(ffi::ThreadPool& pool, const void* x, const void* w, void* y, int64_t m, int64_t k, int64_t n,
+                  bool transposed) {
+  const XT* xt = static_cast<const XT*>(x);
+  const WT* wt = static_cast<const WT*>(w);
+  XT* yt = static_cast<XT*>(y);
+  const int64_t block = transposed ? kRowBlock : kColumnBlock;
+  run_units(pool, (n + block - 1) / block, [=](int64_t u) {
+    const int64_t first = u * block, count = std::min(block, n - first);
+    if (transposed)
+      matmul_rows(xt, wt, yt, m, k, n, first, count);
+    else
+      matmul_columns(xt, wt, yt, m, k, n, first, count);
+  });
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                       bool transposed) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[0] > kMaxRows || xd[1] != wd[transposed ? 1 : 0])
+    return ffi::Error::InvalidArgument("expected x [M <= 16, K] and w [K, N] (or [N, K] transposed)");
+  const auto xt = x.element_type(), wt = w.element_type();
+  const bool x_ok = xt == ffi::DataType::F32 || xt == ffi::DataType::BF16;
+  const bool w_ok = wt == ffi::DataType::F32 || wt == ffi::DataType::BF16;
+  if (!x_ok || !w_ok || y->element_type() != xt)
+    return ffi::Error::InvalidArgument("x and w must be float32 or bfloat16, y as x");
+  const int64_t m = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
+  const bool x32 = xt == ffi::DataType::F32, w32 = wt == ffi::DataType::F32;
+  const auto run = x32 ? (w32 ? small_matmul<float, float> : small_matmul<float, uint16_t>)
+                       : (w32 ? small_matmul<uint16_t, float> : small_matmul<uint16_t, uint16_t>);
+  run(pool, x.untyped_data(), w.untyped_data(), y->untyped_data(), m, k, n, transposed);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transposed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attention,
                               ffi::Ffi::Bind()

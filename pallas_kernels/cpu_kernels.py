@@ -1,17 +1,19 @@
-"""Ragged paged attention on the CPU: a C++ kernel called through XLA's FFI.
+"""The CPU kernels: C++ called through XLA's FFI (`cpu_kernels.cc`).
 
-`ragged_paged_attention` has the signature and the semantics of
-`ragged_paged_attention_reference`. It takes float32 or bfloat16 queries and pages; an
-8-bit cache stays on the reference. The C++ source, `ragged_paged_attention_cpu.cc`, reads
-each key and value row once, straight from its page. The pure-JAX path instead gathers
-every chunk of pages into a copy before multiplying.
+- `ragged_paged_attention` has the signature and the semantics of
+  `ragged_paged_attention_reference`, for float32 or bfloat16 queries and pages (an 8-bit
+  cache stays on the reference). It reads each key and value row once, straight from its
+  page; the pure-JAX path gathers every chunk of pages into a copy before multiplying.
+- `small_matmul(x, w)` is `x @ w` (or `x @ w.T`) for a few rows of x, as in a decode
+  step. XLA's CPU dot reads the weights of such a product on one thread, at well under
+  the memory bandwidth; the kernel splits the output columns over XLA's thread pool.
 
 `build(cache_dir)` compiles the source with the system C++ compiler (`$CXX`, else `c++`)
 against the FFI headers that jaxlib ships. It writes `cache_dir/cpu_kernels/<key>.so`, the
 key covering the source, the flags, the compiler, jaxlib and this CPU (the code is built
-for it, `-march=native`). Then it registers the handler with XLA. It returns None, or why
-the kernel cannot run here (no compiler, a failed build), so that callers can fall back to
-the reference.
+for it, `-march=native`). Then it registers the handlers with XLA. It returns None, or why
+the kernels cannot run here (no compiler, a failed build), so that callers can fall back
+to pure JAX.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cc")
-TARGET = "jaxserve_ragged_paged_attention"
+ATTENTION_TARGET = "jaxserve_ragged_paged_attention"
+MATMUL_TARGET = "jaxserve_small_matmul"
+MAX_ROWS = 16  # the most rows of x small_matmul takes
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -44,7 +48,7 @@ _built: dict[str, object] = {}  # "reason": None or why it cannot run; "library"
 
 
 def build(cache_dir: str | os.PathLike) -> str | None:
-    """Compile (once per machine) and register the kernel: None, or why it cannot run here."""
+    """Compile (once per machine) and register the kernels: None, or why they cannot run here."""
     with _lock:
         if "reason" not in _built:
             _built["reason"] = _build(Path(cache_dir))
@@ -66,12 +70,12 @@ def _build(cache_dir: Path) -> str | None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.lib.__version__,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
-    library = cache_dir / "cpu_kernels" / f"ragged_paged_attention_{key}.so"
+    library = cache_dir / "cpu_kernels" / f"cpu_kernels_{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")  # processes may build at once
         os.close(fd)
-        logger.info("compiling the CPU attention kernel (once per machine) into %s", library)
+        logger.info("compiling the CPU kernels (once per machine) into %s", library)
         start = time.perf_counter()
         done = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", partial],
                               capture_output=True, text=True)
@@ -79,15 +83,23 @@ def _build(cache_dir: Path) -> str | None:
             os.unlink(partial)
             return f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}"
         os.replace(partial, library)
-        logger.info("compiled the CPU attention kernel in %.1f s", time.perf_counter() - start)
+        logger.info("compiled the CPU kernels in %.1f s", time.perf_counter() - start)
     lib = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu")
+    for target, handler in ((ATTENTION_TARGET, lib.JaxserveRaggedPagedAttention),
+                            (MATMUL_TARGET, lib.JaxserveSmallMatmul)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _built["library"] = lib  # keep it loaded
     return None
 
 
+def _check_built() -> None:
+    if _built.get("library") is None:
+        raise RuntimeError("the CPU kernels are not built: call pallas_kernels.cpu_kernels.build(cache_dir) first"
+                           + (f" ({_built['reason']})" if _built.get("reason") else ""))
+
+
 def unsupported_reason(q_dtype, kv_dtype, device: jax.Device) -> str | None:
-    """Why the kernel cannot serve these dtypes on `device` (before any build), or None."""
+    """Why the attention kernel cannot serve these dtypes on `device` (before any build), or None."""
     if device.platform != "cpu":
         return f"it runs on the CPU; this device is {device.platform}"
     if jnp.dtype(q_dtype) not in KV_DTYPES or jnp.dtype(kv_dtype) not in KV_DTYPES:
@@ -118,13 +130,24 @@ def ragged_paged_attention(
     if k_scales is not None or v_scales is not None:
         raise ValueError("the CPU attention kernel takes float32 or bfloat16 pages; an 8-bit cache runs on the "
                          "reference (--attention-backend reference)")
-    if _built.get("library") is None:
-        raise RuntimeError("the CPU attention kernel is not built: call "
-                           f"pallas_kernels.ragged_paged_attention_cpu.build(cache_dir) first ({_built.get('reason')})")
+    _check_built()
     q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
     if tree_mask is None:
         tree_mask = jnp.full(q.shape[:1], -1, jnp.int32)  # every bit set: plain causal attention
     ints = [jnp.asarray(x, jnp.int32) for x in (kv_lens, block_tables, query_start_loc, tree_mask)]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, *ints, sm_scale=np.float32(sm_scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def small_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """x [M, K] @ w [K, N] (or @ w.T for w [N, K] with `transposed`), M <= MAX_ROWS; float32
+    or bfloat16, the result in x's dtype, accumulated in float32."""
+    _check_built()
+    m, k = x.shape
+    n = w.shape[0] if transposed else w.shape[1]
+    if m > MAX_ROWS or k != w.shape[1 if transposed else 0]:
+        raise ValueError(f"small_matmul takes x [M <= {MAX_ROWS}, K] and w [K, N] (or [N, K] transposed), "
+                         f"got {x.shape} and {w.shape}")
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype))
+    return call(x, w, transposed=transposed)

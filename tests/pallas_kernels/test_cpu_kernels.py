@@ -1,6 +1,6 @@
-"""The C++ CPU attention kernel (XLA FFI) against the dense float64 oracle, and against the
-pure-JAX reference on the same inputs. Unused pages and slots are NaN (tests/attention_cases):
-a read outside a sequence's context shows up as NaN."""
+"""The C++ CPU kernels (XLA FFI): attention against the dense float64 oracle and against the
+pure-JAX reference on the same inputs (unused pages and slots are NaN, tests/attention_cases:
+a read outside a sequence's context shows up as NaN); the small matmul against NumPy."""
 
 import jax
 import jax.numpy as jnp
@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 
 from jaxserve.weights.load import default_cache_dir
-from pallas_kernels import ragged_paged_attention_cpu
+from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from tests.attention_cases import batch_tree_mask, dense_attention, kary_tree, make_case
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert ragged_paged_attention_cpu.build(default_cache_dir()) is None
+    assert cpu_kernels.build(default_cache_dir()) is None
 
 
 def run_kernel(case, **kwargs):
-    out = jax.jit(ragged_paged_attention_cpu.ragged_paged_attention, static_argnames=(
+    out = jax.jit(cpu_kernels.ragged_paged_attention, static_argnames=(
         "sm_scale", "sliding_window", "soft_cap"))(
         case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, case.query_start_loc, **kwargs)
     return np.asarray(out, np.float64)
@@ -72,7 +72,7 @@ def test_bfloat16_equals_the_reference_on_the_same_inputs(q_dtype, kv_dtype):
                      pad_tokens=2)
     q, k, v = jnp.asarray(case.q, q_dtype), jnp.asarray(case.k_pages, kv_dtype), jnp.asarray(case.v_pages, kv_dtype)
     args = (q, k, v, case.kv_lens, case.block_tables, case.query_start_loc)
-    got = ragged_paged_attention_cpu.ragged_paged_attention(*args, sm_scale=0.125)
+    got = cpu_kernels.ragged_paged_attention(*args, sm_scale=0.125)
     want = ragged_paged_attention_reference(*args, sm_scale=0.125)
     assert got.dtype == want.dtype == jnp.dtype(q_dtype)
     # Both compute in float32 and round the output once to the query's dtype.
@@ -83,6 +83,31 @@ def test_an_8bit_cache_is_refused():
     case = make_case(np.random.default_rng(0), [1], [4], num_heads=2, num_kv_heads=1, head_dim=16, page_size=4)
     scales = np.ones((case.k_pages.shape[0], 1, 4), np.float32)
     with pytest.raises(ValueError, match="8-bit cache runs on the reference"):
-        ragged_paged_attention_cpu.ragged_paged_attention(
+        cpu_kernels.ragged_paged_attention(
             case.q, np.zeros(case.k_pages.shape, np.int8), np.zeros(case.v_pages.shape, np.int8), case.kv_lens,
             case.block_tables, case.query_start_loc, sm_scale=1.0, k_scales=scales, v_scales=scales)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 1536), (40, 300)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_small_matmul_equals_numpy(m, k, n, transposed):
+    """Columns split over units (256 per unit, 64 rows of a transposed weight), a ragged last unit."""
+    rng = np.random.default_rng(m * 7 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
+    want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+    got = jax.jit(cpu_kernels.small_matmul, static_argnames="transposed")(x, w, transposed=transposed)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4 * np.sqrt(k), rtol=1e-5)
+
+
+def test_small_matmul_in_bfloat16_equals_xla():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 512)), jnp.bfloat16)
+    got = cpu_kernels.small_matmul(x, w)
+    want = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-1)
+    with pytest.raises(ValueError, match="M <= 16"):
+        cpu_kernels.small_matmul(jnp.zeros((17, 128)), jnp.zeros((128, 4)))
