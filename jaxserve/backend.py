@@ -150,8 +150,8 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
 def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:
     """Choose the matmul backend for `name` (None: env var, else auto) and apply it to
     `model` in place. For a quantized model, "pallas" converts its quantized layers to the
-    Mosaic GPU kernels' layout; for a float model, "cpu" sends its few-row products (decode
-    steps) to the CPU kernel (see select_dense_matmul). Returns the backend used."""
+    Mosaic GPU kernels' layout; for a float model, "cpu" sends its tied LM head's few-row
+    products (decode steps) to the CPU kernel (see select_dense_matmul). Returns the backend used."""
     name = name or os.environ.get(MATMUL_ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")

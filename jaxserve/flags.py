@@ -30,7 +30,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "$JAXSERVE_ATTENTION_BACKEND or auto (the first of those that can run)")
     p.add_argument("--matmul-backend", choices=BACKENDS, default=None,
                    help="quantized matmuls: the Mosaic GPU kernels (Hopper, bf16/f16 models) or the pure-JAX "
-                        "references; float models: the C++ CPU kernel for decode steps' few-row products (cpu) "
+                        "references; float models: the C++ CPU kernel for a tied LM head's decode products (cpu) "
                         "or XLA's dot (reference); default $JAXSERVE_MATMUL_BACKEND or auto")
     p.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative_config,
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '

@@ -169,9 +169,8 @@ class DecoderLM(nnx.Module):
     (what the serving engine does), separate modules run one after another. With
     `quantization`, the attention and MLP projections are `QuantizedLinear` layers.
     `few_rows_kernel`: a tied LM head's products with a few rows (a decode step's) run through
-    the CPU kernel `pallas_kernels.cpu_kernels.small_matmul`. XLA's CPU dot with the
-    embedding table as [vocab, hidden] reads it at a fifth of the memory bandwidth (it
-    transposes it first). jaxserve.backend.select_matmul sets it.
+    the CPU kernel `pallas_kernels.cpu_kernels.small_matmul`: XLA's CPU dot with the
+    [vocab, hidden] table is slow for a few rows. jaxserve.backend.select_matmul sets it.
     """
 
     few_rows_kernel = False

@@ -8,9 +8,8 @@
 // tokens of one sequence). Units: (sequence, KV head, block of query tokens).
 //
 // JaxserveSmallMatmul: x [M, K] @ w, w [K, N] (or [N, K] with transposed), for the few rows of
-// a decode step. XLA's CPU dot reads the weights of a one-row product on one thread, at well
-// under the memory bandwidth; here each unit is a block of output columns, read once for all
-// M rows. Units: blocks of columns.
+// a decode step; the engine uses it for a tied LM head (x @ table.T), where XLA's CPU dot is
+// slow. Each weight element is read once for all M rows. Units: blocks of output columns.
 //
 // Units are taken from an atomic counter by the calling thread and by helpers on XLA's
 // intra-op thread pool (run_units).
