@@ -188,13 +188,15 @@ class ModelRunner:
             """Every token's logprob tables for prompt logprobs, PROMPT_LOGITS_ROWS tokens at a time:
             no [T, V] array is ever whole, on the device or off it."""
             model = nnx.merge(graphdef, params)
-
-            def one(args):  # lax.map vmaps it over each group of rows
-                h, target = args
-                return prompt_logprob_tables(model.logits(h[None]), target[None])
-
-            tables = jax.lax.map(one, (hidden, targets), batch_size=min(PROMPT_LOGITS_ROWS, hidden.shape[0]))
-            return tuple(t[:, 0] for t in tables)
+            # NOTE: groups of rows, not lax.map's batch_size: that vmaps the LM head, and the CPU
+            # kernel of a tied head (an FFI call) would then run once per row.
+            num_tokens, rows = hidden.shape[0], min(PROMPT_LOGITS_ROWS, hidden.shape[0])
+            groups, pad = -(-num_tokens // rows), -num_tokens % rows
+            hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(groups, rows, -1)
+            targets = jnp.pad(targets, (0, pad)).reshape(groups, rows)
+            tables = jax.lax.map(lambda group: prompt_logprob_tables(model.logits(group[0]), group[1]),
+                                 (hidden, targets))
+            return tuple(t.reshape(groups * rows, *t.shape[2:])[:num_tokens] for t in tables)
 
         def compact(kv, out: TreeVerifyOutput, tree_slots):
             """Move each row's accepted drafts' K/V to the slots after its root, in path order

@@ -139,7 +139,7 @@ def ragged_paged_attention(
     if tree_mask is None:
         tree_mask = jnp.full(q.shape[:1], -1, jnp.int32)  # every bit set: plain causal attention
     ints = [jnp.asarray(x, jnp.int32) for x in (kv_lens, block_tables, query_start_loc, tree_mask)]
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(q, k_pages, v_pages, *ints, sm_scale=np.float32(sm_scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
 
@@ -153,5 +153,6 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax
     if m > MAX_ROWS or k != w.shape[1 if transposed else 0]:
         raise ValueError(f"small_matmul takes x [M <= {MAX_ROWS}, K] and w [K, N] (or [N, K] transposed), "
                          f"got {x.shape} and {w.shape}")
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype))
+    # Under vmap: one call per element (correct, not fast; the engine does not vmap it).
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
     return call(x, w, transposed=transposed)

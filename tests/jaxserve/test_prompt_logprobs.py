@@ -133,3 +133,22 @@ def test_out_of_range_is_refused():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_tied_head_on_the_cpu_kernel_matches_hf(tmp_path):
+    """A tied LM head runs its decode products through the CPU kernel; prompt logprobs
+    compute the head over groups of rows, and must still match transformers."""
+    import transformers
+
+    from jaxserve.weights import load_model
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model("llama-tied-mqa-llama3rope", tmp_path)
+    eng = engine(load_model(str(tmp_path), use_cache=False, progress=False))
+    assert eng.matmul_backend == "cpu"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    requests = [(PROMPTS[0], params(3)), (PROMPTS[1], params(2))]
+    for out, (prompt, p) in zip(run(eng, requests), requests):
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+        check_against_hf(prompt, out.prompt_logprobs, p.prompt_logprobs, want)

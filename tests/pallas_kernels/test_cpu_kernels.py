@@ -111,3 +111,11 @@ def test_small_matmul_in_bfloat16_equals_xla():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-1)
     with pytest.raises(ValueError, match="M <= 16"):
         cpu_kernels.small_matmul(jnp.zeros((17, 128)), jnp.zeros((128, 4)))
+
+
+def test_small_matmul_under_vmap_runs_once_per_element():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 2, 32)).astype(np.float32)
+    w = rng.standard_normal((48, 32)).astype(np.float32)
+    got = jax.vmap(lambda row: cpu_kernels.small_matmul(row, w, transposed=True))(x)
+    np.testing.assert_allclose(np.asarray(got), x @ w.T, atol=1e-4, rtol=1e-5)
