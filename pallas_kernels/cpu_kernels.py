@@ -20,6 +20,7 @@ to pure JAX.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -146,7 +147,13 @@ def ragged_paged_attention(
 
 def small_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
     """x [M, K] @ w [K, N] (or @ w.T for w [N, K] with `transposed`), M <= MAX_ROWS; float32
-    or bfloat16, the result in x's dtype, accumulated in float32."""
+    or bfloat16, the result in x's dtype, accumulated in float32. Differentiable (the
+    gradients are XLA dots), so a model marked for it still trains."""
+    return _small_matmul(x, w, transposed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _small_matmul(x, w, transposed):
     _check_built()
     m, k = x.shape
     n = w.shape[0] if transposed else w.shape[1]
@@ -156,3 +163,17 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax
     # Under vmap: one call per element (correct, not fast; the engine does not vmap it).
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
     return call(x, w, transposed=transposed)
+
+
+def _small_matmul_fwd(x, w, transposed):
+    return _small_matmul(x, w, transposed), (x, w)
+
+
+def _small_matmul_bwd(transposed, residuals, g):
+    x, w = residuals
+    dx = g @ w if transposed else g @ w.T
+    dw = g.T @ x if transposed else x.T @ g
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_small_matmul.defvjp(_small_matmul_fwd, _small_matmul_bwd)

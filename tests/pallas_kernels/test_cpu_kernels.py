@@ -119,3 +119,15 @@ def test_small_matmul_under_vmap_runs_once_per_element():
     w = rng.standard_normal((48, 32)).astype(np.float32)
     got = jax.vmap(lambda row: cpu_kernels.small_matmul(row, w, transposed=True))(x)
     np.testing.assert_allclose(np.asarray(got), x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_small_matmul_gradients_equal_xla(transposed):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 32) if transposed else (32, 40)), jnp.float32)
+    loss = lambda mm: lambda x, w: jnp.sum(jnp.tanh(mm(x, w)))  # noqa: E731
+    got = jax.grad(loss(lambda x, w: cpu_kernels.small_matmul(x, w, transposed=transposed)), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: x @ (w.T if transposed else w)), argnums=(0, 1))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
