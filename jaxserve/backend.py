@@ -114,10 +114,8 @@ def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
 
 
 def dense_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str | None:
-    """Why the CPU small-matmul kernel cannot serve this model's tied LM head, or None (then
-    it is built and registered)."""
-    if not model.cfg.tie_word_embeddings:
-        return "it serves tied LM heads (XLA's dot is as fast for the others)"
+    """Why the CPU kernels cannot serve this model's few-row products (its decoder layers,
+    a tied LM head), or None (then they are built and registered)."""
     if device.platform != "cpu":
         return f"it runs on the CPU; this device is {device.platform}"
     if tp > 1:  # NOTE: a custom call is opaque to GSPMD, like a Pallas call
@@ -128,8 +126,9 @@ def dense_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str |
 
 
 def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
-    """For a model without quantized layers: "cpu" marks its tied LM head to run its few-row
-    products (decode steps) through the CPU kernel, in place; else "reference"."""
+    """For a model without quantized layers: "cpu" marks it, in place, to run its few-row
+    products (decode steps) through the CPU kernels: the decoder layers' (up to
+    LAYER_MAX_ROWS rows) and a tied LM head's; else "reference"."""
     if name == "pallas":  # nothing to choose for (as with the variable set for every model)
         logger.info("matmul backend: reference (the Pallas matmul kernels are for quantized models; this one is "
                     "not quantized)")
@@ -140,8 +139,9 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     use = name != "reference" and reason is None
     model.few_rows_kernel = use
     if use:
-        logger.info("matmul backend: cpu on %s for the tied LM head's products of up to %d rows",
-                    device.device_kind, cpu_kernels.MAX_ROWS)
+        logger.info("matmul backend: cpu on %s for the decoder layers' products of up to %d rows%s",
+                    device.device_kind, cpu_kernels.LAYER_MAX_ROWS,
+                    f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "")
     elif name == "auto":
         logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
     return "cpu" if use else "reference"
@@ -150,8 +150,8 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
 def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:
     """Choose the matmul backend for `name` (None: env var, else auto) and apply it to
     `model` in place. For a quantized model, "pallas" converts its quantized layers to the
-    Mosaic GPU kernels' layout; for a float model, "cpu" sends its tied LM head's few-row
-    products (decode steps) to the CPU kernel (see select_dense_matmul). Returns the backend used."""
+    Mosaic GPU kernels' layout; for a float model, "cpu" sends its few-row products (decode
+    steps) to the CPU kernels (see select_dense_matmul). Returns the backend used."""
     name = name or os.environ.get(MATMUL_ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")

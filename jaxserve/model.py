@@ -71,13 +71,22 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
-        cfg = self.cfg
-        t = x.shape[0]
         with jax.named_scope("qkv_proj"):
-            q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        out, kv = self.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
+        with jax.named_scope("o_proj"):
+            return self.o_proj(out), kv
+
+    def attend(self, q, k, v, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
+        """From the projected q [T, H * Dh], k and v [T, KV * Dh] to attention's output
+        [T, H * Dh] (before o_proj), and the cache with this step's K/V."""
+        cfg = self.cfg
+        t = q.shape[0]
+        with jax.named_scope("qkv_proj"):
+            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
             # KV heads from the weights' shape: under tensor parallelism they may be repeated (jaxserve.sharding).
-            k = self.k_proj(x).reshape(t, -1, cfg.head_dim)
-            v = self.v_proj(x).reshape(t, -1, cfg.head_dim)
+            k = k.reshape(t, -1, cfg.head_dim)
+            v = v.reshape(t, -1, cfg.head_dim)
             if cfg.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
         with jax.named_scope("rope"):
@@ -95,8 +104,7 @@ class Attention(nnx.Module):
                 sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, **pages.scales(),
                 **({} if inputs.tree_mask is None else {"tree_mask": inputs.tree_mask}),
             )
-        with jax.named_scope("o_proj"):
-            return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), kv
+        return out.reshape(t, cfg.num_heads * cfg.head_dim), kv
 
 
 class MLP(nnx.Module):
@@ -139,9 +147,42 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
     return unstacked
 
 
-def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
+def uses_layer_kernels(layer: DecoderLayer, x: jax.Array) -> bool:
+    """Whether `_layer` runs this layer's projections through the CPU kernels for few rows
+    (a model marked `few_rows_kernel`): plain float projections, no o_proj bias."""
+    projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+    return (all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
+            and x.ndim == 2 and x.shape[0] <= cpu_kernels.LAYER_MAX_ROWS and x.dtype == layer.self_attn.q_proj.kernel.dtype
+            and x.dtype in cpu_kernels.KV_DTYPES)
+
+
+def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
+    """`_layer` with each half of the layer as one CPU kernel call (cpu_kernels.norm_qkv and
+    o_proj_mlp): XLA runs a few-row layer as a dozen small ops, each paying a dispatch and a
+    wake-up of its thread pool."""
+    x, kv, layer_idx = carry
+    attn, mlp = layer.self_attn, layer.mlp
+    with jax.named_scope("qkv_proj"):
+        q, k, v = cpu_kernels.norm_qkv(x, layer.input_layernorm.weight[...], attn.q_proj.kernel[...],
+                                       attn.k_proj.kernel[...], attn.v_proj.kernel[...],
+                                       eps=layer.input_layernorm.eps)
+        if attn.q_proj.bias is not None:
+            q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
+    out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
+    with jax.named_scope("mlp"):  # o_proj's time is charged here
+        x = cpu_kernels.o_proj_mlp(out, x, attn.o_proj.kernel[...], layer.post_attention_layernorm.weight[...],
+                                   mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...],
+                                   eps=layer.post_attention_layernorm.eps)
+    return x, kv, layer_idx + 1
+
+
+def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn,
+           few_rows_kernel: bool = False):
     """One decoder layer; carry: (x, the cache, layer index)."""
     x, kv, layer_idx = carry
+    if few_rows_kernel and uses_layer_kernels(layer, x):
+        return _layer_kernels(carry, layer, inputs, inv_freq, attention)
     with jax.named_scope("norm"):
         h = layer.input_layernorm(x)
     h, kv = layer.self_attn(h, inputs, kv, layer_idx, inv_freq, attention)
@@ -153,13 +194,13 @@ def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention:
 
 
 @functools.cache
-def _jitted_layer(layer_def, attention: AttentionFn):
+def _jitted_layer(layer_def, attention: AttentionFn, few_rows_kernel: bool):
     """`_layer` as one jitted function of the layer's weights. The unrolled forward pass calls
     it once per layer: jax then traces and lowers a single layer (unrolling 30 layers in
     Python made each program take seconds to trace, even on a compile-cache hit), and XLA
     inlines the calls into one program with each layer's weights read in place."""
     return jax.jit(lambda carry, state, inputs, inv_freq: _layer(carry, nnx.merge(layer_def, state), inputs, inv_freq,
-                                                                 attention))
+                                                                 attention, few_rows_kernel))
 
 
 class DecoderLM(nnx.Module):
@@ -219,13 +260,13 @@ class DecoderLM(nnx.Module):
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         carry = (x, kv, jnp.int32(0))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
-            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention)
+            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, self.few_rows_kernel)
             for layer in self.layers:
                 carry = run_layer(carry, nnx.state(layer), inputs, inv_freq)
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
             carry, _ = jax.lax.scan(
-                lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention),
-                                  None), carry, layer_state)
+                lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention,
+                                         self.few_rows_kernel), None), carry, layer_state)
         x, kv, _ = carry
         return x, kv

@@ -380,6 +380,254 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+
+// ---- Few-row decoder blocks: JaxserveNormQKV and JaxserveOProjMLP ----
+//
+// A decode step's layer as XLA runs it is a chain of a dozen small ops; on the CPU each op
+// pays a dispatch and a wake-up of the thread pool, and the step's time grows well past its
+// weight bytes over the read bandwidth. These kernels run each half of a layer as one call:
+// phases of units (a K-split slice of a projection, a block of a reduction), with the
+// calling thread and the pool's helpers spinning between phases instead of sleeping.
+
+constexpr int64_t kMaxSplit = 8;  // K-split units per projection (a function of K only, so a
+                                  // row's result does not depend on how many rows run with it)
+
+int64_t split_count(int64_t k) { return std::clamp<int64_t>((k + 63) / 64, 1, kMaxSplit); }
+
+template <typename T>
+float rounded(float x) {  // x as the model's dtype holds it
+  T t;
+  store(x, &t);
+  return load(t);
+}
+
+inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Runs the phases in order: phase p's units i in [0, sizes[p]) as run(p, i), on this thread and
+// on up to cores - 1 of the pool's threads. Between phases each thread spins (then yields) until
+// every unit of the phase is done. A helper that starts late finds the phases done and leaves;
+// the calling thread alone can run everything, so a busy pool only makes it slower.
+template <typename Run>
+void run_phases(ffi::ThreadPool& pool, std::vector<int64_t> sizes, Run run) {
+  struct Shared {
+    Shared(std::vector<int64_t> sizes, Run run)
+        : sizes(std::move(sizes)), run(std::move(run)), next(this->sizes.size()), done(this->sizes.size()) {
+      for (size_t p = 0; p < this->sizes.size(); ++p) next[p].store(0), done[p].store(0);
+    }
+    std::vector<int64_t> sizes;
+    Run run;
+    std::vector<std::atomic<int64_t>> next, done;
+    void work() {
+      for (size_t p = 0; p < sizes.size(); ++p) {
+        for (int64_t i; (i = next[p].fetch_add(1, std::memory_order_relaxed)) < sizes[p];) {
+          run(p, i);
+          done[p].fetch_add(1, std::memory_order_release);
+        }
+        for (int spins = 0; done[p].load(std::memory_order_acquire) < sizes[p]; ++spins)
+          spins < 4096 ? pause() : std::this_thread::yield();
+      }
+    }
+  };
+  auto shared = std::make_shared<Shared>(std::move(sizes), std::move(run));
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cores - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+}
+
+// part [m, n] = x[:, k0:k1] @ w[k0:k1, :] for w [k, n]: four weight rows per pass, in column
+// tiles that keep the m accumulator rows in the L1 cache.
+template <typename XT, typename WT>
+void matmul_part(const XT* x, const WT* w, float* part, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t k1) {
+  std::fill(part, part + m * n, 0.0f);
+  const int64_t tile = std::clamp<int64_t>(8192 / m, 64, n);
+  for (int64_t c0 = 0; c0 < n; c0 += tile) {
+    const int64_t cols = std::min(tile, n - c0);
+    int64_t i = k0;
+    for (; i + 4 <= k1; i += 4) {
+      const WT *w0 = w + i * n + c0, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+      for (int64_t r = 0; r < m; ++r) {
+        const float a0 = load(x[r * k + i]), a1 = load(x[r * k + i + 1]), a2 = load(x[r * k + i + 2]),
+                    a3 = load(x[r * k + i + 3]);
+        float* acc = part + r * n + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c)
+          acc[c] += a0 * load(w0[c]) + a1 * load(w1[c]) + a2 * load(w2[c]) + a3 * load(w3[c]);
+      }
+    }
+    for (; i < k1; ++i)
+      for (int64_t r = 0; r < m; ++r) {
+        const float a = load(x[r * k + i]);
+        const WT* wi = w + i * n + c0;
+        float* acc = part + r * n + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) acc[c] += a * load(wi[c]);
+      }
+  }
+}
+
+// One projection of a block: its input rows, its weights [k, n], and its K-split partial sums.
+template <typename XT, typename T>
+struct Projection {
+  const XT* x;
+  const T* w;
+  int64_t k, n;
+  std::vector<float> parts;  // [split_count(k), m, n]
+  Projection(const XT* x, const T* w, int64_t m, int64_t k, int64_t n)
+      : x(x), w(w), k(k), n(n), parts(split_count(k) * m * n) {}
+  int64_t units() const { return split_count(k); }
+  void run(int64_t u, int64_t m) {
+    const int64_t s = units();
+    matmul_part(x, w, parts.data() + u * m * n, m, k, n, k * u / s, k * (u + 1) / s);
+  }
+  float sum(int64_t r, int64_t c, int64_t m) const {  // (x @ w)[r, c]
+    float total = 0.0f;
+    for (int64_t u = 0; u < units(); ++u) total += parts[(u * m + r) * n + c];
+    return total;
+  }
+};
+
+// h = weight * RMSNorm(x), rounded where the model's dtype rounds (jaxserve.model.RMSNorm).
+template <typename T>
+void rms_norm(const T* x, const T* weight, float eps, int64_t m, int64_t d, float* h) {
+  for (int64_t r = 0; r < m; ++r) {
+    float squares = 0.0f;
+    for (int64_t e = 0; e < d; ++e) squares += load(x[r * d + e]) * load(x[r * d + e]);
+    const float scale = 1.0f / std::sqrt(squares / float(d) + eps);
+    for (int64_t e = 0; e < d; ++e)
+      h[r * d + e] = rounded<T>(load(weight[e]) * rounded<T>(load(x[r * d + e]) * scale));
+  }
+}
+
+constexpr int64_t kReduceBlock = 256;  // output columns per reduction unit
+
+// q, k, v = RMSNorm(x) @ wq, wk, wv (without biases). Phases: the norm; the projections' K-split
+// units; the partial sums reduced into the outputs, by blocks of columns.
+template <typename T>
+void norm_qkv(ffi::ThreadPool& pool, const T* x, const T* norm_w, const T* wq, const T* wk, const T* wv, float eps,
+              int64_t m, int64_t d, int64_t nq, int64_t nk, T* q, T* k, T* v) {
+  std::vector<float> h(m * d);
+  std::vector<Projection<float, T>> proj;
+  proj.reserve(3);
+  proj.emplace_back(h.data(), wq, m, d, nq);
+  proj.emplace_back(h.data(), wk, m, d, nk);
+  proj.emplace_back(h.data(), wv, m, d, nk);
+  T* outs[3] = {q, k, v};
+  const int64_t split = proj[0].units(), blocks = (nq + kReduceBlock - 1) / kReduceBlock,
+                kv_blocks = (nk + kReduceBlock - 1) / kReduceBlock;
+  run_phases(pool, {1, 3 * split, blocks + 2 * kv_blocks}, [&](size_t phase, int64_t i) {
+    if (phase == 0) return rms_norm(x, norm_w, eps, m, d, h.data());
+    if (phase == 1) return proj[i / split].run(i % split, m);
+    const int64_t j = i < blocks ? 0 : 1 + (i - blocks) / kv_blocks;
+    const int64_t block = j == 0 ? i : (i - blocks) % kv_blocks, n = proj[j].n;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = block * kReduceBlock; c < std::min(n, (block + 1) * kReduceBlock); ++c)
+        store(proj[j].sum(r, c, m), outs[j] + r * n + c);
+  });
+}
+
+// The rest of a layer: x1 = x + attn @ wo; out = x1 + MLP(RMSNorm(x1)), with the MLP
+// down(silu(gate(h)) * up(h)). Phases: o_proj; the residual and the norm; gate and up; the
+// activation; down; the residual.
+template <typename T>
+void o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, const T* wo, const T* norm_w, const T* wg,
+                const T* wu, const T* wd, float eps, int64_t m, int64_t a, int64_t d, int64_t f, T* out) {
+  std::vector<T> x1(m * d);
+  std::vector<float> h(m * d), act(m * f);
+  Projection<T, T> o(attn, wo, m, a, d);
+  Projection<float, T> gate(h.data(), wg, m, d, f), up(h.data(), wu, m, d, f);
+  Projection<float, T> down(act.data(), wd, m, f, d);
+  const int64_t act_blocks = (f + kReduceBlock - 1) / kReduceBlock;
+  run_phases(pool, {o.units(), 1, 2 * gate.units(), act_blocks, down.units(), 1}, [&](size_t phase, int64_t i) {
+    switch (phase) {
+      case 0: return o.run(i, m);
+      case 1:
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < d; ++c)
+            store(load(x[r * d + c]) + rounded<T>(o.sum(r, c, m)), &x1[r * d + c]);
+        return rms_norm(x1.data(), norm_w, eps, m, d, h.data());
+      case 2: return (i < gate.units() ? gate : up).run(i % gate.units(), m);
+      case 3:
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = i * kReduceBlock; c < std::min(f, (i + 1) * kReduceBlock); ++c) {
+            const float g = rounded<T>(gate.sum(r, c, m)), u = rounded<T>(up.sum(r, c, m));
+            act[r * f + c] = rounded<T>(rounded<T>(g / (1.0f + std::exp(-g))) * u);
+          }
+        return;
+      case 4: return down.run(i, m);
+      default:
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < d; ++c)
+            store(load(x1[r * d + c]) + rounded<T>(down.sum(r, c, m)), out + r * d + c);
+    }
+  });
+}
+
+bool is_float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+bool shape_is(const ffi::AnyBuffer& b, std::initializer_list<int64_t> dims) {
+  auto got = b.dimensions();
+  return got.size() == dims.size() && std::equal(dims.begin(), dims.end(), got.begin());
+}
+
+ffi::Error NormQKV(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer norm_w, ffi::AnyBuffer wq,
+                   ffi::AnyBuffer wk, ffi::AnyBuffer wv, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> k,
+                   ffi::Result<ffi::AnyBuffer> v, float eps) {
+  const auto t = x.element_type();
+  for (auto type : {norm_w.element_type(), wq.element_type(), wk.element_type(), wv.element_type(),
+                    q->element_type(), k->element_type(), v->element_type()})
+    if (!is_float(t) || type != t) return ffi::Error::InvalidArgument("every array must be float32, or every bfloat16");
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[0] > kMaxRows || wq.dimensions().size() != 2 || wk.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("expected x [M <= 16, D] and weights [D, N]");
+  const int64_t m = xd[0], d = xd[1], nq = wq.dimensions()[1], nk = wk.dimensions()[1];
+  if (!shape_is(norm_w, {d}) || !shape_is(wq, {d, nq}) || !shape_is(wk, {d, nk}) || !shape_is(wv, {d, nk}) ||
+      !shape_is(*q, {m, nq}) || !shape_is(*k, {m, nk}) || !shape_is(*v, {m, nk}))
+    return ffi::Error::InvalidArgument("inconsistent shapes for norm_qkv");
+  if (t == ffi::DataType::F32)
+    norm_qkv<float>(pool, x.typed_data<float>(), norm_w.typed_data<float>(), wq.typed_data<float>(),
+                    wk.typed_data<float>(), wv.typed_data<float>(), eps, m, d, nq, nk, q->typed_data<float>(),
+                    k->typed_data<float>(), v->typed_data<float>());
+  else
+    norm_qkv<uint16_t>(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                       static_cast<const uint16_t*>(norm_w.untyped_data()),
+                       static_cast<const uint16_t*>(wq.untyped_data()), static_cast<const uint16_t*>(wk.untyped_data()),
+                       static_cast<const uint16_t*>(wv.untyped_data()), eps, m, d, nq, nk,
+                       static_cast<uint16_t*>(q->untyped_data()), static_cast<uint16_t*>(k->untyped_data()),
+                       static_cast<uint16_t*>(v->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error OProjMLP(ffi::ThreadPool pool, ffi::AnyBuffer attn, ffi::AnyBuffer x, ffi::AnyBuffer wo,
+                    ffi::AnyBuffer norm_w, ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd,
+                    ffi::Result<ffi::AnyBuffer> out, float eps) {
+  const auto t = x.element_type();
+  for (auto type : {attn.element_type(), wo.element_type(), norm_w.element_type(), wg.element_type(),
+                    wu.element_type(), wd.element_type(), out->element_type()})
+    if (!is_float(t) || type != t) return ffi::Error::InvalidArgument("every array must be float32, or every bfloat16");
+  auto ad = attn.dimensions(), xd = x.dimensions(), gd = wg.dimensions();
+  if (ad.size() != 2 || xd.size() != 2 || gd.size() != 2 || ad[0] > kMaxRows)
+    return ffi::Error::InvalidArgument("expected attn [M <= 16, A], x [M, D] and weights [K, N]");
+  const int64_t m = ad[0], a = ad[1], d = xd[1], f = gd[1];
+  if (!shape_is(x, {m, d}) || !shape_is(wo, {a, d}) || !shape_is(norm_w, {d}) || !shape_is(wg, {d, f}) ||
+      !shape_is(wu, {d, f}) || !shape_is(wd, {f, d}) || !shape_is(*out, {m, d}))
+    return ffi::Error::InvalidArgument("inconsistent shapes for o_proj_mlp");
+  if (t == ffi::DataType::F32)
+    o_proj_mlp<float>(pool, attn.typed_data<float>(), x.typed_data<float>(), wo.typed_data<float>(),
+                      norm_w.typed_data<float>(), wg.typed_data<float>(), wu.typed_data<float>(),
+                      wd.typed_data<float>(), eps, m, a, d, f, out->typed_data<float>());
+  else {
+    auto in = [](const ffi::AnyBuffer& b) { return static_cast<const uint16_t*>(b.untyped_data()); };
+    o_proj_mlp<uint16_t>(pool, in(attn), in(x), in(wo), in(norm_w), in(wg), in(wu), in(wd), eps, m, a, d, f,
+                         static_cast<uint16_t*>(out->untyped_data()));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
@@ -404,3 +652,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveNormQKV, NormQKV,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // the norm's weight
+                                  .Arg<ffi::AnyBuffer>()  // wq
+                                  .Arg<ffi::AnyBuffer>()  // wk
+                                  .Arg<ffi::AnyBuffer>()  // wv
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // k
+                                  .Ret<ffi::AnyBuffer>()  // v
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveOProjMLP, OProjMLP,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // attn
+                                  .Arg<ffi::AnyBuffer>()  // x, the layer's input
+                                  .Arg<ffi::AnyBuffer>()  // wo
+                                  .Arg<ffi::AnyBuffer>()  // the post-attention norm's weight
+                                  .Arg<ffi::AnyBuffer>()  // w_gate
+                                  .Arg<ffi::AnyBuffer>()  // w_up
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"));

@@ -1,7 +1,7 @@
 """The matmul backend switch, and quantized layers in the kernel layout.
 
 On this CPU `select_matmul` picks the reference for quantized models unless forced, and the
-C++ kernel for a float model's tied LM head; the layout conversion and the layers' kernel
+C++ kernels for a float model's few-row products; the layout conversion and the layers' kernel
 path are checked with the kernels run in the Mosaic GPU interpreter.
 """
 
@@ -55,9 +55,10 @@ def test_environment_variable_unknown_names_and_unquantized_models(monkeypatch, 
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_a_float_model_on_cpu_sends_its_tied_head_to_the_cpu_kernel(tied, caplog):
-    """Auto marks a tied LM head (only); its logits equal XLA's, with few rows and with more
-    rows than the kernel takes (those stay on XLA)."""
+def test_a_float_model_on_cpu_sends_its_few_row_products_to_the_cpu_kernels(tied, caplog):
+    """Auto marks a float model (the layers, tests/jaxserve/test_model_vs_hf.py; a tied LM
+    head here): the logits equal XLA's, with few rows and with more rows than the kernel
+    takes (those stay on XLA). An untied head stays on XLA."""
     import dataclasses
 
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
@@ -65,15 +66,15 @@ def test_a_float_model_on_cpu_sends_its_tied_head_to_the_cpu_kernel(tied, caplog
     x = jax.random.normal(jax.random.key(1), (20, cfg.hidden_size))
     want = [model.logits(x[:3]), model.logits(x)]
     with caplog.at_level(logging.INFO, logger="jaxserve.backend"):
-        assert select_matmul(None, model) == ("cpu" if tied else "reference")
-    assert model.few_rows_kernel == tied
-    assert ("tied LM head's products" if tied else "it serves tied LM heads") in caplog.text
+        assert select_matmul(None, model) == "cpu"
+    assert model.few_rows_kernel
+    assert "decoder layers' products of up to 4 rows" in caplog.text
+    assert ("the tied LM head's of up to 16" in caplog.text) == tied
     got = [jax.jit(model.logits)(x[:3]), jax.jit(model.logits)(x)]
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
-    if tied:
-        assert "custom_call" in jax.jit(model.logits).lower(x[:3]).as_text()
-        assert select_matmul("reference", model) == "reference" and not model.few_rows_kernel
+    assert ("custom_call" in jax.jit(model.logits).lower(x[:3]).as_text()) == tied
+    assert select_matmul("reference", model) == "reference" and not model.few_rows_kernel
 
 
 def test_layers_say_which_shapes_the_kernels_refuse():

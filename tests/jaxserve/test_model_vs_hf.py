@@ -7,8 +7,10 @@ import pytest
 import torch
 from flax import nnx
 
+from jaxserve.backend import select_matmul
 from jaxserve.kv_cache import allocate_kv_cache
 from jaxserve.weights import load_model
+from pallas_kernels import cpu_kernels
 from tests.paged import PagedSequences
 from tests.tiny_models import TINY_MODELS, make_tiny_model
 
@@ -66,3 +68,31 @@ def test_prefill_then_decode_matches_hf(tiny):
             err = np.abs(np.asarray(logits[s], np.float64) - want[s][start]).max()
             assert err <= 1e-4, f"sequence {s} position {start}: max abs error {err:.2e}"
         done = [min(d + 1, n) for d, n in zip(done, PROMPT_LENS)]
+
+
+def test_decode_on_the_cpu_layer_kernels_matches_hf(tiny):
+    """A model marked for the CPU kernels (select_matmul) runs the layers of a step of up to
+    LAYER_MAX_ROWS tokens as two C++ calls each (cpu_kernels.norm_qkv, o_proj_mlp)."""
+    loaded, prompts, want = tiny
+    lens, rows = PROMPT_LENS[:3], cpu_kernels.LAYER_MAX_ROWS
+    assert select_matmul("cpu", loaded.model) == "cpu"
+    try:
+        step, state = jitted_step(loaded.model)
+        seqs = PagedSequences(lens, BLOCK_SIZE, num_blocks=40, seed=5)
+        kv = allocate_kv_cache(loaded.config, 40, BLOCK_SIZE, jnp.float32)
+        done = [max(1, n - 4) for n in lens]
+        _, kv = step(state, kv, seqs.step(prompts, [(0, d) for d in done], pad_to=64))
+        while any(d < n for d, n in zip(done, lens)):
+            spans = [(d, d + 1) if d < n else (n - 1, n) for d, n in zip(done, lens)]
+            inputs = seqs.step(prompts, spans, pad_to=rows)
+            logits, kv = step(state, kv, inputs)
+            for s, (start, end) in enumerate(spans):
+                err = np.abs(np.asarray(logits[s], np.float64) - want[s][start]).max()
+                assert err <= 1e-4, f"sequence {s} position {start}: max abs error {err:.2e}"
+            done = [min(d + 1, n) for d, n in zip(done, lens)]
+        program = step.lower(state, kv, inputs).as_text()  # the layers' calls share one function
+        plain = loaded.model.layers[0].self_attn.o_proj.bias is None  # an o_proj bias stays on XLA
+        for target in (cpu_kernels.NORM_QKV_TARGET, cpu_kernels.O_PROJ_MLP_TARGET):
+            assert (target in program) == plain
+    finally:
+        select_matmul("reference", loaded.model)

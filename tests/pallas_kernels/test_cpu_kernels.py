@@ -1,6 +1,7 @@
 """The C++ CPU kernels (XLA FFI): attention against the dense float64 oracle and against the
 pure-JAX reference on the same inputs (unused pages and slots are NaN, tests/attention_cases:
-a read outside a sequence's context shows up as NaN); the small matmul against NumPy."""
+a read outside a sequence's context shows up as NaN); the small matmul and the decoder-layer
+blocks against NumPy in float64."""
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +132,62 @@ def test_small_matmul_gradients_equal_xla(transposed):
     want = jax.grad(loss(lambda x, w: x @ (w.T if transposed else w)), argnums=(0, 1))(x, w)
     for g, e in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
+
+
+def rms_norm64(x, weight, eps):
+    return weight * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def block_case(m, d, a, nk, f, dtype, seed):
+    rng = np.random.default_rng(seed)
+    arrays = dict(x=rng.standard_normal((m, d)), norm1=1 + 0.1 * rng.standard_normal(d),
+                  wq=0.1 * rng.standard_normal((d, a)), wk=0.1 * rng.standard_normal((d, nk)),
+                  wv=0.1 * rng.standard_normal((d, nk)), attn=rng.standard_normal((m, a)),
+                  wo=0.1 * rng.standard_normal((a, d)), norm2=1 + 0.1 * rng.standard_normal(d),
+                  wg=0.1 * rng.standard_normal((d, f)), wu=0.1 * rng.standard_normal((d, f)),
+                  wd=0.1 * rng.standard_normal((f, d)))
+    ins = {k: jnp.asarray(v, dtype) for k, v in arrays.items()}
+    return {k: np.asarray(v, np.float64) for k, v in ins.items()}, ins  # the oracle sees the rounded inputs
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("d,a,nk,f", [(576, 576, 192, 1536), (40, 24, 8, 100), (7, 9, 5, 13)])
+def test_decoder_layer_blocks_equal_numpy(m, d, a, nk, f):
+    """norm_qkv and o_proj_mlp against float64 NumPy: K split over units, ragged last units and
+    columns past the last full vector (the small shapes)."""
+    eps = 1e-5
+    want, ins = block_case(m, d, a, nk, f, jnp.float32, seed=m + d)
+    q, k, v = jax.jit(cpu_kernels.norm_qkv, static_argnames="eps")(
+        ins["x"], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps)
+    h = rms_norm64(want["x"], want["norm1"], eps)
+    for got, w in ((q, "wq"), (k, "wk"), (v, "wv")):
+        np.testing.assert_allclose(np.asarray(got), h @ want[w], atol=1e-5 * np.sqrt(d), rtol=1e-5)
+    out = jax.jit(cpu_kernels.o_proj_mlp, static_argnames="eps")(
+        ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps)
+    x1 = want["x"] + want["attn"] @ want["wo"]
+    h = rms_norm64(x1, want["norm2"], eps)
+    gate = h @ want["wg"]
+    expected = x1 + (gate / (1 + np.exp(-gate)) * (h @ want["wu"])) @ want["wd"]
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5 * np.sqrt(f), rtol=1e-5)
+
+
+def test_decoder_layer_blocks_in_bfloat16_and_their_errors():
+    """bfloat16 throughout, against the same float64 math (bfloat16 rounds the intermediates);
+    mixed dtypes and too many rows are refused."""
+    want, ins = block_case(2, 64, 64, 16, 128, jnp.bfloat16, seed=0)
+    q, k, _ = cpu_kernels.norm_qkv(ins["x"], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=1e-6)
+    assert q.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(k, np.float64), rms_norm64(want["x"], want["norm1"], 1e-6) @ want["wk"],
+                               atol=3e-2, rtol=2e-2)
+    out = cpu_kernels.o_proj_mlp(ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"],
+                                 eps=1e-6)
+    x1 = want["x"] + want["attn"] @ want["wo"]
+    h = rms_norm64(x1, want["norm2"], 1e-6)
+    gate = h @ want["wg"]
+    expected = x1 + (gate / (1 + np.exp(-gate)) * (h @ want["wu"])) @ want["wd"]
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=6e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_kernels.norm_qkv(ins["x"].astype(jnp.float32), ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=1e-6)
+    with pytest.raises(ValueError, match="up to 16 rows"):
+        cpu_kernels.o_proj_mlp(jnp.zeros((17, 64), jnp.bfloat16), jnp.zeros((17, 64), jnp.bfloat16), ins["wo"],
+                               ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=1e-6)
