@@ -152,9 +152,9 @@ def uses_layer_kernels(layer: DecoderLayer, x: jax.Array) -> bool:
     (a model marked `few_rows_kernel`): plain float projections, no o_proj bias."""
     projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-    return (all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
-            and x.ndim == 2 and x.shape[0] <= cpu_kernels.LAYER_MAX_ROWS and x.dtype == layer.self_attn.q_proj.kernel.dtype
-            and x.dtype in cpu_kernels.KV_DTYPES)
+    plain = all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
+    few_rows = x.ndim == 2 and x.shape[0] <= cpu_kernels.LAYER_MAX_ROWS
+    return plain and few_rows and x.dtype == layer.self_attn.q_proj.kernel.dtype and x.dtype in cpu_kernels.KV_DTYPES
 
 
 def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):

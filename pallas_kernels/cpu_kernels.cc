@@ -389,10 +389,15 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // phases of units (a K-split slice of a projection, a block of a reduction), with the
 // calling thread and the pool's helpers spinning between phases instead of sleeping.
 
-constexpr int64_t kMaxSplit = 8;  // K-split units per projection (a function of K only, so a
-                                  // row's result does not depend on how many rows run with it)
+int64_t cores() {
+  static const int64_t n = std::max<int64_t>(1, std::thread::hardware_concurrency());  // a system call
+  return n;
+}
 
-int64_t split_count(int64_t k) { return std::clamp<int64_t>((k + 63) / 64, 1, kMaxSplit); }
+// K-split units per projection: one per core (at two cores, 2 and 4 measured alike and 8 and
+// 16 slower: each unit costs a partial sum to reduce), at least 64 rows each. A function of
+// K and the machine, so that a row's result does not depend on how many rows run with it.
+int64_t split_count(int64_t k) { return std::clamp<int64_t>(cores(), 1, std::max<int64_t>(1, k / 64)); }
 
 template <typename T>
 float rounded(float x) {  // x as the model's dtype holds it
@@ -433,8 +438,7 @@ void run_phases(ffi::ThreadPool& pool, std::vector<int64_t> sizes, Run run) {
     }
   };
   auto shared = std::make_shared<Shared>(std::move(sizes), std::move(run));
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cores - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cores() - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
   shared->work();
 }
@@ -475,18 +479,17 @@ template <typename XT, typename T>
 struct Projection {
   const XT* x;
   const T* w;
-  int64_t k, n;
-  std::vector<float> parts;  // [split_count(k), m, n]
+  int64_t k, n, split;
+  std::vector<float> parts;  // [split, m, n]
   Projection(const XT* x, const T* w, int64_t m, int64_t k, int64_t n)
-      : x(x), w(w), k(k), n(n), parts(split_count(k) * m * n) {}
-  int64_t units() const { return split_count(k); }
+      : x(x), w(w), k(k), n(n), split(split_count(k)), parts(split * m * n) {}
+  int64_t units() const { return split; }
   void run(int64_t u, int64_t m) {
-    const int64_t s = units();
-    matmul_part(x, w, parts.data() + u * m * n, m, k, n, k * u / s, k * (u + 1) / s);
+    matmul_part(x, w, parts.data() + u * m * n, m, k, n, k * u / split, k * (u + 1) / split);
   }
   float sum(int64_t r, int64_t c, int64_t m) const {  // (x @ w)[r, c]
     float total = 0.0f;
-    for (int64_t u = 0; u < units(); ++u) total += parts[(u * m + r) * n + c];
+    for (int64_t u = 0; u < split; ++u) total += parts[(u * m + r) * n + c];
     return total;
   }
 };

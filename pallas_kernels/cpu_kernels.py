@@ -7,7 +7,7 @@
 - `norm_qkv` and `o_proj_mlp` are the two halves of a decoder layer for a few rows (RMSNorm
   and the q/k/v projections; o_proj, the residual, RMSNorm, the MLP and its residual), each
   one call. XLA runs such a layer as a dozen small ops, each paying a dispatch and a wake-up
-  of its thread pool: 21.9 against 17.3 ms for SmolLM2-135M's 30 layers and one row.
+  of its thread pool: 24.4 against 18.7 ms for SmolLM2-135M's 30 layers and one row.
 - `small_matmul(x, w)` is `x @ w` (or `x @ w.T`) for a few rows of x, as in a decode
   step, in blocks of output columns over XLA's thread pool. The engine uses it for a tied
   LM head, `x @ table.T`, where XLA's CPU dot is slow (17.8 against 3.3 ms alone, for
@@ -49,9 +49,9 @@ NORM_QKV_TARGET = "jaxserve_norm_qkv"
 O_PROJ_MLP_TARGET = "jaxserve_o_proj_mlp"
 MAX_ROWS = 16  # the most rows of x small_matmul takes
 # The most rows the decoder-layer kernels (norm_qkv, o_proj_mlp) serve in the engine. For
-# SmolLM2-135M's 30 layers on two cores they take 17.3 / 21.7 / 28.5 / 40.2 / 63.4 ms at
-# 1 / 2 / 4 / 8 / 16 rows, XLA 21.9 / 25.6 / 32.6 / 38.5 / 43.4 ms.
-LAYER_MAX_ROWS = 4
+# SmolLM2-135M's 30 layers on two cores they take 18.7 / 22.8 / 26.8 / 36.0 / 59.2 ms at
+# 1 / 2 / 4 / 8 / 16 rows, XLA 24.4 / 30.6 / 35.7 / 42.4 / 47.0 ms.
+LAYER_MAX_ROWS = 8
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 

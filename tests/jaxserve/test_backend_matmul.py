@@ -17,6 +17,7 @@ from jaxserve.backend import select_matmul
 from jaxserve.config import ModelConfig
 from jaxserve.model import DecoderLM
 from jaxserve.quantization import QuantConfig, QuantizedLinear, quantize, quantized_layers, use_kernel_layout
+from pallas_kernels import cpu_kernels
 
 CFG = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 64, 256)
 
@@ -68,7 +69,7 @@ def test_a_float_model_on_cpu_sends_its_few_row_products_to_the_cpu_kernels(tied
     with caplog.at_level(logging.INFO, logger="jaxserve.backend"):
         assert select_matmul(None, model) == "cpu"
     assert model.few_rows_kernel
-    assert "decoder layers' products of up to 4 rows" in caplog.text
+    assert f"decoder layers' products of up to {cpu_kernels.LAYER_MAX_ROWS} rows" in caplog.text
     assert ("the tied LM head's of up to 16" in caplog.text) == tied
     got = [jax.jit(model.logits)(x[:3]), jax.jit(model.logits)(x)]
     for g, w in zip(got, want):
