@@ -38,8 +38,8 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * h.astype(x.dtype)
 
 
-def uses_few_rows_kernel(x: jax.Array, w: jax.Array) -> bool:
-    return x.ndim == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS and x.dtype == w.dtype
+def uses_few_rows_kernel(x: jax.Array, w: jax.Array, max_rows: int = cpu_kernels.MAX_ROWS) -> bool:
+    return x.ndim == 2 and x.shape[0] <= max_rows and x.dtype == w.dtype
 
 
 def _linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):
@@ -153,8 +153,7 @@ def uses_layer_kernels(layer: DecoderLayer, x: jax.Array) -> bool:
     projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
     plain = all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
-    few_rows = x.ndim == 2 and x.shape[0] <= cpu_kernels.LAYER_MAX_ROWS
-    return plain and few_rows and x.dtype == layer.self_attn.q_proj.kernel.dtype and x.dtype in cpu_kernels.KV_DTYPES
+    return plain and uses_few_rows_kernel(x, layer.self_attn.q_proj.kernel, cpu_kernels.LAYER_MAX_ROWS)
 
 
 def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):

@@ -380,7 +380,6 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
-
 // ---- Few-row decoder blocks: JaxserveNormQKV and JaxserveOProjMLP ----
 //
 // A decode step's layer as XLA runs it is a chain of a dozen small ops; on the CPU each op
@@ -474,20 +473,17 @@ void matmul_part(const XT* x, const WT* w, float* part, int64_t m, int64_t k, in
   }
 }
 
-// One projection of a block: its input rows, its weights [k, n], and its K-split partial sums.
+// One projection of a block: its m input rows, its weights [k, n], and its K-split partial sums.
 template <typename XT, typename T>
 struct Projection {
   const XT* x;
   const T* w;
-  int64_t k, n, split;
+  int64_t m, k, n, split;
   std::vector<float> parts;  // [split, m, n]
   Projection(const XT* x, const T* w, int64_t m, int64_t k, int64_t n)
-      : x(x), w(w), k(k), n(n), split(split_count(k)), parts(split * m * n) {}
-  int64_t units() const { return split; }
-  void run(int64_t u, int64_t m) {
-    matmul_part(x, w, parts.data() + u * m * n, m, k, n, k * u / split, k * (u + 1) / split);
-  }
-  float sum(int64_t r, int64_t c, int64_t m) const {  // (x @ w)[r, c]
+      : x(x), w(w), m(m), k(k), n(n), split(split_count(k)), parts(split * m * n) {}
+  void run(int64_t u) { matmul_part(x, w, parts.data() + u * m * n, m, k, n, k * u / split, k * (u + 1) / split); }
+  float sum(int64_t r, int64_t c) const {  // (x @ w)[r, c]
     float total = 0.0f;
     for (int64_t u = 0; u < split; ++u) total += parts[(u * m + r) * n + c];
     return total;
@@ -520,16 +516,16 @@ void norm_qkv(ffi::ThreadPool& pool, const T* x, const T* norm_w, const T* wq, c
   proj.emplace_back(h.data(), wk, m, d, nk);
   proj.emplace_back(h.data(), wv, m, d, nk);
   T* outs[3] = {q, k, v};
-  const int64_t split = proj[0].units(), blocks = (nq + kReduceBlock - 1) / kReduceBlock,
+  const int64_t split = proj[0].split, blocks = (nq + kReduceBlock - 1) / kReduceBlock,
                 kv_blocks = (nk + kReduceBlock - 1) / kReduceBlock;
   run_phases(pool, {1, 3 * split, blocks + 2 * kv_blocks}, [&](size_t phase, int64_t i) {
     if (phase == 0) return rms_norm(x, norm_w, eps, m, d, h.data());
-    if (phase == 1) return proj[i / split].run(i % split, m);
+    if (phase == 1) return proj[i / split].run(i % split);
     const int64_t j = i < blocks ? 0 : 1 + (i - blocks) / kv_blocks;
     const int64_t block = j == 0 ? i : (i - blocks) % kv_blocks, n = proj[j].n;
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = block * kReduceBlock; c < std::min(n, (block + 1) * kReduceBlock); ++c)
-        store(proj[j].sum(r, c, m), outs[j] + r * n + c);
+        store(proj[j].sum(r, c), outs[j] + r * n + c);
   });
 }
 
@@ -545,27 +541,27 @@ void o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, const T* wo, c
   Projection<float, T> gate(h.data(), wg, m, d, f), up(h.data(), wu, m, d, f);
   Projection<float, T> down(act.data(), wd, m, f, d);
   const int64_t act_blocks = (f + kReduceBlock - 1) / kReduceBlock;
-  run_phases(pool, {o.units(), 1, 2 * gate.units(), act_blocks, down.units(), 1}, [&](size_t phase, int64_t i) {
+  run_phases(pool, {o.split, 1, 2 * gate.split, act_blocks, down.split, 1}, [&](size_t phase, int64_t i) {
     switch (phase) {
-      case 0: return o.run(i, m);
+      case 0: return o.run(i);
       case 1:
         for (int64_t r = 0; r < m; ++r)
           for (int64_t c = 0; c < d; ++c)
-            store(load(x[r * d + c]) + rounded<T>(o.sum(r, c, m)), &x1[r * d + c]);
+            store(load(x[r * d + c]) + rounded<T>(o.sum(r, c)), &x1[r * d + c]);
         return rms_norm(x1.data(), norm_w, eps, m, d, h.data());
-      case 2: return (i < gate.units() ? gate : up).run(i % gate.units(), m);
+      case 2: return (i < gate.split ? gate : up).run(i % gate.split);
       case 3:
         for (int64_t r = 0; r < m; ++r)
           for (int64_t c = i * kReduceBlock; c < std::min(f, (i + 1) * kReduceBlock); ++c) {
-            const float g = rounded<T>(gate.sum(r, c, m)), u = rounded<T>(up.sum(r, c, m));
+            const float g = rounded<T>(gate.sum(r, c)), u = rounded<T>(up.sum(r, c));
             act[r * f + c] = rounded<T>(rounded<T>(g / (1.0f + std::exp(-g))) * u);
           }
         return;
-      case 4: return down.run(i, m);
+      case 4: return down.run(i);
       default:
         for (int64_t r = 0; r < m; ++r)
           for (int64_t c = 0; c < d; ++c)
-            store(load(x1[r * d + c]) + rounded<T>(down.sum(r, c, m)), out + r * d + c);
+            store(load(x1[r * d + c]) + rounded<T>(down.sum(r, c)), out + r * d + c);
     }
   });
 }
