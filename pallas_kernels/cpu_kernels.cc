@@ -342,7 +342,24 @@ void matmul_rows(const XT* x, const WT* w, XT* y, int64_t m, int64_t k, int64_t 
   thread_local std::vector<float> xf;
   xf.resize(m * k);
   for (int64_t e = 0; e < m * k; ++e) xf[e] = load(x[e]);
-  for (int64_t j = row0; j < row0 + rows; ++j)
+  int64_t j = row0;
+  for (; j + 4 <= row0 + rows; j += 4)  // four weight rows at once: four independent sums in flight
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = xf.data() + r * k;
+      const WT *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t i = 0; i < k; ++i) {
+        const float xi = xr[i];
+        s0 += xi * load(w0[i]);
+        s1 += xi * load(w1[i]);
+        s2 += xi * load(w2[i]);
+        s3 += xi * load(w3[i]);
+      }
+      XT* yr = y + r * n + j;
+      store(s0, yr), store(s1, yr + 1), store(s2, yr + 2), store(s3, yr + 3);
+    }
+  for (; j < row0 + rows; ++j)
     for (int64_t r = 0; r < m; ++r) store(dot(xf.data() + r * k, w + j * k, k), y + r * n + j);
 }
 

@@ -90,10 +90,11 @@ def test_an_8bit_cache_is_refused():
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("k,n", [(64, 96), (576, 1536), (40, 300)])
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 1536), (40, 301)])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_small_matmul_equals_numpy(m, k, n, transposed):
-    """Columns split over units (256 per unit, 64 rows of a transposed weight), a ragged last unit."""
+    """Columns split over units (256 per unit, 64 rows of a transposed weight, taken four at a
+    time), a ragged last unit, and a last unit whose rows do not divide by four."""
     rng = np.random.default_rng(m * 7 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
@@ -102,12 +103,13 @@ def test_small_matmul_equals_numpy(m, k, n, transposed):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4 * np.sqrt(k), rtol=1e-5)
 
 
-def test_small_matmul_in_bfloat16_equals_xla():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_small_matmul_in_bfloat16_equals_xla(transposed):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((128, 512)), jnp.bfloat16)
-    got = cpu_kernels.small_matmul(x, w)
-    want = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((510, 128) if transposed else (128, 510)), jnp.bfloat16)
+    got = cpu_kernels.small_matmul(x, w, transposed=transposed)
+    want = jnp.dot(x, w.T if transposed else w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-1)
     with pytest.raises(ValueError, match="M <= 16"):
