@@ -3,6 +3,8 @@ pure-JAX reference on the same inputs (unused pages and slots are NaN, tests/att
 a read outside a sequence's context shows up as NaN); the small matmul and the decoder-layer
 blocks against NumPy in float64."""
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,6 +116,25 @@ def test_small_matmul_in_bfloat16_equals_xla(transposed):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-1)
     with pytest.raises(ValueError, match="M <= 16"):
         cpu_kernels.small_matmul(jnp.zeros((17, 128)), jnp.zeros((128, 4)))
+
+
+def test_kernels_called_from_several_threads_at_once_equal_numpy():
+    """Helper threads linger after a call and are handed the next one (cpu_kernels.cc,
+    `Helpers`): calls from several threads at once, back to back, each get their own result."""
+    rng = np.random.default_rng(2)
+    cases = [(rng.standard_normal((m, 96)).astype(np.float32), rng.standard_normal((n, 96)).astype(np.float32))
+             for m, n in [(1, 640), (3, 300), (16, 1000)]]
+    matmul = jax.jit(cpu_kernels.small_matmul, static_argnames="transposed")
+
+    def calls(x, w):
+        return [np.asarray(matmul(x, w, transposed=True)) for _ in range(40)]
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: calls(*case), cases))
+    for (x, w), got in zip(cases, results):
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        for g in got:
+            np.testing.assert_allclose(g, want, atol=1e-4 * np.sqrt(96), rtol=1e-5)
 
 
 def test_small_matmul_under_vmap_runs_once_per_element():
