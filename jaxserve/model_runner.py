@@ -140,7 +140,7 @@ class ModelRunner:
         self.graphdef, self.attention = graphdef, attention
         # A plain nested dict, not an nnx.State: jit flattens a dict in C++, where a State
         # costs about 0.3 ms of host time on every call (two calls a step).
-        self.params = place(params, param_shardings(params, mesh)).to_pure_dict()
+        self.params = nnx.to_pure_dict(place(params, param_shardings(params, mesh)))
         rows = max_num_seqs
         self.num_speculative_tokens = k = num_speculative_tokens
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)

@@ -54,7 +54,7 @@ class EagleProposer:
         self.config, self.scheduler, self.target = config, engine.scheduler, engine.runner
         target = self.target
         self.head_def, params = nnx.split(head)
-        self.params = jax.device_put(params, target.replicated).to_pure_dict()  # see ModelRunner.params
+        self.params = nnx.to_pure_dict(jax.device_put(params, target.replicated))  # see ModelRunner.params
         kv = allocate_kv_cache(head.cfg, target.kv.num_blocks, target.block_size, engine.kv_dtype)
         self.kv = jax.device_put(kv, target.replicated)
         self._follow = jax.jit(self._follow_fn, donate_argnames=("kv",))
