@@ -125,12 +125,12 @@ def main(argv=None) -> int:
 
     from api.disagg import DisaggRole
     from api.server import create_app
-    from jaxserve.kv_transfer import KVTransfer
-    from jaxserve.default_model import DefaultModelMissing
-    from jaxserve.engine import LLMEngine
-    from jaxserve.multihost import Follower
-    from jaxserve.sharding import replica_device_ids
-    from jaxserve.tokenization import read_chat_template
+    from jaxserve.parallel.kv_transfer import KVTransfer
+    from jaxserve.weights.default_model import DefaultModelMissing
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.parallel.multihost import Follower
+    from jaxserve.parallel.sharding import replica_device_ids
+    from jaxserve.engine.tokenization import read_chat_template
 
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          max_model_len=args.max_model_len, block_size=args.block_size,
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         if node is not None:
             node.stop()
     if disagg is not None and disagg.transfer.hung_pulls:
-        # A pull that never returned would make Python abort on the way out (jaxserve.kv_transfer).
+        # A pull that never returned would make Python abort on the way out (jaxserve.parallel.kv_transfer).
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -18,7 +18,7 @@ from api.serving import (
     EventStream, ServerState, collect, disconnected_response, new_id, start_generation, stream_events,
     unless_disconnected,
 )
-from jaxserve.tokenization import encode_chat
+from jaxserve.engine.tokenization import encode_chat
 
 router = APIRouter()
 

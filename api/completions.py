@@ -16,7 +16,7 @@ from api.serving import (
     EventStream, ServerState, Tally, collect, disconnected_response, new_id, start_generation, stream_events,
     unless_disconnected,
 )
-from jaxserve.tokenization import encode_prompt
+from jaxserve.engine.tokenization import encode_prompt
 
 router = APIRouter()
 

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation in the server: `python -m api --role prefill|decode`.
 
-vLLM's protocol (jaxserve.kv_transfer has the whole picture): a request's
+vLLM's protocol (jaxserve.parallel.kv_transfer has the whole picture): a request's
 `kv_transfer_params` ask a prefill server to hand the prompt's KV over
 (`{"do_remote_decode": true}`; the answer carries the params of the offer), or tell a decode
 server where to pull it from (`{"do_remote_prefill": true, ...}`, the prefill server's
@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from api.errors import bad_request
-from jaxserve.kv_cache import KVHandoff
-from jaxserve.kv_transfer import KVTransfer
+from jaxserve.model.kv_cache import KVHandoff
+from jaxserve.parallel.kv_transfer import KVTransfer
 
 logger = logging.getLogger(__name__)
 

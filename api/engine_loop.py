@@ -23,19 +23,15 @@ import queue
 import threading
 from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
 
+from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
 from api.metrics import Metrics
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.outputs import RequestOutput
 from scheduler import SamplingParams, SchedulerStats
 
 if TYPE_CHECKING:
-    from api.replicas import ReplicaSet
-    from jaxserve.kv_cache import KVHandoff
+    from jaxserve.model.kv_cache import KVHandoff
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at its limit; the server answers 503."""
 
 
 class EngineSnapshot(NamedTuple):
@@ -43,10 +39,6 @@ class EngineSnapshot(NamedTuple):
 
     stats: SchedulerStats
     sequences_taken: int  # sequences of all the adds the engine thread has applied (queued or refused)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; every request in flight fails with this."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +114,7 @@ class EngineLoop:
         # Event loop only: sequences admitted so far, less reservations given back. Those not
         # yet taken by the engine thread (admitted - snapshot.sequences_taken) are in transit:
         # waiting, though no published stats count them yet.
-        self._admitted = 0
+        self.admitted = Admitted()
         self._taken = 0  # engine thread only; published in the snapshot
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -172,29 +164,24 @@ class EngineLoop:
         """
         if self.max_waiting is not None:
             stats, taken = self.snapshot
-            waiting = stats.num_waiting + self._admitted - taken
+            waiting = stats.num_waiting + self.admitted.count - taken
             free_slots = max(0, self.max_num_seqs - stats.num_running)
             if waiting - free_slots >= self.max_waiting:
                 self.metrics.request_rejected()
                 raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting; try again later")
-        return self.reserve(num_sequences)
-
-    def reserve(self, num_sequences: int) -> Reservation:
-        """Queue room for `num_sequences`, unchecked (`admit` checked it, or a ReplicaSet did)."""
-        self._admitted += num_sequences
-        return Reservation(self, num_sequences)
+        return self.admitted.reserve(num_sequences)
 
     @property
     def backlog(self) -> int:
         """Sequences waiting (in transit included) beyond the free running slots, as `admit` counts them."""
         stats, taken = self.snapshot
-        return stats.num_waiting + self._admitted - taken - max(0, self.max_num_seqs - stats.num_running)
+        return stats.num_waiting + self.admitted.count - taken - max(0, self.max_num_seqs - stats.num_running)
 
     @property
     def load(self) -> int:
         """Running + waiting sequences, in transit included: what a router balances."""
         stats, taken = self.snapshot
-        return stats.num_running + stats.num_waiting + self._admitted - taken
+        return stats.num_running + stats.num_waiting + self.admitted.count - taken
 
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
                 queue: asyncio.Queue, priority: int, cache_salt: str | None, kv_handoff: KVHandoff | None = None,
@@ -301,38 +288,6 @@ class EngineLoop:
 
     def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
         self._loop.call_soon_threadsafe(_settle, future, error)
-
-
-class Reservation:
-    """Queue room that `EngineLoop.admit` granted one API call: held from the call's arrival
-    until its requests go to the engine thread (`Generation.add`), or given back when the
-    call fails before that. Use as `with`: leaving gives back whatever was not sent. (A
-    ReplicaSet holds the room of a call it has not routed yet the same way.)"""
-
-    def __init__(self, engine_loop: EngineLoop | ReplicaSet, num_sequences: int):
-        self.engine_loop = engine_loop
-        self.num_sequences = num_sequences
-        self.held = True
-
-    def release(self) -> None:
-        """Give the room back (idempotent; nothing to give once the requests were sent)."""
-        if self.held:
-            self.held = False
-            self.engine_loop._admitted -= self.num_sequences
-
-    def spend(self, num_sequences: int) -> None:
-        """The call's requests are being sent: they stay counted, as in transit, until the
-        engine thread takes them."""
-        if not self.held or num_sequences != self.num_sequences:
-            raise RuntimeError(f"a reservation of {self.num_sequences} sequences (held: {self.held}) "
-                               f"cannot send {num_sequences}")
-        self.held = False
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 class Generation:

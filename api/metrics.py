@@ -30,7 +30,7 @@ from typing import Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.outputs import RequestOutput
 from scheduler import SchedulerStats
 
 # vLLM's buckets, so dashboards built for it read the same.

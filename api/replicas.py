@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator, Sequence
 
-from api.engine_loop import EngineDeadError, EngineLoop, Generation, QueueFullError, Reservation, StepDelta
+from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
+from api.engine_loop import EngineLoop, Generation, StepDelta
 from api.metrics import Metrics
 from scheduler import SamplingParams
 from scheduler.router import NoReplicaAvailable, PrefixRouter
@@ -73,7 +74,7 @@ class ReplicaSet:
         if load_bound is None:
             load_bound = default_load_bound(first.scheduler.config.max_num_seqs)
         self.router = PrefixRouter(len(engines), block_sizes.pop(), load_bound)
-        self._admitted = 0  # sequences of admitted calls not yet routed (Reservation gives back here)
+        self.admitted = Admitted()  # sequences of admitted calls not yet routed
         self._out_of_rotation: set[int] = set()
 
     # -- lifecycle (event loop) ---------------------------------------------------------
@@ -121,14 +122,13 @@ class ReplicaSet:
         """
         if self.max_waiting is not None:
             alive = [r for r in self.replicas if r.is_alive]
-            backlog = self._admitted + sum(r.backlog for r in alive)
+            backlog = self.admitted.count + sum(r.backlog for r in alive)
             if alive and backlog >= self.max_waiting * len(alive):
                 # Counted on the least loaded replica: the one the call would most likely have gone to.
                 min(alive, key=lambda r: r.load).metrics.request_rejected()
                 raise QueueFullError(f"the server is overloaded: {backlog} sequences are waiting beyond the free "
                                      f"slots of {len(alive)} replicas; try again later")
-        self._admitted += num_sequences
-        return Reservation(self, num_sequences)
+        return self.admitted.reserve(num_sequences)
 
     def route(self, reservation: Reservation, num_sequences: int, prompt: list[int],
               cache_salt: str | None) -> tuple[int, Reservation]:
@@ -136,14 +136,14 @@ class ReplicaSet:
         move the call's room there: (replica, its reservation). Raises EngineDeadError when
         every replica is dead."""
         reservation.spend(num_sequences)
-        self._admitted -= num_sequences  # no longer held here: in the chosen replica's transit count below
+        self.admitted.give_back(num_sequences)  # no longer held here: in the chosen replica's count below
         try:
             route = self.router.pick(prompt, self.loads(), cache_salt=cache_salt)
         except NoReplicaAvailable:
             raise self.dead_error() from None
         logger.debug("routed a call of %d sequences to replica %d (%s, %d blocks matched)", num_sequences,
                      route.replica, route.reason, route.matched_blocks)
-        return route.replica, self.replicas[route.replica].reserve(num_sequences)
+        return route.replica, self.replicas[route.replica].admitted.reserve(num_sequences)
 
     def loads(self) -> list[int | None]:
         """Each replica's running + waiting sequences for the router; None for a dead one,

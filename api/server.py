@@ -4,7 +4,7 @@
     uvicorn.run(app)            # or: python -m api
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], vLLM's
-POST /tokenize, POST /detokenize and GET /version (api.tokenize),
+POST /tokenize, POST /detokenize and GET /version (api.tokenize_routes),
 GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
 (Prometheus text), GET /openapi.json (their schema: api.openapi). With an API key, every /v1 request needs `Authorization: Bearer <key>`;
 /health and /metrics stay open, as in vLLM, so probes and scrapers need no secret.
@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from api import chat, completions, openapi, tokenize
+from api import chat, completions, openapi, tokenize_routes
 from api.disagg import DisaggRole
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
@@ -111,7 +111,7 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
         app.add_middleware(CORSMiddleware, **cors)
     app.include_router(completions.router)
     app.include_router(chat.router)
-    app.include_router(tokenize.router)
+    app.include_router(tokenize_routes.router)
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine thread is alive (an empty body; with data-parallel "

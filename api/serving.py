@@ -22,15 +22,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from api.disagg import DisaggRole, check_colocated
-from api.engine_loop import (
-    EngineDeadError, EngineLoop, Generation, QueueFullError, Reservation, SampleDelta, StepDelta,
-)
+from api.admission import EngineDeadError, QueueFullError, Reservation
+from api.engine_loop import EngineLoop, Generation, SampleDelta, StepDelta
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
 from api.logprobs import TokenText
 from api.protocol import invalid_constraint
 from api.replicas import ReplicaSet
 from jaxserve.structured import GrammarError
-from jaxserve.tokenization import PromptError
+from jaxserve.engine.tokenization import PromptError
 from scheduler import SamplingParams
 from scheduler.sampling_params import StructuredOutputsParams
 

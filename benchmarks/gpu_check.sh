@@ -128,8 +128,8 @@ if wanted memory; then
   echo "== gpu-memory-utilization 0.5: the KV cache chosen and the device's memory"
   timeout 300 "$PYTHON" - 2>&1 <<'EOF' | tee "$OUT/memory.txt" || status=1
 import jax
-from jaxserve.engine import LLMEngine
-from jaxserve.sizing import both_units
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.model.sizing import both_units
 from scheduler import SamplingParams
 
 def stats():

@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxserve.default_model import default_model_path
+from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
 
@@ -150,7 +150,7 @@ def output_text(case: Case) -> str:
     return json.dumps(case.output, separators=(",", ":"), ensure_ascii=False) if case.kind == "json" else case.output
 
 
-# Compact JSON (no free whitespace), as jaxserve/structured/backend.py asks llguidance for it.
+# Compact JSON (no free whitespace), as jaxserve/structured/llguidance.py asks llguidance for it.
 LLGUIDANCE_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 

@@ -170,8 +170,8 @@ def window_logits_fn(loaded, window: int, kv_cache_dtype: str = "auto"):
     import jax
     from flax import nnx
 
-    from jaxserve.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
-    from jaxserve.model_inputs import ModelInputs
+    from jaxserve.model.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
+    from jaxserve.model.inputs import ModelInputs
 
     graphdef, state = nnx.split(loaded.model)
     step = jax.jit(lambda state, kv, inputs: nnx.merge(graphdef, state)(inputs, kv), donate_argnums=(1,))
@@ -199,7 +199,7 @@ def window_logits_fn(loaded, window: int, kv_cache_dtype: str = "auto"):
 
 def greedy_continuations(loaded, prompts: list[str], max_tokens: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Each prompt continued greedily for max_tokens tokens (EOS ignored), batched in one engine."""
-    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
     longest = max(len(loaded.tokenizer.encode(p)) for p in prompts)
@@ -267,7 +267,7 @@ def run(args) -> dict:
 def kv_cache_row(reference, kv_dtype: str, args, ref_out: list[list[int]]) -> dict:
     """The float model with an 8-bit cache against itself with the full one: logit metrics
     on `--window` and on `--long-window` token windows, then greedy agreement."""
-    from jaxserve.kv_cache import kv_bytes_per_token, kv_dtype_label, resolve_kv_cache_dtype
+    from jaxserve.model.kv_cache import kv_bytes_per_token, kv_dtype_label, resolve_kv_cache_dtype
 
     dtype = resolve_kv_cache_dtype(kv_dtype, reference.model.dtype)
     row = {"label": kv_dtype_label(dtype), "bytes_per_token": kv_bytes_per_token(reference.config, dtype),
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="greedy continuation length N per prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
-    from jaxserve.engine import enable_compilation_cache
+    from jaxserve.engine.llm_engine import enable_compilation_cache
 
     enable_compilation_cache()  # $JAXSERVE_CACHE's, as the engine scripts use
     result = run(args)

@@ -51,7 +51,7 @@ from benchmarks import vllm_baseline  # noqa: E402
 def jaxserve_runner(args):
     """A function that generates one prompt and returns (ttft seconds, decode tokens/s), and
     the engine. Settings as a server's: the step can hold max_num_seqs sequences."""
-    from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
+    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine, enable_compilation_cache
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
 
@@ -76,7 +76,7 @@ def transformers_runner(max_tokens: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.generation.streamers import BaseStreamer
 
-    from jaxserve.default_model import default_model_path
+    from jaxserve.weights.default_model import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -109,7 +109,7 @@ def in_process(args, with_transformers: bool = True) -> tuple[dict, ...]:
     drifts; both see the same drift). The first round warms caches and is not counted.
     jaxserve's result also has the memory roofline of its decode steps, and its step
     profile (printed) when args.profile is set."""
-    from jaxserve.profiling import StepProfiler, device_report
+    from jaxserve.engine.profiling import StepProfiler, device_report
 
     run_jaxserve, engine = jaxserve_runner(args)
     runners = {"jaxserve": run_jaxserve}
@@ -139,8 +139,8 @@ def roofline_tok_s(engine, max_tokens: int) -> float:
     bandwidth, measured now."""
     import jax
 
-    from jaxserve.kv_cache import kv_bytes_per_token
-    from jaxserve.roofs import read_bandwidth
+    from jaxserve.model.kv_cache import kv_bytes_per_token
+    from jaxserve.tools.roofs import read_bandwidth
 
     cfg = engine.loaded.config
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
@@ -210,7 +210,7 @@ def vllm_runs(vllm_python: str, work: Path, args) -> tuple[dict, dict]:
 
 
 def cold_starts(work: Path, with_transformers: bool = True, quantization: str | None = None) -> dict:
-    from jaxserve.default_model import default_model_path
+    from jaxserve.weights.default_model import default_model_path
 
     path = default_model_path()
     prompt = PROMPTS[0]

@@ -128,7 +128,7 @@ def read_prompt_set(name: str) -> list[dict]:
 
 def encode_prompt_sets(engine, names: list[str], limit: int | None) -> dict[str, list[Prompt]]:
     """Each set's first `limit` prompts, rendered by the model's chat template."""
-    from jaxserve.tokenization import encode_chat
+    from jaxserve.engine.tokenization import encode_chat
 
     vocab = engine.loaded.config.vocab_size
     return {name: [Prompt(r["id"], encode_chat(engine.tokenizer, r["messages"], vocab)[1])
@@ -178,7 +178,7 @@ def trained_heads(method: str, given: str | None) -> Path:
 
 
 def build_engine(method: str, args):
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
 
     spec = speculative_config(method, args)
     kwargs = {"speculative_config": spec} if spec else {}  # so `none` runs on an engine without the field too

@@ -104,7 +104,7 @@ def arm_params(arm: str, args, max_tokens: int | None = None, serial: int = 0):
 
 def encode_prompts(engine) -> list[list[int]]:
     """The prompts through the model's chat template (its plain text without one)."""
-    from jaxserve.tokenization import encode_chat, encode_prompt
+    from jaxserve.engine.tokenization import encode_chat, encode_prompt
 
     vocab = engine.loaded.config.vocab_size
     if not getattr(engine.tokenizer, "chat_template", None):
@@ -150,7 +150,7 @@ def measure_decode(engine, prompts, args, profiles=None) -> tuple[dict, int]:
     """{(arm, batch): [RunResult per round]}, and the XLA compilations while timed.
     `profiles`: {(arm, batch): (StepProfiler, host Counter)}: those runs are profiled, and
     the arms named there run at that batch size instead of the two plain ones."""
-    from jaxserve.profiling import NullProfiler
+    from jaxserve.engine.profiling import NullProfiler
 
     profiles = profiles or {}
 
@@ -228,7 +228,7 @@ class HostTimers:
     TARGETS: ClassVar[dict[str, tuple[str, str, str]]] = {
         "mask fill": ("jaxserve.structured.request_grammar", "RequestGrammar", "fill_bitmask"),
         "token accept": ("jaxserve.structured.request_grammar", "RequestGrammar", "accept"),
-        "sampler inputs": ("jaxserve.model_runner", "ModelRunner", "_pad_sampling"),
+        "sampler inputs": ("jaxserve.runner.model_runner", "ModelRunner", "_pad_sampling"),
     }
 
     def __init__(self):
@@ -265,7 +265,7 @@ HOST_TIMERS = HostTimers()
 
 
 def print_profile(profiles: dict, results: dict, batch: int, engine) -> None:
-    from jaxserve.profiling import HOST_PHASES, breakdown_table, device_breakdown
+    from jaxserve.engine.profiling import HOST_PHASES, breakdown_table, device_breakdown
 
     width = 34
     print(f"\nwhere the time goes, batch {batch} (host ms per engine step, all rounds; "
@@ -303,7 +303,7 @@ def sampler_times(runner, free_batch, constrained_batch, repeats: int = 20) -> d
 
     import jax
 
-    from jaxserve.sampler import sample
+    from jaxserve.sample.sampler import sample
 
     rows = runner.rows_for(constrained_batch.num_seqs)
     adjust = runner._pad_sampling(constrained_batch.sampling, rows)
@@ -409,8 +409,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jaxserve.llm import LLM
-    from jaxserve.profiling import StepProfiler
+    from jaxserve.engine.llm import LLM
+    from jaxserve.engine.profiling import StepProfiler
     from scheduler import StructuredOutputsParams
 
     start = time.perf_counter()

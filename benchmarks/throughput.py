@@ -46,7 +46,7 @@ MAX_MODEL_LEN = 1024
 
 
 def run_jaxserve(work: Workload, args) -> dict:
-    from jaxserve.llm import LLM
+    from jaxserve.engine.llm import LLM
     from scheduler import SamplingParams
 
     start = time.perf_counter()
@@ -55,7 +55,7 @@ def run_jaxserve(work: Workload, args) -> dict:
               async_scheduling=not args.no_async_scheduling, quantization=args.quantization)
     startup = time.perf_counter() - start
     if args.profile:
-        from jaxserve.profiling import StepProfiler
+        from jaxserve.engine.profiling import StepProfiler
 
         llm.engine.profiler = StepProfiler()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
@@ -67,7 +67,7 @@ def run_jaxserve(work: Workload, args) -> dict:
     assert generated == work.num_output_tokens, (generated, work.num_output_tokens)
     sched = llm.engine.scheduler
     if args.profile:
-        from jaxserve.profiling import device_report
+        from jaxserve.engine.profiling import device_report
 
         profiler = llm.engine.profiler
         print(f"jaxserve step profile (async scheduling {'off' if args.no_async_scheduling else 'on'}):\n"
@@ -82,8 +82,8 @@ def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> 
     steps in its own thread (jax releases the GIL while a device computes)."""
     import threading
 
-    from jaxserve.engine import LLMEngine
-    from jaxserve.sharding import replica_device_ids
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.parallel.sharding import replica_device_ids
     from scheduler import SamplingParams
     from scheduler.router import PrefixRouter
 
@@ -187,7 +187,7 @@ def _hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxserve.default_model import default_model_path
+    from jaxserve.weights.default_model import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     if args.tensor_parallel_size * args.data_parallel_size > 1:
         if args.baseline == "vllm":
             p.error("with --tensor-parallel-size or --data-parallel-size the baseline is jaxserve on one device")
-        from jaxserve.flags import ensure_host_devices
+        from jaxserve.parallel.devices import ensure_host_devices
 
         args.devices = args.devices or list(range(args.tensor_parallel_size * args.data_parallel_size))
         ensure_host_devices(max(args.devices) + 1)  # on the CPU: before jax starts

@@ -84,7 +84,7 @@ def converted_model_dir(cache_dir: str | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxserve.default_model import default_model_path
+    from jaxserve.weights.default_model import default_model_path
 
     gguf = default_model_path()
     print(f"converting {gguf.name} to float32 safetensors in {target} (once)", file=sys.stderr)

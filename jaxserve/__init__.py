@@ -38,18 +38,10 @@ __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutp
 
 def __getattr__(name):
     # Imported on first use, so `python -m jaxserve.generate --help` stays quick.
-    if name == "LLM":
-        from jaxserve.llm import LLM
-
-        return LLM
-    if name in ("LLMEngine", "EngineConfig"):
+    if name in ("LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput"):
         from jaxserve import engine
 
         return getattr(engine, name)
-    if name in ("RequestOutput", "CompletionOutput"):
-        from jaxserve import outputs
-
-        return getattr(outputs, name)
     if name in ("SamplingParams", "StructuredOutputsParams"):
         import scheduler
 

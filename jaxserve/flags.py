@@ -4,7 +4,6 @@ model is loaded and run). Imports nothing heavy: `--help` stays quick."""
 from __future__ import annotations
 
 import argparse
-import logging
 import re
 
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -41,7 +40,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N devices (heads, MLP and vocabulary; the KV cache on its heads); "
                         "--kv-cache-memory is then per device. On the CPU, jax is asked for N devices")
-    g = p.add_argument_group("several hosts", "one model over N nodes (jaxserve.multihost): the same command on "
+    g = p.add_argument_group("several hosts", "one model over N nodes (jaxserve.parallel.multihost): the same command on "
                              "every node, each with its own --node-rank; --tensor-parallel-size counts every node's "
                              "devices. Node 0 serves; the others follow it")
     g.add_argument("--nnodes", type=int, default=1, metavar="N", help="how many nodes (hosts) hold the model")
@@ -67,9 +66,10 @@ def parse_bytes(text: str) -> int:
 
 def start_devices(args: argparse.Namespace, host_devices: int):
     """Before jax starts: with --nnodes > 1, join the other nodes and return this node's
-    jaxserve.multihost Leader or Follower; else ask jax for `host_devices` CPU devices (see
+    jaxserve.parallel.multihost Leader or Follower; else ask jax for `host_devices` CPU devices (see
     ensure_host_devices) and return None. A ValueError says what is wrong with the flags."""
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
+    from jaxserve.parallel.devices import ensure_host_devices
 
     config = multihost.DistConfig(nnodes=args.nnodes, node_rank=args.node_rank, init_addr=args.dist_init_addr,
                                   heartbeat_timeout=args.dist_timeout)
@@ -84,26 +84,6 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict:
     return {"kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
             "matmul_backend": args.matmul_backend, "speculative_config": args.speculative_config,
             "tensor_parallel_size": args.tensor_parallel_size}
-
-
-def ensure_host_devices(count: int) -> None:
-    """Make jax's CPU backend offer at least `count` devices (a no-op for one, or when the
-    environment or an earlier call asks for as many already). Call it before anything
-    starts jax's backends: the CPU client's device count is fixed once it exists. GPUs are
-    whatever the machine has."""
-    if count <= 1:
-        return
-    import jax
-
-    if jax.distributed.is_initialized():  # jaxserve.multihost.start gave this node its share already
-        return
-    # The config holds $JAX_NUM_CPU_DEVICES or an earlier call's count: never ask for fewer.
-    if jax.config.jax_num_cpu_devices >= count:
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError as e:  # the backend started already: make_mesh will say if too few devices exist
-        logging.getLogger(__name__).debug("jax_num_cpu_devices not set: %s", e)
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from jaxserve.default_model import DefaultModelMissing
+from jaxserve.weights.default_model import DefaultModelMissing
 from jaxserve.flags import add_model_flags, model_engine_kwargs, start_devices
 
 
@@ -60,7 +60,7 @@ def read_prompts(args) -> list[str]:
 def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int = 1) -> tuple[int, ...]:
     """Just the programs this run needs: all prompts at once, and one token each (or one
     plus its draft tokens, with speculative decoding)."""
-    from jaxserve.model_runner import MIN_TOKENS
+    from jaxserve.runner.model_runner import MIN_TOKENS
 
     def pow2(n):
         return max(MIN_TOKENS, 1 << (n - 1).bit_length())
@@ -76,11 +76,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jaxserve.auto_dtype import resolve_dtype
-    from jaxserve.engine import EngineConfig, LLMEngine, enable_compilation_cache
-    from jaxserve.generation_config import read_generation_config
-    from jaxserve.multihost import Follower
-    from jaxserve.tokenization import encode_chat, encode_prompt
+    from jaxserve.weights.dtype import resolve_dtype
+    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine, enable_compilation_cache
+    from jaxserve.engine.generation_config import read_generation_config
+    from jaxserve.parallel.multihost import Follower
+    from jaxserve.engine.tokenization import encode_chat, encode_prompt
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
 

@@ -8,10 +8,10 @@
 
 Prints what the weights and a token's K/V occupy, how many sequences of `--context`
 tokens fit beside the weights, the decode step's time bound per batch size (bytes over
-bandwidth against FLOPs over peak: see jaxserve.sizing), prefill times, what each
+bandwidth against FLOPs over peak: see jaxserve.model.sizing), prefill times, what each
 quantization and KV dtype changes, the bound on speculative decoding's speed-up, and
 the engine flags for the chosen target. Known devices' figures come from a table
-(`jaxserve.sizing.DEVICES`); the CPU's are measured. `--measure` runs the engine's
+(`jaxserve.model.sizing.DEVICES`); the CPU's are measured. `--measure` runs the engine's
 decode step over a batch sweep here and prints measured tokens/s beside the bound.
 """
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from jaxserve.flags import parse_bytes
-from jaxserve.sizing import (
+from jaxserve.model.sizing import (
     DEVICES, GB, Device, KVPlan, Setup, activation_workspace, both_units, compute_dtype, plan_kv,
 )
 
@@ -115,7 +115,7 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 def model_config(args):
     """(ModelConfig, a name for it) from the flags."""
-    from jaxserve.config import ModelConfig
+    from jaxserve.model.config import ModelConfig
 
     if args.layers is not None:
         head_dim = args.head_dim or args.hidden // args.heads
@@ -150,7 +150,7 @@ def measured_device(dtypes) -> Device:
 
     import jax
 
-    from jaxserve import roofs
+    from jaxserve.tools import roofs
 
     dev = jax.devices()[0]
     if dev.platform == "cpu":
@@ -182,8 +182,8 @@ def default_device_name() -> str:
 
 def make_plan(args) -> dict:
     """Everything the tool prints, as plain data."""
-    from jaxserve.kv_cache import resolve_kv_cache_dtype
-    from jaxserve.quantization import QuantConfig
+    from jaxserve.model.kv_cache import resolve_kv_cache_dtype
+    from jaxserve.model.quantization import QuantConfig
 
     cfg, source = model_config(args)
     args.device = args.device or default_device_name()
@@ -242,8 +242,8 @@ def bound_row(bound, **key) -> dict:
 
 def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[dict]:
     """Each weight scheme and KV dtype: what the weights, a token and the batch sweep cost."""
-    from jaxserve.kv_cache import resolve_kv_cache_dtype
-    from jaxserve.quantization import QuantConfig
+    from jaxserve.model.kv_cache import resolve_kv_cache_dtype
+    from jaxserve.model.quantization import QuantConfig
 
     rows = []
     for method in ("none", "int4", "fp8"):
@@ -407,7 +407,7 @@ def main(argv=None) -> None:
     print_plan(plan)
     measured = None
     if args.measure:
-        from jaxserve.plan_measure import measure_decode_sweep
+        from jaxserve.tools.plan_measure import measure_decode_sweep
 
         if plan["device"]["source"] != "measured":  # the table's roofs, checked here
             here = measured_device([compute_dtype(plan["setup"]["dtype"], None)])

@@ -32,8 +32,8 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.kv_cache import allocate_kv_cache
-from jaxserve.model_inputs import ModelInputs
+from jaxserve.model.kv_cache import allocate_kv_cache
+from jaxserve.model.inputs import ModelInputs
 from jaxserve.spec_decode.heads import (METHODS, EagleHead, MedusaHeads, make_heads, prefill_inputs,
                                          save_heads, trainable_attention)
 from jaxserve.spec_decode.ngram import propose_ngram
@@ -88,7 +88,7 @@ class Corpus:
 
 def read_prompts(path: Path, tokenizer, vocab_size: int, limit: int) -> list[list[int]]:
     """Token ids of the file's prompts, through the chat template when the tokenizer has one."""
-    from jaxserve.tokenization import encode_chat, encode_prompt
+    from jaxserve.engine.tokenization import encode_chat, encode_prompt
 
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not lines or any("prompt" not in x for x in lines):
@@ -101,7 +101,7 @@ def read_prompts(path: Path, tokenizer, vocab_size: int, limit: int) -> list[lis
 
 def self_distill(loaded, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int) -> list[list[int]]:
     """The target's own continuations of `prompts`, by the serving engine."""
-    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, warm_up=False,
@@ -379,7 +379,7 @@ def default_out(model: str | None, method: str, preset: str) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jaxserve.engine import enable_compilation_cache
+    from jaxserve.engine.llm_engine import enable_compilation_cache
     from jaxserve.weights import load_model
     from jaxserve.weights.load import resolve_source
 

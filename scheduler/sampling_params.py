@@ -77,7 +77,7 @@ class SamplingParams:
     """How to sample one request's continuation (OpenAI / vLLM semantics).
 
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 switch those filters off; see
-    `jaxserve.sampler` for exactly which tokens the filters keep when logits tie.
+    `jaxserve.sample.sampler` for exactly which tokens the filters keep when logits tie.
     `seed` makes the output depend only on this request, whatever else is batched with it;
     the `n` samples of a request draw independent streams from it. Without a seed, each
     sample gets 64 random bits from `secrets`.

@@ -18,7 +18,7 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ:
 def compilation_cache(tmp_path_factory):
     """One persistent XLA cache for the session: the many engines the tests build compile
     the same programs, and each is compiled once."""
-    from jaxserve.engine import enable_compilation_cache
+    from jaxserve.engine.llm_engine import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("JAXSERVE_CACHE") or tmp_path_factory.mktemp("jaxserve-cache"))
 
@@ -85,7 +85,7 @@ def hf_default_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxserve.default_model import default_model_path
+    from jaxserve.weights.default_model import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

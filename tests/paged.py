@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.model_inputs import ModelInputs
+from jaxserve.model.inputs import ModelInputs
 
 
 class PagedSequences:

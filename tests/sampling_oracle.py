@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 from scipy import stats
 
-from jaxserve.sampler import SamplingMetadata
+from jaxserve.sample.sampler import SamplingMetadata
 
 
 def kept_by_documentation(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """The filters' documented sets, by brute force in float64 (jaxserve.sampler's docstring):
+    """The filters' documented sets, by brute force in float64 (jaxserve.sample.sampler's docstring):
     top-k keeps every logit >= the k-th largest; top-p keeps every token of that set whose
     strictly more likely tokens have mass < p; min-p keeps probabilities >= min_p * the largest."""
     z = z.astype(np.float64)

@@ -22,24 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.backend import select_attention
-from jaxserve.model import DecoderLM, unstack_layers
-from jaxserve.model_inputs import ModelInputs
-from jaxserve.model_runner import ModelRunner, StepHandle
-from jaxserve.sampler import invert_cdf, sample_key
+from jaxserve.runner.kernels import select_attention
+from jaxserve.model.decoder import DecoderLM, unstack_layers
+from jaxserve.model.inputs import ModelInputs
+from jaxserve.runner.model_runner import ModelRunner, StepHandle
+from jaxserve.sample.sampler import invert_cdf, sample_key
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.context import ProposerContext
 from jaxserve.spec_decode.proposers import decoding
 from scheduler import Request, StepBatch
-
-if TYPE_CHECKING:
-    from jaxserve.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +55,15 @@ def truncate_layers(model: DecoderLM, num_layers: int) -> DecoderLM:
     return draft
 
 
-def load_draft(config: SpeculativeConfig, engine: LLMEngine) -> DecoderLM:
-    target = engine.loaded
-    model = target.model
+def load_draft(config: SpeculativeConfig, context: ProposerContext) -> DecoderLM:
+    model = context.model
     if config.model is not None:
-        from jaxserve.weights import load_model
+        from jaxserve.weights.load import load_model
 
-        draft = load_model(config.model, dtype=target.model.dtype, progress=False)
-        if draft.config.vocab_size != target.config.vocab_size:
+        draft = load_model(config.model, dtype=model.dtype, progress=False)
+        if draft.config.vocab_size != context.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
-                             f"({target.config.vocab_size}): they must share a tokenizer")
+                             f"({context.model_config.vocab_size}): they must share a tokenizer")
         model = draft.model
     if config.draft_num_layers is not None:
         model = truncate_layers(model, config.draft_num_layers)
@@ -75,14 +71,14 @@ def load_draft(config: SpeculativeConfig, engine: LLMEngine) -> DecoderLM:
 
 
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.config = config
-        self.scheduler = engine.scheduler
-        self.target = engine.runner
-        model = load_draft(config, engine)
-        target = engine.runner
-        kv_dtype = engine.kv_dtype
-        _, attention = select_attention(engine.config.attention_backend, model.cfg, model.dtype, target.block_size,
+        self.scheduler = context.scheduler
+        self.target = context.runner
+        model = load_draft(config, context)
+        target = context.runner
+        kv_dtype = context.kv_dtype
+        _, attention = select_attention(context.attention_backend, model.cfg, model.dtype, target.block_size,
                                         kv_dtype, mesh=target.mesh)
         self.runner = ModelRunner(
             model, num_blocks=target.kv.num_blocks, block_size=target.block_size, max_num_seqs=target.max_num_seqs,
@@ -93,7 +89,7 @@ class DraftModelProposer:
         self._take_rows = jax.jit(lambda probs, rows: probs[rows])
         self._rows: dict[str, int] = {}  # request id -> row of the latest proposal
         self._probs: jax.Array | None = None  # [R, k, V]: the distributions the drafts were drawn from
-        if engine.config.warm_up:
+        if context.warm_up:
             self.warm_up()
 
     def warm_up(self) -> None:

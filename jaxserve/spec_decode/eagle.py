@@ -34,28 +34,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.kv_cache import allocate_kv_cache, copy_blocks
-from jaxserve.model_inputs import ModelInputs
+from jaxserve.model.kv_cache import allocate_kv_cache, copy_blocks
+from jaxserve.model.inputs import ModelInputs
 from jaxserve.spec_decode.config import SpeculativeConfig
-from jaxserve.model_runner import copy_pairs
+from jaxserve.spec_decode.context import ProposerContext
+from jaxserve.runner.model_runner import copy_pairs
 from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
 from scheduler import Request, StepBatch
 
 if TYPE_CHECKING:
-    from jaxserve.engine import LLMEngine
-    from jaxserve.model_runner import StepHandle
+    from jaxserve.runner.model_runner import StepHandle
 
 
 class EagleProposer:
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
-        self.dtype = engine.loaded.model.dtype
-        head, _ = load_heads(config.model, engine.loaded.config, self.dtype, method="eagle")
-        self.config, self.scheduler, self.target = config, engine.scheduler, engine.runner
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
+        self.dtype = context.model.dtype
+        head, _ = load_heads(config.model, context.model_config, self.dtype, method="eagle")
+        self.config, self.scheduler, self.target = config, context.scheduler, context.runner
         target = self.target
         self.head_def, params = nnx.split(head)
         self.params = nnx.to_pure_dict(jax.device_put(params, target.replicated))  # see ModelRunner.params
-        kv = allocate_kv_cache(head.cfg, target.kv.num_blocks, target.block_size, engine.kv_dtype)
+        kv = allocate_kv_cache(head.cfg, target.kv.num_blocks, target.block_size, context.kv_dtype)
         self.kv = jax.device_put(kv, target.replicated)
         self._follow = jax.jit(self._follow_fn, donate_argnames=("kv",))
         self._ends = jax.jit(_ends_fn)
@@ -65,7 +65,7 @@ class EagleProposer:
         self._features = jax.device_put(np.zeros((target.max_num_seqs, head.cfg.hidden_size), self.dtype),
                                         target.replicated)
         self._rows: dict[str, int] = {}  # request id -> its row in the latest step, if it sampled there
-        if engine.config.warm_up:
+        if context.warm_up:
             self.warm_up()
 
     def warm_up(self) -> None:
@@ -73,7 +73,7 @@ class EagleProposer:
         target = self.target
         none = np.full(target.max_num_seqs, 0, np.int32)  # no row's ends (T = 0: none below it)
         for t in target.buckets:
-            inputs, _ = target._pad_inputs(None, *target.bucket_for(t))
+            inputs, _ = target.pad_inputs(None, *target.bucket_for(t))
             hidden = jax.device_put(np.zeros((t, target.config.hidden_size), self.dtype), target.replicated)
             self._write(inputs, hidden, none + t, np.ones(1, np.int32))
         for r in target.row_buckets:

@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, allocate_kv_cache
-from jaxserve.model import AttentionFn, DecoderLayer, DecoderLM, _layer
-from jaxserve.model_inputs import ModelInputs
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.kv_cache import KVCache, allocate_kv_cache
+from jaxserve.model.decoder import AttentionFn, DecoderLayer, DecoderLM, _layer
+from jaxserve.model.inputs import ModelInputs
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 METHODS = ("medusa", "eagle")

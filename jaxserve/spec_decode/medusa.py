@@ -19,23 +19,23 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.context import ProposerContext
 from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
 from scheduler import Request, StepBatch
 from scheduler.draft_tree import DraftTree
 
 if TYPE_CHECKING:
-    from jaxserve.engine import LLMEngine
-    from jaxserve.model_runner import StepHandle
+    from jaxserve.runner.model_runner import StepHandle
 
 
 class MedusaProposer:
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine):
-        heads, _ = load_heads(config.model, engine.loaded.config, engine.loaded.model.dtype, method="medusa")
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
+        heads, _ = load_heads(config.model, context.model_config, context.model.dtype, method="medusa")
         self.tree = config.tree or DraftTree.chain(config.num_speculative_tokens)
         if self.tree.max_depth > heads.num_heads:
             raise ValueError(f"{config.model} has {heads.num_heads} heads; the drafts need {self.tree.max_depth}")
-        self.config, self.runner = config, engine.runner
+        self.config, self.runner = config, context.runner
         self.heads = nnx.split(heads)
         # Candidates per head: the most siblings at its depth; a node's token is one of them.
         widths = [int(self.tree.rank[self.tree.depth == d].max()) + 1 for d in range(1, self.tree.max_depth + 1)]

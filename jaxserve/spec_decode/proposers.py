@@ -18,8 +18,7 @@ from jaxserve.spec_decode.ngram import propose_ngram
 from scheduler import Request, StepBatch
 
 if TYPE_CHECKING:
-    from jaxserve.engine import LLMEngine
-    from jaxserve.model_runner import StepHandle
+    from jaxserve.runner.model_runner import StepHandle
 
 
 class Proposer(Protocol):
@@ -31,22 +30,6 @@ class Proposer(Protocol):
 
     def follow(self, batch: StepBatch, handle: StepHandle) -> None:
         """The target has dispatched `batch` (a draft model writes the same tokens' K/V)."""
-
-
-def make_proposer(config: SpeculativeConfig, engine: LLMEngine) -> Proposer:
-    if config.method == "medusa":
-        from jaxserve.spec_decode.medusa import MedusaProposer
-
-        return MedusaProposer(config, engine)
-    if config.method == "eagle":
-        from jaxserve.spec_decode.eagle import EagleProposer
-
-        return EagleProposer(config, engine)
-    if config.method == "ngram":
-        return NgramProposer(config)
-    from jaxserve.spec_decode.draft_model import DraftModelProposer  # loads a second model
-
-    return DraftModelProposer(config, engine)
 
 
 def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]:

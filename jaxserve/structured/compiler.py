@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from jaxserve.structured.backend import GrammarBackend
+from jaxserve.structured.llguidance import GrammarBackend
 from jaxserve.structured.request_grammar import RequestGrammar
 from scheduler.sampling_params import StructuredOutputsParams
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.structured.backend import Matcher
+from jaxserve.structured.llguidance import Matcher
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from jaxserve.quantization import QuantConfig, QuantizedWeight
+from jaxserve.model.quantization import QuantConfig, QuantizedWeight
 from jaxserve.weights.params import WeightError
 from jaxserve.weights.safetensors_reader import read_raw_tensors
 

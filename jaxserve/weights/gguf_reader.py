@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from jaxserve.config import UnsupportedModelError
-from jaxserve.quantization import QuantizedWeight, pack_int4
+from jaxserve.model.config import UnsupportedModelError
+from jaxserve.model.quantization import QuantizedWeight, pack_int4
 from jaxserve.weights.params import WeightError
 
 logger = logging.getLogger(__name__)

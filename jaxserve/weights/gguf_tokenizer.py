@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.config import UnsupportedModelError
+from jaxserve.model.config import UnsupportedModelError
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.config import ModelConfig
-from jaxserve.default_model import default_model_path
-from jaxserve.model import DecoderLM, unstack_layers
-from jaxserve.quantization import QuantConfig, weight_bytes
+from jaxserve.model.config import ModelConfig
+from jaxserve.weights.default_model import default_model_path
+from jaxserve.model.decoder import DecoderLM, unstack_layers
+from jaxserve.model.quantization import QuantConfig, weight_bytes
 from jaxserve.weights import compressed_tensors, safetensors_reader
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
@@ -68,7 +68,7 @@ def load_model(
     """Load `model` (None: the embedded default) as a `DecoderLM` with its tokenizer.
 
     `quantization` ("int4", "fp8", "gguf"; None: as the checkpoint is) stores the
-    attention and MLP projections quantized (see jaxserve.quantization). `tokenizer`: a
+    attention and MLP projections quantized (see jaxserve.model.quantization). `tokenizer`: a
     folder with a tokenizer.json to use instead of the model's own (weights without one).
     """
     tokenizer_override = load_tokenizer(tokenizer) if tokenizer is not None else None  # fail before the weights
@@ -78,7 +78,7 @@ def load_model(
     entry = Path(cache_dir or default_cache_dir()) / _cache_key(source, dtype, quant)
     if use_cache and jax.distributed.is_initialized():
         # NOTE: orbax saves and restores as a collective of every jax.distributed process and
-        # refuses arrays held by one; each node (jaxserve.multihost) converts on its own.
+        # refuses arrays held by one; each node (jaxserve.parallel.multihost) converts on its own.
         logger.info("several nodes: the converted-weight cache is not used")
         use_cache = False
     loaded = None

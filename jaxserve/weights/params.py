@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
-from jaxserve.model import DecoderLM, unstack_layers
-from jaxserve.quantization import QuantConfig, QuantizedWeight, quantize
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.decoder import DecoderLM, unstack_layers
+from jaxserve.model.quantization import QuantConfig, QuantizedWeight, quantize
 
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")

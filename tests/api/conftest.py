@@ -151,7 +151,7 @@ def tokenizer():
     for prompt token counts and the chat template that does not go through the server."""
     from transformers import AutoTokenizer
 
-    from jaxserve.default_model import default_model_path
+    from jaxserve.weights.default_model import default_model_path
 
     path = default_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -199,7 +199,7 @@ TINY_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 
 def tiny_engine(tiny_folder):
     """An in-process LLMEngine on `tiny_folder`, for `create_app` + `serve_in_thread`. Apps
     share it one after another (each stops its engine thread when it shuts down)."""
-    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
     from jaxserve.weights import load_model
 
     return LLMEngine(load_model(str(tiny_folder), use_cache=False, progress=False), EngineConfig(**TINY_ENGINE))
@@ -211,7 +211,7 @@ def greedy_where_clear(loaded, prompts: list[str], max_tokens: int) -> list[tupl
     and including the first near-tie (top-2 logprob margin under 1e-3), and whether there was none."""
     import numpy as np
 
-    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(**{**TINY_ENGINE, "block_size": 4}))

@@ -14,10 +14,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from api.engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from api.admission import EngineDeadError, QueueFullError
+from api.engine_loop import EngineLoop
 from api.metrics import Metrics
 from api.server import create_app
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from scheduler import SamplingParams, SchedulerStats
 from tests.api.conftest import serve_in_thread
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import num_blocks_for_memory
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.kv_cache import num_blocks_for_memory
 from tests.api.conftest import run_server
 
 

@@ -1,9 +1,9 @@
-"""Two nodes on loopback (jaxserve.multihost): two processes with two CPU devices each, one
+"""Two nodes on loopback (jaxserve.parallel.multihost): two processes with two CPU devices each, one
 model split over all four, gloo collectives between them.
 
 Oracle: the one-device engine in this process on the same weights. Greedy text agrees
 wherever its top-2 margin is clear (the cross-host all-reduces reorder sums, which may flip
-a true near-tie; the rule of tests/jaxserve/test_tensor_parallel.py). A lost node must stop
+a true near-tie; the rule of tests/jaxserve/parallel/test_tensor_parallel.py). A lost node must stop
 the others with a message naming it, within a bounded time.
 """
 

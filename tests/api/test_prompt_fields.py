@@ -89,7 +89,7 @@ def test_a_request_cannot_bring_its_own_chat_template(plain):
 
 
 def test_templates_render_only_through_the_one_sandboxed_path():
-    """jaxserve.tokenization.render_chat calls transformers' apply_chat_template (sandboxed
+    """jaxserve.engine.tokenization.render_chat calls transformers' apply_chat_template (sandboxed
     Jinja); no other code renders a template or imports jinja2 (keep it so)."""
     renderers = []
     for path in sorted(REPO.glob("*/**/*.py")):
@@ -99,7 +99,7 @@ def test_templates_render_only_through_the_one_sandboxed_path():
         assert not re.search(r"^\s*(import|from)\s+jinja2", text, re.M), f"{path} imports jinja2"
         if "apply_chat_template(" in text:
             renderers.append(path.relative_to(REPO).as_posix())
-    assert renderers == ["jaxserve/tokenization.py"]
+    assert renderers == ["jaxserve/engine/tokenization.py"]
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(plain):

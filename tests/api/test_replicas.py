@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from api.engine_loop import QueueFullError
+from api.admission import QueueFullError
 from api.replicas import ReplicaSet
 from api.server import create_app
 from tests.api.conftest import TINY_ENGINE, parse_metrics, serve_in_thread
@@ -98,17 +98,17 @@ def test_admission_counts_the_alive_replicas_room_and_routing_moves_it():
             held = [replicas.admit(1) for _ in range(2 * NUM_REPLICAS)]
             with pytest.raises(QueueFullError):
                 replicas.admit(1)
-            assert replicas.loads() == [0, 0] and replicas._admitted == 4
+            assert replicas.loads() == [0, 0] and replicas.admitted.count == 4
             first, routed = replicas.route(held[0], 1, [1, 5, 6, 7, 8], None)
             loads = replicas.loads()
-            assert loads[first] == 1 and sum(loads) == 1 and replicas._admitted == 3
+            assert loads[first] == 1 and sum(loads) == 1 and replicas.admitted.count == 3
             second, _ = replicas.route(held[1], 1, [1, 9, 10, 11, 12], None)
             assert second != first  # the least loaded
             with pytest.raises(QueueFullError):  # moved, not freed: still no room
                 replicas.admit(1)
             routed.release()
             held[2].release()
-            assert replicas.loads()[first] == 0 and replicas._admitted == 1
+            assert replicas.loads()[first] == 0 and replicas.admitted.count == 1
             replicas.admit(1)
             assert sum(r.metrics.rejected for r in replicas.replicas) == 2
         finally:

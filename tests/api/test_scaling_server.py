@@ -4,7 +4,7 @@ in two, answering as the one-device engine does."""
 
 import httpx
 
-from jaxserve.engine import EngineConfig, LLMEngine
+from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from scheduler import SamplingParams
 from tests.api.conftest import TINY_ENGINE, run_server
 

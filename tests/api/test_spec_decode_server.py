@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from jaxserve.engine import EngineConfig, LLMEngine
+from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from jaxserve.weights import load_model
 from scheduler import SamplingParams
 from tests.api.conftest import run_server

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from api.server import create_app
-from jaxserve.engine import EngineConfig, LLMEngine
+from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from tests.api.conftest import serve_in_thread
 
 SLOW = r"[a-z]{3}-[0-9]{2}"

@@ -261,7 +261,7 @@ def test_n_samples_and_logprobs_with_a_schema(client):
     entries = choice.logprobs.content
     assert len(entries) == out.usage.completion_tokens
     assert "".join(e.token for e in entries).startswith(choice.message.content)  # then EOS
-    for entry in entries:  # the model's own logprobs (jaxserve.sampler: before the grammar's mask)
+    for entry in entries:  # the model's own logprobs (jaxserve.sample.sampler: before the grammar's mask)
         assert -math.inf < entry.logprob <= 0 and len(entry.top_logprobs) == 3
 
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=2,

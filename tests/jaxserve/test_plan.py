@@ -1,4 +1,4 @@
-"""`python -m jaxserve.plan` and `jaxserve.sizing` against numbers we did not compute with them:
+"""`python -m jaxserve.plan` and `jaxserve.model.sizing` against numbers we did not compute with them:
 the lesson's worked KV-cache figures, the bytes the engine's arrays really hold, and the
 ridge point of a data sheet."""
 
@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from jaxserve import plan as plan_cli
-from jaxserve.engine import EngineConfig, LLMEngine
-from jaxserve.sizing import GiB, DEVICES, Setup
+from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.model.sizing import GiB, DEVICES, Setup
 from jaxserve.weights import load_model
 from tests.tiny_models import make_tiny_model
 
@@ -71,7 +71,7 @@ def test_predicted_weight_bytes_are_what_loading_holds(tmp_path, name, quantizat
 
 
 def test_a_gguf_file_is_read_for_its_config():
-    from jaxserve.default_model import default_model_path
+    from jaxserve.weights.default_model import default_model_path
 
     p = make(["--model", str(default_model_path()), "--device", "h100", "--dtype", "float32"])
     assert (p["model"]["layers"], p["model"]["kv_heads"], p["model"]["head_dim"]) == (30, 3, 64)
@@ -144,11 +144,11 @@ def test_bad_flags_are_refused(capsys):
 
 
 def test_engine_logs_the_plan_and_warns_when_one_sequence_cannot_fit(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.llm_engine"):
         LLMEngine(tiny_llama, EngineConfig(num_blocks=33, block_size=4, max_model_len=30, warm_up=False))
     assert "4 sequences of max_model_len 30 fit" in caplog.text  # 8 blocks each, 32 usable
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.llm_engine"):
         eng = LLMEngine(tiny_llama, EngineConfig(num_blocks=5, block_size=4, max_model_len=30, warm_up=False))
     assert "cannot hold one sequence of max_model_len 30" in caplog.text
     assert eng.max_model_len == 16

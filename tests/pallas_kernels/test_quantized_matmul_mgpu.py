@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.quantization import quantize_fp8, quantize_int4
+from jaxserve.model.quantization import quantize_fp8, quantize_int4
 from pallas_kernels import quantized_matmul_mgpu as mgpu
 from pallas_kernels.quantized_matmul import fp8_matmul_reference, int4_matmul_reference
 from tests.pallas_kernels.smem import record_smem

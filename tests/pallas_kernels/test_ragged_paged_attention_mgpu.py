@@ -552,13 +552,13 @@ def test_kernel_runs_per_device_under_tensor_parallelism():
     """The engine's tensor-parallel wrapper (jax.shard_map over KV heads) around the kernel,
     one device's share at a time: device d's query heads and KV head d through the wrapper
     give the unsplit reference's heads for d. The split itself (specs across several devices)
-    is checked with the reference attention in tests/jaxserve/test_tensor_parallel.py.
+    is checked with the reference attention in tests/jaxserve/parallel/test_tensor_parallel.py.
 
     NOTE: the interpreter cannot run the kernel on two devices at once: after each device's
     grid it asserts that no barrier is allocated in the memory shared by all devices, with no
     device barrier before the check, so it fails when the other device is mid-kernel (jax
     0.12, mosaic_gpu/interpret/interpret_pallas_call.py). Hence one device, one share per call."""
-    from jaxserve.sharding import make_mesh, shard_attention
+    from jaxserve.parallel.sharding import make_mesh, shard_attention
 
     tp, num_heads, num_kv_heads = 2, 8, 2
     rng = np.random.default_rng(7)

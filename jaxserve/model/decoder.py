@@ -1,0 +1,271 @@
+"""The decoder family: Llama, Mistral, Qwen2 and Qwen3 as one config-driven Flax NNX model.
+
+Parameter names follow Hugging Face (`layers.self_attn.q_proj.kernel` is
+`model.layers.{i}.self_attn.q_proj.weight`, transposed), so weight loading is a rename.
+A new model stacks its layers on a leading axis and runs them with `lax.scan` (compile
+time independent of depth); `unstack_layers`, the layout weight loading returns, makes
+them separate and unrolled (faster steps, see there). Shapes: T tokens on the flat axis,
+D hidden, H query heads, KV key/value heads, Dh head_dim, S sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
+from jaxserve.model.inputs import ModelInputs
+from jaxserve.model.quantization import QuantConfig, QuantizedLinear
+from pallas_kernels import cpu_kernels
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+AttentionFn = Callable[..., jax.Array]  # the signature of ragged_paged_attention_reference
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * h.astype(x.dtype)
+
+
+def uses_few_rows_kernel(x: jax.Array, w: jax.Array, max_rows: int = cpu_kernels.MAX_ROWS) -> bool:
+    return x.ndim == 2 and x.shape[0] <= max_rows and x.dtype == w.dtype
+
+
+def _linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+    if quant is not None:
+        return QuantizedLinear(din, dout, use_bias=bias, quant=quant, dtype=dtype)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half convention. x: [T, heads, Dh]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+        d, h, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(dtype, d, h * dh, cfg.attention_bias, rngs, quant)
+        self.k_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
+        self.v_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
+        self.o_proj = _linear(dtype, h * dh, d, cfg.o_proj_bias, rngs, quant)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
+        with jax.named_scope("qkv_proj"):
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        out, kv = self.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
+        with jax.named_scope("o_proj"):
+            return self.o_proj(out), kv
+
+    def attend(self, q, k, v, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
+        """From the projected q [T, H * Dh], k and v [T, KV * Dh] to attention's output
+        [T, H * Dh] (before o_proj), and the cache with this step's K/V."""
+        cfg = self.cfg
+        t = q.shape[0]
+        with jax.named_scope("qkv_proj"):
+            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+            # KV heads from the weights' shape: under tensor parallelism they may be repeated (jaxserve.parallel.sharding).
+            k = k.reshape(t, -1, cfg.head_dim)
+            v = v.reshape(t, -1, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        with jax.named_scope("rope"):
+            q = apply_rope(q, inputs.positions, inv_freq)
+            k = apply_rope(k, inputs.positions, inv_freq)
+
+        # Write this step's K/V first; attention then reads the whole context from the pages
+        # of every layer folded into one pool (layer l's pages start at l * num_blocks).
+        with jax.named_scope("kv_write"):
+            kv = write_kv(kv, layer_idx, inputs.slot_mapping, k, v)
+        pages, block_offset = fold_layers(kv), layer_idx * kv.num_blocks
+        with jax.named_scope("attention"):
+            out = attention(
+                q, pages.k, pages.v, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
+                sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, **pages.scales(),
+                **({} if inputs.tree_mask is None else {"tree_mask": inputs.tree_mask}),
+            )
+        return out.reshape(t, cfg.num_heads * cfg.head_dim), kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(dtype, d, f, False, rngs, quant)
+        self.up_proj = _linear(dtype, d, f, False, rngs, quant)
+        self.down_proj = _linear(dtype, f, d, False, rngs, quant)
+
+    def __call__(self, x):
+        with jax.named_scope("mlp"):
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs, quant)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs, quant)
+
+
+def unstack_layers(model: DecoderLM) -> DecoderLM:
+    """The same model with its stacked layers as separate modules (a new model object; the
+    other parameters are shared). Its forward pass unrolls the layers instead of scanning.
+
+    Serving wants this, and weight loading returns models in this form: a scan reads each
+    layer's weights through a dynamic slice, which XLA on the CPU materializes as a copy
+    every step, so a memory-bound decode step moved its weights three times (read, write
+    the copy, read it). Separate arrays are read in place, once. The price is compile
+    time that grows with depth.
+    """
+    if isinstance(model.layers, nnx.List):
+        return model
+    graphdef, state = nnx.split(model)
+    unstacked = nnx.merge(graphdef, state)
+    layer_def, stacked = nnx.split(unstacked.layers)
+    unstacked.layers = nnx.List([nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], stacked))
+                                 for i in range(model.cfg.num_layers)])
+    return unstacked
+
+
+def uses_layer_kernels(layer: DecoderLayer, x: jax.Array) -> bool:
+    """Whether `_layer` runs this layer's projections through the CPU kernels for few rows
+    (a model marked `few_rows_kernel`): plain float projections, no o_proj bias."""
+    projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+    plain = all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
+    return plain and uses_few_rows_kernel(x, layer.self_attn.q_proj.kernel, cpu_kernels.LAYER_MAX_ROWS)
+
+
+def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
+    """`_layer` with each half of the layer as one CPU kernel call (cpu_kernels.norm_qkv and
+    o_proj_mlp): XLA runs a few-row layer as a dozen small ops, each paying a dispatch and a
+    wake-up of its thread pool."""
+    x, kv, layer_idx = carry
+    attn, mlp = layer.self_attn, layer.mlp
+    with jax.named_scope("qkv_proj"):
+        q, k, v = cpu_kernels.norm_qkv(x, layer.input_layernorm.weight[...], attn.q_proj.kernel[...],
+                                       attn.k_proj.kernel[...], attn.v_proj.kernel[...],
+                                       eps=layer.input_layernorm.eps)
+        if attn.q_proj.bias is not None:
+            q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
+    out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
+    with jax.named_scope("mlp"):  # o_proj's time is charged here
+        x = cpu_kernels.o_proj_mlp(out, x, attn.o_proj.kernel[...], layer.post_attention_layernorm.weight[...],
+                                   mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...],
+                                   eps=layer.post_attention_layernorm.eps)
+    return x, kv, layer_idx + 1
+
+
+def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn,
+           few_rows_kernel: bool = False):
+    """One decoder layer; carry: (x, the cache, layer index)."""
+    x, kv, layer_idx = carry
+    if few_rows_kernel and uses_layer_kernels(layer, x):
+        return _layer_kernels(carry, layer, inputs, inv_freq, attention)
+    with jax.named_scope("norm"):
+        h = layer.input_layernorm(x)
+    h, kv = layer.self_attn(h, inputs, kv, layer_idx, inv_freq, attention)
+    x = x + h
+    with jax.named_scope("norm"):
+        h = layer.post_attention_layernorm(x)
+    x = x + layer.mlp(h)
+    return x, kv, layer_idx + 1
+
+
+@functools.cache
+def _jitted_layer(layer_def, attention: AttentionFn, few_rows_kernel: bool):
+    """`_layer` as one jitted function of the layer's weights. The unrolled forward pass calls
+    it once per layer: jax then traces and lowers a single layer (unrolling 30 layers in
+    Python made each program take seconds to trace, even on a compile-cache hit), and XLA
+    inlines the calls into one program with each layer's weights read in place."""
+    return jax.jit(lambda carry, state, inputs, inv_freq: _layer(carry, nnx.merge(layer_def, state), inputs, inv_freq,
+                                                                 attention, few_rows_kernel))
+
+
+class DecoderLM(nnx.Module):
+    """Embeddings, a stack of decoder layers, the final norm and the LM head.
+
+    The layers are stacked on a leading axis and scanned, or, after `unstack_layers`
+    (what the serving engine does), separate modules run one after another. With
+    `quantization`, the attention and MLP projections are `QuantizedLinear` layers.
+    `few_rows_kernel`: a tied LM head's products with a few rows (a decode step's) run through
+    the CPU kernel `pallas_kernels.cpu_kernels.small_matmul`: XLA's CPU dot with the
+    [vocab, hidden] table is slow for a few rows. jaxserve.runner.kernels.select_matmul sets it.
+    """
+
+    few_rows_kernel = False
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization: QuantConfig | None = None):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.quantization = quantization
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, dtype, rngs, quantization)
+
+        self.layers = make_layers(rngs)  # every parameter has a leading [L] axis
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(dtype, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+    def __call__(
+        self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits [len(logits_indices), vocab] in float32, and the cache with this step's K/V."""
+        x, kv = self.hidden_states(inputs, kv, attention)
+        return self.logits(x[inputs.logits_indices]), kv
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Float32 logits of final hidden states x [S, D] (the final norm, then the LM head)."""
+        with jax.named_scope("lm_head"):
+            x = self.norm(x)
+            if not self.cfg.tie_word_embeddings:
+                logits = self.lm_head(x)
+            elif self.few_rows_kernel and uses_few_rows_kernel(x, table := self.embed_tokens.embedding[...]):
+                logits = cpu_kernels.small_matmul(x, table, transposed=True)
+            else:
+                logits = self.embed_tokens.attend(x)
+        return logits.astype(jnp.float32)
+
+    def hidden_states(
+        self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference
+    ) -> tuple[jax.Array, KVCache]:
+        """The last layer's output [T, D] for every token, and the cache with this step's K/V."""
+        with jax.named_scope("embed"):
+            x = self.embed_tokens(inputs.input_ids)  # [T, D]
+        inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
+        carry = (x, kv, jnp.int32(0))
+        if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
+            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, self.few_rows_kernel)
+            for layer in self.layers:
+                carry = run_layer(carry, nnx.state(layer), inputs, inv_freq)
+        else:  # stacked layers: one scanned body, whatever the depth
+            layer_def, layer_state = nnx.split(self.layers)
+            carry, _ = jax.lax.scan(
+                lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention,
+                                         self.few_rows_kernel), None), carry, layer_state)
+        x, kv, _ = carry
+        return x, kv

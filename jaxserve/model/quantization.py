@@ -1,0 +1,233 @@
+"""Quantized weights: the schemes, the host-side quantizers and the quantized linear layer.
+
+The attention and MLP projections of a quantized model are `QuantizedLinear` layers; the
+embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`):
+
+    int4   weight-only, round-to-nearest from a float checkpoint, asymmetric per group of
+           `group_size` along K (128; a layer whose K it does not divide uses 64 or 32)
+    fp8    e4m3 weights with a scale per output channel; activations quantized per token
+           on the fly (W8A8), float32 accumulation
+    gguf   a GGUF file's own Q4_0 / Q4_1 blocks, kept as int4 with group 32 (the file's
+           exact values) instead of dequantized; other block types are re-quantized
+
+A checkpoint saved by llm-compressor (compressed-tensors) brings its own int4 or fp8
+weights and needs no flag. The layouts the layers hold are described in
+`pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.runner.kernels.select_matmul`
+converts the layers once to the Mosaic GPU kernels' layout
+(`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels; elsewhere they call
+the pure-JAX references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels.quantized_matmul import FP8_MAX, fp8_matmul_reference, int4_matmul_reference
+
+METHODS = ("int4", "fp8", "gguf")
+DEFAULT_GROUP_SIZE = 128
+_FALLBACK_GROUPS = (64, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How a model's projections are stored. `method` says where the weights came from
+    (one of METHODS or "compressed-tensors"); `kind` is the layout ("int4" or "fp8")."""
+
+    method: str
+    kind: str
+    group_size: int = DEFAULT_GROUP_SIZE  # int4: the preferred group along K
+
+    def __post_init__(self):
+        if self.kind not in ("int4", "fp8"):
+            raise ValueError(f"quantized layout {self.kind!r} is not int4 or fp8")
+        if self.kind == "int4" and (self.group_size < 2 or self.group_size % 2):
+            raise ValueError(f"int4 needs an even group size, got {self.group_size=}")
+
+    @classmethod
+    def for_method(cls, method: str | None) -> QuantConfig | None:
+        """The config for a `--quantization` value (None: unquantized)."""
+        if method is None or method == "none":
+            return None
+        if method not in METHODS:
+            raise ValueError(f"quantization {method!r} is not one of {', '.join(METHODS)}")
+        if method == "gguf":
+            return cls("gguf", "int4", 32)
+        return cls(method, method)
+
+    def group_size_for(self, k: int) -> int:
+        """The int4 group size of a layer with K inputs: the preferred one if it divides K,
+        else the largest smaller fallback (64, 32) that does."""
+        for g in (self.group_size, *(g for g in _FALLBACK_GROUPS if g < self.group_size)):
+            if k % g == 0:
+                return g
+        tried = ", ".join(str(g) for g in (self.group_size, *_FALLBACK_GROUPS) if g <= self.group_size)
+        raise ValueError(f"int4 quantization: K={k} is not a multiple of any group size ({tried})")
+
+    @property
+    def label(self) -> str:
+        layout = f"int4, group {self.group_size}" if self.kind == "int4" else "fp8 e4m3, per-channel scales"
+        return f"{self.method} ({layout})" if self.method != self.kind else layout
+
+
+class QuantizedLinear(nnx.Module):
+    """y = x @ W (+ bias) with W stored quantized; the parameters are plain arrays.
+
+    A layer starts in the canonical layout (`pallas_kernels.quantized_matmul`), the one
+    loaders, caches and the pure-JAX references use. `use_kernel_layout` converts it once,
+    after loading, into the layout of the Mosaic GPU kernels (`backend.select_matmul`
+    does so when it picks them); the layer then calls the kernels.
+    """
+
+    def __init__(self, din: int, dout: int, *, use_bias: bool, quant: QuantConfig, dtype):
+        self.kind = quant.kind
+        self.din, self.dout = din, dout
+        self.layout = "canonical"  # or "mgpu" (see use_kernel_layout)
+        self.interpret = False  # mgpu layout only: run the kernels in the Mosaic GPU interpreter (tests)
+        if quant.kind == "int4":
+            if din % 2:
+                raise ValueError(f"int4 packs two values per byte along K; K={din} is odd")
+            group = quant.group_size_for(din)
+            self.packed = nnx.Param(jnp.zeros((din // 2, dout), jnp.uint8))
+            self.scales = nnx.Param(jnp.zeros((din // group, dout), jnp.float32))
+            self.offsets = nnx.Param(jnp.zeros((din // group, dout), jnp.float32))
+        else:
+            self.weight = nnx.Param(jnp.zeros((din, dout), jnp.float8_e4m3fn))
+            self.scales = nnx.Param(jnp.ones((dout,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # the kernels take [T, K]
+        if self.layout == "mgpu":
+            y = self._kernel_matmul(x2)
+        elif self.kind == "int4":
+            y = int4_matmul_reference(x2, self.packed[...], self.scales[...], self.offsets[...])
+        else:
+            y = fp8_matmul_reference(x2, self.weight[...], self.scales[...])
+        y = y.reshape(*lead, self.dout)
+        return y if self.bias is None else y + self.bias[...]
+
+    def _kernel_matmul(self, x: jax.Array) -> jax.Array:
+        # NOTE: the kernel module is imported where used (here and below), as backend.py does
+        # for attention: Pallas' Mosaic GPU adds start-up time where no kernel runs.
+        from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+        interpret = True if self.interpret else None
+        if self.kind == "int4":
+            weights = mgpu.Int4KernelWeights(self.q[...], self.scales[...], self.offsets[...], self.dout)
+            return mgpu.int4_matmul(x, weights, interpret=interpret)
+        return mgpu.fp8_matmul(x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout),
+                               interpret=interpret)
+
+    def kernel_unsupported_reason(self, dtype) -> str | None:
+        """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype`, or None."""
+        from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+        x = jax.ShapeDtypeStruct((mgpu.MAX_TILE_T, self.din), jnp.dtype(dtype))  # the largest token tile
+        if self.kind == "int4":
+            groups = self.scales.shape[-2]  # [.., G, N] in both layouts
+            n_pad = mgpu.padded_n(self.dout)
+            weights = mgpu.Int4KernelWeights(jax.ShapeDtypeStruct((n_pad, self.din), jnp.int4),
+                                             jax.ShapeDtypeStruct((groups, n_pad), jnp.float32),
+                                             jax.ShapeDtypeStruct((groups, n_pad), jnp.float32), self.dout)
+            return mgpu.int4_unsupported_reason(x, weights)
+        n_pad = mgpu.padded_n(self.dout)
+        weights = mgpu.Fp8KernelWeights(jax.ShapeDtypeStruct((n_pad, self.din), jnp.float8_e4m3fn),
+                                        jax.ShapeDtypeStruct((n_pad,), jnp.float32), self.dout)
+        return mgpu.fp8_unsupported_reason(x, weights)
+
+    def use_kernel_layout(self, *, interpret: bool = False) -> None:
+        """Convert the parameters, once, into the Mosaic GPU kernels' layout (in place; the
+        canonical arrays are dropped). Works on stacked layers (leading axes) too.
+        `interpret` runs the kernels in the Mosaic GPU interpreter (for tests on a CPU)."""
+        from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+        if self.layout == "mgpu":
+            return
+        if self.kind == "int4":
+            w = jax.jit(mgpu.prepare_int4)(self.packed[...], self.scales[...], self.offsets[...])
+            del self.packed
+            self.q = nnx.Param(w.q)
+            self.scales, self.offsets = nnx.Param(w.scales), nnx.Param(w.offsets)
+        else:
+            w = jax.jit(mgpu.prepare_fp8)(self.weight[...], self.scales[...])
+            self.weight, self.scales = nnx.Param(w.weight), nnx.Param(w.scales)
+        self.layout, self.interpret = "mgpu", interpret
+
+
+def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
+    """(path, layer) of every QuantizedLinear in the model."""
+    return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
+
+
+def use_kernel_layout(model: nnx.Module, *, interpret: bool = False) -> int:
+    """Convert every QuantizedLinear of the model to the Mosaic GPU kernels' layout (see
+    `QuantizedLinear.use_kernel_layout`); returns how many layers were converted."""
+    layers = quantized_layers(model)
+    for _, layer in layers:
+        layer.use_kernel_layout(interpret=interpret)
+    return len(layers)
+
+
+# -- host-side quantizers (numpy, one tensor at a time while loading) ---------------------
+
+
+def pack_int4(nibbles: np.ndarray) -> np.ndarray:
+    """uint8 values 0..15 [K, N] -> uint8 [K // 2, N] (even k in the low nibble)."""
+    nibbles = nibbles.astype(np.uint8)
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def quantize_int4(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
+    """Round-to-nearest asymmetric int4 of a float weight [K, N], per group of K rows:
+    scale = (max - min) / 15 and offset = min, so each group's extremes are exact."""
+    k, n = w.shape
+    g = w.astype(np.float32).reshape(k // group, group, n)
+    lo, hi = g.min(axis=1), g.max(axis=1)
+    scales = (hi - lo) / np.float32(15)
+    q = g - lo[:, None, :]  # NOTE: in place from here on: the loader's peak memory is a few tensors, not the model
+    q /= np.where(scales > 0, scales, 1)[:, None, :]
+    np.clip(np.rint(q, out=q), 0, 15, out=q)
+    return {"packed": pack_int4(q.reshape(k, n)), "scales": scales, "offsets": lo}
+
+
+def quantize_fp8(w: np.ndarray) -> dict[str, np.ndarray]:
+    """e4m3 of a float weight [K, N] with one scale per output channel (amax / 448)."""
+    amax = np.abs(w).max(axis=0).astype(np.float32)
+    scales = np.where(amax > 0, amax / np.float32(FP8_MAX), 1).astype(np.float32)
+    q = w / scales  # a float32 copy (w is float32)
+    np.clip(q, -FP8_MAX, FP8_MAX, out=q)
+    return {"weight": q.astype(jnp.float8_e4m3fn), "scales": scales}
+
+
+def quantize(w: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:
+    """A float weight [K, N] as the parameters of a QuantizedLinear."""
+    if quant.kind == "int4":
+        return quantize_int4(w, quant.group_size_for(w.shape[0]))
+    return quantize_fp8(w)
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    """A projection that arrives already quantized (GGUF Q4 blocks, compressed-tensors):
+    the QuantizedLinear parameters in our layout, and the float shape it stands for in
+    Hugging Face's [out, in] orientation."""
+
+    kind: str
+    params: dict[str, np.ndarray]
+    shape: tuple[int, int]
+
+    def permute_outputs(self, order: np.ndarray) -> QuantizedWeight:
+        """The same weight with its output channels (the N axis) reordered."""
+        return QuantizedWeight(self.kind, {k: v[..., order] for k, v in self.params.items()}, self.shape)
+
+
+def weight_bytes(model: nnx.Module) -> int:
+    """Bytes the model's parameters occupy."""
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))

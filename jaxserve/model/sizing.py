@@ -1,0 +1,315 @@
+"""Serving arithmetic: what the weights and the KV cache occupy, how many sequences fit,
+and the roofline bound on a step's time (`python -m jaxserve.plan` prints it).
+
+Everything here is counted from the model config and the engine's own layout rules
+(`jaxserve.model.kv_cache`: the bytes a token occupies, the null block, whole blocks per
+sequence), so the plan is what the engine allocates, not an approximation of it.
+
+The roofline: a step can go no faster than its bytes over the memory bandwidth, nor than
+its FLOPs over the peak compute rate; its time bound is the larger of the two. A decode
+step reads every weight once whatever the batch (plus each sequence's KV), and does
+about 2 FLOPs per weight per token, so small batches are bound by memory and large ones
+by compute. Not modelled: tensor-parallel communication, kernel efficiency, the host's
+time between steps, activations' memory traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.kv_cache import kv_bytes_per_token, num_blocks_for_memory
+from jaxserve.model.quantization import QuantConfig
+
+GB, GiB = 10**9, 2**30
+
+
+def both_units(num_bytes: float) -> str:
+    """'85.9 GB (80.0 GiB)': decimal and binary, so neither is mistaken for the other."""
+    if num_bytes < 10**6:
+        return f"{num_bytes / 10**3:,.1f} kB ({num_bytes / 2**10:,.1f} KiB)"
+    if num_bytes < 10**9:
+        return f"{num_bytes / 10**6:,.1f} MB ({num_bytes / 2**20:,.1f} MiB)"
+    return f"{num_bytes / GB:,.2f} GB ({num_bytes / GiB:,.2f} GiB)"
+
+
+# -- the device ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What bounds a step: memory size, memory bandwidth and peak dense FLOP/s by dtype."""
+
+    name: str
+    memory_bytes: int
+    bandwidth: float  # bytes per second
+    peak_flops: dict[str, float]  # by compute dtype: float32, bfloat16, float16, fp8
+    source: str = "table"  # "table", "measured" or "flags"
+
+    def peak_for(self, compute_dtype: str) -> float:
+        if compute_dtype in self.peak_flops:
+            return self.peak_flops[compute_dtype]
+        if compute_dtype == "fp8":  # no fp8 units (A100, CPUs): the matmul runs in 16 bits
+            return self.peak_for("bfloat16")
+        return self.peak_flops["float32"]
+
+
+def _gpu(name, memory_gb, tb_s, f32, bf16, fp8=None) -> Device:
+    peaks = {"float32": f32 * 1e12, "bfloat16": bf16 * 1e12, "float16": bf16 * 1e12}
+    if fp8:
+        peaks["fp8"] = fp8 * 1e12
+    return Device(name, int(memory_gb * GB), tb_s * 1e12, peaks)
+
+
+# Vendors' data-sheet figures: dense (no sparsity) tensor-core peaks, float32 as TF32
+# (what XLA's default matmul precision uses on these GPUs).
+DEVICES = {
+    "h100": _gpu("NVIDIA H100 SXM 80GB", 80, 3.35, 494.7, 989.4, 1978.9),
+    "h200": _gpu("NVIDIA H200 SXM 141GB", 141, 4.8, 494.7, 989.4, 1978.9),
+    "a100": _gpu("NVIDIA A100 SXM 80GB", 80, 2.039, 156, 312),
+    "a100-40gb": _gpu("NVIDIA A100 SXM 40GB", 40, 1.555, 156, 312),
+    "l40s": _gpu("NVIDIA L40S 48GB", 48, 0.864, 183, 362, 733),
+    "tpu-v5e": _gpu("Google TPU v5e", 16, 0.819, 197, 197),
+    "tpu-v6e": _gpu("Google TPU v6e", 32, 1.64, 918, 918),
+}
+
+
+# -- the model's bytes and FLOPs -------------------------------------------------------
+
+
+def compute_dtype(dtype, quant: QuantConfig | None) -> str:
+    """The dtype the projections' matmuls run in: fp8 for W8A8, else the activations'."""
+    return "fp8" if quant is not None and quant.kind == "fp8" else jnp.dtype(dtype).name
+
+
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(K, N) of each layer's attention and MLP projections (the quantizable ones)."""
+    d, dh, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
+    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+
+
+def projection_bytes(k: int, n: int, dtype, quant: QuantConfig | None) -> int:
+    """A [K, N] projection's parameter bytes in the layout `QuantizedLinear` keeps."""
+    if quant is None:
+        return k * n * jnp.dtype(dtype).itemsize
+    if quant.kind == "int4":  # packed nibbles, and a float32 scale and offset per group
+        return k // 2 * n + 2 * (k // quant.group_size_for(k)) * n * 4
+    return k * n + n * 4  # fp8 e4m3, a float32 scale per output channel
+
+
+def embedding_bytes(cfg: ModelConfig, dtype) -> int:
+    return cfg.vocab_size * cfg.hidden_size * jnp.dtype(dtype).itemsize
+
+
+def weight_bytes(cfg: ModelConfig, dtype, quant: QuantConfig | None = None) -> int:
+    """The parameters' bytes: quantized projections, the rest (embeddings, norms, biases,
+    LM head) in the model dtype."""
+    item = jnp.dtype(dtype).itemsize
+    d, dh = cfg.hidden_size, cfg.head_dim
+    per_layer = sum(projection_bytes(k, n, dtype, quant) for k, n in projection_shapes(cfg))
+    per_layer += 2 * d * item + (2 * dh * item if cfg.qk_norm else 0)
+    if cfg.attention_bias:
+        per_layer += (cfg.num_heads + 2 * cfg.num_kv_heads) * dh * item
+    if cfg.o_proj_bias:
+        per_layer += d * item
+    heads = 1 if cfg.tie_word_embeddings else 2  # the LM head stays unquantized
+    return cfg.num_layers * per_layer + heads * embedding_bytes(cfg, dtype) + d * item
+
+
+def streamed_weight_bytes(cfg: ModelConfig, dtype, quant: QuantConfig | None = None) -> int:
+    """Weight bytes one step reads: all of them, except an untied embedding table, of
+    which a step gathers only its tokens' rows."""
+    untied_table = 0 if cfg.tie_word_embeddings else embedding_bytes(cfg, dtype)
+    return weight_bytes(cfg, dtype, quant) - untied_table
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights each token multiplies by in the layers (not the LM head)."""
+    return cfg.num_layers * sum(k * n for k, n in projection_shapes(cfg))
+
+
+def attention_flops(cfg: ModelConfig, query_tokens: int, keys: float) -> float:
+    """QK^T and PV: 4 * head_dim FLOPs per (query head, visible key), every layer."""
+    return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * query_tokens * keys
+
+
+# -- the KV cache ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    """The cache the engine allocates for a memory budget, and what fits in it."""
+
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int  # per layer, the null block included
+    context: int
+
+    @property
+    def nbytes(self) -> int:
+        """What the allocated K, V (and scale) arrays hold: every block, the null one too."""
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def usable_tokens(self) -> int:
+        return max(0, self.num_blocks - 1) * self.block_size
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return math.ceil(self.context / self.block_size)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """A `context`-token sequence's cache, in whole blocks."""
+        return self.blocks_per_sequence * self.block_size * self.bytes_per_token
+
+    @property
+    def max_sequences(self) -> int:
+        """Whole `context`-token sequences that fit at once (0: not even one)."""
+        return max(0, self.num_blocks - 1) // self.blocks_per_sequence
+
+
+def plan_kv(cfg: ModelConfig, kv_dtype, *, context: int, block_size: int = 16, memory_bytes: int | None = None,
+            num_blocks: int | None = None, tp: int = 1) -> KVPlan:
+    """The engine's cache for `memory_bytes` of K and V (or `num_blocks` blocks), per
+    device under tensor parallelism `tp` (KV heads split, replicated when fewer than tp)."""
+    cfg_per_device = per_device_config(cfg, tp)
+    if num_blocks is None:
+        if memory_bytes is None:
+            raise ValueError("give the cache's memory or its number of blocks")
+        num_blocks = num_blocks_for_memory(cfg_per_device, memory_bytes, block_size, kv_dtype)
+    return KVPlan(kv_bytes_per_token(cfg_per_device, kv_dtype), block_size, num_blocks, context)
+
+
+def kv_budget_for_utilization(utilization: float, *, total_bytes: int, peak_bytes: int) -> int:
+    """KV-cache bytes under vLLM's --gpu-memory-utilization: the engine may use
+    `utilization` of the device's `total_bytes`; what the weights and the largest step's
+    activations took at their peak (`peak_bytes`, measured after warm-up) is not the
+    cache's. Raises ValueError when nothing is left, saying what utilization would do."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    allowed = int(utilization * total_bytes)
+    budget = allowed - peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} allows {both_units(allowed)} of {both_units(total_bytes)}, but "
+            f"the weights and the largest step's activations already take {both_units(peak_bytes)}: nothing is "
+            f"left for the KV cache; give more than {peak_bytes / total_bytes:.3f} (or lower max_num_batched_tokens "
+            f"/ max_num_seqs)")
+    return budget
+
+
+def per_device_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config of one device's shard: KV heads divided by tp (at least one each)."""
+    if tp == 1:
+        return cfg
+    kv = max(1, cfg.num_kv_heads // tp)
+    return dataclasses.replace(cfg, num_kv_heads=kv, num_heads=max(kv, cfg.num_heads // tp))
+
+
+def activation_workspace(cfg: ModelConfig, *, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """An estimate of the largest step's live activations: float32 per token (the hidden
+    state, q/k/v, the MLP's two intermediate rows) and float32 logits per sequence, with
+    the sampler's copies of them."""
+    per_token = 4 * (3 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                     + 2 * cfg.intermediate_size)
+    return max_num_batched_tokens * per_token + 3 * max_num_seqs * cfg.vocab_size * 4
+
+
+# -- the roofline ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBound:
+    tokens: int  # tokens the step produces (decode: the batch)
+    bytes: float
+    flops: float
+    memory_s: float  # bytes over bandwidth
+    compute_s: float  # FLOPs over peak
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def bound_by(self) -> str:
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A model as served: its config, dtypes, quantization and tensor-parallel degree."""
+
+    cfg: ModelConfig
+    dtype: str = "float32"
+    quant: QuantConfig | None = None
+    kv_dtype: str = "float32"  # the cache's storage dtype (jnp name)
+    tp: int = 1
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.cfg, self.dtype, self.quant)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.cfg, self.kv_dtype)
+
+    @property
+    def device_kv_bytes_per_token(self) -> int:
+        """One device's share under tensor parallelism (KV heads replicated when fewer than tp)."""
+        return kv_bytes_per_token(per_device_config(self.cfg, self.tp), self.kv_dtype)
+
+    def decode_bound(self, device: Device, batch: int, context: int, tokens_per_seq: int = 1) -> StepBound:
+        """One decode step of `batch` sequences at `context` tokens each, computing
+        `tokens_per_seq` tokens per sequence (1; k+1 when verifying k drafts)."""
+        cfg = self.cfg
+        tokens = batch * tokens_per_seq
+        weights = streamed_weight_bytes(cfg, self.dtype, self.quant)
+        kv = batch * (context + tokens_per_seq) * self.device_kv_bytes_per_token  # read the context, write the new
+        flops = 2.0 * tokens * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)
+        flops += attention_flops(cfg, tokens, context)
+        return self._bound(device, batch, weights / self.tp + kv, flops / self.tp)
+
+    def prefill_bound(self, device: Device, prompt_len: int) -> StepBound:
+        """One prompt of `prompt_len` tokens, in one step (causal: half the keys on average)."""
+        cfg = self.cfg
+        weights = streamed_weight_bytes(cfg, self.dtype, self.quant)
+        kv = prompt_len * self.device_kv_bytes_per_token
+        flops = 2.0 * (prompt_len * matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)
+        flops += attention_flops(cfg, prompt_len, (prompt_len + 1) / 2)
+        return self._bound(device, prompt_len, weights / self.tp + kv, flops / self.tp)
+
+    def _bound(self, device: Device, tokens: int, num_bytes: float, flops: float) -> StepBound:
+        peak = device.peak_for(compute_dtype(self.dtype, self.quant))
+        return StepBound(tokens, num_bytes, flops, num_bytes / device.bandwidth, flops / peak)
+
+    def compute_bound_batch(self, device: Device, context: int, limit: int = 1 << 16) -> int | None:
+        """The smallest batch whose decode step is bound by compute (None: none up to `limit`)."""
+        lo, hi = 1, limit
+        if self.decode_bound(device, hi, context).bound_by == "memory":
+            return None
+        while lo < hi:  # the compute share grows with the batch: bisect
+            mid = (lo + hi) // 2
+            if self.decode_bound(device, mid, context).bound_by == "compute":
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def speculative_speedup(self, device: Device, *, batch: int, context: int, acceptance_length: float,
+                            num_speculative_tokens: int, draft_cost: float) -> float:
+        """The bound on speculative decoding's speed-up: `acceptance_length` tokens (accepted
+        drafts + 1) per verify step of k+1 tokens per sequence, plus k draft steps each
+        costing `draft_cost` times a plain decode step."""
+        k = num_speculative_tokens
+        plain = self.decode_bound(device, batch, context).seconds
+        verify = self.decode_bound(device, batch, context, tokens_per_seq=k + 1).seconds
+        return acceptance_length * plain / (verify + k * draft_cost * plain)

@@ -1,0 +1,183 @@
+"""The kernel backend switch: Pallas kernels on a GPU that has them, C++ on the CPU, pure JAX elsewhere.
+
+`select_attention(None, ...)` picks the Mosaic GPU kernel on a Hopper GPU when the
+model's shapes and dtype suit it (bf16 or f16, head_dim 64 or 128); on the CPU, the C++
+kernel (`pallas_kernels.cpu_kernels`, float32 or bf16 K/V) when it builds
+here; the pure-JAX reference everywhere else. A flag (`--attention-backend`) or the
+environment variable JAXSERVE_ATTENTION_BACKEND forces one: "pallas" or "cpu" (an error
+if it cannot run) or "reference". The choice and its reason are logged at start-up. Other
+kernels (int4 and FP8 matmuls, tree attention) plug into the same switch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.decoder import AttentionFn
+from jaxserve.model.quantization import quantized_layers, use_kernel_layout
+from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
+from jaxserve.model.sizing import per_device_config
+from jaxserve.weights.load import default_cache_dir
+from pallas_kernels import cpu_kernels
+from pallas_kernels.quantized_kv import is_quantized_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "pallas", "cpu", "reference")
+ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
+MATMUL_ENV_VAR = "JAXSERVE_MATMUL_BACKEND"
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def is_hopper(device: jax.Device) -> bool:
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def pallas_unsupported_reason(cfg: ModelConfig, dtype, block_size: int, device: jax.Device,
+                              kv_dtype=None) -> str | None:
+    """Why the Mosaic GPU attention kernel cannot serve this model (and this KV cache dtype,
+    default the model's) here, or None."""
+    if not is_hopper(device):
+        return f"it needs a Hopper GPU (sm_90); this device is {device.device_kind}"
+    from pallas_kernels.ragged_paged_attention_mgpu import unsupported_reason
+
+    kv_dtype = jnp.dtype(kv_dtype or dtype)
+    q = jax.ShapeDtypeStruct((8, cfg.num_heads, cfg.head_dim), jnp.dtype(dtype))
+    pages = jax.ShapeDtypeStruct((2, block_size, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
+    scales = {}
+    if is_quantized_kv(kv_dtype):
+        s = jax.ShapeDtypeStruct((2, cfg.num_kv_heads, block_size), jnp.float32)
+        scales = {"k_scales": s, "v_scales": s}
+    return unsupported_reason(q, pages, pages, **scales)
+
+
+def cpu_unsupported_reason(dtype, kv_dtype, device: jax.Device) -> str | None:
+    """Why the C++ CPU attention kernel cannot serve here, or None (then it is built and registered)."""
+    reason = cpu_kernels.unsupported_reason(dtype, kv_dtype or dtype, device)
+    return reason or cpu_kernels.build(default_cache_dir())
+
+
+def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
+                     kv_dtype=None, mesh: jax.sharding.Mesh | None = None) -> tuple[str, AttentionFn]:
+    """(backend name, attention function) for the flag value `name` (None: env var, else auto),
+    for a KV cache of `kv_dtype` (None: the model's dtype), on `mesh`'s devices (None: the
+    first device). Under tensor parallelism the function runs per device on its own heads."""
+    name = name or os.environ.get(ENV_VAR) or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    tp = 1 if mesh is None else tensor_parallel_size(mesh)
+    shard_cfg = per_device_config(cfg, tp)  # the kernel sees one device's heads
+    reasons = {}  # why a kernel that was considered cannot run
+    if name in ("auto", "pallas"):
+        reasons["pallas"] = pallas_unsupported_reason(shard_cfg, dtype, block_size, device, kv_dtype)
+    if name == "cpu" or (name == "auto" and reasons["pallas"] is not None):
+        reasons["cpu"] = cpu_unsupported_reason(dtype, kv_dtype, device)
+    if name in ("pallas", "cpu") and reasons[name] is not None:
+        kernel = "Pallas" if name == "pallas" else "CPU"
+        raise ValueError(f"the {kernel} attention kernel cannot run: {reasons[name]}")
+    if name == "auto":
+        name = next((kernel for kernel, reason in reasons.items() if reason is None), "reference")
+    if name == "pallas":
+        from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention as fn
+    elif name == "cpu":
+        fn = cpu_kernels.ragged_paged_attention
+    else:
+        fn = ragged_paged_attention_reference
+    why = "".join(f" ({kernel} kernel not used: {reason})" for kernel, reason in reasons.items()
+                  if kernel != name and reason)
+    where = f", tensor parallel {tp} over devices {[d.id for d in mesh.devices.flat]}" if tp > 1 else ""
+    logger.info("attention backend: %s on %s%s%s", name, device.device_kind, where, why)
+    return name, (shard_attention(fn, mesh) if tp > 1 else fn)
+
+
+def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
+    """Why the Mosaic GPU quantized matmuls cannot serve this model here, or None."""
+    layers = quantized_layers(model)
+    if not layers:
+        return "the model has no quantized layers"
+    if not is_hopper(device):
+        return f"it needs a Hopper GPU (sm_90); this device is {device.device_kind}"
+    dtype = jnp.dtype(model.dtype)
+    if dtype not in KERNEL_DTYPES:
+        return f"it needs a bf16 or f16 model, this one is {dtype.name}"
+    for path, layer in layers:
+        if (reason := layer.kernel_unsupported_reason(dtype)) is not None:
+            return f"layer {path}: {reason}"
+    return None
+
+
+def dense_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str | None:
+    """Why the CPU kernels cannot serve this model's few-row products (its decoder layers,
+    a tied LM head), or None (then they are built and registered)."""
+    if device.platform != "cpu":
+        return f"it runs on the CPU; this device is {device.platform}"
+    if tp > 1:  # NOTE: a custom call is opaque to GSPMD, like a Pallas call
+        return "it does not run under tensor parallelism"
+    if jnp.dtype(model.dtype) not in cpu_kernels.KV_DTYPES:
+        return f"it takes float32 or bfloat16 weights, not {jnp.dtype(model.dtype).name}"
+    return cpu_kernels.build(default_cache_dir())
+
+
+def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
+    """For a model without quantized layers: "cpu" marks it, in place, to run its few-row
+    products (decode steps) through the CPU kernels: the decoder layers' (up to
+    LAYER_MAX_ROWS rows) and a tied LM head's; else "reference"."""
+    if name == "pallas":  # nothing to choose for (as with the variable set for every model)
+        logger.info("matmul backend: reference (the Pallas matmul kernels are for quantized models; this one is "
+                    "not quantized)")
+        name = "reference"
+    reason = None if name == "reference" else dense_matmul_unsupported_reason(model, device, tp)
+    if name == "cpu" and reason is not None:
+        raise ValueError(f"the CPU matmul kernel cannot run: {reason}")
+    use = name != "reference" and reason is None
+    model.few_rows_kernel = use
+    if use:
+        logger.info("matmul backend: cpu on %s for the decoder layers' products of up to %d rows%s",
+                    device.device_kind, cpu_kernels.LAYER_MAX_ROWS,
+                    f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "")
+    elif name == "auto":
+        logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
+    return "cpu" if use else "reference"
+
+
+def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:
+    """Choose the matmul backend for `name` (None: env var, else auto) and apply it to
+    `model` in place. For a quantized model, "pallas" converts its quantized layers to the
+    Mosaic GPU kernels' layout; for a float model, "cpu" sends its few-row products (decode
+    steps) to the CPU kernels (see select_dense_matmul). Returns the backend used."""
+    name = name or os.environ.get(MATMUL_ENV_VAR) or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    if not quantized_layers(model):
+        return select_dense_matmul(name, model, device, 1 if mesh is None else tensor_parallel_size(mesh))
+    if name == "cpu":
+        raise ValueError("the CPU matmul kernel takes float weights; this model is quantized (its reference "
+                         "matmuls run on the CPU)")
+    reason = None if name == "reference" else matmul_unsupported_reason(model, device)
+    if reason is None and mesh is not None and tensor_parallel_size(mesh) > 1:
+        # NOTE: a Pallas call is opaque to GSPMD; the kernels would need their own shard_map.
+        reason = "the quantized matmul kernels do not run under tensor parallelism yet"
+    if name == "pallas" and reason is not None:
+        raise ValueError(f"the Pallas quantized matmul kernels cannot run: {reason}")
+    if name == "auto":
+        name = "reference" if reason is not None else "pallas"
+    if name == "reference" and any(layer.layout != "canonical" for _, layer in quantized_layers(model)):
+        # NOTE: the conversion is one-way (the canonical arrays are dropped to save memory).
+        raise ValueError("this model's quantized layers are already in the Pallas kernels' layout (an earlier "
+                         "select_matmul); load the model again to run the reference")
+    if name == "pallas":
+        count = use_kernel_layout(model)
+        logger.info("matmul backend: pallas on %s (%d quantized layers converted to the kernel layout)",
+                    device.device_kind, count)
+    else:
+        why = f" (Pallas kernels not used: {reason})" if reason else ""
+        logger.info("matmul backend: reference on %s%s", device.device_kind, why)
+    return name

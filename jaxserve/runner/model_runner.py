@@ -1,0 +1,533 @@
+"""Runs a scheduler `StepBatch` on the device: pad to buckets, two jitted calls, sampled tokens.
+
+Shapes are padded to a fixed set of buckets so the number of compiled programs is known
+and small. A step is two programs dispatched back to back (nothing returns to the host
+in between):
+
+- the body: embeddings, every layer, the KV write, for T tokens, T a power of two from
+  MIN_TOKENS up to max_num_batched_tokens (its attention sees S = min(T, max_num_seqs)
+  sequence slots). It hands over the final hidden state of each sequence's last token.
+- the head: final norm, LM head and sampler for R rows, R the number of sequences
+  rounded up to a power of two (at most max_num_seqs), with or without penalties and the
+  token bias (logit_bias, allowed_token_ids, bad_words: one variant for both).
+
+So the compiled set is the token buckets plus twice the row buckets, not their product,
+and the LM head and sampler, whose cost grows with the rows, work on the real batch
+(rounded up), not on as many rows as the token bucket could hold. Every program is
+compiled by `warm_up()`; `compilations` counts XLA compiles so tests can show none
+happen later.
+
+With speculative decoding (`num_speculative_tokens` k > 0) the body hands over k + 1
+hidden states per sequence, one per draft position and the bonus, and a step with draft
+tokens runs the verify head (`spec_decode.rejection_sampler.verify`) on them instead of
+the sampler: up to k + 1 tokens per sequence.
+
+`dispatch(batch)` only enqueues the step and returns a handle; `handle.fetch()` waits for
+its sampled tokens. The sampled tokens also stay on the device (`last_tokens`), where the
+next step reads the ones it needs (`StepBatch.pending_tokens`): with the overlapped loop,
+step N+1 is dispatched before the host has seen step N's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.model.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slots, read_blocks, write_blocks
+from jaxserve.model.decoder import AttentionFn, DecoderLM, unstack_layers
+from jaxserve.model.inputs import ModelInputs
+from jaxserve.sample.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
+from jaxserve.parallel.sharding import (kv_cache_sharding, kv_heads_for, make_mesh, param_shardings, place,
+                               replicate_kv_heads, replicated, tensor_parallel_size)
+from jaxserve.sample.rejection_sampler import VerifyOutput, verify
+from jaxserve.sample.tree_verify import TreeVerifyOutput, verify_tree
+from pallas_kernels.quantized_kv import is_quantized_kv
+from scheduler.draft_tree import DraftTree
+from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, bitmask_words, token_bias_matrix
+
+logger = logging.getLogger(__name__)
+
+# One token is the smallest bucket: on a CPU, XLA runs a one-row matmul as a matrix-vector
+# product at about the memory bandwidth, while 2-8 rows run about three times slower, so
+# single-stream decode must not be padded.
+MIN_TOKENS = 1
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: tokens whose [rows, V] logits are live at once
+NULL_SLOT = 0  # the null block's first slot (kv_cache.NULL_BLOCK is 0): where moves that do nothing go
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """One row per scheduled sequence (padding rows removed)."""
+
+    token_ids: np.ndarray  # int32 [S], or [S, k+1] after verifying draft tokens
+    logprobs: np.ndarray | None  # float32 [S] ([S, k+1]) when some sequence asked for logprobs
+    top_logprob_ids: np.ndarray | None  # int32 [S, n] ([S, k+1, n]) when some sequence asked for logprobs
+    top_logprobs: np.ndarray | None
+    num_tokens: np.ndarray | None = None  # int32 [S] after verifying draft tokens: tokens per row
+    prompt_logprobs: PromptLogprobsOutput | None = None  # when some row asked for prompt logprobs
+
+
+@dataclasses.dataclass
+class PromptLogprobsOutput:
+    """One entry per prompt token whose logprob the step computed (in step order)."""
+
+    request_ids: list[str]
+    positions: np.ndarray  # int32 [N]: the token's position in its prompt (>= 1)
+    token_ids: np.ndarray  # int32 [N]: the prompt token there
+    logprobs: np.ndarray  # float32 [N]: its logprob given the tokens before it
+    ranks: np.ndarray  # int32 [N]: 1 + how many tokens are more likely
+    top_ids: np.ndarray  # int32 [N, k]: the k most likely tokens (k: the most any row asked for)
+    top_logprobs: np.ndarray  # float32 [N, k]
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    buckets, t = [], MIN_TOKENS
+    while t < max_num_batched_tokens:
+        buckets.append(t)
+        t *= 2
+    return buckets + [max(max_num_batched_tokens, MIN_TOKENS)]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        attention: AttentionFn,
+        kv_dtype=None,
+        buckets: list[int] | None = None,
+        num_speculative_tokens: int = 0,
+        draft_distributions: bool = False,
+        draft_tree: DraftTree | None = None,
+        keep_step_hidden: bool = False,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.config = model.cfg
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buckets = sorted(buckets) if buckets else token_buckets(max_num_batched_tokens)
+        if self.buckets[-1] < max_num_batched_tokens or self.buckets[0] < MIN_TOKENS:
+            raise ValueError(f"token buckets {self.buckets} must lie in [{MIN_TOKENS}, ...] and reach "
+                             f"{max_num_batched_tokens=}")
+        # The devices the step runs on (jaxserve.parallel.sharding): one, or tensor-parallel shards.
+        self.mesh = mesh = mesh if mesh is not None else make_mesh(1)
+        tp = tensor_parallel_size(mesh)
+        # NOTE: arrays are committed to the mesh up front: jit keys its cache on whether an
+        # argument is committed, and the donated cache comes back committed after step one.
+        self.replicated = replicated(mesh)
+        kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        kv_config = dataclasses.replace(self.config, num_kv_heads=kv_heads_for(self.config, tp))
+        kv_shardings = kv_cache_sharding(mesh, quantized=is_quantized_kv(kv_dtype))
+        # Allocated in place, shard by shard: no device ever holds the whole cache.
+        self.kv: KVCache = jax.jit(lambda: allocate_kv_cache(kv_config, num_blocks, block_size, kv_dtype),
+                                   out_shardings=kv_shardings)()
+        graphdef, params = nnx.split(unstack_layers(model))
+        params = replicate_kv_heads(params, self.config, tp)
+        self.graphdef, self.attention = graphdef, attention
+        # A plain nested dict, not an nnx.State: jit flattens a dict in C++, where a State
+        # costs about 0.3 ms of host time on every call (two calls a step).
+        self.params = nnx.to_pure_dict(place(params, param_shardings(params, mesh)))
+        rows = max_num_seqs
+        self.num_speculative_tokens = k = num_speculative_tokens
+        self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)
+        # Drafts shaped as a tree (not a chain): tree attention, tree verification, and the
+        # accepted path's K/V moved next to each other after each verify step.
+        self.keep_step_hidden = keep_step_hidden
+        self.tree = tree = draft_tree if draft_tree is not None and not draft_tree.is_chain else None
+
+        def whole(logits):
+            """Logits gathered whole on every device (under tensor parallelism the LM head splits
+            the vocabulary): the sampler, penalties and grammar masks see the full vocabulary."""
+            return jax.lax.with_sharding_constraint(logits, replicated(mesh))
+
+        def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens, keep_hidden=False):
+            """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
+            of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, and with
+            `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all)."""
+            inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
+            hidden, kv = nnx.merge(graphdef, params).hidden_states(inputs, kv, attention=attention)
+            kv = jax.lax.with_sharding_constraint(kv, kv_shardings)  # the cache comes back as it went in
+            return hidden[inputs.logits_indices], kv, hidden if keep_step_hidden or keep_hidden else None
+
+        def head(params, hidden, meta: SamplingMetadata):
+            """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
+            r = meta.temperature.shape[0]
+            last = hidden[:r, -1] if k else hidden[:r]  # with speculation, a plain step's positions are all its last
+            out = sample(whole(nnx.merge(graphdef, params).logits(last)), meta)
+            return out, _by_row(out.token_ids, rows), _by_row(last, rows) if k else None  # only heads read it
+
+        def verify_head(params, hidden, meta: SamplingMetadata, draft_ids, num_drafts, draft_probs):
+            """Verify the first R rows' draft tokens (R: draft_ids' rows); keep each row's last token."""
+            r = draft_ids.shape[0]
+            logits = whole(nnx.merge(graphdef, params).logits(hidden[:r].reshape(r * (k + 1), -1)))
+            if tree is None:
+                out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
+            else:  # column 0 is the root (not a draft); a request keeps a BFS prefix of the tree
+                valid = jnp.arange(k + 1)[None, :] <= num_drafts[:, None]
+                out = verify_tree(logits, meta, tree, jnp.pad(draft_ids, ((0, 0), (1, 0))), valid,
+                                  None if draft_probs is None else jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))))
+            last = jnp.take_along_axis(out.token_ids, out.num_tokens[:, None] - 1, axis=1)[:, 0]
+            # The position the last token was drawn at: its hidden state is what draft heads read.
+            end = out.num_tokens - 1 if tree is None else jnp.take_along_axis(out.path, out.num_tokens[:, None] - 1,
+                                                                                   axis=1)[:, 0]
+            return out, _by_row(last, rows), _by_row(hidden[jnp.arange(r), end], rows)
+
+        def prompt_head(params, hidden, targets):
+            """Every token's logprob tables for prompt logprobs, PROMPT_LOGITS_ROWS tokens at a time:
+            no [T, V] array is ever whole, on the device or off it."""
+            model = nnx.merge(graphdef, params)
+            # NOTE: groups of rows, not lax.map's batch_size: that vmaps the LM head, and the CPU
+            # kernel of a tied head (an FFI call) would then run once per row.
+            num_tokens, rows = hidden.shape[0], min(PROMPT_LOGITS_ROWS, hidden.shape[0])
+            groups, pad = -(-num_tokens // rows), -num_tokens % rows
+            hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(groups, rows, -1)
+            targets = jnp.pad(targets, (0, pad)).reshape(groups, rows)
+            tables = jax.lax.map(lambda group: prompt_logprob_tables(model.logits(group[0]), group[1]),
+                                 (hidden, targets))
+            return tuple(t.reshape(groups * rows, *t.shape[2:])[:num_tokens] for t in tables)
+
+        def compact(kv, out: TreeVerifyOutput, tree_slots):
+            """Move each row's accepted drafts' K/V to the slots after its root, in path order
+            (tree_slots [R, N+1]: the slots of the root and its nodes)."""
+            depth = jnp.arange(out.path.shape[1])[None, :]
+            moved = (depth < out.num_tokens[:, None]) & (out.path != depth)
+            src = jnp.take_along_axis(tree_slots, out.path, axis=1)
+            dst = tree_slots[:, : out.path.shape[1]]
+            return move_slots(kv, jnp.where(moved, src, NULL_SLOT).ravel(), jnp.where(moved, dst, NULL_SLOT).ravel())
+
+        # jit is applied here, once; the step functions stay plain functions.
+        self._body = jax.jit(body, donate_argnames=("kv",))
+        # Steps with prompt logprobs keep every token's hidden state: a variant compiled when the first comes.
+        self._body_keeping_hidden = jax.jit(functools.partial(body, keep_hidden=True), donate_argnames=("kv",))
+        self._prompt_head = jax.jit(prompt_head)
+        self._head = jax.jit(head)
+        self._verify_head = jax.jit(verify_head)
+        self._compact = jax.jit(compact, donate_argnames=("kv",))
+        # The latest step's sampled tokens, by row, on the device.
+        self.last_tokens = jax.device_put(np.zeros(rows, np.int32), self.replicated)
+        # ... and, when speculating, the hidden state each was drawn from (draft heads read it).
+        hidden_rows = np.zeros((rows, self.config.hidden_size), model.dtype)
+        self.last_hidden = jax.device_put(hidden_rows, self.replicated) if k else None
+        # With keep_step_hidden: the latest step's padded inputs and every token's hidden state.
+        self.step_inputs: ModelInputs | None = None
+        self.step_hidden: jax.Array | None = None
+        self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
+        self._read_blocks = jax.jit(read_blocks)
+        self._write_blocks = jax.jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
+        self.compilations = CompileCounter()
+
+    # -- buckets ------------------------------------------------------------------------
+
+    def bucket_for(self, num_tokens: int) -> tuple[int, int]:
+        """(T, S) of the smallest token bucket holding `num_tokens` tokens."""
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t, min(t, self.max_num_seqs)
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    @property
+    def row_buckets(self) -> list[int]:
+        """Powers of two up to max_num_seqs (and max_num_seqs itself)."""
+        return sorted({min(1 << i, self.max_num_seqs) for i in range(self.max_num_seqs.bit_length() + 1)})
+
+    def rows_for(self, num_seqs: int) -> int:
+        return min(1 << (num_seqs - 1).bit_length(), self.max_num_seqs)
+
+    def warm_up(self, heads: bool = True) -> None:
+        """Compile every program now, so that serving never waits on the compiler; without
+        `heads`, only what `write_kv` runs."""
+        for t in self.buckets:
+            inputs, pending = self.pad_inputs(None, *self.bucket_for(t))
+            hidden, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+        self.kv = self._copy_blocks(self.kv, copy_pairs([], self.max_num_seqs))
+        jax.block_until_ready(self.kv)
+        if not heads:
+            return
+        for r in self.row_buckets:
+            for penalties in (False, True):
+                meta = _dummy_sampling(r, penalties, self.max_model_len, self.config.vocab_size)
+                out, *_ = self._head(self.params, hidden, meta)
+                out.token_ids.block_until_ready()
+                if self.num_speculative_tokens:
+                    out, *_ = self._verify_head(self.params, hidden, *self._verify_args(None, r, penalties))
+                    out.token_ids.block_until_ready()
+                    if self.tree is not None:
+                        self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
+        logger.info("compiled %d token buckets %s and %d row buckets %s", len(self.buckets), self.buckets,
+                    len(self.row_buckets), self.row_buckets)
+
+    # -- KV handed between engines (prefill/decode disaggregation) ---------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> KVCache:
+        """These blocks' KV, [L, n, ...] in every array; n is len(block_ids) padded to a power
+        of two with the null block (few shapes, few compilations)."""
+        ids = np.zeros(1 << max(0, len(block_ids) - 1).bit_length(), np.int32)
+        ids[: len(block_ids)] = block_ids
+        return self._read_blocks(self.kv, ids)
+
+    def write_blocks(self, writes: list[tuple[int, int]], blocks: KVCache) -> None:
+        """Write row i of `blocks` (read_blocks' output, perhaps another engine's, on other
+        devices) into block b, for each (i, b) of `writes`."""
+        if not writes:
+            return
+        n = blocks.k.shape[1]
+        rows, block_ids = np.zeros(n, np.int32), np.zeros(n, np.int32)  # padding writes row 0 to the null block
+        rows[: len(writes)], block_ids[: len(writes)] = zip(*writes)
+        blocks = jax.device_put(blocks, self.replicated)  # a few blocks; the write splits them as the cache is
+        self.kv = self._write_blocks(self.kv, blocks, rows, block_ids)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.dispatch(batch).fetch()
+
+    def dispatch(self, batch: StepBatch, draft_probs: jax.Array | None = None) -> StepHandle:
+        """Enqueue one step on the device and return at once. `draft_probs` [R, k, V]: the
+        distributions draft tokens were drawn from (draft models; None: point masses)."""
+        if batch.block_copies:
+            self._run_copies(batch.block_copies)
+        inputs, pending = self.pad_inputs(batch, *self.bucket_for(batch.num_tokens))
+        targets = batch.prompt_logprob_targets
+        run_body = self._body if targets is None else self._body_keeping_hidden
+        hidden, self.kv, self.step_hidden = run_body(self.params, self.kv, inputs, pending, self.last_tokens)
+        self.step_inputs = inputs
+        prompt = None
+        if targets is not None:
+            padded = np.zeros(len(inputs.input_ids), np.int32)
+            padded[: len(targets)] = np.maximum(targets, 0)
+            prompt = (self._prompt_head(self.params, self.step_hidden, padded), _prompt_rows(batch))
+            if not self.keep_step_hidden:
+                self.step_hidden = None
+        if batch.verify is not None:
+            r = self.rows_for(batch.num_seqs)
+            args = self._verify_args(batch, r, draft_probs=draft_probs)
+            out, self.last_tokens, self.last_hidden = self._verify_head(self.params, hidden, *args)
+            if self.tree is not None:
+                self.kv = self._compact(self.kv, out, self._tree_slots(batch, r))
+        else:
+            meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
+            out, self.last_tokens, self.last_hidden = self._head(self.params, hidden, meta)
+        return StepHandle(out, batch.num_seqs, batch.sampling.want_logprobs, batch.sampling.num_logprobs, prompt)
+
+    def _verify_args(self, batch: StepBatch | None, r: int, penalties: bool = False, draft_probs=None):
+        """The verify head's arguments for R = r rows (padding rows have no drafts)."""
+        k = self.num_speculative_tokens
+        draft_ids, num_drafts = np.zeros((r, k), np.int32), np.zeros(r, np.int32)
+        if batch is None:
+            meta = _dummy_sampling(r * (k + 1), penalties, self.max_model_len, self.config.vocab_size)
+        else:
+            meta = self._pad_sampling(batch.verify, r * (k + 1))
+            draft_ids[: batch.num_seqs] = batch.spec_token_ids
+            num_drafts[: batch.num_seqs] = batch.num_spec_tokens
+        if self.draft_distributions and draft_probs is None:  # warm-up (committed, as the real ones are)
+            draft_probs = jax.device_put(np.zeros((r, k, self.config.vocab_size), np.float32), self.replicated)
+        return meta, draft_ids, num_drafts, draft_probs
+
+    def _tree_slots(self, batch: StepBatch | None, r: int) -> np.ndarray:
+        """i32 [r, N+1]: each row's slots of its root and its drafts (rows without: the null slot)."""
+        slots = np.full((r, self.num_speculative_tokens + 1), NULL_SLOT, np.int32)
+        if batch is not None:
+            for i, m in enumerate(batch.num_spec_tokens.tolist()):
+                if m:
+                    end = batch.query_start_loc[i + 1]
+                    slots[i, : m + 1] = batch.slot_mapping[end - m - 1 : end]
+        return slots
+
+    def write_kv(self, batch: StepBatch) -> None:
+        """Run a step's tokens through the layers for their K/V only (no logits): a draft
+        model follows the target's steps this way, so its cache holds what the target's does."""
+        if batch.block_copies:
+            self._run_copies(batch.block_copies)
+        inputs, pending = self.pad_inputs(batch, *self.bucket_for(batch.num_tokens))
+        _, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+
+    def _run_copies(self, copies: list[tuple[int, int]]) -> None:
+        self.kv = self._copy_blocks(self.kv, copy_pairs(copies, self.max_num_seqs))
+
+    def pad_inputs(self, batch: StepBatch | None, t: int, s: int) -> tuple[ModelInputs, PendingTokens]:
+        ids, pos, slots = (np.zeros(t, np.int32) for _ in range(3))
+        pending_at = np.full(s, t, np.int32)  # padding: out of range, dropped
+        pending_rows = np.zeros(s, np.int32)
+        qsl = np.zeros(s + 1, np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
+        k = self.num_speculative_tokens
+        logits_at = np.zeros((self.max_num_seqs, k + 1) if k else self.max_num_seqs, np.int32)
+        if batch is not None:
+            n, m = batch.num_tokens, batch.num_seqs
+            ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
+            qsl[: m + 1] = batch.query_start_loc
+            qsl[m + 1 :] = n  # padding sequences have no tokens
+            seq_lens[:m] = batch.seq_lens
+            tables[:m, : batch.block_tables.shape[1]] = batch.block_tables
+            if k:  # positions of each row's drafts and its bonus; rows without drafts: the last, repeated
+                drafts = batch.num_spec_tokens[:, None]
+                logits_at[:m] = batch.logits_indices[:, None] - drafts + np.minimum(np.arange(k + 1), drafts)
+            else:
+                logits_at[:m] = batch.logits_indices
+            p = len(batch.pending_tokens)
+            pending_at[:p], pending_rows[:p] = batch.pending_tokens, batch.pending_rows
+        tree_mask = None
+        if self.tree is not None:  # every step: one compiled program per bucket, not two
+            tree_mask = np.full(t, -1, np.int32)
+            if batch is not None and batch.tree_mask is not None:
+                tree_mask[: batch.num_tokens] = batch.tree_mask
+        inputs = ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at, tree_mask)
+        return inputs, PendingTokens(pending_at, pending_rows)
+
+    def _pad_sampling(self, b: SamplingBatch, s: int) -> SamplingMetadata:
+        def pad(a, fill=0):
+            out = np.full((s, *a.shape[1:]), fill, a.dtype)
+            out[: len(a)] = a
+            return out
+
+        meta = SamplingMetadata(
+            temperature=pad(b.temperature), top_p=pad(b.top_p, 1), top_k=pad(b.top_k), min_p=pad(b.min_p),
+            presence_penalty=pad(b.presence_penalty), frequency_penalty=pad(b.frequency_penalty),
+            repetition_penalty=pad(b.repetition_penalty, 1), seeds=pad(b.seeds), sample_index=pad(b.sample_index),
+            output_index=pad(b.output_index),
+            banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.want_logprobs),
+        )
+        if b.history is not None or b.token_bias is not None or b.token_bitmask is not None:
+            # One variant for penalties, the token bias and the grammar's bitmask (rows without
+            # any leave their logits as they are), so the compiled set stays two per row bucket.
+            history, lens, prompt_lens = np.zeros((s, self.max_model_len), np.int32), np.zeros(s, np.int32), None
+            if b.history is not None:
+                history[: len(b.history), : b.history.shape[1]] = b.history
+                lens, prompt_lens = pad(b.history_lens), pad(b.prompt_lens)
+            meta.history, meta.history_lens, meta.prompt_lens = history, lens, lens if prompt_lens is None else prompt_lens
+            meta.token_bias = token_bias_matrix(b.token_bias or [], s, self.config.vocab_size)
+            words = bitmask_words(self.config.vocab_size)
+            meta.token_bitmask = np.full((s, words), -1, np.int32)
+            if b.token_bitmask is not None:  # the grammar's vocabulary may run past the model's: cut
+                meta.token_bitmask[: len(b.token_bitmask)] = b.token_bitmask[:, :words]
+        return meta
+
+
+def copy_pairs(copies: list[tuple[int, int]], rows: int) -> np.ndarray:
+    """i32 [max(rows, len(copies)), 2]: (src, dst) block copies padded with (0, 0), the null
+    block onto itself, so that one compiled copy serves every step."""
+    pairs = np.zeros((max(rows, len(copies)), 2), np.int32)
+    if copies:
+        pairs[: len(copies)] = copies
+    return pairs
+
+
+def _by_row(values: jax.Array, rows: int) -> jax.Array:
+    """values [r, ...] in the first r of `rows` rows (the rest zeros): a step's results by row."""
+    return jnp.zeros((rows, *values.shape[1:]), values.dtype).at[: values.shape[0]].set(values)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PendingTokens:
+    """Which input tokens the step in flight sampled: they are taken from its device output."""
+
+    positions: jax.Array  # int32 [S]: on the flat token axis (T for padding: dropped)
+    rows: jax.Array  # int32 [S]: rows of the step in flight
+
+    def fill(self, input_ids: jax.Array, last_tokens: jax.Array) -> jax.Array:
+        return input_ids.at[self.positions].set(last_tokens[self.rows], mode="drop")
+
+
+class StepHandle:
+    """A dispatched step; `fetch()` waits for its sampled tokens (one row per sequence)."""
+
+    def __init__(self, out: SamplerOutput | VerifyOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int,
+                 prompt=None):
+        self.out, self.num_seqs, self.want_logprobs, self.num_logprobs = out, num_seqs, want_logprobs, num_logprobs
+        self.prompt = prompt  # (device tables, _prompt_rows(batch)) with prompt logprobs
+
+    def fetch(self) -> RunnerOutput:
+        result = self._fetch_samples()
+        if self.prompt is not None:
+            (logprobs, ranks, top_ids, top_values), (at, request_ids, positions, token_ids, k) = self.prompt
+            result.prompt_logprobs = PromptLogprobsOutput(
+                request_ids, positions, token_ids, np.asarray(logprobs)[at], np.asarray(ranks)[at],
+                np.asarray(top_ids)[at, :k], np.asarray(top_values)[at, :k])
+        return result
+
+    def _fetch_samples(self) -> RunnerOutput:
+        out, n, k = self.out, self.num_seqs, self.num_logprobs
+        token_ids = np.asarray(out.token_ids)[:n]
+        num_tokens = np.asarray(out.num_tokens)[:n] if isinstance(out, (VerifyOutput, TreeVerifyOutput)) else None
+        if not self.want_logprobs:
+            return RunnerOutput(token_ids, None, None, None, num_tokens)
+        logprobs = np.asarray(out.logprobs)[:n]
+        if k:
+            return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, ..., :k],
+                                np.asarray(out.top_logprobs)[:n, ..., :k], num_tokens)
+        return RunnerOutput(token_ids, logprobs, None, None, num_tokens)
+
+
+def prompt_logprob_tables(logits: jax.Array, targets: jax.Array):
+    """Per token (logits f32 [T, V], targets i32 [T]): the target's logprob and rank (1 + how
+    many tokens are strictly more likely, as vLLM), and the top MAX_LOGPROBS ids and logprobs."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    values, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[1]))
+    return chosen, ranks, ids.astype(jnp.int32), values
+
+
+def _prompt_rows(batch: StepBatch):
+    """Host-side bookkeeping of a step's prompt logprobs: which flat tokens report one, for
+    which request and prompt position, the prompt token, and how many alternatives to keep."""
+    targets = batch.prompt_logprob_targets
+    at = np.flatnonzero(targets >= 0)
+    rows = np.searchsorted(batch.query_start_loc, at, side="right") - 1
+    request_ids = [batch.request_ids[r] for r in rows.tolist()]
+    return at, request_ids, batch.positions[at] + 1, targets[at], batch.num_prompt_logprobs
+
+
+def _dummy_sampling(s: int, penalties: bool, width: int, vocab_size: int) -> SamplingMetadata:
+    f, i = np.zeros(s, np.float32), np.zeros(s, np.int32)
+    meta = SamplingMetadata(f, f + 1, i, f, f, f, f + 1, np.zeros((s, 2), np.uint32), i, i,
+                            np.zeros((s, MAX_BANNED_TOKENS), np.int32), np.zeros(s, bool), np.bool_(False))
+    if penalties:
+        meta.history, meta.history_lens, meta.prompt_lens = np.zeros((s, width), np.int32), i, i
+        meta.token_bias = np.zeros((s, vocab_size), np.float32)
+        meta.token_bitmask = np.full((s, bitmask_words(vocab_size)), -1, np.int32)
+    return meta
+
+
+class CompileCounter:
+    """Counts XLA compilations in this process, from jax's own monitoring events."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    def __init__(self):
+        with CompileCounter._lock:
+            if not CompileCounter._installed:
+                jax.monitoring.register_event_duration_secs_listener(CompileCounter._on_event)
+                CompileCounter._installed = True
+
+    @staticmethod
+    def _on_event(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with CompileCounter._lock:
+                CompileCounter._count += 1
+
+    @property
+    def count(self) -> int:
+        return CompileCounter._count
+
+
+__all__ = ["ModelRunner", "RunnerOutput", "StepHandle", "token_buckets"]

@@ -1,0 +1,211 @@
+"""Logits of models read from GGUF files against transformers reading the same file.
+
+The files are tiny random `llama`, `qwen2` (QKV bias, tied embeddings) and `qwen3`
+(Q/K norms) models written here with the `gguf` package. Q8_0 and Q4_0 tensors are
+quantized by `gguf.quants.quantize`; the package cannot quantize to Q4_K or Q6_K, so those
+tensors are random blocks (scaled to sensible weights) written as raw bytes. The oracle is
+transformers' own GGUF loader (its own dequantizer, not the `gguf` package's that ours
+calls, and its own undoing of llama.cpp's Q/K rotary permutation).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxserve.model.kv_cache import allocate_kv_cache
+from jaxserve.weights import load_model
+from tests.jaxserve.test_model_vs_hf import jitted_step
+from tests.paged import PagedSequences
+
+# Row lengths (the hidden size, the MLP width, heads x head_dim) are multiples of 256, the
+# K-quants' block; 32 would do for Q8_0 / Q4_0.
+GEOMETRY = {
+    "llama": dict(heads=4, kv_heads=2, head_dim=64, tied=False),
+    "qwen2": dict(heads=4, kv_heads=2, head_dim=64, tied=True),
+    "qwen3": dict(heads=2, kv_heads=1, head_dim=128, tied=False),
+}
+HIDDEN, FFN, LAYERS, VOCAB = 256, 512, 2, 300
+PROMPT = [5, 17, 260, 3, 99, 42, 42, 7, 150, 1, 288, 64]
+QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q6_K"]
+
+
+def small_vocabulary() -> dict:
+    """A small byte-level BPE vocabulary as GGUFWriter `add_*` calls (the loader builds the
+    tokenizer too)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    pairs = [(a, b) for a in "etaoinsh" for b in "rdlucmfw"][:VOCAB - 256 - 2]
+    tokens = alphabet + [a + b for a, b in pairs] + ["<|bos|>", "<|eos|>"]
+    return dict(tokenizer_model="gpt2", tokenizer_pre="default", token_list=tokens,
+                token_merges=[f"{a} {b}" for a, b in pairs], token_types=[1] * (VOCAB - 2) + [3, 3],
+                bos_token_id=VOCAB - 2, eos_token_id=VOCAB - 1)
+
+
+def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks whose values come out near N(0, 1/cols)."""
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    # The f16 super-block scales: d (and Q4_K's dmin) lead a Q4_K block; d ends a Q6_K block.
+    scale_at = [slice(0, 2), slice(2, 4)] if qtype.name == "Q4_K" else [slice(size - 2, size)]
+    for at in scale_at:
+        data[..., at] = np.full((rows, cols // block, 1), 1.0, np.float16).view(np.uint8)
+    spread = dequantize(data.reshape(rows, -1), qtype).std()
+    for at in scale_at:
+        d = (rng.uniform(0.5, 1.5, (rows, cols // block, 1)) / (spread * cols**0.5)).astype(np.float16)
+        data[..., at] = d.view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def write_tiny_gguf(path, arch: str, qtype_name: str, seed: int = 0, vocabulary: dict | None = None) -> None:
+    """A random model; `vocabulary`: its tokenizer as GGUFWriter `add_*` calls (default: small_vocabulary())."""
+    import gguf
+
+    vocabulary = vocabulary or small_vocabulary()
+    vocab = len(vocabulary["token_list"])
+
+    g = GEOMETRY[arch]
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(g["heads"])
+    writer.add_head_count_kv(g["kv_heads"])
+    writer.add_key_length(g["head_dim"])
+    writer.add_value_length(g["head_dim"])
+    writer.add_rope_dimension_count(g["head_dim"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    for method, value in vocabulary.items():
+        getattr(writer, f"add_{method}")(value)
+
+    def matrix(name, rows, cols):
+        if qtype_name in ("Q4_K", "Q6_K"):
+            writer.add_tensor(name, random_k_blocks(rows, cols, qtype, rng), raw_dtype=qtype)
+        else:
+            weights = (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
+            writer.add_tensor(name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
+
+    def vector(name, n, around):
+        writer.add_tensor(name, (around + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    q, kv = g["heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"]
+    matrix("token_embd.weight", vocab, HIDDEN)
+    for i in range(LAYERS):
+        vector(f"blk.{i}.attn_norm.weight", HIDDEN, 1.0)
+        matrix(f"blk.{i}.attn_q.weight", q, HIDDEN)
+        matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN)
+        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN)
+        if arch == "qwen2":
+            for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                vector(f"blk.{i}.{name}.bias", n, 0.0)
+        if arch == "qwen3":
+            vector(f"blk.{i}.attn_q_norm.weight", g["head_dim"], 1.0)
+            vector(f"blk.{i}.attn_k_norm.weight", g["head_dim"], 1.0)
+        matrix(f"blk.{i}.attn_output.weight", HIDDEN, q)
+        vector(f"blk.{i}.ffn_norm.weight", HIDDEN, 1.0)
+        matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    vector("output_norm.weight", HIDDEN, 1.0)
+    if not g["tied"]:
+        matrix("output.weight", vocab, HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def our_logits(loaded, prompt) -> np.ndarray:
+    step, state = jitted_step(loaded.model)
+    seqs = PagedSequences([len(prompt)], 4, num_blocks=8)
+    kv = allocate_kv_cache(loaded.config, 8, 4, jnp.float32)
+    logits, _ = step(state, kv, seqs.step([prompt], [(0, len(prompt))], pad_to=16, all_logits=True))
+    return np.asarray(logits, np.float64)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("arch", sorted(GEOMETRY))
+def test_logits_equal_transformers_reading_the_same_gguf(tmp_path, arch, qtype):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"tiny-{arch}-{qtype}.gguf"
+    write_tiny_gguf(path, arch, qtype)
+    loaded = load_model(str(path), use_cache=False, progress=False)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == loaded.hf_config["architectures"][0]
+    with torch.no_grad():
+        want = theirs(torch.tensor([PROMPT])).logits[0].double().numpy()
+    got = our_logits(loaded, PROMPT)
+    assert np.abs(want).max() > 1.0, "logits too flat for the comparison to mean anything"
+    err = np.abs(got - want).max()
+    assert err <= 1e-4, f"max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_weights_equal_transformers_torch_dequantizer(tmp_path, qtype):
+    """transformers reads these architectures' tensors with the `gguf` package's dequantizer,
+    as ours does, so the blocks are checked apart: every weight we load against
+    transformers' own torch dequantizer of the file's bytes (qwen3: no rotary permutation)."""
+    from flax import nnx
+    from gguf import GGUFReader
+    from transformers.integrations.gguf.dequant import dequantize
+
+    from jaxserve.weights.gguf_reader import hf_name
+    from jaxserve.weights.params import _flatten, _hf_name
+
+    path = tmp_path / f"tiny-qwen3-{qtype}.gguf"
+    write_tiny_gguf(path, "qwen3", qtype)
+    loaded = load_model(str(path), use_cache=False, progress=False)
+    ours = {_hf_name(p): np.asarray(v).T if p[-1] == "kernel" else np.asarray(v)
+            for p, v in _flatten(nnx.to_pure_dict(nnx.state(loaded.model)))}
+    checked = set()
+    for t in GGUFReader(str(path)).tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if t.tensor_type.name == "F32":  # norms, stored as they are
+            want = np.asarray(t.data).reshape(shape)
+        else:
+            raw = torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8))  # a writable copy
+            want = dequantize(raw, int(t.tensor_type), torch.float32).reshape(shape).numpy()
+        np.testing.assert_allclose(ours[hf_name(t.name)], want, rtol=1e-6, atol=1e-7, err_msg=t.name)
+        checked.add((t.name, t.tensor_type.name))
+    assert sum(kind == qtype for _, kind in checked) == 2 + 7 * LAYERS  # embeddings, output, projections
+    assert len(checked) == len(ours)
+
+
+def test_a_sentencepiece_gguf_serves_like_transformers(tmp_path):
+    """The whole path for a Mistral / TinyLlama-style file (llama weights, SentencePiece
+    vocabulary with byte fallback): prompt ids, greedy tokens and text against transformers
+    reading the same file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxserve.engine.llm import LLM
+    from scheduler import SamplingParams
+    from tests.jaxserve.test_gguf_tokenizer import sentencepiece_fields
+
+    path = tmp_path / "tiny-llama-sentencepiece.gguf"
+    write_tiny_gguf(path, "llama", "Q8_0", vocabulary=sentencepiece_fields())
+    llm = LLM(str(path), cache_dir=tmp_path / "cache", max_num_seqs=1, max_num_batched_tokens=32, max_model_len=48,
+              num_blocks=16)
+    prompt = "Привет, мир! The dog 🙂 sleeps"
+    # NOTE: 12 tokens stop short of a byte run (<0x15><0x3D><0x43><0xC7>) that `tokenizers`'
+    # ByteFallback decodes as four U+FFFD in one piece but as "\x15=C" + U+FFFD token by token.
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ids, gen = tok.encode(prompt), out.outputs[0].token_ids
+    assert out.prompt_token_ids == ids and ids[0] == tok.bos_token_id
+    with torch.no_grad():
+        logits = theirs(torch.tensor([ids + gen])).logits[0, len(ids) - 1:-1].double().numpy()
+    for step, (token, row) in enumerate(zip(gen, logits)):
+        assert row[token] >= row.max() - 1e-4, f"step {step}: {token} is not transformers' greedy token"
+    assert len(gen) == 12 and {"<0x98>", "\u2581The"} <= set(tok.convert_ids_to_tokens(gen))
+    text = tok.decode(ids + gen, skip_special_tokens=True)
+    assert text == tok.decode(ids, skip_special_tokens=True) + out.outputs[0].text
