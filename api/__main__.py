@@ -61,11 +61,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="most sequences (prompts x n) one request may ask for; more is a 400 (default 256)")
     p.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="largest request body, e.g. 1MiB; larger is a 413 (default 32MiB)")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="the serial step loop: wait for each step's tokens before scheduling the next (debugging)")
-    p.add_argument("--generation-config", default="auto",
-                   help="'auto': the model's generation_config.json sets defaults for sampling fields a request "
-                        "leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json")
     add_model_flags(p)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="M",
                    help="M engine replicas behind this server, replica i on devices i*tp .. (i+1)*tp-1 (tp: "
@@ -136,8 +131,7 @@ def main(argv=None) -> int:
                          max_model_len=args.max_model_len, block_size=args.block_size,
                          kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                          gpu_memory_utilization=args.gpu_memory_utilization,
-                         enable_prefix_caching=not args.no_prefix_caching, generation_config=args.generation_config,
-                         async_scheduling=not args.no_async_scheduling, **model_engine_kwargs(args))
+                         enable_prefix_caching=not args.no_prefix_caching, **model_engine_kwargs(args))
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         devices = replica_device_ids(args.tensor_parallel_size, args.data_parallel_size)

@@ -12,8 +12,13 @@ BACKENDS = ["auto", "pallas", "cpu", "reference"]
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config,
+    """--generation-config, --no-async-scheduling, --dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config,
     --tensor-parallel-size, and the several-hosts flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout)."""
+    p.add_argument("--generation-config", default="auto",
+                   help="'auto': the model's generation_config.json sets the defaults of sampling fields a request "
+                        "(or a flag) leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="the serial step loop: wait for each step's tokens before scheduling the next (debugging)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the weights' and activations' dtype; auto (the default): the checkpoint's (config.json's "
                         "torch_dtype; a GGUF file's 16-bit floats, else float16) on a GPU, float32 on the CPU")
@@ -81,7 +86,8 @@ def start_devices(args: argparse.Namespace, host_devices: int):
 
 def model_engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields those flags set."""
-    return {"kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
+    return {"generation_config": args.generation_config, "async_scheduling": not args.no_async_scheduling,
+            "kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
             "matmul_backend": args.matmul_backend, "speculative_config": args.speculative_config,
             "tensor_parallel_size": args.tensor_parallel_size}
 

@@ -29,14 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--no-special-tokens", action="store_true",
                    help="do not add the tokenizer's special tokens (its BOS) to a plain prompt")
-    p.add_argument("--generation-config", default="auto",
-                   help="'auto': sampling defaults from the model's generation_config.json (flags override "
-                        "them); 'vllm': ignore them; or a folder holding a generation_config.json")
     add_model_flags(p)
     p.add_argument("--cache-dir", help="where converted weights and compiled programs are kept "
                                        "(default $JAXSERVE_CACHE or ~/.cache/jaxserve)")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="the serial step loop: wait for each step's tokens before scheduling the next")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.prompts_file is None):
@@ -109,8 +104,7 @@ def main(argv=None) -> int:
     engine = LLMEngine(loaded, EngineConfig(
         max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
         max_model_len=max(lens) + params.max_tokens + 1, kv_cache_memory=256 << 20,
-        generation_config=args.generation_config,
-        async_scheduling=not args.no_async_scheduling, **model_engine_kwargs(args),
+        **model_engine_kwargs(args),
     ))
     if isinstance(node, Follower):
         node.follow(engine)  # every node builds the same engine; node 0's calls drive them all
