@@ -27,7 +27,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_HEADERS = ("authorization", "content-type")
 
 

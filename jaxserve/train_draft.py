@@ -38,7 +38,8 @@ from jaxserve.spec_decode.heads import (METHODS, EagleHead, MedusaHeads, make_he
                                          save_heads, trainable_attention)
 from jaxserve.spec_decode.ngram import propose_ngram
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts" / "train_draft.jsonl"
+# Shipped as package data (pyproject: [tool.setuptools.package-data]), so an installed wheel has it.
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "train_draft_prompts.jsonl"
 TARGET_BLOCK = 16  # the target's pages while recording hidden states
 EAGLE_CE_WEIGHT = 0.1  # EAGLE-1: feature regression plus 0.1 x token cross-entropy
 

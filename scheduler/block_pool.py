@@ -132,10 +132,6 @@ class BlockPool:
                 self.cached[digest] = block.block_id
         block.digest, block.key = digest, key
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._evict(block)
-
     def _evict(self, block: Block) -> None:
         if block.digest is not None and self.cached.get(block.digest) == block.block_id:
             del self.cached[block.digest]

@@ -1,7 +1,7 @@
 """Continuous batching: every step retires finished requests and admits waiting ones.
 
-    batch = scheduler.schedule()          # which tokens run this step (a StepBatch)
-    sampled = runner.execute(batch)       # one token per scheduled row
+    batch = scheduler.schedule()              # which tokens run this step (a StepBatch)
+    sampled = runner.dispatch(batch).fetch()  # one token per scheduled row
     results = scheduler.update(batch, sampled)
 
 There are no prefill and decode phases: each running request has uncomputed tokens

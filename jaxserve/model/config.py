@@ -78,11 +78,6 @@ class ModelConfig:
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads per KV head (1: multi-head, num_heads: multi-query)."""
-        return self.num_heads // self.num_kv_heads
-
     def rope_inv_freq(self) -> np.ndarray:
         """Rotary inverse frequencies [head_dim // 2] in float32, scaled as configured."""
         exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim

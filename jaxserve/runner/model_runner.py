@@ -292,10 +292,6 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------
 
-    def execute(self, batch: StepBatch) -> RunnerOutput:
-        """Run one step and wait for its sampled tokens."""
-        return self.dispatch(batch).fetch()
-
     def dispatch(self, batch: StepBatch, draft_probs: jax.Array | None = None) -> StepHandle:
         """Enqueue one step on the device and return at once. `draft_probs` [R, k, V]: the
         distributions draft tokens were drawn from (draft models; None: point masses)."""
