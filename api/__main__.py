@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     from api.server import create_app
     from jaxserve.parallel.kv_transfer import KVTransfer
     from jaxserve.weights.default_model import DefaultModelMissing
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine import LLMEngine
     from jaxserve.parallel.multihost import Follower
     from jaxserve.parallel.sharding import replica_device_ids
     from jaxserve.engine.tokenization import read_chat_template

@@ -12,7 +12,6 @@ from api import openapi
 from api.engine_loop import SampleDelta
 from api.errors import bad_request
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
-from api.ignored_fields import note_ignored_fields
 from api.protocol import ChatCompletionRequest, ChatTemplateFields
 from api.serving import (
     EventStream, ServerState, collect, disconnected_response, new_id, start_generation, stream_events,
@@ -28,12 +27,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
-    state.check_model(body.model)
-    note_ignored_fields(request, body.warn_ignored())
-    body.check()
-    if body.logprobs:
-        state.check_logprobs(body.top_logprobs, "top_logprobs")
-    state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+    state.check_request(request, body, body.top_logprobs if body.logprobs else None, "top_logprobs")
     check_template(state, body)
     structured_outputs = await state.structured_outputs(body)  # a named tool's arguments: its schema
     tool = body.called_tool()

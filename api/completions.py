@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse
 
 from api import openapi
 from api.engine_loop import SampleDelta
-from api.ignored_fields import note_ignored_fields
 from api.logprobs import completion_logprobs, echo_entries, vllm_prompt_logprobs
 from api.protocol import CompletionRequest
 from api.serving import (
@@ -26,11 +25,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
-    state.check_model(body.model)
-    note_ignored_fields(request, body.warn_ignored())
-    body.check()
-    state.check_logprobs(body.logprobs, "logprobs")
-    state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+    state.check_request(request, body, body.logprobs, "logprobs")
     requested = body.prompts()
     structured_outputs = await state.structured_outputs(body)
     with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing

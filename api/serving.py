@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from api.disagg import DisaggRole, check_colocated
 from api.admission import EngineDeadError, QueueFullError, Reservation
 from api.engine_loop import EngineLoop, Generation, SampleDelta, StepDelta
+from api.ignored_fields import note_ignored_fields
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
 from api.logprobs import TokenText
 from api.protocol import invalid_constraint
@@ -80,6 +81,16 @@ class ServerState:
                               "truncate_prompt_tokens")
         keep = self.max_model_len if keep == -1 else keep
         return prompt[-keep:] if len(prompt) > keep else prompt
+
+    def check_request(self, request: Request, body, logprobs: int | None, logprobs_param: str) -> None:
+        """What every generation endpoint checks first, in this order: the model name, the
+        fields it ignores (a header says which), the body's own constraints, and the logprobs
+        asked for (`logprobs` under the endpoint's name for it, then prompt_logprobs)."""
+        self.check_model(body.model)
+        note_ignored_fields(request, body.warn_ignored())
+        body.check()
+        self.check_logprobs(logprobs, logprobs_param)
+        self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
 
     def check_logprobs(self, wanted: int | None, param: str) -> None:
         """--max-logprobs: a 400 naming `param` for more alternatives than the server allows."""

@@ -33,7 +33,7 @@ PROMPTS = [
 
 
 def run_backend(loaded, backend: str, kv_cache_dtype: str, args) -> dict:
-    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+    from jaxserve.engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(attention_backend=backend, matmul_backend=backend,
@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     import jax
 
     from jaxserve.runner.kernels import pallas_unsupported_reason
-    from jaxserve.engine.llm_engine import EngineConfig, enable_compilation_cache
+    from jaxserve.engine import EngineConfig
+    from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.model.kv_cache import resolve_kv_cache_dtype
     from jaxserve.weights import load_model
 

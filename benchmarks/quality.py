@@ -199,7 +199,7 @@ def window_logits_fn(loaded, window: int, kv_cache_dtype: str = "auto"):
 
 def greedy_continuations(loaded, prompts: list[str], max_tokens: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Each prompt continued greedily for max_tokens tokens (EOS ignored), batched in one engine."""
-    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+    from jaxserve.engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
     longest = max(len(loaded.tokenizer.encode(p)) for p in prompts)
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="greedy continuation length N per prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
-    from jaxserve.engine.llm_engine import enable_compilation_cache
+    from jaxserve.engine.builder import enable_compilation_cache
 
     enable_compilation_cache()  # $JAXSERVE_CACHE's, as the engine scripts use
     result = run(args)

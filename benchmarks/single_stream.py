@@ -51,7 +51,8 @@ from benchmarks import vllm_baseline  # noqa: E402
 def jaxserve_runner(args):
     """A function that generates one prompt and returns (ttft seconds, decode tokens/s), and
     the engine. Settings as a server's: the step can hold max_num_seqs sequences."""
-    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine, enable_compilation_cache
+    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.weights import load_model
     from scheduler import SamplingParams
 

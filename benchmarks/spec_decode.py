@@ -178,7 +178,7 @@ def trained_heads(method: str, given: str | None) -> Path:
 
 
 def build_engine(method: str, args):
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine import LLMEngine
 
     spec = speculative_config(method, args)
     kwargs = {"speculative_config": spec} if spec else {}  # so `none` runs on an engine without the field too

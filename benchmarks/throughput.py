@@ -82,7 +82,7 @@ def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> 
     steps in its own thread (jax releases the GIL while a device computes)."""
     import threading
 
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine import LLMEngine
     from jaxserve.parallel.sharding import replica_device_ids
     from scheduler import SamplingParams
     from scheduler.router import PrefixRouter

@@ -72,7 +72,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from jaxserve.weights.dtype import resolve_dtype
-    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine, enable_compilation_cache
+    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.engine.generation_config import read_generation_config
     from jaxserve.parallel.multihost import Follower
     from jaxserve.engine.tokenization import encode_chat, encode_prompt

@@ -102,7 +102,7 @@ def read_prompts(path: Path, tokenizer, vocab_size: int, limit: int) -> list[lis
 
 def self_distill(loaded, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int) -> list[list[int]]:
     """The target's own continuations of `prompts`, by the serving engine."""
-    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+    from jaxserve.engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, warm_up=False,
@@ -380,7 +380,7 @@ def default_out(model: str | None, method: str, preset: str) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jaxserve.engine.llm_engine import enable_compilation_cache
+    from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.weights import load_model
     from jaxserve.weights.load import resolve_source
 

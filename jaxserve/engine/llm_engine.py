@@ -29,86 +29,25 @@ advances a request by up to k + 1 tokens, so the host's work per token shrinks a
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import secrets
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
-from jaxserve.weights.dtype import resolve_dtype
-from jaxserve.runner.kernels import select_attention, select_matmul
-from jaxserve.parallel.devices import ensure_host_devices
-from jaxserve.engine.generation_config import read_generation_config
-from jaxserve.model.kv_cache import KVHandoff, kv_dtype_label, resolve_kv_cache_dtype
-from jaxserve.runner.model_runner import ModelRunner, StepHandle, token_buckets
-from jaxserve.parallel.multihost import Leader
+from jaxserve.engine import builder
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.profiling import NullProfiler, StepProfiler
-from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh
-from jaxserve.model.sizing import both_units, kv_budget_for_utilization, plan_kv
-from jaxserve.spec_decode import SpeculativeConfig
-from jaxserve.spec_decode.build import make_proposer
-from jaxserve.spec_decode.context import ProposerContext
-from jaxserve.spec_decode.proposers import Proposer
-from jaxserve.structured import GrammarCompiler
-from jaxserve.structured.llguidance import LLGuidanceBackend
 from jaxserve.engine.tokenization import encode_prompt
-from jaxserve.weights import LoadedModel, load_model
-from jaxserve.weights.load import default_cache_dir
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, StepBatch, StructuredOutputsParams
+from jaxserve.model.kv_cache import KVHandoff, kv_dtype_label
+from jaxserve.parallel.multihost import Leader
+from jaxserve.runner.model_runner import StepHandle
+from jaxserve.weights.load import LoadedModel
+from scheduler import Request, SamplingParams, StepBatch, StructuredOutputsParams
 from scheduler.request import SEED_BITS
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" or "int8" (see jaxserve.model.kv_cache)
-    num_blocks: int | None = None  # overrides kv_cache_memory
-    # vLLM's: the fraction of the device's memory the engine may use; the KV cache gets what
-    # the weights and the largest step leave (measured, see _kv_memory_for_utilization).
-    # Overrides kv_cache_memory; num_blocks overrides it. Needs a device that reports its memory.
-    gpu_memory_utilization: float | None = None
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-    attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
-    matmul_backend: str | None = None  # quantized matmuls; None: $JAXSERVE_MATMUL_BACKEND or auto
-    token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
-    warm_up: bool = True
-    generation_config: str = "auto"  # "auto", "vllm" or a folder (see jaxserve.engine.generation_config)
-    async_scheduling: bool = True  # overlap the host's work for step N with the device's step N+1
-    # Draft tokens verified in the step (vLLM's --speculative-config: a SpeculativeConfig, a dict or its JSON)
-    speculative_config: SpeculativeConfig | dict | str | None = None
-    # Tensor parallelism (jaxserve.parallel.sharding): the model split over this many devices; the KV
-    # cache memory (kv_cache_memory) is per device, as in python -m jaxserve.plan.
-    tensor_parallel_size: int = 1
-    device_ids: tuple[int, ...] | None = None  # which of jax.devices() (default the first tensor_parallel_size)
-
-    def __post_init__(self):
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        u = self.gpu_memory_utilization
-        if u is not None and not (isinstance(u, (int, float)) and 0 < u <= 1):
-            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
-        if self.device_ids is not None:
-            object.__setattr__(self, "device_ids", tuple(self.device_ids))
-        if self.tensor_parallel_size > 1:
-            spec = self.speculative_config
-            if spec is not None and spec.method != "ngram":
-                raise ValueError(f"speculative decoding with {spec.method!r} does not run with tensor parallelism "
-                                 "yet; ngram does")
-            if u is not None:
-                raise ValueError("gpu_memory_utilization does not work with tensor parallelism yet; "
-                                 "give kv_cache_memory (per device)")
 
 
 class LLMEngine:
@@ -116,114 +55,21 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
-        mcfg = loaded.config
-        self.generation = read_generation_config(loaded.source, config.generation_config)
-        self.eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + self.generation.eos_token_ids))
-        dtype = loaded.model.dtype
-        self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-        spec = config.speculative_config
-        num_spec = spec.num_draft_tokens if spec else 0
-        max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        tp = config.tensor_parallel_size
-        check_tensor_parallel(mcfg, tp)
-        self.mesh = make_mesh(tp, config.device_ids)
-        self.attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
-                                                             kv_dtype, mesh=self.mesh)
-        self.matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=self.mesh)  # before the runner splits it
-        make_runner = functools.partial(
-            ModelRunner, loaded.model, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, attention=attention,
-            kv_dtype=kv_dtype, buckets=self._token_buckets(num_spec),
-            num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
-            draft_tree=spec and spec.tree, keep_step_hidden=spec is not None and spec.method == "eagle",
-            mesh=self.mesh,
-        )
-        memory_bytes = config.kv_cache_memory
-        if config.gpu_memory_utilization is not None and config.num_blocks is None:
-            memory_bytes = self._kv_memory_for_utilization(make_runner, max_model_len)
-        kv_plan = plan_kv(mcfg, kv_dtype, context=max_model_len, block_size=config.block_size,
-                          memory_bytes=memory_bytes, num_blocks=config.num_blocks, tp=tp)
-        num_blocks, capacity = kv_plan.num_blocks, kv_plan.usable_tokens
-        if kv_plan.max_sequences == 0:
-            logger.warning("the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
-                           "using max_model_len %d (python -m jaxserve.plan sizes the cache)", capacity,
-                           max_model_len, both_units(kv_plan.bytes_per_sequence), capacity)
-            max_model_len = capacity
-        else:
-            logger.info("plan: %d sequences of max_model_len %d fit in the KV cache at once (%s each)",
-                        kv_plan.max_sequences, max_model_len, both_units(kv_plan.bytes_per_sequence))
-        self.max_model_len = max_model_len
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            enable_prefix_caching=config.enable_prefix_caching, num_speculative_tokens=num_spec,
-            draft_tree=spec and spec.tree,
-        ))
-        self.runner = make_runner(num_blocks=num_blocks, max_model_len=max_model_len)
-        self.proposer: Proposer | None = None
-        if spec:
-            context = ProposerContext(model=loaded.model, model_config=mcfg, runner=self.runner,
-                                      scheduler=self.scheduler, kv_dtype=kv_dtype,
-                                      attention_backend=config.attention_backend, warm_up=config.warm_up)
-            self.proposer = make_proposer(spec, context)
-        self.async_scheduling = config.async_scheduling and spec is None
+        parts = builder.build_parts(loaded, config)
+        self.generation, self.eos_token_ids = parts.generation, parts.eos_token_ids
+        self.kv_dtype, self.mesh, self.max_model_len = parts.kv_dtype, parts.mesh, parts.max_model_len
+        self.attention_backend, self.matmul_backend = parts.attention_backend, parts.matmul_backend
+        self.scheduler, self.runner, self.proposer = parts.scheduler, parts.runner, parts.proposer
+        self.grammars = parts.grammars
+        self.async_scheduling = config.async_scheduling and config.speculative_config is None
         self.outputs = OutputProcessor(self.tokenizer)
-        # NOTE: a factory that does not hold the engine: a reference cycle would keep every
-        # dropped engine (and its compiled programs' memory maps) alive until a full GC.
-        self.grammars = GrammarCompiler(functools.partial(grammar_backend, self.tokenizer, self.eos_token_ids,
-                                                          mcfg.vocab_size))
         self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
-        # On node 0 of several (jaxserve.parallel.multihost): the other nodes, which replay every call
-        # that changes state, so all nodes dispatch the same steps.
+        # On node 0 of several (jaxserve.parallel.multihost): the other nodes, which replay every
+        # call that changes state, so all nodes dispatch the same steps.
         self.followers: Leader | None = None
         self._exports: dict[str, tuple[list[int], str | None]] = {}  # add_request(export_kv=True): prompt, salt
         # Set a jaxserve.engine.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
-        if spec:
-            logger.info("speculative decoding: %s, %d tokens per step", spec.method, num_spec)
-        logger.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.1f MiB)", num_blocks,
-                    config.block_size, capacity, kv_dtype_label(kv_dtype), self.runner.kv.nbytes / 2**20)
-        if config.warm_up:
-            self.runner.warm_up()
-
-    def _kv_memory_for_utilization(self, make_runner, max_model_len: int) -> int:
-        """The KV cache's bytes under gpu_memory_utilization, as vLLM sizes it.
-
-        The order matters: the activations of the largest step are known only once it has
-        run, and running needs a cache. So a probe runner with the smallest cache (the null
-        block and one more) compiles and runs every step shape first (warm-up, the largest
-        included); the device's peak in use then is the weights plus the largest step's
-        activations plus that small cache. The cache gets `utilization * bytes_limit` less
-        that peak (the probe's cache excepted); the probe is freed before the real runner
-        allocates it. Its programs compile again for the real cache's shape (the persistent
-        compilation cache keeps both for the next start). A peak from loading the weights
-        (jax cannot reset it) only makes the figure smaller, never too large. Not counted: a
-        draft model (speculative_config), which loads after the cache is sized."""
-        utilization = self.config.gpu_memory_utilization
-        device = self.mesh.devices.flat[0]
-        require_memory_stats(device)
-        probe = make_runner(num_blocks=2, max_model_len=max_model_len)
-        probe.warm_up()
-        stats = device_memory_stats(device)
-        probe_kv = probe.kv.nbytes
-        jax.tree.map(lambda a: a.delete(), probe.kv)
-        del probe
-        budget = kv_budget_for_utilization(utilization, total_bytes=stats["bytes_limit"],
-                                           peak_bytes=stats["peak_bytes_in_use"] - probe_kv)
-        logger.info("gpu_memory_utilization %s of %s: weights and activations peaked at %s; KV cache budget %s",
-                    utilization, both_units(stats["bytes_limit"]), both_units(stats["peak_bytes_in_use"] - probe_kv),
-                    both_units(budget))
-        return budget
-
-    def _token_buckets(self, num_spec: int) -> list[int] | None:
-        """The configured buckets; by default the runner's powers of two, plus one for a
-        single sequence verifying its drafts (1 + k tokens: no padding at batch 1)."""
-        if self.config.token_buckets:
-            return list(self.config.token_buckets)
-        if not num_spec:
-            return None
-        return sorted(set(token_buckets(self.config.max_num_batched_tokens)) | {num_spec + 1})
 
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache's settings, as /metrics shows them (vLLM's cache_config_info labels)."""
@@ -239,15 +85,9 @@ class LLMEngine:
         `dtype` "auto": the checkpoint's on a GPU, float32 on the CPU (jaxserve.weights.dtype).
         `quantization`: "int4", "fp8" or "gguf" (see jaxserve.model.quantization); None: as the checkpoint is.
         `tokenizer`: a folder whose tokenizer replaces the model's (weights without one)."""
-        tp = engine_kwargs.get("tensor_parallel_size", 1)
-        ensure_host_devices(tp if engine_kwargs.get("device_ids") is None else max(engine_kwargs["device_ids"]) + 1)
-        if engine_kwargs.get("gpu_memory_utilization") is not None:
-            require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
-        enable_compilation_cache(cache_dir)
-        dtype = resolve_dtype(dtype, model)
-        loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress,
-                            quantization=quantization, tokenizer=tokenizer)
-        return cls(loaded, EngineConfig(**engine_kwargs))
+        loaded, config = builder.load(model, dtype=dtype, cache_dir=cache_dir, progress=progress,
+                                      quantization=quantization, tokenizer=tokenizer, **engine_kwargs)
+        return cls(loaded, config)
 
     def replica(self, device_ids: tuple[int, ...]) -> LLMEngine:
         """An engine like this one on other devices (a data-parallel replica), from the same
@@ -396,31 +236,46 @@ class LLMEngine:
         if self.followers is not None:
             self.followers.send("step")
         if self._in_flight is not None and self._needs_known_tokens():
-            return self._collect()
+            return self._collect(self._take_in_flight())  # the next batch needs this one's tokens on the host
+        if self.async_scheduling:
+            return self._step_overlapped()
+        return self._collect(self._schedule_and_dispatch())
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Dispatch step N+1, then wait for step N and report it (vLLM's step_with_batch_queue);
+        a step with nothing scheduled reports at once."""
+        previous = self._take_in_flight()
+        self._in_flight = self._schedule_and_dispatch()
+        outputs = self._collect(previous) if previous is not None else []
+        if self._in_flight[0] is None:
+            outputs += self._collect(self._take_in_flight())
+        return outputs
+
+    def _schedule_and_dispatch(self) -> tuple[StepBatch | None, StepHandle | None]:
+        """Propose drafts, schedule the next batch and enqueue it on the device (no wait)."""
         profiler = self.profiler
         if self.proposer is not None:
             with profiler.phase("propose"):
                 self.proposer.propose(self.scheduler.running)
         with profiler.phase("schedule"):
             batch = self.scheduler.schedule()
-        handle = None
-        if batch is not None:
-            with profiler.phase("dispatch"):
-                draft_probs = self.proposer.draft_probs(batch) if self.proposer is not None else None
-                handle = self.runner.dispatch(batch, draft_probs)
-                if self.proposer is not None:
-                    self.proposer.follow(batch, handle)
-            profiler.dispatched_step(batch, handle.out.token_ids)
-        outputs = self._collect() if self._in_flight is not None else []
-        self._in_flight = (batch, handle)
-        if batch is None or not self.async_scheduling:
-            outputs += self._collect()
-        return outputs
+        if batch is None:
+            return None, None
+        with profiler.phase("dispatch"):
+            draft_probs = self.proposer.draft_probs(batch) if self.proposer is not None else None
+            handle = self.runner.dispatch(batch, draft_probs)
+            if self.proposer is not None:
+                self.proposer.follow(batch, handle)
+        profiler.dispatched_step(batch, handle.out.token_ids)
+        return batch, handle
 
-    def _collect(self) -> list[RequestOutput]:
-        """Wait for the step in flight and write its tokens back."""
-        batch, handle = self._in_flight
-        self._in_flight = None
+    def _take_in_flight(self) -> tuple[StepBatch | None, StepHandle | None] | None:
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight
+
+    def _collect(self, in_flight: tuple[StepBatch | None, StepHandle | None]) -> list[RequestOutput]:
+        """Wait for a dispatched step and write its tokens back."""
+        batch, handle = in_flight
         profiler = self.profiler
         with profiler.phase("wait"):
             output = handle.fetch() if handle is not None else None
@@ -450,32 +305,3 @@ class LLMEngine:
         return self.runner.compilations.count
 
 
-def grammar_backend(tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int) -> LLGuidanceBackend:
-    """The grammar engine over a model's tokenizer (made on the first compile); a
-    ValueError saying why when there is none it can read."""
-    if tokenizer is None:
-        raise ValueError("structured output needs the model's tokenizer, and this model has none")
-    try:
-        return LLGuidanceBackend(tokenizer, eos_token_ids, vocab_size)
-    except ValueError as e:
-        raise ValueError(f"structured output needs a tokenizer the grammar engine can read: {e}") from None
-
-
-def device_memory_stats(device) -> dict | None:
-    """The device's allocator figures (`bytes_limit`, `peak_bytes_in_use`, ...); None on the CPU."""
-    return device.memory_stats()
-
-
-def require_memory_stats(device) -> None:
-    if device_memory_stats(device) is None:
-        raise ValueError(f"gpu_memory_utilization needs a device that reports its memory; the {device.platform} "
-                         "device does not: size the KV cache with kv_cache_memory (--kv-cache-memory) instead")
-
-
-def enable_compilation_cache(cache_dir=None) -> None:
-    """Keep compiled XLA programs on disk next to the converted weights, so a second start
-    skips most of the warm-up compile."""
-    path = Path(cache_dir or default_cache_dir()) / "xla"
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

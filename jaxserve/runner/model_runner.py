@@ -19,7 +19,7 @@ happen later.
 
 With speculative decoding (`num_speculative_tokens` k > 0) the body hands over k + 1
 hidden states per sequence, one per draft position and the bonus, and a step with draft
-tokens runs the verify head (`spec_decode.rejection_sampler.verify`) on them instead of
+tokens runs the verify head (`sample.rejection_sampler.verify`) on them instead of
 the sampler: up to k + 1 tokens per sequence.
 
 `dispatch(batch)` only enqueues the step and returns a handle; `handle.fetch()` waits for
@@ -40,14 +40,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.kv_cache import KVCache, allocate_kv_cache, copy_blocks, move_slots, read_blocks, write_blocks
+from jaxserve.model.kv_cache import KVCache, allocate_kv_cache, copy_blocks, read_blocks, write_blocks
 from jaxserve.model.decoder import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model.inputs import ModelInputs
-from jaxserve.sample.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, sample
+from jaxserve.sample.sampler import SamplerOutput, SamplingMetadata
 from jaxserve.parallel.sharding import (kv_cache_sharding, kv_heads_for, make_mesh, param_shardings, place,
                                replicate_kv_heads, replicated, tensor_parallel_size)
-from jaxserve.sample.rejection_sampler import VerifyOutput, verify
-from jaxserve.sample.tree_verify import TreeVerifyOutput, verify_tree
+from jaxserve.runner import steps
+from jaxserve.runner.steps import NULL_SLOT, PendingTokens
+from jaxserve.sample.rejection_sampler import VerifyOutput
+from jaxserve.sample.tree_verify import TreeVerifyOutput
 from pallas_kernels.quantized_kv import is_quantized_kv
 from scheduler.draft_tree import DraftTree
 from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, bitmask_words, token_bias_matrix
@@ -58,8 +60,6 @@ logger = logging.getLogger(__name__)
 # product at about the memory bandwidth, while 2-8 rows run about three times slower, so
 # single-stream decode must not be padded.
 MIN_TOKENS = 1
-PROMPT_LOGITS_ROWS = 256  # prompt logprobs: tokens whose [rows, V] logits are live at once
-NULL_SLOT = 0  # the null block's first slot (kv_cache.NULL_BLOCK is 0): where moves that do nothing go
 
 
 @dataclasses.dataclass
@@ -147,76 +147,20 @@ class ModelRunner:
         # Drafts shaped as a tree (not a chain): tree attention, tree verification, and the
         # accepted path's K/V moved next to each other after each verify step.
         self.keep_step_hidden = keep_step_hidden
-        self.tree = tree = draft_tree if draft_tree is not None and not draft_tree.is_chain else None
+        self.tree = draft_tree if draft_tree is not None and not draft_tree.is_chain else None
+        statics = steps.StepStatics(graphdef=graphdef, attention=attention, mesh=mesh, kv_shardings=kv_shardings,
+                                    rows=rows, num_speculative_tokens=k, tree=self.tree,
+                                    keep_step_hidden=keep_step_hidden)
 
-        def whole(logits):
-            """Logits gathered whole on every device (under tensor parallelism the LM head splits
-            the vocabulary): the sampler, penalties and grammar masks see the full vocabulary."""
-            return jax.lax.with_sharding_constraint(logits, replicated(mesh))
-
-        def body(params, kv, inputs: ModelInputs, pending: PendingTokens, last_tokens, keep_hidden=False):
-            """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
-            of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, and with
-            `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all)."""
-            inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
-            hidden, kv = nnx.merge(graphdef, params).hidden_states(inputs, kv, attention=attention)
-            kv = jax.lax.with_sharding_constraint(kv, kv_shardings)  # the cache comes back as it went in
-            return hidden[inputs.logits_indices], kv, hidden if keep_step_hidden or keep_hidden else None
-
-        def head(params, hidden, meta: SamplingMetadata):
-            """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
-            r = meta.temperature.shape[0]
-            last = hidden[:r, -1] if k else hidden[:r]  # with speculation, a plain step's positions are all its last
-            out = sample(whole(nnx.merge(graphdef, params).logits(last)), meta)
-            return out, _by_row(out.token_ids, rows), _by_row(last, rows) if k else None  # only heads read it
-
-        def verify_head(params, hidden, meta: SamplingMetadata, draft_ids, num_drafts, draft_probs):
-            """Verify the first R rows' draft tokens (R: draft_ids' rows); keep each row's last token."""
-            r = draft_ids.shape[0]
-            logits = whole(nnx.merge(graphdef, params).logits(hidden[:r].reshape(r * (k + 1), -1)))
-            if tree is None:
-                out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
-            else:  # column 0 is the root (not a draft); a request keeps a BFS prefix of the tree
-                valid = jnp.arange(k + 1)[None, :] <= num_drafts[:, None]
-                out = verify_tree(logits, meta, tree, jnp.pad(draft_ids, ((0, 0), (1, 0))), valid,
-                                  None if draft_probs is None else jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))))
-            last = jnp.take_along_axis(out.token_ids, out.num_tokens[:, None] - 1, axis=1)[:, 0]
-            # The position the last token was drawn at: its hidden state is what draft heads read.
-            end = out.num_tokens - 1 if tree is None else jnp.take_along_axis(out.path, out.num_tokens[:, None] - 1,
-                                                                                   axis=1)[:, 0]
-            return out, _by_row(last, rows), _by_row(hidden[jnp.arange(r), end], rows)
-
-        def prompt_head(params, hidden, targets):
-            """Every token's logprob tables for prompt logprobs, PROMPT_LOGITS_ROWS tokens at a time:
-            no [T, V] array is ever whole, on the device or off it."""
-            model = nnx.merge(graphdef, params)
-            # NOTE: groups of rows, not lax.map's batch_size: that vmaps the LM head, and the CPU
-            # kernel of a tied head (an FFI call) would then run once per row.
-            num_tokens, rows = hidden.shape[0], min(PROMPT_LOGITS_ROWS, hidden.shape[0])
-            groups, pad = -(-num_tokens // rows), -num_tokens % rows
-            hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(groups, rows, -1)
-            targets = jnp.pad(targets, (0, pad)).reshape(groups, rows)
-            tables = jax.lax.map(lambda group: prompt_logprob_tables(model.logits(group[0]), group[1]),
-                                 (hidden, targets))
-            return tuple(t.reshape(groups * rows, *t.shape[2:])[:num_tokens] for t in tables)
-
-        def compact(kv, out: TreeVerifyOutput, tree_slots):
-            """Move each row's accepted drafts' K/V to the slots after its root, in path order
-            (tree_slots [R, N+1]: the slots of the root and its nodes)."""
-            depth = jnp.arange(out.path.shape[1])[None, :]
-            moved = (depth < out.num_tokens[:, None]) & (out.path != depth)
-            src = jnp.take_along_axis(tree_slots, out.path, axis=1)
-            dst = tree_slots[:, : out.path.shape[1]]
-            return move_slots(kv, jnp.where(moved, src, NULL_SLOT).ravel(), jnp.where(moved, dst, NULL_SLOT).ravel())
-
-        # jit is applied here, once; the step functions stay plain functions.
-        self._body = jax.jit(body, donate_argnames=("kv",))
+        # jit is applied here, once; the step functions (runner/steps.py) stay plain functions.
+        self._body = jax.jit(functools.partial(steps.body, statics), donate_argnames=("kv",))
         # Steps with prompt logprobs keep every token's hidden state: a variant compiled when the first comes.
-        self._body_keeping_hidden = jax.jit(functools.partial(body, keep_hidden=True), donate_argnames=("kv",))
-        self._prompt_head = jax.jit(prompt_head)
-        self._head = jax.jit(head)
-        self._verify_head = jax.jit(verify_head)
-        self._compact = jax.jit(compact, donate_argnames=("kv",))
+        self._body_keeping_hidden = jax.jit(functools.partial(steps.body, statics, keep_hidden=True),
+                                            donate_argnames=("kv",))
+        self._prompt_head = jax.jit(functools.partial(steps.prompt_head, statics))
+        self._head = jax.jit(functools.partial(steps.head, statics))
+        self._verify_head = jax.jit(functools.partial(steps.verify_head, statics))
+        self._compact = jax.jit(steps.compact, donate_argnames=("kv",))
         # The latest step's sampled tokens, by row, on the device.
         self.last_tokens = jax.device_put(np.zeros(rows, np.int32), self.replicated)
         # ... and, when speculating, the hidden state each was drawn from (draft heads read it).
@@ -424,23 +368,6 @@ def copy_pairs(copies: list[tuple[int, int]], rows: int) -> np.ndarray:
     return pairs
 
 
-def _by_row(values: jax.Array, rows: int) -> jax.Array:
-    """values [r, ...] in the first r of `rows` rows (the rest zeros): a step's results by row."""
-    return jnp.zeros((rows, *values.shape[1:]), values.dtype).at[: values.shape[0]].set(values)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PendingTokens:
-    """Which input tokens the step in flight sampled: they are taken from its device output."""
-
-    positions: jax.Array  # int32 [S]: on the flat token axis (T for padding: dropped)
-    rows: jax.Array  # int32 [S]: rows of the step in flight
-
-    def fill(self, input_ids: jax.Array, last_tokens: jax.Array) -> jax.Array:
-        return input_ids.at[self.positions].set(last_tokens[self.rows], mode="drop")
-
-
 class StepHandle:
     """A dispatched step; `fetch()` waits for its sampled tokens (one row per sequence)."""
 
@@ -469,16 +396,6 @@ class StepHandle:
             return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, ..., :k],
                                 np.asarray(out.top_logprobs)[:n, ..., :k], num_tokens)
         return RunnerOutput(token_ids, logprobs, None, None, num_tokens)
-
-
-def prompt_logprob_tables(logits: jax.Array, targets: jax.Array):
-    """Per token (logits f32 [T, V], targets i32 [T]): the target's logprob and rank (1 + how
-    many tokens are strictly more likely, as vLLM), and the top MAX_LOGPROBS ids and logprobs."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
-    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
-    values, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[1]))
-    return chosen, ranks, ids.astype(jnp.int32), values
 
 
 def _prompt_rows(batch: StepBatch):

@@ -9,7 +9,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.model.sizing import Device, Setup, plan_kv
 from jaxserve.weights.load import load_model
 from scheduler.sampling_params import SamplingParams

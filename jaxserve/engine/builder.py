@@ -1,0 +1,209 @@
+"""Building an engine: config, sizing, kernels, mesh, runner, proposer and grammar compiler wired.
+
+`build_parts(loaded, config)` does the wiring once, in this order (each needs the ones
+before it):
+
+    generation config, eos ids  ->  KV dtype  ->  mesh  ->  attention and matmul kernels
+      ->  KV-cache size (a probe runner first under gpu_memory_utilization)
+      ->  scheduler  ->  runner (warm-up compiles every program)  ->  proposer  ->  grammars
+
+`LLMEngine` keeps the parts and runs them; `load(...)` reads the weights for
+`LLMEngine.from_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.generation_config import GenerationDefaults, read_generation_config
+from jaxserve.model.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
+from jaxserve.model.sizing import both_units, kv_budget_for_utilization, plan_kv
+from jaxserve.parallel.devices import ensure_host_devices
+from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh
+from jaxserve.runner.kernels import select_attention, select_matmul
+from jaxserve.runner.model_runner import ModelRunner, token_buckets
+from jaxserve.spec_decode.build import make_proposer
+from jaxserve.spec_decode.context import ProposerContext
+from jaxserve.spec_decode.proposers import Proposer
+from jaxserve.structured import GrammarCompiler
+from jaxserve.structured.llguidance import LLGuidanceBackend
+from jaxserve.weights.dtype import resolve_dtype
+from jaxserve.weights.load import LoadedModel, default_cache_dir, load_model
+from scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What an engine runs, wired for one loaded model and one EngineConfig."""
+
+    generation: GenerationDefaults
+    eos_token_ids: tuple[int, ...]
+    kv_dtype: jnp.dtype
+    mesh: jax.sharding.Mesh
+    attention_backend: str
+    matmul_backend: str
+    max_model_len: int  # the config's, or less when the KV cache cannot hold one such sequence
+    scheduler: Scheduler
+    runner: ModelRunner
+    proposer: Proposer | None
+    grammars: GrammarCompiler
+
+
+def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
+    """Wire an engine's parts (see the module docstring for the order)."""
+    mcfg = loaded.config
+    generation = read_generation_config(loaded.source, config.generation_config)
+    eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + generation.eos_token_ids))
+    dtype = loaded.model.dtype
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    spec = config.speculative_config
+    num_spec = spec.num_draft_tokens if spec else 0
+    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    tp = config.tensor_parallel_size
+    check_tensor_parallel(mcfg, tp)
+    mesh = make_mesh(tp, config.device_ids)
+    attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
+                                                    kv_dtype, mesh=mesh)
+    matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=mesh)  # before the runner splits it
+    make_runner = functools.partial(
+        ModelRunner, loaded.model, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, attention=attention,
+        kv_dtype=kv_dtype, buckets=step_token_buckets(config, num_spec),
+        num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
+        draft_tree=spec and spec.tree, keep_step_hidden=spec is not None and spec.method == "eagle",
+        mesh=mesh,
+    )
+    memory_bytes = config.kv_cache_memory
+    if config.gpu_memory_utilization is not None and config.num_blocks is None:
+        memory_bytes = kv_memory_for_utilization(make_runner, max_model_len, config.gpu_memory_utilization, mesh)
+    kv_plan = plan_kv(mcfg, kv_dtype, context=max_model_len, block_size=config.block_size,
+                      memory_bytes=memory_bytes, num_blocks=config.num_blocks, tp=tp)
+    num_blocks, capacity = kv_plan.num_blocks, kv_plan.usable_tokens
+    if kv_plan.max_sequences == 0:
+        logger.warning("the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
+                       "using max_model_len %d (python -m jaxserve.plan sizes the cache)", capacity,
+                       max_model_len, both_units(kv_plan.bytes_per_sequence), capacity)
+        max_model_len = capacity
+    else:
+        logger.info("plan: %d sequences of max_model_len %d fit in the KV cache at once (%s each)",
+                    kv_plan.max_sequences, max_model_len, both_units(kv_plan.bytes_per_sequence))
+    scheduler = Scheduler(SchedulerConfig(
+        num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        enable_prefix_caching=config.enable_prefix_caching, num_speculative_tokens=num_spec,
+        draft_tree=spec and spec.tree,
+    ))
+    runner = make_runner(num_blocks=num_blocks, max_model_len=max_model_len)
+    logger.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.1f MiB)", num_blocks,
+                config.block_size, capacity, kv_dtype_label(kv_dtype), runner.kv.nbytes / 2**20)
+    proposer = None
+    if spec:
+        context = ProposerContext(model=loaded.model, model_config=mcfg, runner=runner, scheduler=scheduler,
+                                  kv_dtype=kv_dtype, attention_backend=config.attention_backend,
+                                  warm_up=config.warm_up)
+        proposer = make_proposer(spec, context)
+        logger.info("speculative decoding: %s, %d tokens per step", spec.method, num_spec)
+    # NOTE: a factory that does not hold the engine: a reference cycle would keep every
+    # dropped engine (and its compiled programs' memory maps) alive until a full GC.
+    grammars = GrammarCompiler(functools.partial(grammar_backend, loaded.tokenizer, eos_token_ids, mcfg.vocab_size))
+    if config.warm_up:
+        runner.warm_up()
+    return EngineParts(generation=generation, eos_token_ids=eos_token_ids, kv_dtype=kv_dtype, mesh=mesh,
+                       attention_backend=attention_backend, matmul_backend=matmul_backend,
+                       max_model_len=max_model_len, scheduler=scheduler, runner=runner, proposer=proposer,
+                       grammars=grammars)
+
+
+def load(model: str | None, *, dtype="auto", cache_dir=None, progress: bool = True, quantization: str | None = None,
+         tokenizer: str | None = None, **engine_kwargs) -> tuple[LoadedModel, EngineConfig]:
+    """Read `model`'s weights (None: the embedded default) and check `engine_kwargs` (EngineConfig
+    fields) before that: ask jax for the CPU devices they need, refuse what cannot work here."""
+    config = EngineConfig(**engine_kwargs)
+    ensure_host_devices(config.tensor_parallel_size if config.device_ids is None else max(config.device_ids) + 1)
+    if config.gpu_memory_utilization is not None:
+        require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
+    enable_compilation_cache(cache_dir)
+    dtype = resolve_dtype(dtype, model)
+    loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress,
+                        quantization=quantization, tokenizer=tokenizer)
+    return loaded, config
+
+
+def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh) -> int:
+    """The KV cache's bytes under gpu_memory_utilization, as vLLM sizes it.
+
+    The order matters: the activations of the largest step are known only once it has
+    run, and running needs a cache. So a probe runner with the smallest cache (the null
+    block and one more) compiles and runs every step shape first (warm-up, the largest
+    included); the device's peak in use then is the weights plus the largest step's
+    activations plus that small cache. The cache gets `utilization * bytes_limit` less
+    that peak (the probe's cache excepted); the probe is freed before the real runner
+    allocates it. Its programs compile again for the real cache's shape (the persistent
+    compilation cache keeps both for the next start). A peak from loading the weights
+    (jax cannot reset it) only makes the figure smaller, never too large. Not counted: a
+    draft model (speculative_config), which loads after the cache is sized."""
+    device = mesh.devices.flat[0]
+    require_memory_stats(device)
+    probe = make_runner(num_blocks=2, max_model_len=max_model_len)
+    probe.warm_up()
+    stats = device_memory_stats(device)
+    probe_kv = probe.kv.nbytes
+    jax.tree.map(lambda a: a.delete(), probe.kv)
+    del probe
+    budget = kv_budget_for_utilization(utilization, total_bytes=stats["bytes_limit"],
+                                       peak_bytes=stats["peak_bytes_in_use"] - probe_kv)
+    logger.info("gpu_memory_utilization %s of %s: weights and activations peaked at %s; KV cache budget %s",
+                utilization, both_units(stats["bytes_limit"]), both_units(stats["peak_bytes_in_use"] - probe_kv),
+                both_units(budget))
+    return budget
+
+
+def step_token_buckets(config: EngineConfig, num_spec: int) -> list[int] | None:
+    """The configured buckets; by default the runner's powers of two, plus one for a
+    single sequence verifying its drafts (1 + k tokens: no padding at batch 1)."""
+    if config.token_buckets:
+        return list(config.token_buckets)
+    if not num_spec:
+        return None
+    return sorted(set(token_buckets(config.max_num_batched_tokens)) | {num_spec + 1})
+
+
+def grammar_backend(tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int) -> LLGuidanceBackend:
+    """The grammar engine over a model's tokenizer (made on the first compile); a
+    ValueError saying why when there is none it can read."""
+    if tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer, and this model has none")
+    try:
+        return LLGuidanceBackend(tokenizer, eos_token_ids, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"structured output needs a tokenizer the grammar engine can read: {e}") from None
+
+
+def device_memory_stats(device) -> dict | None:
+    """The device's allocator figures (`bytes_limit`, `peak_bytes_in_use`, ...); None on the CPU."""
+    return device.memory_stats()
+
+
+def require_memory_stats(device) -> None:
+    if device_memory_stats(device) is None:
+        raise ValueError(f"gpu_memory_utilization needs a device that reports its memory; the {device.platform} "
+                         "device does not: size the KV cache with kv_cache_memory (--kv-cache-memory) instead")
+
+
+def enable_compilation_cache(cache_dir=None) -> None:
+    """Keep compiled XLA programs on disk next to the converted weights, so a second start
+    skips most of the warm-up compile."""
+    path = Path(cache_dir or default_cache_dir()) / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
