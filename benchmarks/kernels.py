@@ -50,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve import roofs  # noqa: E402
+from jaxserve.tools import roofs  # noqa: E402
 from pallas_kernels import quantized_matmul_mgpu as qmgpu  # noqa: E402
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
 from pallas_kernels.quantized_matmul import fp8_matmul_reference, int4_matmul_reference  # noqa: E402

@@ -3,7 +3,7 @@
     python -m api &                                             # the server under test
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 8
     python benchmarks/serving.py --base-url URL --request-rate 4 --slo-ttft 500 --slo-tpot 100
-    python benchmarks/serving.py --base-url URL --sweep 1,2,4,8,16 --plot benchmarks/figures/serving_sweep.png
+    python benchmarks/serving.py --base-url URL --sweep 1,2,4,8,16 --plot docs/img/serving_sweep.png
 
 Requests stream from POST /v1/completions; TTFT and inter-token latencies are measured
 from the server-sent chunks as they arrive, token counts come from the server's usage.
