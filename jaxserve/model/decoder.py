@@ -10,6 +10,7 @@ D hidden, H query heads, KV key/value heads, Dh head_dim, S sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -38,7 +39,18 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * h.astype(x.dtype)
 
 
-def uses_few_rows_kernel(x: jax.Array, w: jax.Array, max_rows: int = cpu_kernels.MAX_ROWS) -> bool:
+@dataclasses.dataclass(frozen=True)
+class FewRowKernels:
+    """Which few-row products (a decode step's) the CPU kernels serve, up to how many rows,
+    as jaxserve.runner.kernels.select_matmul chose them; 0 rows: XLA serves them all. The
+    model follows this choice and makes none of its own."""
+
+    layer_rows: int = 0  # a decoder layer's two halves (cpu_kernels.norm_qkv and o_proj_mlp)
+    lm_head_rows: int = 0  # a tied LM head's product (cpu_kernels.small_matmul)
+
+
+def _fits(x: jax.Array, w: jax.Array, max_rows: int) -> bool:
+    """x [rows, K] goes to a kernel chosen for up to `max_rows` rows of w's dtype."""
     return x.ndim == 2 and x.shape[0] <= max_rows and x.dtype == w.dtype
 
 
@@ -147,13 +159,11 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
     return unstacked
 
 
-def uses_layer_kernels(layer: DecoderLayer, x: jax.Array) -> bool:
-    """Whether `_layer` runs this layer's projections through the CPU kernels for few rows
-    (a model marked `few_rows_kernel`): plain float projections, no o_proj bias."""
+def has_plain_projections(layer: DecoderLayer) -> bool:
+    """What the layer kernels compute: float (unquantized) projections, no o_proj bias."""
     projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-    plain = all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
-    return plain and uses_few_rows_kernel(x, layer.self_attn.q_proj.kernel, cpu_kernels.LAYER_MAX_ROWS)
+    return all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
 
 
 def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
@@ -177,10 +187,11 @@ def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, at
 
 
 def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn,
-           few_rows_kernel: bool = False):
-    """One decoder layer; carry: (x, the cache, layer index)."""
+           kernel_rows: int = 0):
+    """One decoder layer; carry: (x, the cache, layer index). Up to `kernel_rows` rows run
+    through the CPU layer kernels (FewRowKernels.layer_rows)."""
     x, kv, layer_idx = carry
-    if few_rows_kernel and uses_layer_kernels(layer, x):
+    if kernel_rows and _fits(x, layer.self_attn.q_proj.kernel, kernel_rows):
         return _layer_kernels(carry, layer, inputs, inv_freq, attention)
     with jax.named_scope("norm"):
         h = layer.input_layernorm(x)
@@ -193,13 +204,13 @@ def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention:
 
 
 @functools.cache
-def _jitted_layer(layer_def, attention: AttentionFn, few_rows_kernel: bool):
+def _jitted_layer(layer_def, attention: AttentionFn, kernel_rows: int):
     """`_layer` as one jitted function of the layer's weights. The unrolled forward pass calls
     it once per layer: jax then traces and lowers a single layer (unrolling 30 layers in
     Python made each program take seconds to trace, even on a compile-cache hit), and XLA
     inlines the calls into one program with each layer's weights read in place."""
     return jax.jit(lambda carry, state, inputs, inv_freq: _layer(carry, nnx.merge(layer_def, state), inputs, inv_freq,
-                                                                 attention, few_rows_kernel))
+                                                                 attention, kernel_rows))
 
 
 class DecoderLM(nnx.Module):
@@ -208,12 +219,12 @@ class DecoderLM(nnx.Module):
     The layers are stacked on a leading axis and scanned, or, after `unstack_layers`
     (what the serving engine does), separate modules run one after another. With
     `quantization`, the attention and MLP projections are `QuantizedLinear` layers.
-    `few_rows_kernel`: a tied LM head's products with a few rows (a decode step's) run through
-    the CPU kernel `pallas_kernels.cpu_kernels.small_matmul`: XLA's CPU dot with the
-    [vocab, hidden] table is slow for a few rows. jaxserve.runner.kernels.select_matmul sets it.
+    `few_row_kernels`: the few-row products (a decode step's) that run through the CPU
+    kernels (the layers' halves; a tied LM head's, where XLA's CPU dot with the
+    [vocab, hidden] table is slow for a few rows). jaxserve.runner.kernels.select_matmul sets it.
     """
 
-    few_rows_kernel = False
+    few_row_kernels = FewRowKernels()
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization: QuantConfig | None = None):
         self.cfg = cfg
@@ -244,7 +255,7 @@ class DecoderLM(nnx.Module):
             x = self.norm(x)
             if not self.cfg.tie_word_embeddings:
                 logits = self.lm_head(x)
-            elif self.few_rows_kernel and uses_few_rows_kernel(x, table := self.embed_tokens.embedding[...]):
+            elif _fits(x, table := self.embed_tokens.embedding[...], self.few_row_kernels.lm_head_rows):
                 logits = cpu_kernels.small_matmul(x, table, transposed=True)
             else:
                 logits = self.embed_tokens.attend(x)
@@ -259,13 +270,13 @@ class DecoderLM(nnx.Module):
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         carry = (x, kv, jnp.int32(0))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
-            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, self.few_rows_kernel)
+            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, self.few_row_kernels.layer_rows)
             for layer in self.layers:
                 carry = run_layer(carry, nnx.state(layer), inputs, inv_freq)
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
             carry, _ = jax.lax.scan(
                 lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention,
-                                         self.few_rows_kernel), None), carry, layer_state)
+                                         self.few_row_kernels.layer_rows), None), carry, layer_state)
         x, kv, _ = carry
         return x, kv

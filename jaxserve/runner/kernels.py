@@ -16,9 +16,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import AttentionFn
+from jaxserve.model.decoder import AttentionFn, FewRowKernels, has_plain_projections
 from jaxserve.model.quantization import quantized_layers, use_kernel_layout
 from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
 from jaxserve.model.sizing import per_device_config
@@ -137,14 +138,23 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     if name == "cpu" and reason is not None:
         raise ValueError(f"the CPU matmul kernel cannot run: {reason}")
     use = name != "reference" and reason is None
-    model.few_rows_kernel = use
+    model.few_row_kernels = few_row_kernels(model) if use else FewRowKernels()
     if use:
         logger.info("matmul backend: cpu on %s for the decoder layers' products of up to %d rows%s",
-                    device.device_kind, cpu_kernels.LAYER_MAX_ROWS,
+                    device.device_kind, model.few_row_kernels.layer_rows,
                     f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "")
     elif name == "auto":
         logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
     return "cpu" if use else "reference"
+
+
+def few_row_kernels(model) -> FewRowKernels:
+    """The products the CPU kernels take in a float model: every layer's up to LAYER_MAX_ROWS
+    rows when all its layers have plain projections, and a tied head's up to MAX_ROWS."""
+    layers = model.layers if isinstance(model.layers, nnx.List) else [model.layers]  # unstacked, or stacked
+    plain = all(has_plain_projections(layer) for layer in layers)
+    return FewRowKernels(layer_rows=cpu_kernels.LAYER_MAX_ROWS if plain else 0,
+                         lm_head_rows=cpu_kernels.MAX_ROWS if model.cfg.tie_word_embeddings else 0)
 
 
 def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:

@@ -15,9 +15,11 @@ from flax import nnx
 
 from jaxserve.runner.kernels import select_matmul
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import DecoderLM
+from jaxserve.model.decoder import DecoderLM, FewRowKernels
 from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize, quantized_layers, use_kernel_layout
+from jaxserve.model.kv_cache import allocate_kv_cache
 from pallas_kernels import cpu_kernels
+from tests.paged import PagedSequences
 
 CFG = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 64, 256)
 
@@ -68,14 +70,45 @@ def test_a_float_model_on_cpu_sends_its_few_row_products_to_the_cpu_kernels(tied
     want = [model.logits(x[:3]), model.logits(x)]
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kernels"):
         assert select_matmul(None, model) == "cpu"
-    assert model.few_rows_kernel
+    assert model.few_row_kernels.layer_rows == cpu_kernels.LAYER_MAX_ROWS
+    assert model.few_row_kernels.lm_head_rows == (cpu_kernels.MAX_ROWS if tied else 0)
     assert f"decoder layers' products of up to {cpu_kernels.LAYER_MAX_ROWS} rows" in caplog.text
     assert ("the tied LM head's of up to 16" in caplog.text) == tied
     got = [jax.jit(model.logits)(x[:3]), jax.jit(model.logits)(x)]
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
     assert ("custom_call" in jax.jit(model.logits).lower(x[:3]).as_text()) == tied
-    assert select_matmul("reference", model) == "reference" and not model.few_rows_kernel
+    assert select_matmul("reference", model) == "reference" and model.few_row_kernels == FewRowKernels()
+
+
+def test_layers_the_layer_kernels_do_not_compute_stay_on_xla():
+    """The layer kernels have no o_proj bias: the selection leaves such a model's layers to
+    XLA (their output unchanged) and still gives its tied head to the kernel; the same model
+    without the bias gets the layer kernels."""
+
+    def lowered_step(model):
+        inputs = PagedSequences([3], 4, num_blocks=4).step([[1, 2, 3]], [(0, 3)], pad_to=4)
+        kv = allocate_kv_cache(model.cfg, 4, 4, jnp.float32)
+        return inputs, kv, jax.jit(lambda i, c: model(i, c)[0]).lower(inputs, kv).as_text()
+
+    plain = DecoderLM(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    select_matmul("cpu", plain)
+    assert cpu_kernels.NORM_QKV_TARGET in lowered_step(plain)[2]
+
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, o_proj_bias=True, tie_word_embeddings=True)
+    model = DecoderLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    o_proj = model.layers.self_attn.o_proj  # stacked: a leading [L] axis; a bias that is not zero
+    o_proj.bias[...] = jax.random.normal(jax.random.key(2), o_proj.bias.shape)
+    inputs, kv, _ = lowered_step(model)
+    want, _ = model(inputs, kv)
+    assert select_matmul("cpu", model) == "cpu"
+    assert model.few_row_kernels == FewRowKernels(layer_rows=0, lm_head_rows=cpu_kernels.MAX_ROWS)
+    lowered = lowered_step(model)[2]
+    assert cpu_kernels.NORM_QKV_TARGET not in lowered and cpu_kernels.O_PROJ_MLP_TARGET not in lowered
+    got, _ = jax.jit(lambda i, c: model(i, c))(inputs, kv)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 def test_layers_say_which_shapes_the_kernels_refuse():
@@ -88,6 +121,7 @@ def test_layers_say_which_shapes_the_kernels_refuse():
     assert "group size 16" in odd.kernel_unsupported_reason(jnp.bfloat16)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("method", ["int4", "fp8"])
 def test_kernel_layout_layer_equals_the_reference_layer(method):
     """A layer converted to the kernel layout (stacked, as the scanned model holds it)
@@ -108,6 +142,7 @@ def test_kernel_layout_layer_equals_the_reference_layer(method):
     np.testing.assert_allclose(got, want, rtol=2 * 2**-7, atol=2 * 2**-7 * 1e-2 * np.abs(want).max())
 
 
+@pytest.mark.interpret
 def test_use_kernel_layout_converts_every_projection_once():
     model = quantized_model("fp8")
     assert use_kernel_layout(model, interpret=True) == 7
@@ -134,6 +169,7 @@ def randomly_quantized_model(method, dtype, seed=0):
     return model
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("method", ["int4", "fp8"])
 def test_model_logits_with_the_kernels_equal_the_reference(method):
     """The whole (scanned) model in f16 with its projections in the kernel layout, kernels
