@@ -83,8 +83,9 @@ def _build(cache_dir: Path) -> str | None:
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on the PATH; set CXX)"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.lib.__version__,
-                                    _cpu_identity()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.lib.__version__, _cpu_identity()]).encode()
+    ).hexdigest()[:16]
     library = cache_dir / "cpu_kernels" / f"cpu_kernels_{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
@@ -92,17 +93,21 @@ def _build(cache_dir: Path) -> str | None:
         os.close(fd)
         logger.info("compiling the CPU kernels (once per machine) into %s", library)
         start = time.perf_counter()
-        done = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", partial],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", partial], capture_output=True, text=True
+        )
         if done.returncode:
             os.unlink(partial)
             return f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}"
         os.replace(partial, library)
         logger.info("compiled the CPU kernels in %.1f s", time.perf_counter() - start)
     lib = ctypes.cdll.LoadLibrary(str(library))
-    for target, handler in ((ATTENTION_TARGET, lib.JaxserveRaggedPagedAttention),
-                            (MATMUL_TARGET, lib.JaxserveSmallMatmul), (NORM_QKV_TARGET, lib.JaxserveNormQKV),
-                            (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP)):
+    for target, handler in (
+        (ATTENTION_TARGET, lib.JaxserveRaggedPagedAttention),
+        (MATMUL_TARGET, lib.JaxserveSmallMatmul),
+        (NORM_QKV_TARGET, lib.JaxserveNormQKV),
+        (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP),
+    ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _built["library"] = lib  # keep it loaded
     return None
@@ -110,8 +115,10 @@ def _build(cache_dir: Path) -> str | None:
 
 def _check_built() -> None:
     if _built.get("library") is None:
-        raise RuntimeError("the CPU kernels are not built: call pallas_kernels.cpu_kernels.build(cache_dir) first"
-                           + (f" ({_built['reason']})" if _built.get("reason") else ""))
+        raise RuntimeError(
+            "the CPU kernels are not built: call pallas_kernels.cpu_kernels.build(cache_dir) first"
+            + (f" ({_built['reason']})" if _built.get("reason") else "")
+        )
 
 
 def unsupported_reason(q_dtype, kv_dtype, device: jax.Device) -> str | None:
@@ -144,16 +151,25 @@ def ragged_paged_attention(
     `query_tile` and `kv_chunk_pages` are the reference's tiling and are ignored here."""
     del query_tile, kv_chunk_pages
     if k_scales is not None or v_scales is not None:
-        raise ValueError("the CPU attention kernel takes float32 or bfloat16 pages; an 8-bit cache runs on the "
-                         "reference (--attention-backend reference)")
+        raise ValueError(
+            "the CPU attention kernel takes float32 or bfloat16 pages; an 8-bit cache runs on the "
+            "reference (--attention-backend reference)"
+        )
     _check_built()
     q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
     if tree_mask is None:
         tree_mask = jnp.full(q.shape[:1], -1, jnp.int32)  # every bit set: plain causal attention
     ints = [jnp.asarray(x, jnp.int32) for x in (kv_lens, block_tables, query_start_loc, tree_mask)]
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(q, k_pages, v_pages, *ints, sm_scale=np.float32(sm_scale),
-                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+    return call(
+        q,
+        k_pages,
+        v_pages,
+        *ints,
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
 
 
 def small_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
@@ -169,8 +185,10 @@ def _small_matmul(x, w, transposed):
     m, k = x.shape
     n = w.shape[0] if transposed else w.shape[1]
     if m > MAX_ROWS or k != w.shape[1 if transposed else 0]:
-        raise ValueError(f"small_matmul takes x [M <= {MAX_ROWS}, K] and w [K, N] (or [N, K] transposed), "
-                         f"got {x.shape} and {w.shape}")
+        raise ValueError(
+            f"small_matmul takes x [M <= {MAX_ROWS}, K] and w [K, N] (or [N, K] transposed), "
+            f"got {x.shape} and {w.shape}"
+        )
     # Under vmap: one call per element (correct, not fast; the engine does not vmap it).
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
     return call(x, w, transposed=transposed)
@@ -195,12 +213,14 @@ def _check_block(name: str, x: jax.Array, *arrays: jax.Array) -> None:
     if x.ndim != 2 or x.shape[0] > MAX_ROWS:
         raise ValueError(f"{name} takes up to {MAX_ROWS} rows [M, D], got {x.shape}")
     if x.dtype not in KV_DTYPES or any(a.dtype != x.dtype for a in arrays):
-        raise ValueError(f"{name} takes float32 or bfloat16 arrays of one dtype, got "
-                         f"{sorted({str(a.dtype) for a in (x, *arrays)})}")
+        raise ValueError(
+            f"{name} takes float32 or bfloat16 arrays of one dtype, got {sorted({str(a.dtype) for a in (x, *arrays)})}"
+        )
 
 
-def norm_qkv(x: jax.Array, norm_weight: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, *,
-             eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def norm_qkv(
+    x: jax.Array, norm_weight: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, *, eps: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a decoder layer for a few rows: h = norm_weight * RMSNorm(x), then
     h @ wq, h @ wk, h @ wv (weights [D, N], no biases), as one call. x [M <= MAX_ROWS, D];
     float32 or bfloat16 throughout, accumulated in float32. Not differentiable."""
@@ -211,8 +231,17 @@ def norm_qkv(x: jax.Array, norm_weight: jax.Array, wq: jax.Array, wk: jax.Array,
     return tuple(call(x, norm_weight, wq, wk, wv, eps=np.float32(eps)))
 
 
-def o_proj_mlp(attn: jax.Array, x: jax.Array, wo: jax.Array, norm_weight: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, *, eps: float) -> jax.Array:
+def o_proj_mlp(
+    attn: jax.Array,
+    x: jax.Array,
+    wo: jax.Array,
+    norm_weight: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    eps: float,
+) -> jax.Array:
     """The second half of a decoder layer for a few rows, as one call: x1 = x + attn @ wo,
     then x1 + (silu(h @ w_gate) * (h @ w_up)) @ w_down with h = norm_weight * RMSNorm(x1).
     attn [M <= MAX_ROWS, A], x [M, D]; weights [K, N]; float32 or bfloat16 throughout.

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 # `--kv-cache-dtype` -> the dtype the cache stores its codes in.
 KV_DTYPES = {"fp8": jnp.dtype(jnp.uint8), "int8": jnp.dtype(jnp.int8)}
-_QMAX = {E4M3: float(jnp.finfo(E4M3).max), jnp.dtype(jnp.uint8): float(jnp.finfo(E4M3).max),
-         jnp.dtype(jnp.int8): 127.0}
+_QMAX = {E4M3: float(jnp.finfo(E4M3).max), jnp.dtype(jnp.uint8): float(jnp.finfo(E4M3).max), jnp.dtype(jnp.int8): 127.0}
 
 
 def is_quantized_kv(dtype) -> bool:

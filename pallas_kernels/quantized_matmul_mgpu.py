@@ -267,16 +267,16 @@ class _Plan(NamedTuple):
 
 def _plan(config: TuningConfig, t_pad: int, n_pad: int, k: int) -> _Plan:
     splits = config.k_splits
-    return _Plan(n_pad // TILE_N, t_pad // config.tile_t, splits, k // config.tile_k // splits,
-                 config.tile_t, config.tile_k)
+    return _Plan(
+        n_pad // TILE_N, t_pad // config.tile_t, splits, k // config.tile_k // splits, config.tile_t, config.tile_k
+    )
 
 
 def _store_tile(acc, out_smem, out_gmem, ni, ti, si, plan: _Plan):
     """acc [64, tile_t] -> out[si, n tile, t tile] through shared memory."""
     out_smem[...] = acc.astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * TILE_N, TILE_N), pl.ds(ti * plan.tile_t,
-                                                                                        plan.tile_t)])
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * TILE_N, TILE_N), pl.ds(ti * plan.tile_t, plan.tile_t)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -290,9 +290,15 @@ def _pipelined(step, in_specs, gmem_refs, *, plan: _Plan, config: TuningConfig, 
     """
     acc_type = plgpu.ACC((TILE_N, plan.tile_t))
     if not config.warp_specialized:
+
         def scope(acc_ref):
-            plgpu.emit_pipeline(step, grid=(plan.k_steps,), in_specs=in_specs,
-                                max_concurrent_steps=config.max_concurrent_steps, init_carry=acc_ref)(*gmem_refs)
+            plgpu.emit_pipeline(
+                step,
+                grid=(plan.k_steps,),
+                in_specs=in_specs,
+                max_concurrent_steps=config.max_concurrent_steps,
+                init_carry=acc_ref,
+            )(*gmem_refs)
             return acc_ref[...]
 
         prologue()
@@ -308,8 +314,14 @@ def _pipelined(step, in_specs, gmem_refs, *, plan: _Plan, config: TuningConfig, 
         epilogue(pl.run_scoped(scope, acc_type))
 
     plgpu.emit_pipeline_warp_specialized(
-        step, grid=(plan.k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=1,
-        max_concurrent_steps=config.max_concurrent_steps, compute_context=compute_context,
+        step,
+        grid=(plan.k_steps,),
+        memory_registers=40,
+        in_specs=in_specs,
+        wg_axis="wg",
+        num_compute_wgs=1,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
     )(*gmem_refs)
 
 
@@ -354,9 +366,15 @@ def _int4_kernel(plan: _Plan, group: int, out_dtype, x_dtype, config: TuningConf
             plgpu.BlockSpec((1, TILE_N), lambda k: ((k0 + k) // steps_per_group, ni)),
             plgpu.BlockSpec((tt, tk), lambda k: (ti, k0 + k)),
         ]
-        _pipelined(step, in_specs, (q_gmem, s_gmem, o_gmem, x_gmem), plan=plan, config=config,
-                   prologue=lambda: None,
-                   epilogue=lambda acc: _store_tile(acc, out_smem, out_gmem, ni, ti, si, plan))
+        _pipelined(
+            step,
+            in_specs,
+            (q_gmem, s_gmem, o_gmem, x_gmem),
+            plan=plan,
+            config=config,
+            prologue=lambda: None,
+            epilogue=lambda acc: _store_tile(acc, out_smem, out_gmem, ni, ti, si, plan),
+        )
 
     scratch = [plgpu.SMEM((TILE_N, tt), out_dtype)]
     if config.a_via_smem:
@@ -419,8 +437,9 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
-def int4_matmul(x: jax.Array, weights: Int4KernelWeights, *, config: TuningConfig | None = None,
-                interpret=None) -> jax.Array:
+def int4_matmul(
+    x: jax.Array, weights: Int4KernelWeights, *, config: TuningConfig | None = None, interpret=None
+) -> jax.Array:
     """`int4_matmul_reference(x, packed, scales, offsets)` for weights = prepare_int4(packed,
     scales, offsets): x [T, K] bf16/f16 -> [T, N] in x's dtype."""
     if (reason := int4_unsupported_reason(x, weights, config)) is not None:
@@ -440,8 +459,9 @@ def int4_matmul(x: jax.Array, weights: Int4KernelWeights, *, config: TuningConfi
     return _finish(out, t, weights.n, x.dtype)
 
 
-def fp8_matmul(x: jax.Array, weights: Fp8KernelWeights, *, config: TuningConfig | None = None,
-               interpret=None) -> jax.Array:
+def fp8_matmul(
+    x: jax.Array, weights: Fp8KernelWeights, *, config: TuningConfig | None = None, interpret=None
+) -> jax.Array:
     """`fp8_matmul_reference(x, weight, scales)` for weights = prepare_fp8(weight, scales):
     x [T, K] bf16/f16 -> [T, N] in x's dtype (x quantized per token first, in XLA)."""
     if (reason := fp8_unsupported_reason(x, weights, config)) is not None:

@@ -57,7 +57,8 @@ def ragged_paged_attention_reference(
     so memory stays bounded and padding costs nothing.
     """
     q, k_pages, v_pages, kv_lens, block_tables, query_start_loc = map(
-        jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc))
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc)
+    )
     if (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales come together: pass both (an 8-bit cache) or neither")
     scales = None if k_scales is None else (jnp.asarray(k_scales), jnp.asarray(v_scales))
@@ -70,14 +71,35 @@ def ragged_paged_attention_reference(
     else:  # tiles sized to each kind of sequence: a decode token alone, a prefill chunk in long tiles
         # A prefill chunk has two or more tokens, so at most T // 2 sequences are in this pass.
         prefill_tile = min(PREFILL_TILE, num_tokens)
-        passes = [(1, jnp.where(q_lens == 1, 1, 0), max(1, min(num_tokens, num_seqs))),
-                  (prefill_tile, jnp.where(q_lens > 1, q_lens, 0),
-                   max_tiles(num_tokens, min(num_seqs, num_tokens // 2), prefill_tile))]
+        passes = [
+            (1, jnp.where(q_lens == 1, 1, 0), max(1, min(num_tokens, num_seqs))),
+            (
+                prefill_tile,
+                jnp.where(q_lens > 1, q_lens, 0),
+                max_tiles(num_tokens, min(num_seqs, num_tokens // 2), prefill_tile),
+            ),
+        ]
     out = jnp.zeros(q.shape, q.dtype)
     q32 = q.astype(jnp.float32) * sm_scale
     for tile, selected, tile_bound in passes:
-        out = _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, query_start_loc, q_lens,
-                            selected, tile, tile_bound, chunk_pages, sliding_window, soft_cap, tree_mask)
+        out = _attend_tiles(
+            out,
+            q32,
+            k_pages,
+            v_pages,
+            scales,
+            kv_lens,
+            block_tables,
+            query_start_loc,
+            q_lens,
+            selected,
+            tile,
+            tile_bound,
+            chunk_pages,
+            sliding_window,
+            soft_cap,
+            tree_mask,
+        )
     return out
 
 
@@ -88,13 +110,30 @@ def max_tiles(num_tokens: int, num_seqs: int, query_tile: int) -> int:
     """Static bound on sum(cdiv(q_len, tq)) over S sequences with sum(q_len) <= T."""
     return max(1, min(num_tokens, (num_tokens + num_seqs * (query_tile - 1)) // query_tile))
 
+
 # Query rows (tiles x tile length) per group: enough to batch well, few enough that a step
 # with one short prompt does not compute a large group of empty tiles.
 _GROUP_ROWS = 128
 
 
-def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, query_start_loc, q_lens, selected,
-                  tq, max_tiles, chunk_pages, sliding_window, soft_cap, tree_mask):
+def _attend_tiles(
+    out,
+    q32,
+    k_pages,
+    v_pages,
+    scales,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    q_lens,
+    selected,
+    tq,
+    max_tiles,
+    chunk_pages,
+    sliding_window,
+    soft_cap,
+    tree_mask,
+):
     """Attention for the first `selected[s]` new tokens of each sequence s (0 or q_lens[s]),
     in at most `max_tiles` tiles of `tq` tokens, written into `out`."""
     num_tokens, num_heads, head_dim = q32.shape
@@ -130,7 +169,10 @@ def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, que
 
     def attend_group(g, out):
         """Attention for tiles [g * group_size, (g + 1) * group_size)."""
-        take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * group_size, group_size, axis=0)
+
+        def take(x):
+            return jax.lax.dynamic_slice_in_dim(x, g * group_size, group_size, axis=0)
+
         g_token, g_valid, g_pos, g_len, g_tables, g_new0 = map(take, (token, q_valid, q_pos, seq_len, tables, new0))
         g_words = None if words is None else take(words)
         # [NG, TQ, H, D] -> [NG, KV, G, TQ, D]
@@ -144,8 +186,9 @@ def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, que
             k = codes_to_float(k_pages.at[pages].get(mode="promise_in_bounds"))
             v = codes_to_float(v_pages.at[pages].get(mode="promise_in_bounds"))
             if scales is not None:  # [NG, chunk_pages, KV, page_size] -> per token and head
-                k_scale, v_scale = (jnp.swapaxes(x.at[pages].get(mode="promise_in_bounds"), -1, -2)[..., None]
-                                    for x in scales)
+                k_scale, v_scale = (
+                    jnp.swapaxes(x.at[pages].get(mode="promise_in_bounds"), -1, -2)[..., None] for x in scales
+                )
                 k, v = k * k_scale, v * v_scale
             k, v = k.reshape(kv_shape), v.reshape(kv_shape)
             kv_pos = c * chunk + jnp.arange(chunk)  # [C]
@@ -177,8 +220,12 @@ def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, que
 
         shape = (group_size, num_kv_heads, groups, tq)
         init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-        first_chunk = 0 if sliding_window is None else jnp.maximum(jnp.min(
-            jnp.where(g_valid, g_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1, 0) // chunk
+        first_chunk = (
+            0
+            if sliding_window is None
+            else jnp.maximum(jnp.min(jnp.where(g_valid, g_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1, 0)
+            // chunk
+        )
         _, l, acc = jax.lax.fori_loop(first_chunk, (jnp.max(g_len) + chunk - 1) // chunk, kv_chunk, init)
         res = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NG, KV, G, TQ, D]
         res = res.transpose(0, 3, 1, 2, 4).reshape(group_size * tq, num_heads, head_dim)
@@ -186,4 +233,3 @@ def _attend_tiles(out, q32, k_pages, v_pages, scales, kv_lens, block_tables, que
 
     num_groups = (tile_end[-1] + group_size - 1) // group_size  # groups holding real tiles
     return jax.lax.fori_loop(0, num_groups, attend_group, out)
-

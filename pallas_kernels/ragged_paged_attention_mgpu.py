@@ -149,23 +149,27 @@ class TuningConfig:
     def check(self, *, groups: int, page_size: int) -> None:
         """Raise ValueError if this config cannot serve this head grouping / page size."""
         if (rows := self.query_tile * groups) > ROWS_PER_WG * self.num_compute_wgs:
-            raise ValueError(f"{self.query_tile=} * {groups=} = {rows} query rows exceed "
-                             f"{ROWS_PER_WG} * {self.num_compute_wgs=}")
+            raise ValueError(
+                f"{self.query_tile=} * {groups=} = {rows} query rows exceed {ROWS_PER_WG} * {self.num_compute_wgs=}"
+            )
         if self.num_compute_wgs == 2 and rows <= ROWS_PER_WG:
-            raise ValueError(f"{self.query_tile=} * {groups=} = {rows} query rows leave the second "
-                             f"of {self.num_compute_wgs=} idle")
+            raise ValueError(
+                f"{self.query_tile=} * {groups=} = {rows} query rows leave the second of {self.num_compute_wgs=} idle"
+            )
         if self.block_kv % page_size:
             raise ValueError(f"{self.block_kv=} must be a multiple of {page_size=}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, kv_itemsize: int | None = None,
-                   tree: bool = False) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, kv_itemsize: int | None = None, tree: bool = False) -> int:
         """Shared memory the kernel asks for: buffers (1 KiB aligned), barriers, reductions.
 
         `kv_itemsize` 1 is an 8-bit cache: its K/V ring costs half, plus the scales' ring
         and one upcast [block_kv, D] buffer per compute warpgroup. `tree` adds the
         double-buffered tree mask words of the query rows.
         """
-        align = lambda n: -(-n // 1024) * 1024
+
+        def align(n: int) -> int:
+            return -(-n // 1024) * 1024
+
         wgs, rows, steps, bkv = self.num_compute_wgs, ROWS_PER_WG, self.max_concurrent_steps, self.block_kv
         kv_itemsize = kv_itemsize or itemsize
         q = align(2 * wgs * rows * head_dim * itemsize)  # double-buffered Q / O
@@ -191,10 +195,20 @@ def default_query_tile(num_tokens: int, num_seqs: int) -> int:
     return 1 << (per_seq.bit_length() - 1)  # round down to a power of two
 
 
-def default_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, page_size: int, *, num_ctas: int | None = None,
-                   query_tile: int | None = None, p_via_smem: bool = False, kv_dtype=None,
-                   tree: bool = False) -> TuningConfig:
+def default_config(
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    *,
+    num_ctas: int | None = None,
+    query_tile: int | None = None,
+    p_via_smem: bool = False,
+    kv_dtype=None,
+    tree: bool = False,
+) -> TuningConfig:
     """A config for a (token, sequence) bucket and model shape.
 
     Decode-heavy buckets get one-token tiles and one compute warpgroup; prefill-heavy
@@ -204,7 +218,10 @@ def default_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     `tree` is for calls with a tree mask.
     """
     kv_itemsize = jnp.dtype(kv_dtype).itemsize if kv_dtype is not None else 2
-    smem = lambda c: c.smem_bytes(head_dim, 2, kv_itemsize, tree)
+
+    def smem(c: TuningConfig) -> int:
+        return c.smem_bytes(head_dim, 2, kv_itemsize, tree)
+
     cfg = TuningConfig(block_kv=max(128, page_size), num_ctas=num_ctas or device_sm_count(), p_via_smem=p_via_smem)
     cfg = cfg.with_query_tile(query_tile or default_query_tile(num_tokens, num_seqs), num_heads // num_kv_heads)
     while smem(cfg) > SMEM_BYTES and cfg.block_kv > max(64, page_size):
@@ -230,8 +247,9 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _KV8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8), jnp.dtype(jnp.int8))
 
 
-def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None, tree_mask=None,
-                       config: TuningConfig | None = None) -> str | None:
+def unsupported_reason(
+    q, k_pages, v_pages=None, *, k_scales=None, v_scales=None, tree_mask=None, config: TuningConfig | None = None
+) -> str | None:
     """Why the kernel cannot run these shapes / dtypes (/ config), or None if it can.
 
     Without scales q, k and v are all bf16 or all f16; with `k_scales` and `v_scales`
@@ -255,9 +273,11 @@ def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None
             return f"q, k and v must all be bf16 or all f16, got {q.dtype=} {k_pages.dtype=}"
     else:
         if len(kv_dtypes) != 1 or kv_dtypes.pop() not in _KV8_DTYPES:
-            return (f"with k_scales / v_scales the pages must all be float8_e4m3fn or all int8 (or uint8: "
-                    f"e4m3 bit patterns), "
-                    f"got {k_pages.dtype=}{f' {v_pages.dtype=}' if v_pages is not None else ''}")
+            return (
+                f"with k_scales / v_scales the pages must all be float8_e4m3fn or all int8 (or uint8: "
+                f"e4m3 bit patterns), "
+                f"got {k_pages.dtype=}{f' {v_pages.dtype=}' if v_pages is not None else ''}"
+            )
         if jnp.dtype(q.dtype) not in _FLOAT_DTYPES:
             return f"q must be bf16 or f16 with an 8-bit cache, got {q.dtype=}"
         want = (num_pages, num_kv_heads, page_size)
@@ -288,10 +308,15 @@ def unsupported_reason(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None
     return None
 
 
-def is_supported(q, k_pages, v_pages=None, *, k_scales=None, v_scales=None, tree_mask=None,
-                 config: TuningConfig | None = None) -> bool:
-    return unsupported_reason(q, k_pages, v_pages, k_scales=k_scales, v_scales=v_scales, tree_mask=tree_mask,
-                              config=config) is None
+def is_supported(
+    q, k_pages, v_pages=None, *, k_scales=None, v_scales=None, tree_mask=None, config: TuningConfig | None = None
+) -> bool:
+    return (
+        unsupported_reason(
+            q, k_pages, v_pages, k_scales=k_scales, v_scales=v_scales, tree_mask=tree_mask, config=config
+        )
+        is None
+    )
 
 
 # ------------------------------------------------------------------------------------
@@ -325,8 +350,15 @@ def _searchsorted_right(sorted_ends, values):
     return jnp.sum(values[:, None] >= sorted_ends[None, :], axis=1, dtype=jnp.int32)
 
 
-def plan_work(kv_lens, query_start_loc, *, num_tokens: int, num_kv_heads: int,
-              config: TuningConfig, sliding_window: int | None = None) -> WorkPlan:
+def plan_work(
+    kv_lens,
+    query_start_loc,
+    *,
+    num_tokens: int,
+    num_kv_heads: int,
+    config: TuningConfig,
+    sliding_window: int | None = None,
+) -> WorkPlan:
     """Query tiles of every sequence and the flash-decoding work items over their kv blocks."""
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     qsl = jnp.asarray(query_start_loc, jnp.int32)
@@ -440,8 +472,16 @@ class _Shapes:
     max_pages: int
 
 
-def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_window: int | None,
-                  soft_cap: float | None, tree: bool, interpret):
+def _build_kernel(
+    cfg: TuningConfig,
+    shp: _Shapes,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    tree: bool,
+    interpret,
+):
     nwg, bkv, stages, num_ctas = cfg.num_compute_wgs, cfg.block_kv, cfg.max_concurrent_steps, cfg.num_ctas
     kv_heads, dim, page_size, groups, rows = shp.num_kv_heads, shp.head_dim, shp.page_size, shp.groups, shp.rows
     pages_per_block = bkv // page_size
@@ -469,8 +509,23 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
 
     # -- memory warpgroup ------------------------------------------------------------
 
-    def memory_wg(work_ref, num_items_ref, tables_ref, k_ref, v_ref, ks_ref, vs_ref, k_smem, v_smem,
-                  ks_smem, vs_smem, k_full, v_full, k_free, v_free):
+    def memory_wg(
+        work_ref,
+        num_items_ref,
+        tables_ref,
+        k_ref,
+        v_ref,
+        ks_ref,
+        vs_ref,
+        k_smem,
+        v_smem,
+        ks_smem,
+        vs_smem,
+        k_full,
+        v_full,
+        k_free,
+        v_free,
+    ):
         def step_body(j, step0, head, f):
             step = step0 + j
             slot = lax.rem(step, i32(stages))
@@ -478,8 +533,11 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             # Page ids first: their loads overlap the wait for a free slot.
             index = [blk * pages_per_block + p for p in range(pages_per_block)]
             pages = [tables_ref[f[_SEQ], jnp.minimum(i, shp.max_pages - 1)] for i in index]
-            for src, dst, src_s, dst_s, full, free in ((k_ref, k_smem, ks_ref, ks_smem, k_full, k_free),
-                                                        (v_ref, v_smem, vs_ref, vs_smem, v_full, v_free)):
+            for src, dst, src_s, dst_s, full, free in (
+                (k_ref, k_smem, ks_ref, ks_smem, k_full, k_free),
+                (v_ref, v_smem, vs_ref, vs_smem, v_full, v_free),
+            ):
+
                 @pl.when(step >= stages)
                 def _():
                     plgpu.barrier_wait(free.at[slot])  # the slot's previous block is consumed
@@ -492,12 +550,14 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
                         plgpu.copy_gmem_to_smem(
                             src.at[pl.ds(page * page_size, page_size), pl.ds(head * dim, dim)],
                             dst.at[slot, pl.ds(p * page_size, page_size)],
-                            full.at[slot])
+                            full.at[slot],
+                        )
                         if quantized:  # the page's scales of this head: page_size contiguous floats
                             plgpu.copy_gmem_to_smem(
                                 src_s.at[page, pl.ds(head * page_size, page_size)],
                                 dst_s.at[slot, pl.ds(p * page_size, page_size)],
-                                full.at[slot])
+                                full.at[slot],
+                            )
 
                     # A page wholly past the context is not read (its rows get masked and
                     # zeroed); arriving keeps the barrier's count at one per copy.
@@ -585,6 +645,7 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
     def zero_tail(v_slot, num_valid):
         """Zero rows >= num_valid of a V block: past the context they may hold NaN."""
         for c in range(bkv // ROWS_PER_WG):
+
             @pl.when(num_valid < (c + 1) * ROWS_PER_WG)
             def _():
                 chunk = v_slot.at[pl.ds(c * ROWS_PER_WG, ROWS_PER_WG)]
@@ -592,8 +653,29 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
                 row = plgpu.broadcasted_iota(i32, v.shape, 0, layout=layout) + c * ROWS_PER_WG
                 chunk[...] = jnp.where(row < num_valid, v, jnp.zeros_like(v))
 
-    def compute_wg(work_ref, num_items_ref, q_ref, tree_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem,
-                   vs_smem, up_smem, lse_smem, tree_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar):
+    def compute_wg(
+        work_ref,
+        num_items_ref,
+        q_ref,
+        tree_ref,
+        o_ref,
+        lse_ref,
+        qo_smem,
+        k_smem,
+        v_smem,
+        ks_smem,
+        vs_smem,
+        up_smem,
+        lse_smem,
+        tree_smem,
+        p_smem,
+        q_bar,
+        k_full,
+        v_full,
+        k_free,
+        v_free,
+        tail_bar,
+    ):
         wg = lax.axis_index("wg")
         my_units = num_units(num_items_ref)
 
@@ -673,6 +755,7 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
                 plgpu.barrier_arrive(v_free.at[slot])
                 v_operand = up
             else:
+
                 @pl.when(num_valid < bkv)
                 def _():
                     # The first compute WG cleans the block's tail; every compute WG waits for it.
@@ -727,11 +810,13 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
             lse_smem.at[wg][...] = m + jnp.log(l) * (1 / math.log(2))
             plgpu.commit_smem()
             for w in range(nwg):  # each WG stores a static number of rows
+
                 @pl.when(wg == w)
                 def _():
                     out_rows = pl.ds(item * rows + w * ROWS_PER_WG, wg_rows[w])
                     plgpu.copy_smem_to_gmem(qo.at[pl.ds(0, wg_rows[w])], o_ref.at[out_rows, pl.ds(head * dim, dim)])
                     plgpu.copy_smem_to_gmem(lse_smem.at[w, pl.ds(0, wg_rows[w])], lse_ref.at[head, out_rows])
+
             # Before qo (the next unit's Q buffer after next) and lse_smem are reused.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return step0 + num_steps
@@ -750,23 +835,74 @@ def _build_kernel(cfg: TuningConfig, shp: _Shapes, *, sm_scale: float, sliding_w
         k_ref, v_ref, *refs = refs
         ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
         o_ref, lse_ref, *scratch = refs
-        (qo_smem, k_smem, v_smem, ks_smem, vs_smem, up_smem, lse_smem, tree_smem, p_smem,
-         q_bar, k_full, v_full, k_free, v_free, tail_bar) = scratch
+        (
+            qo_smem,
+            k_smem,
+            v_smem,
+            ks_smem,
+            vs_smem,
+            up_smem,
+            lse_smem,
+            tree_smem,
+            p_smem,
+            q_bar,
+            k_full,
+            v_full,
+            k_free,
+            v_free,
+            tail_bar,
+        ) = scratch
         wg = lax.axis_index("wg")
 
         @pl.when(wg < nwg)
         def _():
             if nwg == 2:  # 2 x 232 + 40 registers per thread fill the SM's 64K
                 plgpu.set_max_registers(232, action="increase")
-            compute_wg(work_ref, num_items_ref, q_ref, tree_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, ks_smem,
-                       vs_smem, up_smem, lse_smem, tree_smem, p_smem, q_bar, k_full, v_full, k_free, v_free, tail_bar)
+            compute_wg(
+                work_ref,
+                num_items_ref,
+                q_ref,
+                tree_ref,
+                o_ref,
+                lse_ref,
+                qo_smem,
+                k_smem,
+                v_smem,
+                ks_smem,
+                vs_smem,
+                up_smem,
+                lse_smem,
+                tree_smem,
+                p_smem,
+                q_bar,
+                k_full,
+                v_full,
+                k_free,
+                v_free,
+                tail_bar,
+            )
 
         @pl.when(wg == nwg)
         def _():
             if nwg == 2:
                 plgpu.set_max_registers(40, action="decrease")
-            memory_wg(work_ref, num_items_ref, tables_ref, k_ref, v_ref, ks_ref, vs_ref, k_smem, v_smem,
-                      ks_smem, vs_smem, k_full, v_full, k_free, v_free)
+            memory_wg(
+                work_ref,
+                num_items_ref,
+                tables_ref,
+                k_ref,
+                v_ref,
+                ks_ref,
+                vs_ref,
+                k_smem,
+                v_smem,
+                ks_smem,
+                vs_smem,
+                k_full,
+                v_full,
+                k_free,
+                v_free,
+            )
 
     tiled = (plgpu.TilingTransform((8, _SWIZZLE // shp.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     # An 8-bit [bkv, 64] block has 64-byte rows: a 64-byte swizzle.
@@ -889,9 +1025,18 @@ def ragged_paged_attention(
             raise ValueError(f"{plan.sliding_window=} != {sliding_window=}")
         config = plan.config
     elif config is None:
-        config = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size,
-                                query_tile=query_tile, p_via_smem=bool(interpret), kv_dtype=k_pages.dtype,
-                                tree=tree)
+        config = default_config(
+            num_tokens,
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            query_tile=query_tile,
+            p_via_smem=bool(interpret),
+            kv_dtype=k_pages.dtype,
+            tree=tree,
+        )
     elif query_tile is not None:
         config = config.with_query_tile(query_tile, groups)
     if interpret:  # the interpreter's wgmma takes its A operand from smem only
@@ -899,14 +1044,36 @@ def ragged_paged_attention(
     if (reason := unsupported_reason(q, k_pages, v_pages, **optional, config=config)) is not None:
         raise NotImplementedError(f"ragged_paged_attention (Mosaic GPU): {reason}")
     if plan is None:
-        plan = plan_work(kv_lens, query_start_loc, num_tokens=num_tokens, num_kv_heads=num_kv_heads,
-                         config=config, sliding_window=sliding_window)
+        plan = plan_work(
+            kv_lens,
+            query_start_loc,
+            num_tokens=num_tokens,
+            num_kv_heads=num_kv_heads,
+            config=config,
+            sliding_window=sliding_window,
+        )
 
     rows = config.rows_per_tile(groups)
-    shapes = _Shapes(jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), num_kv_heads, head_dim, page_size, groups, rows,
-                     plan.work.shape[0], max_pages)
-    kernel = _build_kernel(config, shapes, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap, tree=tree, interpret=interpret)
+    shapes = _Shapes(
+        jnp.dtype(q.dtype),
+        jnp.dtype(k_pages.dtype),
+        num_kv_heads,
+        head_dim,
+        page_size,
+        groups,
+        rows,
+        plan.work.shape[0],
+        max_pages,
+    )
+    kernel = _build_kernel(
+        config,
+        shapes,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        tree=tree,
+        interpret=interpret,
+    )
     pad_rows = ROWS_PER_WG * config.num_compute_wgs
     q_tiles = _gather_query_tiles(q, plan.tile_tokens, num_kv_heads, rows, pad_rows)
     tree_rows = ()

@@ -10,6 +10,15 @@ from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats, Step
 from scheduler.step_batch import SamplingBatch, StepBatch
 
 __all__ = [
-    "KVCacheManager", "Request", "RequestStatus", "SamplingBatch", "SamplingParams", "Scheduler",
-    "SchedulerConfig", "SchedulerStats", "StepBatch", "StepResult", "StructuredOutputsParams",
+    "KVCacheManager",
+    "Request",
+    "RequestStatus",
+    "SamplingBatch",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "StepBatch",
+    "StepResult",
+    "StructuredOutputsParams",
 ]

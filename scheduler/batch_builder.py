@@ -11,8 +11,12 @@ from scheduler.step_batch import MAX_BANNED_TOKENS, SamplingBatch, StepBatch, To
 
 
 def build_step_batch(
-    step_id: int, rows: list[tuple[Request, int]], tables: list[list[int]], block_size: int,
-    copies: list[tuple[int, int]], tree: DraftTree | None = None,
+    step_id: int,
+    rows: list[tuple[Request, int]],
+    tables: list[list[int]],
+    block_size: int,
+    copies: list[tuple[int, int]],
+    tree: DraftTree | None = None,
 ) -> StepBatch:
     """`rows`: (request, number of its tokens to run) in row order; `tables`: their block ids.
 
@@ -58,6 +62,7 @@ def build_step_batch(
     for i, (r, _) in enumerate(rows):
         m = len(r.spec_token_ids)
         if m:
+            assert tree is not None, "draft tokens come with a tree (a chain at least)"
             spec_token_ids[i, :m] = r.spec_token_ids
             end = query_start_loc[i + 1]
             positions[end - m : end] -= np.arange(1, m + 1) - tree.depth[1 : m + 1]  # slot offset -> depth
@@ -91,16 +96,18 @@ def build_step_batch(
         block_copies=copies,
         num_spec_tokens=num_spec,
         spec_token_ids=spec_token_ids,
-        verify=build_verify_sampling(requests, tree) if num_spec.any() else None,
+        verify=build_verify_sampling(requests, tree) if tree is not None and num_spec.any() else None,
         tree_mask=tree_mask,
         prompt_logprob_targets=targets,
-        num_prompt_logprobs=max((r.sampling_params.prompt_logprobs or 0) for r in requests
-                                if r.needs_prompt_logprobs) if targets is not None else 0,
+        num_prompt_logprobs=max((r.sampling_params.prompt_logprobs or 0) for r in requests if r.needs_prompt_logprobs)
+        if targets is not None
+        else 0,
     )
 
 
-def build_sampling_batch(requests: list[Request], offsets: list[int] | None = None,
-                         extra_history: list[list[int]] | None = None) -> SamplingBatch:
+def build_sampling_batch(
+    requests: list[Request], offsets: list[int] | None = None, extra_history: list[list[int]] | None = None
+) -> SamplingBatch:
     """One row per request. `offsets`: the token each row samples is that many after the
     request's next one; `extra_history`: tokens that come before it (draft tokens)."""
     offsets = offsets or [0] * len(requests)
@@ -137,8 +144,10 @@ def build_sampling_batch(requests: list[Request], offsets: list[int] | None = No
         # NOTE: bad words read the output from the host, as penalties do (the engine waits
         # for a pending token of such a request before scheduling it).
         assert all(r.num_pending == 0 for r, p in zip(requests, params) if p.bad_words)
-        outputs = [r.all_token_ids[r.num_prompt_tokens:] + (extra_history[i] if extra_history else [])
-                   if p.bad_words else [] for i, (r, p) in enumerate(zip(requests, params))]
+        outputs = [
+            r.all_token_ids[r.num_prompt_tokens :] + (extra_history[i] if extra_history else []) if p.bad_words else []
+            for i, (r, p) in enumerate(zip(requests, params))
+        ]
         batch.token_bias = [TokenBias.for_row(p, out) for p, out in zip(params, outputs)]
     if any(r.grammar is not None for r in requests):
         # NOTE: the grammar follows the output on the host, as penalties do.

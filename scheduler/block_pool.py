@@ -21,12 +21,15 @@ import hashlib
 import itertools
 import os
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Hashable, Iterable
 
 NULL_BLOCK = 0
 
 # Digests are keyed per process: nobody outside can precompute colliding prompts.
 _DIGEST_KEY = os.urandom(32)
+
+
+ExtraKeys = tuple[Hashable, ...]  # what a block's KV depends on besides its tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +38,10 @@ class BlockKey:
 
     parent: int | None  # prefix id of the previous block; None for a sequence's first block
     token_ids: tuple[int, ...]
-    extra: tuple = ()  # e.g. the request's cache salt (first block only: the chain carries it)
+    extra: ExtraKeys = ()  # e.g. the request's cache salt (first block only: the chain carries it)
 
 
-def hash_block(parent_digest: bytes | None, token_ids: tuple[int, ...], extra: tuple = ()) -> bytes:
+def hash_block(parent_digest: bytes | None, token_ids: tuple[int, ...], extra: ExtraKeys = ()) -> bytes:
     """Chained digest of a full block: the parent's digest, the token ids as bytes, extra keys."""
     h = hashlib.blake2b(key=_DIGEST_KEY, digest_size=32)
     h.update(parent_digest or b"\0" * 32)

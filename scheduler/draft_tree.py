@@ -76,15 +76,15 @@ class DraftTree:
         table = np.zeros((self.num_nodes + 1, self.max_depth + 1), np.int32)
         for i in range(1, self.num_nodes + 1):
             table[i] = table[self.parent[i]]
-            table[i, self.depth[i]:] = i
+            table[i, self.depth[i] :] = i
         return table
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check(self.paths)
         position = {(): 0} | {path: i + 1 for i, path in enumerate(self.paths)}
         parent = [-1] + [position[path[:-1]] for path in self.paths]
         mask = [1]
-        children = [[] for _ in position]
+        children: list[list[int]] = [[] for _ in position]
         for i in range(1, len(position)):
             mask.append(mask[parent[i]] | (1 << i))
             children[parent[i]].append(i)  # BFS order is rank order among siblings
@@ -99,9 +99,12 @@ class DraftTree:
             object.__setattr__(self, name, value)
 
 
-def _as_path(choice) -> Path:
-    if not isinstance(choice, Sequence) or isinstance(choice, str) or not all(
-            isinstance(rank, numbers.Integral) and not isinstance(rank, bool) for rank in choice):
+def _as_path(choice: object) -> Path:
+    if (
+        not isinstance(choice, Sequence)
+        or isinstance(choice, str)
+        or not all(isinstance(rank, numbers.Integral) and not isinstance(rank, bool) for rank in choice)
+    ):
         raise ValueError(f"a tree path is a sequence of int child ranks, got {choice!r}")
     return tuple(int(rank) for rank in choice)
 

@@ -16,7 +16,9 @@ on the device at the start of the step (`take_copies`).
 from __future__ import annotations
 
 from collections import Counter
-from scheduler.block_pool import Block, BlockKey, BlockPool, hash_block
+from collections.abc import Sequence
+
+from scheduler.block_pool import Block, BlockKey, BlockPool, ExtraKeys, hash_block
 from scheduler.request import Request
 
 
@@ -60,7 +62,7 @@ class KVCacheManager:
         handing their KV to another engine (prefill/decode disaggregation)."""
         if not self.enable_prefix_caching:
             return []
-        extra = (cache_salt,) if cache_salt is not None else ()
+        extra: ExtraKeys = (cache_salt,) if cache_salt is not None else ()
         max_blocks = (len(token_ids) - 1) // self.block_size
         return self._cached_run(token_ids, extra, self._chain(token_ids, extra, max_blocks, []))
 
@@ -73,12 +75,12 @@ class KVCacheManager:
         the free blocks allow."""
         if not self.enable_prefix_caching:
             return []
-        extra = (cache_salt,) if cache_salt is not None else ()
+        extra: ExtraKeys = (cache_salt,) if cache_salt is not None else ()
         num_blocks = min(num_blocks, (len(token_ids) - 1) // self.block_size)
         digests = self._chain(token_ids, extra, num_blocks, [])
         chain = self._cached_run(token_ids, extra, digests)
         first = len(chain)
-        fresh = self.pool.allocate(min(num_blocks - first, self.pool.num_free))
+        fresh = self._allocate(min(num_blocks - first, self.pool.num_free))
         for i, block in enumerate(fresh, start=first):
             parent = chain[-1].prefix_id if chain else None
             self.pool.register(block, digests[i], self._key(token_ids, extra, i, parent))
@@ -86,7 +88,7 @@ class KVCacheManager:
         self.pool.release(fresh)
         return [(i, block.block_id) for i, block in enumerate(fresh, start=first)]
 
-    def _cached_run(self, token_ids: list[int], extra: tuple, digests: list[bytes]) -> list[Block]:
+    def _cached_run(self, token_ids: list[int], extra: ExtraKeys, digests: list[bytes]) -> list[Block]:
         """The cached blocks of the longest run of `digests` from the first."""
         found: list[Block] = []
         for i, digest in enumerate(digests):
@@ -112,23 +114,26 @@ class KVCacheManager:
             parent = self.pool.blocks[table[i - 1]].prefix_id if i else None
             if i and parent is None:
                 break  # the cache was reset under this request: its later blocks stay unregistered
-            self.pool.register(self.pool.blocks[table[i]], digests[i],
-                               self._key(request.all_token_ids, self._extra(request), i, parent))
+            self.pool.register(
+                self.pool.blocks[table[i]],
+                digests[i],
+                self._key(request.all_token_ids, self._extra(request), i, parent),
+            )
         self.num_registered[rid] = num_full
 
-    def _key(self, token_ids: list[int], extra: tuple, i: int, parent: int | None) -> BlockKey:
+    def _key(self, token_ids: list[int], extra: ExtraKeys, i: int, parent: int | None) -> BlockKey:
         tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
         return BlockKey(parent, tokens, extra if i == 0 else ())
 
     @staticmethod
-    def _extra(request: Request) -> tuple:
+    def _extra(request: Request) -> ExtraKeys:
         return (request.cache_salt,) if request.cache_salt is not None else ()
 
     def _digests(self, request: Request, num_blocks: int) -> list[bytes]:
         digests = self.block_digests.setdefault(request.request_id, [])
         return self._chain(request.all_token_ids, self._extra(request), num_blocks, digests)
 
-    def _chain(self, token_ids: list[int], extra: tuple, num_blocks: int, digests: list[bytes]) -> list[bytes]:
+    def _chain(self, token_ids: list[int], extra: ExtraKeys, num_blocks: int, digests: list[bytes]) -> list[bytes]:
         """The chained digests of the first `num_blocks` full blocks, extending `digests`."""
         while len(digests) < num_blocks:
             i = len(digests)
@@ -138,7 +143,7 @@ class KVCacheManager:
 
     # -- allocation -----------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `cached` are prefix-cache hits to adopt first (only when the request holds no
@@ -162,14 +167,20 @@ class KVCacheManager:
         self.pool.touch(cached)
         table.extend(b.block_id for b in cached)
         if cow:
-            (copy,) = self.pool.allocate(1)
+            (copy,) = self._allocate(1)
             shared = self.pool.blocks[table[write_block]]
             self.copies.append((shared.block_id, copy.block_id))
             self.pool.release([shared])
             table[write_block] = copy.block_id
-        new_ids = [b.block_id for b in self.pool.allocate(num_new_blocks)]
+        new_ids = [b.block_id for b in self._allocate(num_new_blocks)]
         table.extend(new_ids)
         return new_ids
+
+    def _allocate(self, count: int) -> list[Block]:
+        """`count` fresh blocks, where the caller has checked that the pool has them."""
+        blocks = self.pool.allocate(count)
+        assert blocks is not None, f"{count=} > {self.pool.num_free=}"
+        return blocks
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Let `child` share the parent's blocks holding its first `num_tokens` tokens."""

@@ -20,8 +20,23 @@ import enum
 import itertools
 import secrets
 import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
 
 from scheduler.sampling_params import SamplingParams
+
+
+class Grammar(Protocol):
+    """What the scheduler asks of a request's grammar (jaxserve.structured's RequestGrammar)."""
+
+    bitmask_words: int  # int32 words of a row's packed token mask
+    error: str | None  # why the grammar engine gave up, or None
+
+    def fill_bitmask(self, row: np.ndarray, ahead: Sequence[int] = ()) -> None: ...
+
+    def accept(self, token_id: int) -> None: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -92,7 +107,7 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
         # Structured output: the matcher of the output's grammar (jaxserve.structured's
         # RequestGrammar: `fill_bitmask(row, ahead)`, `accept(token)`), set by the engine.
-        self.grammar = None
+        self.grammar: Grammar | None = None
 
     @property
     def status(self) -> RequestStatus:
@@ -134,8 +149,7 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Its prompt's logprobs are still to be computed: asked for (once per request, by its
         first sample) and no token sampled yet (after that, a recompute needs none)."""
-        return self.sampling_params.prompt_logprobs is not None and self.fork_of is None \
-            and self.num_output_tokens == 0
+        return self.sampling_params.prompt_logprobs is not None and self.fork_of is None and self.num_output_tokens == 0
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -151,5 +165,7 @@ class Request:
         return (self.priority, self.arrival_time, self.arrival_order)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
-                f"{self.num_tokens}, out={self.num_output_tokens})")
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, out={self.num_output_tokens})"
+        )

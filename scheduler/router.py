@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from scheduler.block_pool import hash_block
 
@@ -39,8 +39,15 @@ class Route:
 class PrefixRouter:
     """Cache-aware replica choice within a load bound; remembers recent prefixes per replica."""
 
-    def __init__(self, num_replicas: int, block_size: int, load_bound: int, *,
-                 max_digests: int = 4096, max_prefix_blocks: int = 8):
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        load_bound: int,
+        *,
+        max_digests: int = 4096,
+        max_prefix_blocks: int = 8,
+    ):
         if num_replicas < 1:
             raise ValueError(f"{num_replicas=} must be at least 1")
         if block_size < 1:
@@ -60,8 +67,7 @@ class PrefixRouter:
         self.recent: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._next = 0  # round-robin cursor for ties among the least loaded
 
-    def pick(self, prompt_ids: Sequence[int], loads: Sequence[int | None],
-             cache_salt: str | None = None) -> Route:
+    def pick(self, prompt_ids: Sequence[int], loads: Sequence[int | None], cache_salt: str | None = None) -> Route:
         """Choose a replica for this prompt and remember its prefix there.
 
         `loads[i]` is replica i's running + waiting sequences, or None if it is dead.
@@ -69,18 +75,19 @@ class PrefixRouter:
         """
         if len(loads) != self.num_replicas:
             raise ValueError(f"{len(loads)=} != {self.num_replicas=}")
-        alive = [i for i, load in enumerate(loads) if load is not None]
+        alive_loads = {i: load for i, load in enumerate(loads) if load is not None}
+        alive = list(alive_loads)
         if not alive:
             raise NoReplicaAvailable(f"all {self.num_replicas} replicas are dead")
         digests = self.prefix_digests(prompt_ids, cache_salt)
         matches = {i: self._match(i, digests) for i in alive}
-        min_load = min(loads[i] for i in alive)
+        min_load = min(alive_loads.values())
 
-        best = min(alive, key=lambda i: (-matches[i], loads[i], i))
-        if matches[best] > 0 and loads[best] <= min_load + self.load_bound:
+        best = min(alive, key=lambda i: (-matches[i], alive_loads[i], i))
+        if matches[best] > 0 and alive_loads[best] <= min_load + self.load_bound:
             choice, reason = best, "prefix"
         else:
-            choice, reason = self._least_loaded(alive, loads, min_load), "least_loaded"
+            choice, reason = self._least_loaded(alive_loads, min_load), "least_loaded"
         self._record(choice, digests)
         return Route(choice, matches[choice], reason)
 
@@ -108,9 +115,9 @@ class PrefixRouter:
             n += 1
         return n
 
-    def _least_loaded(self, alive: list[int], loads: Sequence[int | None], min_load: int) -> int:
+    def _least_loaded(self, alive_loads: dict[int, int], min_load: int) -> int:
         # The first least-loaded replica at or after the cursor, so equal-load replicas alternate.
-        tied = [i for i in alive if loads[i] == min_load]
+        tied = [i for i, load in alive_loads.items() if load == min_load]
         choice = next((i for i in tied if i >= self._next), tied[0])
         self._next = (choice + 1) % self.num_replicas
         return choice

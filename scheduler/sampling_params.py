@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json as json_module
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -17,7 +18,7 @@ class StructuredOutputsParams:
     grammar: a Lark grammar (llguidance's dialect; `start` is the start rule).
     """
 
-    json: dict | str | None = None
+    json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
@@ -25,25 +26,41 @@ class StructuredOutputsParams:
 
     KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, str):
             object.__setattr__(self, "choice", tuple(self.choice))
         set_fields = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(set_fields) != 1:
-            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, "
-                             f"grammar; got {set_fields or 'none'}")
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                f"grammar; got {set_fields or 'none'}"
+            )
         checks = [
-            (self.json is None or isinstance(self.json, (dict, str)),
-             f"structured_outputs.json must be a JSON schema (object or its text), got {self.json!r}"),
-            (isinstance(self.json_object, bool), f"structured_outputs.json_object must be a bool, "
-                                                 f"got {self.json_object!r}"),
-            (self.regex is None or isinstance(self.regex, str),
-             f"structured_outputs.regex must be a string, got {self.regex!r}"),
-            (self.choice is None or (isinstance(self.choice, tuple) and bool(self.choice)
-                                     and all(isinstance(c, str) and c for c in self.choice)),
-             f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}"),
-            (self.grammar is None or isinstance(self.grammar, str),
-             f"structured_outputs.grammar must be a string, got {self.grammar!r}"),
+            (
+                self.json is None or isinstance(self.json, (dict, str)),
+                f"structured_outputs.json must be a JSON schema (object or its text), got {self.json!r}",
+            ),
+            (
+                isinstance(self.json_object, bool),
+                f"structured_outputs.json_object must be a bool, got {self.json_object!r}",
+            ),
+            (
+                self.regex is None or isinstance(self.regex, str),
+                f"structured_outputs.regex must be a string, got {self.regex!r}",
+            ),
+            (
+                self.choice is None
+                or (
+                    isinstance(self.choice, tuple)
+                    and bool(self.choice)
+                    and all(isinstance(c, str) and c for c in self.choice)
+                ),
+                f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+            ),
+            (
+                self.grammar is None or isinstance(self.grammar, str),
+                f"structured_outputs.grammar must be a string, got {self.grammar!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -53,14 +70,14 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple:
+    def key(self) -> tuple[str, Any]:
         """Hashable, the same for equal constraints (a schema dict by its canonical JSON)."""
         value = getattr(self, self.kind)
         if isinstance(value, dict):
             value = json_module.dumps(value, sort_keys=True, separators=(",", ":"))
         return (self.kind, value)
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(self.key())
 
     @classmethod
@@ -115,15 +132,16 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # A constraint on the output's text (JSON schema, regex, choice, grammar): the sampler
     # masks every token the grammar does not allow. A dict becomes StructuredOutputsParams.
-    structured_outputs: StructuredOutputsParams | dict | None = None
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # bad_words as token sequences (`with_bad_words_tokenized`; the engine fills it in).
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), init=False, repr=False,
-                                                                         compare=False)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = dataclasses.field(
+        default=(), init=False, repr=False, compare=False
+    )
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Accept lists (and a bare string for stop) from callers; store tuples.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
@@ -139,53 +157,85 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         elif not (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams)):
-            raise ValueError("structured_outputs must be an object with one of json, json_object, regex, choice, "
-                             f"grammar; got {self.structured_outputs!r}")
+            raise ValueError(
+                "structured_outputs must be an object with one of json, json_object, regex, choice, "
+                f"grammar; got {self.structured_outputs!r}"
+            )
         self._validate()
 
     def _validate(self) -> None:
         checks = [
             (_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (_is_number(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature!r}"),
+            (
+                _is_number(self.temperature) and self.temperature >= 0,
+                f"temperature must be >= 0, got {self.temperature!r}",
+            ),
             (_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (_is_int(self.top_k) and self.top_k >= 0, f"top_k must be >= 0 (or -1 for off), got {self.top_k!r}"),
             (_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
-            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
-            (_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (
+                _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}",
+            ),
+            (
+                _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}",
+            ),
+            (
+                _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+            ),
             (self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}"),
-            (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
+            (
+                _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
-            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
+            (
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+            ),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}"),
-            (isinstance(self.include_stop_str_in_output, bool),
-             f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"),
-            (isinstance(self.skip_special_tokens, bool),
-             f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"),
-            (isinstance(self.spaces_between_special_tokens, bool),
-             f"spaces_between_special_tokens must be a bool, got {self.spaces_between_special_tokens!r}"),
-            (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
-             f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"),
-            (self.prompt_logprobs is None
-             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
-             f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
-            (self.logit_bias is None or all(_is_int(t) and t >= 0 and _is_number(b)
-                                            and -self.MAX_LOGIT_BIAS <= b <= self.MAX_LOGIT_BIAS
-                                            for t, b in self.logit_bias.items()),
-             f"logit_bias must map token ids to biases in [-{self.MAX_LOGIT_BIAS}, {self.MAX_LOGIT_BIAS}], "
-             f"got {self.logit_bias!r}"),
-            (self.allowed_token_ids is None or (bool(self.allowed_token_ids)
-                                                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-             f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}"),
-            (all(isinstance(w, str) and w.strip() for w in self.bad_words),
-             f"bad_words must be non-blank strings, got {self.bad_words!r}"),
+            (
+                isinstance(self.include_stop_str_in_output, bool),
+                f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}",
+            ),
+            (
+                isinstance(self.skip_special_tokens, bool),
+                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
+            ),
+            (
+                isinstance(self.spaces_between_special_tokens, bool),
+                f"spaces_between_special_tokens must be a bool, got {self.spaces_between_special_tokens!r}",
+            ),
+            (
+                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
+                f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}",
+            ),
+            (
+                self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
+                f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+            ),
+            (
+                self.logit_bias is None
+                or all(
+                    _is_int(t) and t >= 0 and _is_number(b) and -self.MAX_LOGIT_BIAS <= b <= self.MAX_LOGIT_BIAS
+                    for t, b in self.logit_bias.items()
+                ),
+                f"logit_bias must map token ids to biases in [-{self.MAX_LOGIT_BIAS}, {self.MAX_LOGIT_BIAS}], "
+                f"got {self.logit_bias!r}",
+            ),
+            (
+                self.allowed_token_ids is None
+                or (bool(self.allowed_token_ids) and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+                f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}",
+            ),
+            (
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                f"bad_words must be non-blank strings, got {self.bad_words!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -196,8 +246,15 @@ class SamplingParams:
         return self.temperature == 0
 
     # Column order of `row`, as the runner's sampling arrays expect them.
-    ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty")
+    ROW_FIELDS = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
 
     @functools.cached_property
     def row(self) -> tuple[float, ...]:
@@ -218,10 +275,11 @@ class SamplingParams:
         for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
             outside = sorted(t for t in ids if t >= vocab_size)
             if outside:
-                raise ValueError(f"{name} must name token ids below the vocabulary size {vocab_size}, "
-                                 f"got {outside[:8]}")
+                raise ValueError(
+                    f"{name} must name token ids below the vocabulary size {vocab_size}, got {outside[:8]}"
+                )
 
-    def with_bad_words_tokenized(self, encode) -> SamplingParams:
+    def with_bad_words_tokenized(self, encode: Callable[[str], Sequence[int]]) -> SamplingParams:
         """A copy whose `bad_words_token_ids` holds each bad word's tokens, as vLLM forms them:
         the word as it is and with a leading space (a word mid-text), the latter only when it
         is a different word of as many tokens. `encode`: text -> token ids, no special tokens."""
@@ -245,19 +303,19 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**fields)
 
-    def replace(self, **changes) -> SamplingParams:
+    def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _token_id_keys(bias: dict) -> dict:
+def _token_id_keys(bias: dict[Any, float]) -> dict[Any, float]:
     """{token id: bias} with the ids as ints ("50" -> 50); a key that is no id stays, to be refused."""
     if not isinstance(bias, dict):
         return bias

@@ -19,6 +19,7 @@ import dataclasses
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from scheduler.batch_builder import banned_token_ids, build_step_batch
 from scheduler.draft_tree import DraftTree
@@ -42,14 +43,16 @@ class SchedulerConfig:
     # Their shape: a tree of candidates (None: a chain of num_speculative_tokens).
     draft_tree: DraftTree | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"{self.max_num_batched_tokens=} must be >= {self.max_num_seqs=}")
         if self.block_size < 1 or self.num_blocks < 2:
             raise ValueError(f"{self.block_size=} must be >= 1 and {self.num_blocks=} >= 2")
         if self.draft_tree is not None and self.draft_tree.num_nodes != self.num_speculative_tokens:
-            raise ValueError(f"a draft tree of {self.draft_tree.num_nodes} nodes verifies that many tokens, "
-                             f"not {self.num_speculative_tokens=}")
+            raise ValueError(
+                f"a draft tree of {self.draft_tree.num_nodes} nodes verifies that many tokens, "
+                f"not {self.num_speculative_tokens=}"
+            )
 
     @property
     def tree(self) -> DraftTree | None:
@@ -169,7 +172,7 @@ class Scheduler:
         """Stop a request wherever it is and free its blocks; False if it is unknown or done."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> bool:
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
         request = self.requests.get(request_id)
         if request is None:
             return False
@@ -266,7 +269,9 @@ class Scheduler:
         self._in_flight[self._step_id] = [req for req, _ in rows]
         return batch
 
-    def update(self, batch: StepBatch | None, sampled_token_ids=(), num_sampled=None) -> list[StepResult]:
+    def update(
+        self, batch: StepBatch | None, sampled_token_ids: npt.ArrayLike = (), num_sampled: npt.ArrayLike | None = None
+    ) -> list[StepResult]:
         """Write a step's results back: the sampled tokens' ids, finished requests.
 
         `sampled_token_ids` has one token per row, or with draft tokens in the step a row
@@ -294,9 +299,10 @@ class Scheduler:
             if num_drafts[row]:
                 self.spec_stats.observe(num_drafts[row], len(new) - 1)
             req.num_pending += len(new) - 1  # accepted drafts arrive like sampled tokens
-            status = None
-            for appended, token in enumerate(new, 1):
+            status, appended = None, 0
+            for token in new:
                 req.append_output(token)
+                appended += 1
                 status = self._stop_status(req, token)
                 if status is not None:
                     break
@@ -326,9 +332,12 @@ class Scheduler:
         the token budget, max_tokens, the context, and room in the block pool."""
         if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
             return []
+        assert self._tree is not None, "requests carry draft tokens only when speculating"
         # A tree keeps a BFS prefix: its nodes within the depth that max_tokens and the
         # context leave, as many as the budget has room for.
-        depth = min(req.sampling_params.max_tokens - req.num_output_tokens - 1, self.config.max_model_len - req.num_tokens)
+        depth = min(
+            req.sampling_params.max_tokens - req.num_output_tokens - 1, self.config.max_model_len - req.num_tokens
+        )
         drafts = req.spec_token_ids[: max(min(self._tree.nodes_within(depth), budget - 1), 0)]
         if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
             return []  # no room to speculate: a plain decode step, no preemption for drafts
@@ -418,8 +427,11 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            spec_decoding=dataclasses.replace(self.spec_stats, accepted_per_position=list(
-                self.spec_stats.accepted_per_position)) if self.config.num_speculative_tokens else None,
+            spec_decoding=dataclasses.replace(
+                self.spec_stats, accepted_per_position=list(self.spec_stats.accepted_per_position)
+            )
+            if self.config.num_speculative_tokens
+            else None,
         )
 
     def check_integrity(self) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from scheduler.sampling_params import SamplingParams
+
 MAX_BANNED_TOKENS = 16  # eos + stop_token_ids suppressed while min_tokens is not reached
 
 
@@ -66,14 +68,18 @@ class TokenBias:
     banned: tuple[int, ...]
 
     @classmethod
-    def for_row(cls, params, output_ids: Sequence[int]) -> TokenBias | None:
+    def for_row(cls, params: SamplingParams, output_ids: Sequence[int]) -> TokenBias | None:
         """`params`: the request's SamplingParams; `output_ids`: its output so far (with any
         draft tokens before the position sampled). None when it uses none of these."""
         if not params.uses_token_bias:
             return None
         bias = params.logit_bias or {}
-        return cls(tuple(bias), tuple(bias.values()), params.allowed_token_ids,
-                   tuple(banned_by_bad_words(params.bad_words_token_ids, output_ids)))
+        return cls(
+            tuple(bias),
+            tuple(bias.values()),
+            params.allowed_token_ids,
+            tuple(banned_by_bad_words(params.bad_words_token_ids, output_ids)),
+        )
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -87,7 +93,9 @@ def banned_by_bad_words(words: Sequence[Sequence[int]], output_ids: Sequence[int
     banned = []
     for word in words:
         prefix = len(word) - 1
-        if prefix <= len(output_ids) and (prefix == 0 or list(output_ids[len(output_ids) - prefix:]) == list(word[:-1])):
+        if prefix <= len(output_ids) and (
+            prefix == 0 or list(output_ids[len(output_ids) - prefix :]) == list(word[:-1])
+        ):
             banned.append(word[-1])
     return banned
 
@@ -110,8 +118,8 @@ def token_bias_matrix(rows: Sequence[TokenBias | None], num_rows: int, vocab_siz
 
 
 def _inside(ids: Sequence[int], vocab_size: int) -> np.ndarray:
-    ids = np.asarray(ids, np.int64)
-    return ids[ids < vocab_size]
+    array = np.asarray(ids, np.int64)
+    return array[array < vocab_size]
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import Future
+from typing import NamedTuple
 
 from jaxserve.engine import builder
 from jaxserve.engine.config import EngineConfig
@@ -50,6 +51,13 @@ from scheduler.request import SEED_BITS
 logger = logging.getLogger(__name__)
 
 
+class InFlight(NamedTuple):
+    """A dispatched step: its batch (None when nothing was scheduled) and its device handle."""
+
+    batch: StepBatch | None
+    handle: StepHandle | None
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()):
         self.loaded = loaded
@@ -63,7 +71,7 @@ class LLMEngine:
         self.grammars = parts.grammars
         self.async_scheduling = config.async_scheduling and config.speculative_config is None
         self.outputs = OutputProcessor(self.tokenizer)
-        self._in_flight: tuple[StepBatch | None, StepHandle | None] | None = None
+        self._in_flight: InFlight | None = None
         # On node 0 of several (jaxserve.parallel.multihost): the other nodes, which replay every
         # call that changes state, so all nodes dispatch the same steps.
         self.followers: Leader | None = None
@@ -247,11 +255,11 @@ class LLMEngine:
         previous = self._take_in_flight()
         self._in_flight = self._schedule_and_dispatch()
         outputs = self._collect(previous) if previous is not None else []
-        if self._in_flight[0] is None:
+        if self._in_flight.batch is None:
             outputs += self._collect(self._take_in_flight())
         return outputs
 
-    def _schedule_and_dispatch(self) -> tuple[StepBatch | None, StepHandle | None]:
+    def _schedule_and_dispatch(self) -> InFlight:
         """Propose drafts, schedule the next batch and enqueue it on the device (no wait)."""
         profiler = self.profiler
         if self.proposer is not None:
@@ -260,20 +268,20 @@ class LLMEngine:
         with profiler.phase("schedule"):
             batch = self.scheduler.schedule()
         if batch is None:
-            return None, None
+            return InFlight(None, None)
         with profiler.phase("dispatch"):
             draft_probs = self.proposer.draft_probs(batch) if self.proposer is not None else None
             handle = self.runner.dispatch(batch, draft_probs)
             if self.proposer is not None:
                 self.proposer.follow(batch, handle)
         profiler.dispatched_step(batch, handle.out.token_ids)
-        return batch, handle
+        return InFlight(batch, handle)
 
-    def _take_in_flight(self) -> tuple[StepBatch | None, StepHandle | None] | None:
+    def _take_in_flight(self) -> InFlight | None:
         in_flight, self._in_flight = self._in_flight, None
         return in_flight
 
-    def _collect(self, in_flight: tuple[StepBatch | None, StepHandle | None]) -> list[RequestOutput]:
+    def _collect(self, in_flight: InFlight) -> list[RequestOutput]:
         """Wait for a dispatched step and write its tokens back."""
         batch, handle = in_flight
         profiler = self.profiler
