@@ -24,74 +24,150 @@ from scheduler import SamplingParams
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m api", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m api", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the name(s) clients pass as `model`; responses report the first (default: from the model "
-                        "file)")
-    p.add_argument("--tokenizer", metavar="FOLDER",
-                   help="a folder with tokenizer.json to use instead of the model's (e.g. for weights without one)")
-    p.add_argument("--chat-template", help="a chat template file, or the template text itself, used instead of the "
-                                           "tokenizer's")
-    p.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render a request's own chat_template (else such a request is a 400)")
-    p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
-                   help=f"most logprobs/top_logprobs a request may ask for, at most {SamplingParams.MAX_LOGPROBS} "
-                        f"(default {SamplingParams.MAX_LOGPROBS})")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the name(s) clients pass as `model`; responses report the first (default: from the model file)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="FOLDER",
+        help="a folder with tokenizer.json to use instead of the model's (e.g. for weights without one)",
+    )
+    p.add_argument(
+        "--chat-template", help="a chat template file, or the template text itself, used instead of the tokenizer's"
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (else such a request is a 400)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=SamplingParams.MAX_LOGPROBS,
+        help=f"most logprobs/top_logprobs a request may ask for, at most {SamplingParams.MAX_LOGPROBS} "
+        f"(default {SamplingParams.MAX_LOGPROBS})",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
-    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1 (default: $JAXSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXSERVE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 (default: $JAXSERVE_API_KEY)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (default 512)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by the KV cache)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
-                   help="bytes for the KV cache, e.g. 512MiB (default 1GiB)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=1 << 30,
+        help="bytes for the KV cache, e.g. 512MiB (default 1GiB)",
+    )
     p.add_argument("--num-blocks", type=int, help="KV-cache blocks (overrides --kv-cache-memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                   help="vLLM's: the fraction of the GPU's memory (XLA's bytes_limit) the engine may use; the KV "
-                        "cache gets what the weights and the largest step leave, measured after a warm-up "
-                        "(overrides --kv-cache-memory; a GPU only)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="vLLM's: the fraction of the GPU's memory (XLA's bytes_limit) the engine may use; the KV "
+        "cache gets what the weights and the largest step leave, measured after a warm-up "
+        "(overrides --kv-cache-memory; a GPU only)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 503 when this many sequences wait beyond the free batch slots (default: no limit)")
-    p.add_argument("--max-request-sequences", type=int, default=DEFAULT_MAX_REQUEST_SEQUENCES,
-                   help="most sequences (prompts x n) one request may ask for; more is a 400 (default 256)")
-    p.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help="largest request body, e.g. 1MiB; larger is a 413 (default 32MiB)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="answer 503 when this many sequences wait beyond the free batch slots (default: no limit)",
+    )
+    p.add_argument(
+        "--max-request-sequences",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_SEQUENCES,
+        help="most sequences (prompts x n) one request may ask for; more is a 400 (default 256)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="largest request body, e.g. 1MiB; larger is a 413 (default 32MiB)",
+    )
     add_model_flags(p)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="M",
-                   help="M engine replicas behind this server, replica i on devices i*tp .. (i+1)*tp-1 (tp: "
-                        "--tensor-parallel-size); each call goes to one, by load and by the prompt's cached prefix "
-                        "(default 1)")
-    p.add_argument("--router-load-bound", type=int, default=None, metavar="N",
-                   help="with replicas: a replica that recently saw a prompt's prefix gets it while it runs and "
-                        "waits at most N sequences more than the least loaded one (default max(2, max-num-seqs/4))")
-    g = p.add_argument_group("prefill/decode disaggregation", "a prefill server hands each prompt's KV to a decode "
-                             "server (vLLM's kv_transfer_params; python -m api.disagg_proxy sends calls through both)")
-    g.add_argument("--role", choices=["prefill", "decode"], default=None,
-                   help="this server's part (default: neither; it serves both phases itself)")
-    g.add_argument("--kv-transfer-host", default="127.0.0.1",
-                   help="the interface the KV transfer server listens on (default 127.0.0.1)")
-    g.add_argument("--kv-transfer-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="a prefill server keeps an offer this long; a decode server waits this long for a pull "
-                        "before computing the prompt itself (default 60)")
-    g.add_argument("--kv-transfer-secret", default=os.environ.get("JAXSERVE_KV_TRANSFER_SECRET"),
-                   help="a key shared by the prefill and decode servers: offers are signed and only signed ones "
-                        "are pulled (default $JAXSERVE_KV_TRANSFER_SECRET; without it a decode server trusts the "
-                        "kv_transfer_params it is sent)")
-    p.add_argument("--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE "
-                                       "or ~/.cache/jaxserve)")
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        metavar="M",
+        help="M engine replicas behind this server, replica i on devices i*tp .. (i+1)*tp-1 (tp: "
+        "--tensor-parallel-size); each call goes to one, by load and by the prompt's cached prefix "
+        "(default 1)",
+    )
+    p.add_argument(
+        "--router-load-bound",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with replicas: a replica that recently saw a prompt's prefix gets it while it runs and "
+        "waits at most N sequences more than the least loaded one (default max(2, max-num-seqs/4))",
+    )
+    g = p.add_argument_group(
+        "prefill/decode disaggregation",
+        "a prefill server hands each prompt's KV to a decode "
+        "server (vLLM's kv_transfer_params; python -m api.disagg_proxy sends calls through both)",
+    )
+    g.add_argument(
+        "--role",
+        choices=["prefill", "decode"],
+        default=None,
+        help="this server's part (default: neither; it serves both phases itself)",
+    )
+    g.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="the interface the KV transfer server listens on (default 127.0.0.1)",
+    )
+    g.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a prefill server keeps an offer this long; a decode server waits this long for a pull "
+        "before computing the prompt itself (default 60)",
+    )
+    g.add_argument(
+        "--kv-transfer-secret",
+        default=os.environ.get("JAXSERVE_KV_TRANSFER_SECRET"),
+        help="a key shared by the prefill and decode servers: offers are signed and only signed ones "
+        "are pulled (default $JAXSERVE_KV_TRANSFER_SECRET; without it a decode server trusts the "
+        "kv_transfer_params it is sent)",
+    )
+    p.add_argument(
+        "--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE or ~/.cache/jaxserve)"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
-    p.add_argument("--disable-log-requests", action="store_true",
-                   help="no log line per generation request (its id, prompt size and sampling parameters)")
-    p.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's own log level (default: --log-level)")
-    p.add_argument("--root-path", default="", help="the path prefix a proxy in front of the server strips "
-                                                   "(FastAPI's root_path)")
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no log line per generation request (its id, prompt size and sampling parameters)",
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's own log level (default: --log-level)",
+    )
+    p.add_argument(
+        "--root-path", default="", help="the path prefix a proxy in front of the server strips (FastAPI's root_path)"
+    )
     p.add_argument("--allowed-origins", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
     p.add_argument("--allowed-methods", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
     p.add_argument("--allowed-headers", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
@@ -120,25 +196,37 @@ def main(argv=None) -> int:
 
     from api.disagg import DisaggRole
     from api.server import create_app
-    from jaxserve.parallel.kv_transfer import KVTransfer
-    from jaxserve.weights.default_model import DefaultModelMissing
     from jaxserve.engine import LLMEngine
+    from jaxserve.engine.tokenization import read_chat_template
+    from jaxserve.parallel.kv_transfer import KVTransfer
     from jaxserve.parallel.multihost import Follower
     from jaxserve.parallel.sharding import replica_device_ids
-    from jaxserve.engine.tokenization import read_chat_template
+    from jaxserve.weights.default_model import DefaultModelMissing
 
-    engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_model_len=args.max_model_len, block_size=args.block_size,
-                         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-                         gpu_memory_utilization=args.gpu_memory_utilization,
-                         enable_prefix_caching=not args.no_prefix_caching, **model_engine_kwargs(args))
+    engine_kwargs = dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        **model_engine_kwargs(args),
+    )
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         devices = replica_device_ids(args.tensor_parallel_size, args.data_parallel_size)
         engine_kwargs["device_ids"] = devices[0]
-        engine = LLMEngine.from_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                                      progress=sys.stderr.isatty(), quantization=args.quantization,
-                                      tokenizer=args.tokenizer, **engine_kwargs)
+        engine = LLMEngine.from_model(
+            args.model,
+            dtype=args.dtype,
+            cache_dir=args.cache_dir,
+            progress=sys.stderr.isatty(),
+            quantization=args.quantization,
+            tokenizer=args.tokenizer,
+            **engine_kwargs,
+        )
         if isinstance(node, Follower):
             print(f"jaxserve: node {args.node_rank} follows node 0 ({args.dist_init_addr})", flush=True)
             node.follow(engine)
@@ -147,18 +235,35 @@ def main(argv=None) -> int:
         engines = [engine] + [engine.replica(ids) for ids in devices[1:]]
         disagg = None
         if args.role:
-            transfer = KVTransfer(engine.mesh.devices.flat[0], host=args.kv_transfer_host,
-                                  offer_timeout=args.kv_transfer_timeout, pull_timeout=args.kv_transfer_timeout,
-                                  secret=args.kv_transfer_secret)
+            transfer = KVTransfer(
+                engine.mesh.devices.flat[0],
+                host=args.kv_transfer_host,
+                offer_timeout=args.kv_transfer_timeout,
+                pull_timeout=args.kv_transfer_timeout,
+                secret=args.kv_transfer_secret,
+            )
             disagg = DisaggRole(args.role, transfer)
-        cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
-                    allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
-        app = create_app(engines, model_name=args.served_model_name, api_key=args.api_key,
-                         max_waiting=args.max_waiting, max_request_sequences=args.max_request_sequences,
-                         max_request_body_bytes=args.max_request_body_bytes, chat_template=chat_template,
-                         trust_request_chat_template=args.trust_request_chat_template,
-                         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests, cors=cors,
-                         router_load_bound=args.router_load_bound, disagg=disagg)
+        cors = dict(
+            allow_origins=args.allowed_origins,
+            allow_methods=args.allowed_methods,
+            allow_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+        )
+        app = create_app(
+            engines,
+            model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_waiting=args.max_waiting,
+            max_request_sequences=args.max_request_sequences,
+            max_request_body_bytes=args.max_request_body_bytes,
+            chat_template=chat_template,
+            trust_request_chat_template=args.trust_request_chat_template,
+            max_logprobs=args.max_logprobs,
+            log_requests=not args.disable_log_requests,
+            cors=cors,
+            router_load_bound=args.router_load_bound,
+            disagg=disagg,
+        )
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -170,8 +275,13 @@ def main(argv=None) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"jaxserve: serving {app.state.server.model_name} on {url}", flush=True)
-    config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level, access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=5, root_path=args.root_path)
+    config = uvicorn.Config(
+        app,
+        log_level=args.uvicorn_log_level or args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=5,
+        root_path=args.root_path,
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -52,8 +52,9 @@ class Reservation:
         """The call's requests are being sent: they stay counted, as in transit, until the
         engine thread takes them."""
         if not self.held or num_sequences != self.num_sequences:
-            raise RuntimeError(f"a reservation of {self.num_sequences} sequences (held: {self.held}) "
-                               f"cannot send {num_sequences}")
+            raise RuntimeError(
+                f"a reservation of {self.num_sequences} sequences (held: {self.held}) cannot send {num_sequences}"
+            )
         self.held = False
 
     def __enter__(self) -> Reservation:

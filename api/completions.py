@@ -12,7 +12,14 @@ from api.engine_loop import SampleDelta
 from api.logprobs import completion_logprobs, echo_entries, vllm_prompt_logprobs
 from api.protocol import CompletionRequest
 from api.serving import (
-    EventStream, ServerState, Tally, collect, disconnected_response, new_id, start_generation, stream_events,
+    EventStream,
+    ServerState,
+    Tally,
+    collect,
+    disconnected_response,
+    new_id,
+    start_generation,
+    stream_events,
     unless_disconnected,
 )
 from jaxserve.engine.tokenization import encode_prompt
@@ -20,8 +27,11 @@ from jaxserve.engine.tokenization import encode_prompt
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_class=JSONResponse,
-             responses=openapi.generation(openapi.Completion, openapi.CompletionChunk))
+@router.post(
+    "/v1/completions",
+    response_class=JSONResponse,
+    responses=openapi.generation(openapi.Completion, openapi.CompletionChunk),
+)
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
@@ -30,22 +40,33 @@ async def create_completion(body: CompletionRequest, request: Request):
     structured_outputs = await state.structured_outputs(body)
     with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True
-        prompts, prompt_texts = await state.off_loop(_encode_prompts, state, requested, add_special, body.echo,
-                                                     param="prompt")
+        prompts, prompt_texts = await state.off_loop(
+            _encode_prompts, state, requested, add_special, body.echo, param="prompt"
+        )
         prompts = [state.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
         max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
         params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults, structured_outputs)
         call_id, created = new_id("cmpl"), int(time.time())
-        generation, tally = await start_generation(state, call_id, prompts, params, reservation,
-                                                   arrival_time=arrival, priority=body.priority,
-                                                   prompt_param="prompt", cache_salt=body.cache_salt,
-                                                   kv_transfer_params=body.kv_transfer_params, stream=body.stream)
+        generation, tally = await start_generation(
+            state,
+            call_id,
+            prompts,
+            params,
+            reservation,
+            arrival_time=arrival,
+            priority=body.priority,
+            prompt_param="prompt",
+            cache_salt=body.cache_salt,
+            kv_transfer_params=body.kv_transfer_params,
+            stream=body.stream,
+        )
     echo = prompt_texts if body.echo else None
     header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
 
     if body.stream:
-        events = stream_events(generation, tally, header, body.include_usage,
-                               _chunk_choice(tally, body, state, echo, prompts))
+        events = stream_events(
+            generation, tally, header, body.include_usage, _chunk_choice(tally, body, state, echo, prompts)
+        )
         return EventStream(events, on_close=generation.close)
     if await unless_disconnected(request, collect(generation, tally)) is None:
         return disconnected_response()
@@ -60,15 +81,22 @@ async def create_completion(body: CompletionRequest, request: Request):
                 token_ids = prompt + token_ids
                 entries = echo_entries(prompt, prompt_logprobs, body.logprobs) + entries
             logprobs = completion_logprobs(token_ids, entries, state.token_text, 0)
-        choices.append({"index": index, "text": (echo[index // body.n] if echo else "") + choice.text,
-                        "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                        "stop_reason": choice.stop_reason,
-                        "prompt_logprobs": vllm_prompt_logprobs(prompt, prompt_logprobs, prompt_k, state.token_text)})
+        choices.append(
+            {
+                "index": index,
+                "text": (echo[index // body.n] if echo else "") + choice.text,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+                "prompt_logprobs": vllm_prompt_logprobs(prompt, prompt_logprobs, prompt_k, state.token_text),
+            }
+        )
     return JSONResponse({**header, "choices": choices, "usage": tally.usage(), **state.kv_transfer_fields(tally)})
 
 
-def _encode_prompts(state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool,
-                    echo: bool) -> tuple[list[list[int]], list[str]]:
+def _encode_prompts(
+    state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool, echo: bool
+) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt, and its text for `echo` (runs in the tokenizer thread)."""
     ids, texts = [], []
     for prompt in prompts:
@@ -80,8 +108,9 @@ def _encode_prompts(state: ServerState, prompts: list[str | list[int]], add_spec
     return ids, texts
 
 
-def _chunk_choice(tally: Tally, body: CompletionRequest, state: ServerState, echo: list[str] | None,
-                  prompts: list[list[int]]):
+def _chunk_choice(
+    tally: Tally, body: CompletionRequest, state: ServerState, echo: list[str] | None, prompts: list[list[int]]
+):
     offsets = [0] * len(tally.choices)  # logprobs text_offset, continued across chunks
 
     def choice(index: int, sample: SampleDelta) -> dict | None:
@@ -101,7 +130,12 @@ def _chunk_choice(tally: Tally, body: CompletionRequest, state: ServerState, ech
         if not text and logprobs is None and sample.finish_reason is None:
             return None  # the detokenizer held this token's text back (a partial character)
         tally.choices[index].started = True
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": sample.finish_reason,
-                "stop_reason": sample.stop_reason}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
 
     return choice

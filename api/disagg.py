@@ -44,14 +44,20 @@ class DisaggRole:
             raise bad_request(f"{PARAM} needs a single prompt, got {num_prompts}", PARAM)
         if params.get("do_remote_decode"):
             if self.role != "prefill":
-                raise bad_request(f"{PARAM}.do_remote_decode: this server does not hand over KV (it runs as "
-                                  f"{self.role}; start a prefill server with --role prefill)", PARAM)
+                raise bad_request(
+                    f"{PARAM}.do_remote_decode: this server does not hand over KV (it runs as "
+                    f"{self.role}; start a prefill server with --role prefill)",
+                    PARAM,
+                )
             if stream:
                 raise bad_request(f"{PARAM}.do_remote_decode needs stream false: the answer carries the offer", PARAM)
             return True, None
         if self.role != "decode":
-            raise bad_request(f"{PARAM}.do_remote_prefill: this server does not pull KV (it runs as {self.role}; "
-                              "start a decode server with --role decode)", PARAM)
+            raise bad_request(
+                f"{PARAM}.do_remote_prefill: this server does not pull KV (it runs as {self.role}; "
+                "start a decode server with --role decode)",
+                PARAM,
+            )
         try:
             # NOTE: in a thread: a pull may wait up to the transfer's pull_timeout.
             return False, await asyncio.to_thread(self.transfer.pull, params)
@@ -69,8 +75,11 @@ class DisaggRole:
 def check_colocated(params: dict | None) -> None:
     """On a server without a role, a call asking to hand KV over is a 400, not served colocated."""
     if params and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
-        raise bad_request(f"{PARAM}: this server serves prefill and decode together; start it with --role "
-                          "prefill or --role decode to hand KV between servers", PARAM)
+        raise bad_request(
+            f"{PARAM}: this server serves prefill and decode together; start it with --role "
+            "prefill or --role decode to hand KV between servers",
+            PARAM,
+        )
 
 
 class _TransferCollector:
@@ -84,7 +93,6 @@ class _TransferCollector:
             ("kv_transfer_offered_bytes", "Bytes of KV offered to decode servers.", s.offered_bytes),
             ("kv_transfer_pulls", "Prompts whose KV this server pulled from a prefill server.", s.pulled),
             ("kv_transfer_pulled_bytes", "Bytes of KV pulled from prefill servers.", s.pulled_bytes),
-            ("kv_transfer_failed_pulls", "Pulls given up on (the prompt was computed here instead).",
-             s.failed_pulls),
+            ("kv_transfer_failed_pulls", "Pulls given up on (the prompt was computed here instead).", s.failed_pulls),
         ]:
             yield CounterMetricFamily(f"jaxserve:{name}", help_, value=value)

@@ -44,12 +44,29 @@ def create_proxy(prefill: list[str], decode: list[str], timeout: float | None = 
         try:
             body = json.loads(await request.body())
         except json.JSONDecodeError as e:
-            return JSONResponse({"error": {"message": f"the body is not JSON: {e}", "type": "invalid_request_error",
-                                           "param": None, "code": None}}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"the body is not JSON: {e}",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status_code=400,
+            )
         if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "the body must be a JSON object",
-                                           "type": "invalid_request_error", "param": None, "code": None}},
-                                status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "the body must be a JSON object",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status_code=400,
+            )
         prefill_url, decode_url = next(prefill_urls), next(decode_urls)
         try:
             first = await client.post(prefill_url + path, json=prefill_call(body), headers=headers)
@@ -63,8 +80,12 @@ def create_proxy(prefill: list[str], decode: list[str], timeout: float | None = 
             answer = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:
             return _unreachable("decode", decode_url, e)
-        return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
-                                 media_type=answer.headers.get("content-type"), background=BackgroundTask(answer.aclose))
+        return StreamingResponse(
+            answer.aiter_raw(),
+            status_code=answer.status_code,
+            media_type=answer.headers.get("content-type"),
+            background=BackgroundTask(answer.aclose),
+        )
 
     @app.get("/health")
     async def health():
@@ -73,6 +94,7 @@ def create_proxy(prefill: list[str], decode: list[str], timeout: float | None = 
                 return (await client.get(url + "/health", timeout=10)).status_code
             except httpx.HTTPError:
                 return None
+
         servers = {"prefill": prefill, "decode": decode}
         codes = {kind: await asyncio.gather(*(status(u) for u in urls)) for kind, urls in servers.items()}
         body = {kind: [{"url": u, "status": c} for u, c in zip(servers[kind], codes[kind])] for kind in servers}
@@ -81,8 +103,13 @@ def create_proxy(prefill: list[str], decode: list[str], timeout: float | None = 
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def other(path: str, request: Request):
-        answer = await client.request(request.method, f"{next(decode_urls)}/{path}", content=await request.body(),
-                                      headers=_headers(request), params=request.query_params)
+        answer = await client.request(
+            request.method,
+            f"{next(decode_urls)}/{path}",
+            content=await request.body(),
+            headers=_headers(request),
+            params=request.query_params,
+        )
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
     return app
@@ -96,9 +123,17 @@ def prefill_call(body: dict) -> dict:
 
 
 def _unreachable(kind: str, url: str, error: Exception) -> JSONResponse:
-    return JSONResponse({"error": {"message": f"the {kind} server {url} did not answer: {error!r}",
-                                   "type": "server_error", "param": None, "code": "upstream_unreachable"}},
-                        status_code=502)
+    return JSONResponse(
+        {
+            "error": {
+                "message": f"the {kind} server {url} did not answer: {error!r}",
+                "type": "server_error",
+                "param": None,
+                "code": "upstream_unreachable",
+            }
+        },
+        status_code=502,
+    )
 
 
 def _headers(request: Request) -> dict[str, str]:
@@ -106,8 +141,9 @@ def _headers(request: Request) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m api.disagg_proxy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m api.disagg_proxy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers, e.g. http://h:8100")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers, e.g. http://h:8200")
     p.add_argument("--host", default="127.0.0.1")

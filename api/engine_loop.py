@@ -21,7 +21,8 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, NamedTuple
 
 from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
 from api.metrics import Metrics
@@ -128,8 +129,9 @@ class EngineLoop:
         """Start the engine thread; call from inside the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._publish_stats()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="engine-loop" if self.replica is None else f"engine-loop-{self.replica}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name="engine-loop" if self.replica is None else f"engine-loop-{self.replica}"
+        )
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -183,17 +185,28 @@ class EngineLoop:
         stats, taken = self.snapshot
         return stats.num_running + stats.num_waiting + self.admitted.count - taken
 
-    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, *, arrival_time: float,
-                queue: asyncio.Queue, priority: int, cache_salt: str | None, kv_handoff: KVHandoff | None = None,
-                export_kv: bool = False) -> asyncio.Future:
+    def _submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float,
+        queue: asyncio.Queue,
+        priority: int,
+        cache_salt: str | None,
+        kv_handoff: KVHandoff | None = None,
+        export_kv: bool = False,
+    ) -> asyncio.Future:
         """Send a request to the engine thread now; the future fails with ValueError (bad
         input) or EngineDeadError, and then nothing runs."""
         future = self._loop.create_future()
         if self.error is not None:
             future.set_exception(self.dead_error())
             return future
-        self._commands.put(_Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future,
-                                kv_handoff, export_kv))
+        self._commands.put(
+            _Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future, kv_handoff, export_kv)
+        )
         return future
 
     def abort(self, request_id: str) -> None:
@@ -242,9 +255,16 @@ class EngineLoop:
             return
         self._taken += command.params.n  # queued or refused below, it is no longer in transit
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
-                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt,
-                                    kv_handoff=command.kv_handoff, export_kv=command.export_kv)
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                priority=command.priority,
+                arrival_time=command.arrival_time,
+                cache_salt=command.cache_salt,
+                kv_handoff=command.kv_handoff,
+                export_kv=command.export_kv,
+            )
         except Exception as e:  # ValueError is the client's fault; anything else is reported as ours
             self._resolve(command.future, e)
             return
@@ -303,19 +323,38 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(request_ids)
 
-    async def add(self, prompts: list[list[int]], params: SamplingParams, reservation: Reservation, *,
-                  arrival_time: float, priority: int = 0, cache_salt: str | None = None,
-                  kv_handoff: KVHandoff | None = None, export_kv: bool = False) -> None:
+    async def add(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        reservation: Reservation,
+        *,
+        arrival_time: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_handoff: KVHandoff | None = None,
+        export_kv: bool = False,
+    ) -> None:
         """Queue one engine request per prompt, in the room `reservation` holds for them;
         raises the first error (the rest are aborted on exit). `kv_handoff`, `export_kv`:
         LLMEngine.add_request's, for a single prompt."""
         reservation.spend(len(prompts) * params.n)
         # NOTE: every command is sent before the first await, so a call cancelled while it
         # waits has sent all its requests, and `close` aborts every one of them.
-        futures = [self.engine_loop._submit(rid, prompt, params, arrival_time=arrival_time, queue=self.queue,
-                                            priority=priority, cache_salt=cache_salt, kv_handoff=kv_handoff,
-                                            export_kv=export_kv)
-                   for rid, prompt in zip(self.request_ids, prompts)]
+        futures = [
+            self.engine_loop._submit(
+                rid,
+                prompt,
+                params,
+                arrival_time=arrival_time,
+                queue=self.queue,
+                priority=priority,
+                cache_salt=cache_salt,
+                kv_handoff=kv_handoff,
+                export_kv=export_kv,
+            )
+            for rid, prompt in zip(self.request_ids, prompts)
+        ]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -353,18 +392,25 @@ def _delta(output: RequestOutput, stream: _Stream) -> StepDelta:
         if newly_finished:
             stream.finished_samples.add(c.index)
         n = len(c.token_ids)
-        logprobs = None if c.logprobs is None else list(c.logprobs[n - len(c.new_token_ids): n])
-        samples.append(SampleDelta(
-            index=c.index, new_text=c.new_text, new_token_ids=list(c.new_token_ids), new_logprobs=logprobs,
-            finish_reason=c.finish_reason if newly_finished else None,
-            stop_reason=c.stop_reason if newly_finished else None, text=c.text if newly_finished else None,
-        ))
+        logprobs = None if c.logprobs is None else list(c.logprobs[n - len(c.new_token_ids) : n])
+        samples.append(
+            SampleDelta(
+                index=c.index,
+                new_text=c.new_text,
+                new_token_ids=list(c.new_token_ids),
+                new_logprobs=logprobs,
+                finish_reason=c.finish_reason if newly_finished else None,
+                stop_reason=c.stop_reason if newly_finished else None,
+                text=c.text if newly_finished else None,
+            )
+        )
     prompt_logprobs = None
     if output.prompt_logprobs is not None and not stream.sent_prompt_logprobs:
         stream.sent_prompt_logprobs = True  # complete once a token is out; never appended to again
         prompt_logprobs = list(output.prompt_logprobs)
-    return StepDelta(output.request_id, samples, output.finished, output.num_cached_tokens, prompt_logprobs,
-                     output.kv_handoff)
+    return StepDelta(
+        output.request_id, samples, output.finished, output.num_cached_tokens, prompt_logprobs, output.kv_handoff
+    )
 
 
 def _put_all(batch) -> None:

@@ -25,8 +25,16 @@ SERVER_ERROR = "server_error"
 class APIError(Exception):
     """An error to answer with `status` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -48,12 +56,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def model_not_found(model: str) -> APIError:
     # OpenAI's exact wording and code for an unknown model.
-    return APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
-                    code="model_not_found", param="model")
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
 
 
-def from_value_error(error: ValueError, param_names: dict[str, str] | None = None,
-                     default_param: str | None = None) -> APIError:
+def from_value_error(
+    error: ValueError, param_names: dict[str, str] | None = None, default_param: str | None = None
+) -> APIError:
     """A 400 for the engine's ValueError. Its messages start with the field name
     ("temperature must be >= 0, ..."), which becomes `param` (renamed to the API's name)."""
     message = str(error)
@@ -86,21 +99,28 @@ def _param(error: dict) -> str | None:
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     error = errors[0]
     if error.get("type") == "json_invalid":
-        return ("We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
-                "HTTP library correctly. The OpenAI API expects a JSON payload.)"), None
+        return (
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+            "HTTP library correctly. The OpenAI API expects a JSON payload.)"
+        ), None
     param = _param(error)
     # A union reports one error per member; a member whose type matched (a list of token ids
     # with a negative one) says what is wrong with the value better than "not a string".
     error = next((e for e in errors if _param(e) == param and not e.get("type", "").endswith("_type")), error)
     if error.get("type") == "missing" and param is None:  # the whole body is absent, not one field
-        return ("The request has no body: send a JSON object (Content-Type: application/json) with the "
-                "request's parameters."), None
+        return (
+            "The request has no body: send a JSON object (Content-Type: application/json) with the "
+            "request's parameters."
+        ), None
     if error.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     value = error.get("input")
     shown = json.dumps(value)[:100] if _jsonable(value) else repr(value)[:100]
-    message = f"Invalid value for '{param}': {error.get('msg', 'invalid value')} (got {shown})." if param else \
-        f"Invalid request body: {error.get('msg', 'invalid value')}."
+    message = (
+        f"Invalid value for '{param}': {error.get('msg', 'invalid value')} (got {shown})."
+        if param
+        else f"Invalid request body: {error.get('msg', 'invalid value')}."
+    )
     others = sum(1 for e in errors[1:] if _param(e) != param)  # a union's other members are one error
     if others:
         message += f" ({others} more error(s) in the request)"
@@ -142,5 +162,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", SERVER_ERROR,
-                                       code="internal_error"), status_code=500)
+        return JSONResponse(
+            error_body(f"internal server error: {type(exc).__name__}", SERVER_ERROR, code="internal_error"),
+            status_code=500,
+        )

@@ -41,4 +41,4 @@ class IgnoredFieldsHeader:
 def _header_value(names: list[str]) -> bytes:
     # Names are any JSON object keys; a header value takes printable ASCII only.
     text = "".join(c if " " <= c <= "~" else "?" for c in ", ".join(names))
-    return (text if len(text) <= _MAX_HEADER_CHARS else text[:_MAX_HEADER_CHARS - 3] + "...").encode()
+    return (text if len(text) <= _MAX_HEADER_CHARS else text[: _MAX_HEADER_CHARS - 3] + "...").encode()

@@ -61,5 +61,9 @@ class BodySizeLimit:
 
     def _too_large(self, declared: int | None) -> APIError:
         got = f"more than {self.max_bytes}" if declared is None else str(declared)
-        return APIError(413, f"The request body is too large: {got} bytes; this server accepts at most "
-                             f"{self.max_bytes} bytes (--max-request-body-bytes).", code="request_too_large")
+        return APIError(
+            413,
+            f"The request body is too large: {got} bytes; this server accepts at most "
+            f"{self.max_bytes} bytes (--max-request-body-bytes).",
+            code="request_too_large",
+        )

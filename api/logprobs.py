@@ -21,8 +21,9 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (used by byte-level BPE)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -97,8 +98,9 @@ def finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], tokens: TokenText,
-                        text_offset: int) -> dict:
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, float] | None], tokens: TokenText, text_offset: int
+) -> dict:
     """The legacy completions shape: parallel lists, `top_logprobs` keyed by token text.
 
     `text_offset` is where the first token starts in the choice's text (later stream
@@ -116,33 +118,50 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | N
     return out
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], tokens: TokenText,
-                  top_logprobs: int) -> list[dict]:
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], tokens: TokenText, top_logprobs: int
+) -> list[dict]:
     """The chat shape: `logprobs.content`, one object per token with its `top_logprobs` alternatives."""
+
     def item(token_id, logprob):
         return {"token": tokens.text(token_id), "logprob": logprob, "bytes": tokens.bytes(token_id)}
 
-    return [{**item(token_id, finite(entry[token_id])),
-             "top_logprobs": [item(t, lp) for t, lp in ranked(entry)[:top_logprobs]]}
-            for token_id, entry in zip(token_ids, entries)]
+    return [
+        {
+            **item(token_id, finite(entry[token_id])),
+            "top_logprobs": [item(t, lp) for t, lp in ranked(entry)[:top_logprobs]],
+        }
+        for token_id, entry in zip(token_ids, entries)
+    ]
 
 
 def echo_entries(prompt_token_ids: list[int], prompt_logprobs: list, k: int) -> list[dict[int, float] | None]:
     """An engine's prompt logprobs as completion logprobs entries: each prompt token and its
     top `k` alternatives (the engine may have computed more, for `prompt_logprobs`)."""
-    return [None if entry is None else
-            {t: lp.logprob for t, lp in entry.items() if lp.rank <= k or t == token}
-            for token, entry in zip(prompt_token_ids, prompt_logprobs)]
+    return [
+        None if entry is None else {t: lp.logprob for t, lp in entry.items() if lp.rank <= k or t == token}
+        for token, entry in zip(prompt_token_ids, prompt_logprobs)
+    ]
 
 
-def vllm_prompt_logprobs(prompt_token_ids: list[int], prompt_logprobs: list | None, k: int,
-                         tokens: TokenText) -> list[dict | None] | None:
+def vllm_prompt_logprobs(
+    prompt_token_ids: list[int], prompt_logprobs: list | None, k: int, tokens: TokenText
+) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token_id:
     {logprob, rank, decoded_token}} for the token and its top `k` alternatives."""
     if prompt_logprobs is None:
         return None
-    return [None if entry is None else
-            {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
-                      "decoded_token": lp.decoded_token if lp.decoded_token is not None else tokens.text(t)}
-             for t, lp in entry.items() if lp.rank <= k or t == token}
-            for token, entry in zip(prompt_token_ids, prompt_logprobs)]
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {
+                "logprob": finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token if lp.decoded_token is not None else tokens.text(t),
+            }
+            for t, lp in entry.items()
+            if lp.rank <= k or t == token
+        }
+        for token, entry in zip(prompt_token_ids, prompt_logprobs)
+    ]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -34,12 +34,74 @@ from jaxserve.engine.outputs import RequestOutput
 from scheduler import SchedulerStats
 
 # vLLM's buckets, so dashboards built for it read the same.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)  # vLLM's request latency buckets: e2e and its phases
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)  # vLLM's request latency buckets: e2e and its phases
 # vLLM's 1-2-5 series up to the context length; up to a million tokens here (the bound is not known here).
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -64,8 +126,14 @@ class Metrics:
     (`render_replicas`) adds `jaxserve:engine_up`.
     """
 
-    def __init__(self, model_name: str, cache_config: dict[str, str] | None = None, *, engine: str | None = None,
-                 families: _Families | None = None):
+    def __init__(
+        self,
+        model_name: str,
+        cache_config: dict[str, str] | None = None,
+        *,
+        engine: str | None = None,
+        families: _Families | None = None,
+    ):
         self.model_name = model_name
         self.engine = engine
         # NOTE: the label values' order is the families' label names' order (model_name, engine).
@@ -92,8 +160,10 @@ class Metrics:
     @property
     def finished(self) -> dict[str, int]:
         """Finished requests by finish reason."""
-        return {reason: int(self._sample("jaxserve:request_success_total", finished_reason=reason))
-                for reason in list(self.success)}
+        return {
+            reason: int(self._sample("jaxserve:request_success_total", finished_reason=reason))
+            for reason in list(self.success)
+        }
 
     @property
     def rejected(self) -> int:
@@ -165,12 +235,14 @@ class Metrics:
         return self._families.render({self.labels: stats})
 
     @staticmethod
-    def render_replicas(replicas: Sequence[Metrics], stats: Sequence[SchedulerStats | None],
-                        alive: Sequence[bool]) -> str:
+    def render_replicas(
+        replicas: Sequence[Metrics], stats: Sequence[SchedulerStats | None], alive: Sequence[bool]
+    ) -> str:
         """The page of replicas made by `for_replicas`: each one's metrics and stats under its
         `engine` label, and `jaxserve:engine_up` (1 alive, 0 failed)."""
-        return replicas[0]._families.render({m.labels: s for m, s in zip(replicas, stats)},
-                                            up={m.labels: a for m, a in zip(replicas, alive)})
+        return replicas[0]._families.render(
+            {m.labels: s for m, s in zip(replicas, stats)}, up={m.labels: a for m, a in zip(replicas, alive)}
+        )
 
 
 # Histogram attributes of Metrics: (name, help, buckets).
@@ -178,15 +250,15 @@ _HISTOGRAMS = {
     "ttft": ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
     "itl": ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
     "e2e": ("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", E2E_BUCKETS),
-    "queue_time": ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                   E2E_BUCKETS),
-    "prefill_time": ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                     E2E_BUCKETS),
-    "decode_time": ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                    E2E_BUCKETS),
+    "queue_time": ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS),
+    "prefill_time": (
+        "request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        E2E_BUCKETS,
+    ),
+    "decode_time": ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", E2E_BUCKETS),
     "request_prompt_tokens": ("request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS),
-    "request_generation_tokens": ("request_generation_tokens", "Number of generation tokens processed.",
-                                  TOKEN_BUCKETS),
+    "request_generation_tokens": ("request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS),
 }
 
 
@@ -209,11 +281,15 @@ class _Families:
         self.success = counter("request_success", "Count of finished requests, by finish reason.", "finished_reason")
         self.rejected = counter("num_requests_rejected", "Requests answered 503 because the waiting queue was full.")
         for attr, (name, help_, buckets) in _HISTOGRAMS.items():
-            setattr(self, attr, Histogram(f"jaxserve:{name}", help_, self.label_names, buckets=buckets,
-                                          registry=self.registry))
+            setattr(
+                self,
+                attr,
+                Histogram(f"jaxserve:{name}", help_, self.label_names, buckets=buckets, registry=self.registry),
+            )
 
-    def render(self, stats: dict[tuple[str, ...], SchedulerStats | None],
-               up: dict[tuple[str, ...], bool] | None = None) -> str:
+    def render(
+        self, stats: dict[tuple[str, ...], SchedulerStats | None], up: dict[tuple[str, ...], bool] | None = None
+    ) -> str:
         with self.lock:
             self.snapshot.stats, self.snapshot.up = stats, up
             return generate_latest(self.registry).decode()
@@ -231,14 +307,21 @@ class _SnapshotCollector:
 
     def collect(self):
         if self.cache_config:
-            info = GaugeMetricFamily("jaxserve:cache_config_info", "Information of the KV cache's configuration.",
-                                     labels=[*self.label_names, *self.cache_config])
+            info = GaugeMetricFamily(
+                "jaxserve:cache_config_info",
+                "Information of the KV cache's configuration.",
+                labels=[*self.label_names, *self.cache_config],
+            )
             for labels in self.stats:
                 info.add_metric([*labels, *map(str, self.cache_config.values())], 1)
             yield info
         if self.up is not None:
-            yield self._family(GaugeMetricFamily, "engine_up", "1 while the engine replica runs, 0 after it failed.",
-                               {labels: float(alive) for labels, alive in self.up.items()})
+            yield self._family(
+                GaugeMetricFamily,
+                "engine_up",
+                "1 while the engine replica runs, 0 after it failed.",
+                {labels: float(alive) for labels, alive in self.up.items()},
+            )
         stats = {labels: s for labels, s in self.stats.items() if s is not None}
         if not stats:
             return
@@ -253,38 +336,61 @@ class _SnapshotCollector:
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_cache_usage)
         yield gauge("kv_cache_free_blocks", "KV-cache blocks held by no request.", lambda s: s.num_free_blocks)
-        yield gauge("kv_cache_total_blocks", "Usable KV-cache blocks (the null block excluded).",
-                    lambda s: s.num_total_blocks)
-        yield gauge("prefix_cache_hit_rate", "Fraction of prompt tokens found in the prefix cache.",
-                    lambda s: s.prefix_cache_hit_rate)
+        yield gauge(
+            "kv_cache_total_blocks", "Usable KV-cache blocks (the null block excluded).", lambda s: s.num_total_blocks
+        )
+        yield gauge(
+            "prefix_cache_hit_rate",
+            "Fraction of prompt tokens found in the prefix cache.",
+            lambda s: s.prefix_cache_hit_rate,
+        )
         yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits)
-        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
-                      lambda s: s.num_preemptions)
+        yield counter(
+            "num_preemptions", "Cumulative number of preemptions from the engine.", lambda s: s.num_preemptions
+        )
         spec = {k: s.spec_decoding for k, s in stats.items() if s.spec_decoding is not None}
         if spec:  # vLLM's spec_decode metrics
 
             def spec_family(kind, name, help_, value):
                 return self._family(kind, name, help_, {k: value(d) for k, d in spec.items()})
 
-            yield spec_family(CounterMetricFamily, "spec_decode_num_drafts", "Number of spec decoding drafts.",
-                              lambda d: d.num_drafts)
-            yield spec_family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Number of draft tokens.",
-                              lambda d: d.num_draft_tokens)
-            yield spec_family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                              lambda d: d.num_accepted_tokens)
-            per_position = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
-                                               "Accepted tokens per draft position.",
-                                               labels=[*self.label_names, "position"])
+            yield spec_family(
+                CounterMetricFamily, "spec_decode_num_drafts", "Number of spec decoding drafts.", lambda d: d.num_drafts
+            )
+            yield spec_family(
+                CounterMetricFamily,
+                "spec_decode_num_draft_tokens",
+                "Number of draft tokens.",
+                lambda d: d.num_draft_tokens,
+            )
+            yield spec_family(
+                CounterMetricFamily,
+                "spec_decode_num_accepted_tokens",
+                "Number of accepted tokens.",
+                lambda d: d.num_accepted_tokens,
+            )
+            per_position = CounterMetricFamily(
+                "jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=[*self.label_names, "position"],
+            )
             for labels, d in spec.items():
                 for i, n in enumerate(d.accepted_per_position):
                     per_position.add_metric([*labels, str(i)], n)
             yield per_position
-            yield spec_family(GaugeMetricFamily, "spec_decode_acceptance_rate",
-                              "Accepted over drafted tokens since start-up.", lambda d: d.acceptance_rate)
-            yield spec_family(GaugeMetricFamily, "spec_decode_mean_acceptance_length",
-                              "Tokens per verification step since start-up: accepted drafts plus one.",
-                              lambda d: d.mean_acceptance_length)
+            yield spec_family(
+                GaugeMetricFamily,
+                "spec_decode_acceptance_rate",
+                "Accepted over drafted tokens since start-up.",
+                lambda d: d.acceptance_rate,
+            )
+            yield spec_family(
+                GaugeMetricFamily,
+                "spec_decode_mean_acceptance_length",
+                "Tokens per verification step since start-up: accepted drafts plus one.",
+                lambda d: d.mean_acceptance_length,
+            )
 
     def _family(self, kind, name: str, help_: str, values: dict[tuple[str, ...], float]):
         family = kind(f"jaxserve:{name}", help_, labels=self.label_names)

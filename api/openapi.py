@@ -37,6 +37,7 @@ class PrometheusResponse(PlainTextResponse):
 
 # -- bodies -----------------------------------------------------------------------------
 
+
 class ErrorDetail(BaseModel):
     message: str
     type: str  # invalid_request_error (4xx) or server_error (5xx)
@@ -185,21 +186,28 @@ class ModelList(BaseModel):
 
 _ERRORS = {
     400: "Invalid parameters, or a request this model cannot serve (code `context_length_exceeded`: the "
-         "prompt and max_tokens do not fit in the context).",
+    "prompt and max_tokens do not fit in the context).",
     401: "No API key, or a wrong one (code `invalid_api_key`).",
     404: "Unknown model (code `model_not_found`).",
     413: "The request body is over --max-request-body-bytes (code `request_too_large`).",
     503: "The queue is full (code `server_overloaded`, with Retry-After) or the engine has stopped "
-         "(code `engine_dead`).",
+    "(code `engine_dead`).",
 }
-_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying (when overloaded)", "required": False,
-                                "schema": {"type": "string"}}}
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "seconds to wait before retrying (when overloaded)",
+        "required": False,
+        "schema": {"type": "string"},
+    }
+}
 
 
 def errors(*statuses: int) -> dict[int, dict]:
     """OpenAI error responses for the route decorator's `responses`."""
-    return {s: {"model": ErrorResponse, "description": _ERRORS[s], **({"headers": _RETRY_AFTER} if s == 503 else {})}
-            for s in statuses}
+    return {
+        s: {"model": ErrorResponse, "description": _ERRORS[s], **({"headers": _RETRY_AFTER} if s == 503 else {})}
+        for s in statuses
+    }
 
 
 def generation(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int, dict]:
@@ -207,14 +215,26 @@ def generation(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int, dict
     server-sent events: `chunk`s, an ErrorResponse if the stream fails, then `[DONE]`."""
     # NOTE: `itemSchema` describes each event (OpenAPI 3.2's keyword, which FastAPI also
     # writes into 3.1 documents); the chunk schemas are added to the components below.
-    data = {"anyOf": [{"const": "[DONE]"}, {
-        "type": "string", "contentMediaType": "application/json",
-        "contentSchema": {"anyOf": [{"$ref": _ref(chunk)}, {"$ref": _ref(ErrorResponse)}]}}]}
+    data = {
+        "anyOf": [
+            {"const": "[DONE]"},
+            {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [{"$ref": _ref(chunk)}, {"$ref": _ref(ErrorResponse)}]},
+            },
+        ]
+    }
     event = {"type": "object", "required": ["data"], "properties": {"data": data}}
-    return {200: {"model": model, "description": f"A {model.__name__}, or with `stream: true` server-sent events: "
-                                                 f"{chunk.__name__}s, then `data: [DONE]`.",
-                  "content": {"text/event-stream": {"itemSchema": event}}},
-            **errors(400, 404, 413, 503)}
+    return {
+        200: {
+            "model": model,
+            "description": f"A {model.__name__}, or with `stream: true` server-sent events: "
+            f"{chunk.__name__}s, then `data: [DONE]`.",
+            "content": {"text/event-stream": {"itemSchema": event}},
+        },
+        **errors(400, 404, 413, 503),
+    }
 
 
 STREAM_CHUNKS = (CompletionChunk, ChatCompletionChunk)
@@ -227,18 +247,20 @@ def _ref(model: type[BaseModel]) -> str:
 
 # -- the document -----------------------------------------------------------------------
 
-def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, api_key: bool,
-                    trust_request_chat_template: bool = False) -> None:
+
+def install_openapi(
+    app: FastAPI, *, vocab_size: int, max_model_len: int, api_key: bool, trust_request_chat_template: bool = False
+) -> None:
     """Serve the document above at /openapi.json (built once, on the first request)."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             _drop_validation_errors(schema)
             _add_stream_chunks(schema)
-            _bound_per_model(schema, {TOKEN_ID: vocab_size - 1, OUTPUT_TOKENS: max_model_len - 1,
-                                      CONTEXT_TOKENS: max_model_len})
+            _bound_per_model(
+                schema, {TOKEN_ID: vocab_size - 1, OUTPUT_TOKENS: max_model_len - 1, CONTEXT_TOKENS: max_model_len}
+            )
             if api_key:
                 _require_bearer_on_v1(schema)
             if not trust_request_chat_template:
@@ -317,4 +339,5 @@ def _require_bearer_on_v1(schema: dict) -> None:
             operation["security"] = [{"bearer": []}]
             operation["responses"]["401"] = {
                 "description": _ERRORS[401],
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+            }

@@ -44,8 +44,9 @@ StopString = Annotated[str, Field(min_length=1)]
 # bounds them by the vocabulary (`TOKEN_ID_KEYS`).
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
 Bias = Annotated[float, Field(ge=-SamplingParams.MAX_LOGIT_BIAS, le=SamplingParams.MAX_LOGIT_BIAS)]
-LogitBias = Annotated[dict[TokenIdKey, Bias], Field(json_schema_extra={"additionalProperties": False,
-                                                                       TOKEN_ID_KEYS: True})]
+LogitBias = Annotated[
+    dict[TokenIdKey, Bias], Field(json_schema_extra={"additionalProperties": False, TOKEN_ID_KEYS: True})
+]
 BadWord = Annotated[str, Field(pattern=r"\S")]  # not blank
 
 
@@ -60,7 +61,10 @@ def refused_unless(**schema) -> dict:
 # silently would return different text than vLLM does.
 UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     **dict.fromkeys(("structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")),
-    "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None, "documents": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "logits_processors": None,
+    "documents": None,
     "return_tokens_as_token_ids": False,
     # Declared by completions only, so an extra field of chat (the last message before the reply).
     "echo": False,
@@ -91,6 +95,7 @@ class StreamOptions(_Body):
 
 # -- structured output: the fields that constrain the text (vLLM's shapes) ----------------
 
+
 class Constraint(NamedTuple):
     """One request field's constraint on the output."""
 
@@ -101,14 +106,22 @@ class Constraint(NamedTuple):
 
 
 # How a 400 names what could not be compiled, per StructuredOutputsParams kind.
-_KIND_NOUNS = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
-               "choice": "choices", "grammar": "grammar"}
+_KIND_NOUNS = {
+    "json": "JSON schema",
+    "json_object": "JSON schema",
+    "regex": "regular expression",
+    "choice": "choices",
+    "grammar": "grammar",
+}
 
 
 def invalid_constraint(constraint: Constraint, kind: str, detail: str) -> APIError:
     """The 400 for a constraint the grammar engine refused, saying what is wrong (`detail`)."""
-    return bad_request(f"Cannot use the {_KIND_NOUNS[kind]} of {constraint.what} (invalid, or a feature this "
-                       f"server does not support): {detail.strip()}", constraint.param)
+    return bad_request(
+        f"Cannot use the {_KIND_NOUNS[kind]} of {constraint.what} (invalid, or a feature this "
+        f"server does not support): {detail.strip()}",
+        constraint.param,
+    )
 
 
 class JsonSchemaFormat(_Body):
@@ -134,8 +147,7 @@ class ResponseFormat(_Body):
             raise bad_request("response_format of type json_schema needs a json_schema", "response_format")
         schema = self.json_schema.schema_
         fields = {"json": schema} if schema is not None else {"json_object": True}
-        return Constraint("response_format", fields, "response_format",
-                          f"response_format {self.json_schema.name!r}")
+        return Constraint("response_format", fields, "response_format", f"response_format {self.json_schema.name!r}")
 
 
 NonEmptyString = Annotated[str, Field(min_length=1)]
@@ -162,21 +174,27 @@ class StructuredOutputs(_Body):
     def constraint(self) -> Constraint:
         for name in ("disable_additional_properties", "whitespace_pattern", "structural_tag"):
             if getattr(self, name):
-                raise bad_request(f"structured_outputs.{name} is not supported by this server",
-                                  "structured_outputs")
-        fields = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                  "json_object": self.json_object or None}
+                raise bad_request(f"structured_outputs.{name} is not supported by this server", "structured_outputs")
+        fields = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+        }
         fields = {k: v for k, v in fields.items() if v is not None}
         if len(fields) != 1:
-            raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
-                              f"(got {', '.join(fields) or 'none'})", "structured_outputs")
+            raise bad_request(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
+                f"(got {', '.join(fields) or 'none'})",
+                "structured_outputs",
+            )
         (kind,) = fields
         return Constraint("structured_outputs", fields, "structured_outputs", f"structured_outputs.{kind}")
 
 
 # The legacy guided_* fields and the constraint each one sets.
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def structured_spec(constraints: list[Constraint]) -> tuple[StructuredOutputsParams, Constraint] | None:
@@ -235,8 +253,9 @@ class _SamplingBody(_Body):
     # vLLM's: each prompt token's logprob and this many top alternatives (-1, the whole vocabulary: a 400).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     # Keep only the last k prompt tokens (-1: the model's context length), as vLLM.
-    truncate_prompt_tokens: Annotated[int, Field(ge=1, json_schema_extra={CONTEXT_TOKENS: True}), INTEGRAL] \
-        | Literal[-1] | None = None
+    truncate_prompt_tokens: (
+        Annotated[int, Field(ge=1, json_schema_extra={CONTEXT_TOKENS: True}), INTEGRAL] | Literal[-1] | None
+    ) = None
     # Structured output: at most one of these (a schema, a regex, a choice, a grammar).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -256,10 +275,15 @@ class _SamplingBody(_Body):
 
     def constraints(self) -> list[Constraint]:
         """Each field's constraint on the output (a 400 for more than one comes later)."""
-        found = [self.response_format.constraint() if self.response_format else None,
-                 self.structured_outputs.constraint() if self.structured_outputs else None]
-        found += [Constraint(name, {kind: getattr(self, name)}, name, name) for name, kind in GUIDED_FIELDS.items()
-                  if getattr(self, name) is not None]
+        found = [
+            self.response_format.constraint() if self.response_format else None,
+            self.structured_outputs.constraint() if self.structured_outputs else None,
+        ]
+        found += [
+            Constraint(name, {kind: getattr(self, name)}, name, name)
+            for name, kind in GUIDED_FIELDS.items()
+            if getattr(self, name) is not None
+        ]
         return [c for c in found if c is not None]
 
     def structured_outputs_spec(self) -> tuple[StructuredOutputsParams, Constraint] | None:
@@ -274,25 +298,44 @@ class _SamplingBody(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, param_names: dict[str, str],
-                        defaults: dict[str, Any],
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        param_names: dict[str, str],
+        defaults: dict[str, Any],
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """The engine's parameters; fields the request leaves unset take `defaults` (the model's
         generation config). A value out of range is a 400 naming the API parameter."""
         fields: dict[str, Any] = dict(
-            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, logprobs=logprobs,
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            seed=self.seed,
+            logprobs=logprobs,
             prompt_logprobs=self.engine_prompt_logprobs,
-            stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
+            stop=self.stop or (),
+            stop_token_ids=self.stop_token_ids or (),
+            ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or (),
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or (),
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
         if structured_outputs is not None:
             fields["structured_outputs"] = structured_outputs
-        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                        repetition_penalty=self.repetition_penalty)
+        optional = dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
         fields.update({k: v for k, v in defaults.items() if k in optional})
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
@@ -304,9 +347,12 @@ class _SamplingBody(_Body):
 class CompletionRequest(_SamplingBody):
     """POST /v1/completions."""
 
-
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: OutputTokens | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     echo: bool = False
@@ -343,9 +389,16 @@ class ChatMessage(_Body):
     """One message; extra fields (tool_calls, tool_call_id, ...) go to the chat template as they are."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = Field(None, **refused_unless(items={
-        "type": "object", "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}))
+    content: str | list[dict[str, Any]] | None = Field(
+        None,
+        **refused_unless(
+            items={
+                "type": "object",
+                "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+            }
+        ),
+    )
     name: str | None = None
 
     def for_template(self, index: int) -> dict:
@@ -356,8 +409,10 @@ class ChatMessage(_Body):
             texts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"only text content parts are supported, got type {part.get('type')!r}",
-                                      f"messages[{index}].content")
+                    raise bad_request(
+                        f"only text content parts are supported, got type {part.get('type')!r}",
+                        f"messages[{index}].content",
+                    )
                 texts.append(part["text"])
             message["content"] = "\n".join(texts)
         return message
@@ -365,11 +420,28 @@ class ChatMessage(_Body):
 
 # apply_chat_template's parameters and the request's own fields: chat_template_kwargs holds
 # template variables only (a chat_template there would also bypass --trust-request-chat-template).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs", "template_vars",
-})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "kwargs",
+        "template_vars",
+    }
+)
 
 
 class ChatTemplateFields(_Body):
@@ -377,16 +449,22 @@ class ChatTemplateFields(_Body):
     None: true unless continue_final_message."""
 
     # The schema states that the two are not both true.
-    model_config = ConfigDict(json_schema_extra={"not": {
-        "required": ["add_generation_prompt", "continue_final_message"],
-        "properties": {"add_generation_prompt": {"const": True}, "continue_final_message": {"const": True}}}})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "required": ["add_generation_prompt", "continue_final_message"],
+                "properties": {"add_generation_prompt": {"const": True}, "continue_final_message": {"const": True}},
+            }
+        }
+    )
 
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False  # render the last (assistant) message open, to be continued
     # Only with --trust-request-chat-template (else the schema allows null alone).
     chat_template: str | None = Field(None, json_schema_extra={REQUEST_CHAT_TEMPLATE: True})
-    chat_template_kwargs: dict[str, Any] | None = Field(None, json_schema_extra={
-        "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})  # extra variables for the template
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}}
+    )  # extra variables for the template
 
     def template_messages(self) -> list[dict]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
@@ -394,8 +472,10 @@ class ChatTemplateFields(_Body):
     def check_template_fields(self) -> None:
         kwargs = self.template_kwargs()
         if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
-            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                              "continue_final_message")
+            raise bad_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
         for name in self.chat_template_kwargs or ():
             if name in RESERVED_TEMPLATE_KWARGS:  # transformers' own arguments, not template variables
                 raise bad_request(f"chat_template_kwargs may not set {name!r}", "chat_template_kwargs")
@@ -403,8 +483,11 @@ class ChatTemplateFields(_Body):
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `encode_chat`: the request's switches and template variables."""
         add = self.add_generation_prompt if self.add_generation_prompt is not None else not self.continue_final_message
-        kwargs = {"add_generation_prompt": add, "continue_final_message": self.continue_final_message,
-                  "template_vars": self.chat_template_kwargs or {}}
+        kwargs = {
+            "add_generation_prompt": add,
+            "continue_final_message": self.continue_final_message,
+            "template_vars": self.chat_template_kwargs or {},
+        }
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         return kwargs
@@ -437,7 +520,6 @@ class NamedToolChoice(_Body):
 class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
-
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's older name; max_completion_tokens wins when both are set, so this one states
     # no context bound (a request may carry a max_tokens that is never used).
@@ -449,7 +531,8 @@ class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     # "none" (the default without tools) or a named function; "auto" (the default with tools)
     # and "required" need a tool-call parser, which this server lacks: a 400.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, **refused_unless(**{"not": {"const": "required"}}))
+        None, **refused_unless(**{"not": {"const": "required"}})
+    )
     functions: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
 
     def check(self) -> None:
@@ -458,9 +541,11 @@ class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
         if self.functions:
             raise bad_request("functions is not supported by this server (use tools)", "functions")
         if self.tool_choice == "required" or (self.tools and self.tool_choice in (None, "auto")):
-            raise bad_request(f"tool_choice {self.tool_choice or 'auto'!r} is not supported by this server (it "
-                              f"needs a tool-call parser); give tool_choice \"none\" or a named function",
-                              "tool_choice")
+            raise bad_request(
+                f"tool_choice {self.tool_choice or 'auto'!r} is not supported by this server (it "
+                f'needs a tool-call parser); give tool_choice "none" or a named function',
+                "tool_choice",
+            )
         self.called_tool_index()  # a 400 unless the named function is among the tools
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -484,9 +569,15 @@ class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
         if index is None:
             return super().constraints()
         function = self.tools[index].function
-        return [*super().constraints(), Constraint("tool_choice", {"json": function.arguments_schema()},
-                                                   f"tools[{index}].function.parameters",
-                                                   f"function {function.name!r}")]
+        return [
+            *super().constraints(),
+            Constraint(
+                "tool_choice",
+                {"json": function.arguments_schema()},
+                f"tools[{index}].function.parameters",
+                f"function {function.name!r}",
+            ),
+        ]
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = super().template_kwargs()

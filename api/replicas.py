@@ -26,7 +26,7 @@ does that); later calls go to the others. `/health` stays 200 while one replica 
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
 from api.engine_loop import EngineLoop, Generation, StepDelta
@@ -51,8 +51,9 @@ class ReplicaSet:
     when the backlog of all alive replicas together reaches `max_waiting` times their number.
     """
 
-    def __init__(self, engines: Sequence, model_name: str, *, load_bound: int | None = None,
-                 max_waiting: int | None = None):
+    def __init__(
+        self, engines: Sequence, model_name: str, *, load_bound: int | None = None, max_waiting: int | None = None
+    ):
         first = engines[0]
         if any(e.loaded is not first.loaded for e in engines):
             raise ValueError("data-parallel replicas must be built from one LoadedModel")
@@ -109,8 +110,9 @@ class ReplicaSet:
 
     def render_metrics(self) -> str:
         """/metrics: every replica's metrics under its `engine` label, and engine_up."""
-        return Metrics.render_replicas([r.metrics for r in self.replicas], [r.stats for r in self.replicas],
-                                       [r.is_alive for r in self.replicas])
+        return Metrics.render_replicas(
+            [r.metrics for r in self.replicas], [r.stats for r in self.replicas], [r.is_alive for r in self.replicas]
+        )
 
     # -- requests (event loop) ----------------------------------------------------------
 
@@ -126,12 +128,15 @@ class ReplicaSet:
             if alive and backlog >= self.max_waiting * len(alive):
                 # Counted on the least loaded replica: the one the call would most likely have gone to.
                 min(alive, key=lambda r: r.load).metrics.request_rejected()
-                raise QueueFullError(f"the server is overloaded: {backlog} sequences are waiting beyond the free "
-                                     f"slots of {len(alive)} replicas; try again later")
+                raise QueueFullError(
+                    f"the server is overloaded: {backlog} sequences are waiting beyond the free "
+                    f"slots of {len(alive)} replicas; try again later"
+                )
         return self.admitted.reserve(num_sequences)
 
-    def route(self, reservation: Reservation, num_sequences: int, prompt: list[int],
-              cache_salt: str | None) -> tuple[int, Reservation]:
+    def route(
+        self, reservation: Reservation, num_sequences: int, prompt: list[int], cache_salt: str | None
+    ) -> tuple[int, Reservation]:
         """Pick the replica for a call admitted with `reservation` (on its first prompt) and
         move the call's room there: (replica, its reservation). Raises EngineDeadError when
         every replica is dead."""
@@ -141,8 +146,13 @@ class ReplicaSet:
             route = self.router.pick(prompt, self.loads(), cache_salt=cache_salt)
         except NoReplicaAvailable:
             raise self.dead_error() from None
-        logger.debug("routed a call of %d sequences to replica %d (%s, %d blocks matched)", num_sequences,
-                     route.replica, route.reason, route.matched_blocks)
+        logger.debug(
+            "routed a call of %d sequences to replica %d (%s, %d blocks matched)",
+            num_sequences,
+            route.replica,
+            route.reason,
+            route.matched_blocks,
+        )
         return route.replica, self.replicas[route.replica].admitted.reserve(num_sequences)
 
     def loads(self) -> list[int | None]:
@@ -174,14 +184,25 @@ class ReplicaGeneration:
         self.replica: int | None = None  # set by `add`
         self._generation: Generation | None = None
 
-    async def add(self, prompts: list[list[int]], params: SamplingParams, reservation: Reservation, *,
-                  arrival_time: float, priority: int = 0, cache_salt: str | None = None, **kv_transfer) -> None:
+    async def add(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        reservation: Reservation,
+        *,
+        arrival_time: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        **kv_transfer,
+    ) -> None:
         """Route the call on its first prompt, then queue all its prompts on that replica."""
-        self.replica, routed = self.replica_set.route(reservation, len(prompts) * params.n,
-                                                      prompts[0] if prompts else [], cache_salt)
+        self.replica, routed = self.replica_set.route(
+            reservation, len(prompts) * params.n, prompts[0] if prompts else [], cache_salt
+        )
         self._generation = self.replica_set.replicas[self.replica].generation(self.request_ids)
-        await self._generation.add(prompts, params, routed, arrival_time=arrival_time, priority=priority,
-                                   cache_salt=cache_salt, **kv_transfer)
+        await self._generation.add(
+            prompts, params, routed, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt, **kv_transfer
+        )
 
     async def __aiter__(self) -> AsyncIterator[StepDelta]:
         if self._generation is not None:

@@ -6,8 +6,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], vLLM's
 POST /tokenize, POST /detokenize and GET /version (api.tokenize_routes),
 GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
-(Prometheus text), GET /openapi.json (their schema: api.openapi). With an API key, every /v1 request needs `Authorization: Bearer <key>`;
-/health and /metrics stay open, as in vLLM, so probes and scrapers need no secret.
+(Prometheus text), GET /openapi.json (their schema: api.openapi). With an API key, every /v1
+request needs `Authorization: Bearer <key>`; /health and /metrics stay open, as in vLLM, so
+probes and scrapers need no secret.
 
 Limits on what one request may ask: a body of at most `max_request_body_bytes` (413), at
 most `max_request_sequences` prompts x n (400), and, with `max_waiting`, a 503 on arrival
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -33,8 +34,8 @@ from api import chat, completions, openapi, tokenize_routes
 from api.disagg import DisaggRole
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
-from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, BodySizeLimit
 from api.ignored_fields import IgnoredFieldsHeader
+from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, BodySizeLimit
 from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.replicas import ReplicaSet
@@ -49,12 +50,22 @@ def default_model_name(engine) -> str:
     return name.split(".")[0] if source.suffix == ".gguf" else name  # "X.Q4_1.gguf" -> "X"
 
 
-def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key: str | None = None,
-               max_waiting: int | None = None, max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, chat_template: str | None = None,
-               trust_request_chat_template: bool = False, max_logprobs: int = SamplingParams.MAX_LOGPROBS,
-               log_requests: bool = True, cors: dict | None = None, router_load_bound: int | None = None,
-               disagg: DisaggRole | None = None) -> FastAPI:
+def create_app(
+    engine,
+    *,
+    model_name: str | Sequence[str] | None = None,
+    api_key: str | None = None,
+    max_waiting: int | None = None,
+    max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS,
+    log_requests: bool = True,
+    cors: dict | None = None,
+    router_load_bound: int | None = None,
+    disagg: DisaggRole | None = None,
+) -> FastAPI:
     """An app serving `engine` (an LLMEngine), or a list of engines as data-parallel
     replicas (built from one LoadedModel). The engine threads start with the app's lifespan.
 
@@ -94,14 +105,30 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
             engine_loop.stop()
 
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = ServerState(engine_loop, engine.tokenizer, model_name, engine.max_model_len,
-                                   engine.loaded.config.vocab_size, engine.generation.sampling,
-                                   TokenText(engine.tokenizer), max_request_sequences, aliases=aliases,
-                                   chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
-                                   max_logprobs=max_logprobs, log_requests=log_requests, disagg=disagg)
+    app.state.server = ServerState(
+        engine_loop,
+        engine.tokenizer,
+        model_name,
+        engine.max_model_len,
+        engine.loaded.config.vocab_size,
+        engine.generation.sampling,
+        TokenText(engine.tokenizer),
+        max_request_sequences,
+        aliases=aliases,
+        chat_template=chat_template,
+        trust_request_chat_template=trust_request_chat_template,
+        max_logprobs=max_logprobs,
+        log_requests=log_requests,
+        disagg=disagg,
+    )
     install_error_handlers(app)
-    openapi.install_openapi(app, vocab_size=engine.loaded.config.vocab_size, max_model_len=engine.max_model_len,
-                            api_key=bool(api_key), trust_request_chat_template=trust_request_chat_template)
+    openapi.install_openapi(
+        app,
+        vocab_size=engine.loaded.config.vocab_size,
+        max_model_len=engine.max_model_len,
+        api_key=bool(api_key),
+        trust_request_chat_template=trust_request_chat_template,
+    )
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(IgnoredFieldsHeader)
@@ -113,18 +140,28 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
     app.include_router(chat.router)
     app.include_router(tokenize_routes.router)
 
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "The engine thread is alive (an empty body; with data-parallel "
-                                             "replicas, one is alive and the body lists them)."},
-                        **openapi.errors(503)})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "The engine thread is alive (an empty body; with data-parallel "
+                "replicas, one is alive and the body lists them)."
+            },
+            **openapi.errors(503),
+        },
+    )
     async def health():
         if not engine_loop.is_alive:
             body = error_body(str(engine_loop.dead_error()), SERVER_ERROR, code="engine_dead")
             return JSONResponse({**body, **engine_loop.health()} if replicated else body, status_code=503)
         return JSONResponse(engine_loop.health()) if replicated else Response(status_code=200)
 
-    @app.get("/metrics", response_class=openapi.PrometheusResponse,
-             responses={200: {"description": "Prometheus text exposition format."}})
+    @app.get(
+        "/metrics",
+        response_class=openapi.PrometheusResponse,
+        responses={200: {"description": "Prometheus text exposition format."}},
+    )
     async def metrics():
         page = engine_loop.render_metrics() if replicated else engine_loop.metrics.render(engine_loop.stats)
         return openapi.PrometheusResponse(page + (disagg.render_metrics() if disagg is not None else ""))
@@ -144,8 +181,13 @@ def create_app(engine, *, model_name: str | Sequence[str] | None = None, api_key
 
 
 def _model_card(state: ServerState, name: str) -> dict:
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-            "max_model_len": state.max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "jaxserve",
+        "max_model_len": state.max_model_len,
+    }
 
 
 class APIKeyMiddleware:
@@ -167,8 +209,10 @@ class APIKeyMiddleware:
     def _check(self, header: bytes) -> APIError | None:
         scheme, _, token = header.partition(b" ")
         if not header:
-            message = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
-                       "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+            message = (
+                "You didn't provide an API key. You need to provide your API key in an Authorization header "
+                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+            )
         elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
             message = "Incorrect API key provided."
         else:
@@ -179,4 +223,4 @@ class APIKeyMiddleware:
 def _route_path(scope) -> str:
     """The path the routes see: uvicorn puts --root-path in front of the request's path."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path

@@ -15,22 +15,23 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from api.disagg import DisaggRole, check_colocated
 from api.admission import EngineDeadError, QueueFullError, Reservation
+from api.disagg import DisaggRole, check_colocated
 from api.engine_loop import EngineLoop, Generation, SampleDelta, StepDelta
-from api.ignored_fields import note_ignored_fields
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
+from api.ignored_fields import note_ignored_fields
 from api.logprobs import TokenText
 from api.protocol import invalid_constraint
 from api.replicas import ReplicaSet
-from jaxserve.structured import GrammarError
 from jaxserve.engine.tokenization import PromptError
+from jaxserve.structured import GrammarError
 from scheduler import SamplingParams
 from scheduler.sampling_params import StructuredOutputsParams
 
@@ -61,7 +62,8 @@ class ServerState:
     # NOTE: one thread, so the tokenizer is never used by two requests at once (transformers'
     # fast tokenizers set truncation state on encode); the engine thread only decodes.
     tokenizer_pool: ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    )
 
     def kv_transfer_fields(self, tally: Tally) -> dict:
         """A finished call's `kv_transfer_params` (a prefill server's offer), if it has one."""
@@ -76,9 +78,11 @@ class ServerState:
         if keep is None:
             return prompt
         if keep > self.max_model_len:
-            raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
-                              f"({self.max_model_len}); please request a smaller truncation size",
-                              "truncate_prompt_tokens")
+            raise bad_request(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({self.max_model_len}); please request a smaller truncation size",
+                "truncate_prompt_tokens",
+            )
         keep = self.max_model_len if keep == -1 else keep
         return prompt[-keep:] if len(prompt) > keep else prompt
 
@@ -95,8 +99,9 @@ class ServerState:
     def check_logprobs(self, wanted: int | None, param: str) -> None:
         """--max-logprobs: a 400 naming `param` for more alternatives than the server allows."""
         if wanted is not None and wanted > self.max_logprobs:
-            raise bad_request(f"{param} ({wanted}) is greater than this server's maximum ({self.max_logprobs}, "
-                              f"--max-logprobs)", param)
+            raise bad_request(
+                f"{param} ({wanted}) is greater than this server's maximum ({self.max_logprobs}, --max-logprobs)", param
+            )
 
     def admit(self, num_prompts: int, n: int) -> Reservation:
         """On arrival: a 400 for a call that fans out to too many sequences, a 503 at once if
@@ -106,12 +111,14 @@ class ServerState:
             raise bad_request(
                 f"This request asks for {wanted} sequences ({num_prompts} prompt(s) x n={n}); this server runs at "
                 f"most {self.max_request_sequences} per request (--max-request-sequences).",
-                "prompt" if num_prompts > self.max_request_sequences else "n")
+                "prompt" if num_prompts > self.max_request_sequences else "n",
+            )
         try:
             return self.engine_loop.admit(wanted)
         except QueueFullError as e:
-            raise APIError(503, str(e), type=SERVER_ERROR, code="server_overloaded",
-                           headers={"Retry-After": "1"}) from None
+            raise APIError(
+                503, str(e), type=SERVER_ERROR, code="server_overloaded", headers={"Retry-After": "1"}
+            ) from None
 
     async def off_loop(self, fn: Callable, *args, param: str | None = None, **kwargs):
         """Run tokenizer work (encoding, chat templates) in the tokenizer thread, so a huge
@@ -137,8 +144,9 @@ class ServerState:
         except GrammarError as e:
             raise invalid_constraint(constraint, e.kind, e.detail) from None
         except ValueError as e:  # the grammar engine cannot read this model's tokenizer (made on the first compile)
-            raise bad_request(f"{constraint.field}: structured output is not available with this model: {e}",
-                              constraint.field) from None
+            raise bad_request(
+                f"{constraint.field}: structured output is not available with this model: {e}", constraint.field
+            ) from None
         return spec
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, what: str) -> int:
@@ -153,7 +161,9 @@ class ServerState:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the {what}, {wanted} in the "
                 f"completion). Please reduce the length of the {what} or completion.",
-                what, code="context_length_exceeded")
+                what,
+                code="context_length_exceeded",
+            )
         return wanted
 
 
@@ -161,11 +171,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def start_generation(state: ServerState, call_id: str, prompts: list[list[int]], params: SamplingParams,
-                           reservation: Reservation, *, arrival_time: float, priority: int, prompt_param: str,
-                           cache_salt: str | None, param_names: dict[str, str] | None = None,
-                           kv_transfer_params: dict | None = None, stream: bool = False
-                           ) -> tuple[Generation, Tally]:
+async def start_generation(
+    state: ServerState,
+    call_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    reservation: Reservation,
+    *,
+    arrival_time: float,
+    priority: int,
+    prompt_param: str,
+    cache_salt: str | None,
+    param_names: dict[str, str] | None = None,
+    kv_transfer_params: dict | None = None,
+    stream: bool = False,
+) -> tuple[Generation, Tally]:
     """Queue the call's engine requests in the room `reservation` holds, and a Tally to
     follow them; every refusal becomes an APIError (and nothing runs).
 
@@ -180,12 +200,21 @@ async def start_generation(state: ServerState, call_id: str, prompts: list[list[
         export_kv, handoff = await state.disagg.prepare(kv_transfer_params, len(prompts), stream)
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
     if state.log_requests:  # the sizes and settings, never the prompt text
-        logger.info("request %s: %s prompt token(s), params %s", call_id, "+".join(str(len(p)) for p in prompts),
-                    params)
+        logger.info(
+            "request %s: %s prompt token(s), params %s", call_id, "+".join(str(len(p)) for p in prompts), params
+        )
     generation = state.engine_loop.generation(ids)
     try:
-        await generation.add(prompts, params, reservation, arrival_time=arrival_time, priority=priority,
-                             cache_salt=cache_salt, kv_handoff=handoff, export_kv=export_kv)
+        await generation.add(
+            prompts,
+            params,
+            reservation,
+            arrival_time=arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_handoff=handoff,
+            export_kv=export_kv,
+        )
     except BaseException as e:
         generation.close()
         if isinstance(e, ValueError):
@@ -235,21 +264,33 @@ class Tally:
             if sample.new_logprobs:
                 choice.logprobs += sample.new_logprobs
             if sample.finish_reason is not None:
-                choice.text, choice.finish_reason, choice.stop_reason = sample.text, sample.finish_reason, \
-                    sample.stop_reason
+                choice.text, choice.finish_reason, choice.stop_reason = (
+                    sample.text,
+                    sample.finish_reason,
+                    sample.stop_reason,
+                )
             changed.append((index, sample))
         return changed
 
     def usage(self) -> dict:
         prompt = sum(self.prompt_lens)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
 
 
-async def stream_events(generation: Generation, tally: Tally, header: dict, include_usage: bool,
-                        chunk_choice: Callable[[int, SampleDelta], dict | None],
-                        opening: list[dict] = ()) -> AsyncIterator[str]:
+async def stream_events(
+    generation: Generation,
+    tally: Tally,
+    header: dict,
+    include_usage: bool,
+    chunk_choice: Callable[[int, SampleDelta], dict | None],
+    opening: list[dict] = (),
+) -> AsyncIterator[str]:
     """The body of a streamed call: the `opening` choices, then one chunk per sample that
     changed (`chunk_choice(index, sample)` is its choice, or None for nothing to send), the
     usage chunk if asked for, and [DONE]. An error on the way becomes an error event."""
@@ -315,8 +356,9 @@ class EventStream(StreamingResponse):
     """
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

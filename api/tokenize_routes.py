@@ -32,9 +32,15 @@ class TokenizeRequest(ChatTemplateFields):
     as /v1/chat/completions renders them, with the same template fields): exactly one."""
 
     # The schema states "exactly one" (a present field must not be null, so required alone is not enough).
-    model_config = ConfigDict(json_schema_extra={**ChatTemplateFields.model_config["json_schema_extra"], "oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            **ChatTemplateFields.model_config["json_schema_extra"],
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ],
+        }
+    )
 
     model: str | None = None
     prompt: str | None = None
@@ -79,8 +85,14 @@ async def tokenize(body: TokenizeRequest, request: Request):
         check_template(state, body)
         tokens = await chat_prompt(state, body)
     else:
-        tokens = await state.off_loop(encode_prompt, state.tokenizer, body.prompt, state.vocab_size,
-                                      add_special_tokens=body.add_special_tokens is not False, param="prompt")
+        tokens = await state.off_loop(
+            encode_prompt,
+            state.tokenizer,
+            body.prompt,
+            state.vocab_size,
+            add_special_tokens=body.add_special_tokens is not False,
+            param="prompt",
+        )
     token_strs = None
     if body.return_token_strs:
         token_strs = await state.off_loop(state.tokenizer.convert_ids_to_tokens, tokens)

@@ -35,9 +35,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.serving import calculate_metrics, format_table, random_requests, run  # noqa: E402
 from benchmarks.vllm_baseline import free_port, running_server  # noqa: E402
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python benchmarks/disagg.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/disagg.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", help="default: the embedded model")
     p.add_argument("--num-decode", type=int, default=8, help="short-prompt requests that decode long (8)")
     p.add_argument("--decode-input-len", type=int, default=32)
@@ -71,10 +73,26 @@ def workload(args) -> list:
 
 
 def server_command(args, port: int, gpus: str | None, *extra: str) -> tuple[list[str], dict]:
-    cmd = [sys.executable, "-m", "api", "--port", str(port), "--no-access-log",
-           "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len),
-           "--kv-cache-memory", args.kv_cache_memory, *(["--model", args.model] if args.model else []), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "api",
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        *(["--model", args.model] if args.model else []),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus
@@ -94,14 +112,27 @@ def colocated(args):
 def disaggregated(args):
     ports = [free_port() for _ in range(3)]
     secret = os.urandom(16).hex()
-    prefill_cmd, env = server_command(args, ports[0], args.prefill_gpus, "--role", "prefill",
-                                      "--kv-transfer-secret", secret)
-    decode_cmd, decode_env = server_command(args, ports[1], args.decode_gpus, "--role", "decode",
-                                            "--kv-transfer-secret", secret)
-    with running_server(prefill_cmd, ports[0], "prefill", env=env) as (prefill_url, _), \
-            running_server(decode_cmd, ports[1], "decode", env=decode_env) as (decode_url, _):
-        proxy = [sys.executable, "-m", "api.disagg_proxy", "--port", str(ports[2]), "--prefill", prefill_url,
-                 "--decode", decode_url]
+    prefill_cmd, env = server_command(
+        args, ports[0], args.prefill_gpus, "--role", "prefill", "--kv-transfer-secret", secret
+    )
+    decode_cmd, decode_env = server_command(
+        args, ports[1], args.decode_gpus, "--role", "decode", "--kv-transfer-secret", secret
+    )
+    with (
+        running_server(prefill_cmd, ports[0], "prefill", env=env) as (prefill_url, _),
+        running_server(decode_cmd, ports[1], "decode", env=decode_env) as (decode_url, _),
+    ):
+        proxy = [
+            sys.executable,
+            "-m",
+            "api.disagg_proxy",
+            "--port",
+            str(ports[2]),
+            "--prefill",
+            prefill_url,
+            "--decode",
+            decode_url,
+        ]
         with running_server(proxy, ports[2], "proxy", env=env) as (url, _):
             yield url, prefill_url
 
@@ -119,32 +150,74 @@ def measure(args, setup, mixed) -> dict:
     with setup(args) as (url, prefill_url):
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         requests = [r for _, r in mixed]
-        warm, _ = asyncio.run(run(url, model, requests[:1], request_rate=float("inf"), max_concurrency=1,
-                                  api_key=None, seed=args.seed, timeout=600))
+        warm, _ = asyncio.run(
+            run(
+                url,
+                model,
+                requests[:1],
+                request_rate=float("inf"),
+                max_concurrency=1,
+                api_key=None,
+                seed=args.seed,
+                timeout=600,
+            )
+        )
         if not warm[0].success:
             raise SystemExit(f"warm-up request failed: {warm[0].error}")
         moved_before = kv_bytes_offered(prefill_url)
-        results, duration = asyncio.run(run(url, model, requests, request_rate=args.request_rate,
-                                            max_concurrency=None, api_key=None, seed=args.seed, timeout=600))
+        results, duration = asyncio.run(
+            run(
+                url,
+                model,
+                requests,
+                request_rate=args.request_rate,
+                max_concurrency=None,
+                api_key=None,
+                seed=args.seed,
+                timeout=600,
+            )
+        )
         moved = kv_bytes_offered(prefill_url)
     out = {"all": calculate_metrics(results, duration, args.slo_ttft, args.slo_tpot)}
     for group in ("decode", "prefill"):
-        out[group] = calculate_metrics([res for (g, _), res in zip(mixed, results) if g == group], duration,
-                                       args.slo_ttft, args.slo_tpot)
+        out[group] = calculate_metrics(
+            [res for (g, _), res in zip(mixed, results) if g == group], duration, args.slo_ttft, args.slo_tpot
+        )
     out["kv_mib_per_request"] = None if moved is None else (moved - moved_before) / len(requests) / 2**20
     return out
 
 
 def report(rows: dict[str, dict]) -> str:
-    header = ["setup", "TTFT mean (ms)", "TTFT p99", "decode group TPOT mean", "decode group ITL p99",
-              "long group TTFT mean", "goodput (req/s)", "output tok/s", "failed", "KV MiB/request"]
+    header = [
+        "setup",
+        "TTFT mean (ms)",
+        "TTFT p99",
+        "decode group TPOT mean",
+        "decode group ITL p99",
+        "long group TTFT mean",
+        "goodput (req/s)",
+        "output tok/s",
+        "failed",
+        "KV MiB/request",
+    ]
     table = []
     for name, m in rows.items():
         a, d, p = m["all"], m["decode"], m["prefill"]
         kv = "-" if m["kv_mib_per_request"] is None else f"{m['kv_mib_per_request']:.2f}"
-        table.append([name, f"{a['mean_ttft_ms']:.0f}", f"{a['p99_ttft_ms']:.0f}", f"{d['mean_tpot_ms']:.1f}",
-                      f"{d['p99_itl_ms']:.1f}", f"{p['mean_ttft_ms']:.0f}", f"{a['request_goodput']:.2f}",
-                      f"{a['output_throughput']:.1f}", str(a["failed"]), kv])
+        table.append(
+            [
+                name,
+                f"{a['mean_ttft_ms']:.0f}",
+                f"{a['p99_ttft_ms']:.0f}",
+                f"{d['mean_tpot_ms']:.1f}",
+                f"{d['p99_itl_ms']:.1f}",
+                f"{p['mean_ttft_ms']:.0f}",
+                f"{a['request_goodput']:.2f}",
+                f"{a['output_throughput']:.1f}",
+                str(a["failed"]),
+                kv,
+            ]
+        )
     base, disagg = rows["colocated"]["decode"], rows["disaggregated"]["decode"]
     ratio = base["p99_itl_ms"] / disagg["p99_itl_ms"] if disagg["p99_itl_ms"] else float("nan")
     return format_table(header, table) + f"\ndecode group p99 ITL, colocated / disaggregated: {ratio:.2f}x"

@@ -68,81 +68,186 @@ def _obj(required: list[str], **properties) -> dict:
 
 
 _STR = {"type": "string"}
-_ADDRESS = _obj(["street", "city", "postcode", "country"], street=_STR, city=_STR, postcode=_STR,
-                country={"type": "string", "minLength": 2, "maxLength": 2})
+_ADDRESS = _obj(
+    ["street", "city", "postcode", "country"],
+    street=_STR,
+    city=_STR,
+    postcode=_STR,
+    country={"type": "string", "minLength": 2, "maxLength": 2},
+)
 
 CASES = [
-    Case("flat, enums + bounded numbers", "json", _obj(
-        ["product", "category", "condition", "rating", "price", "discount_percent", "in_stock", "currency", "weight_kg"],
-        product={"type": "string", "maxLength": 60},
-        category={"enum": ["electronics", "books", "garden", "toys", "grocery", "clothing"]},
-        condition={"type": "string", "enum": ["new", "used", "refurbished"]},
-        rating={"type": "integer", "minimum": 1, "maximum": 5},
-        price={"type": "number", "minimum": 0, "maximum": 10000},
-        discount_percent={"type": "integer", "minimum": 0, "maximum": 90},
-        in_stock={"type": "boolean"},
-        currency={"enum": ["USD", "EUR", "GBP", "JPY"]},
-        weight_kg={"type": "number", "minimum": 0, "maximum": 500}),
-        {"product": "Noise-cancelling over-ear headphones, black", "category": "electronics",
-         "condition": "refurbished", "rating": 4, "price": 199.99, "discount_percent": 15, "in_stock": True,
-         "currency": "EUR", "weight_kg": 0.35}),
-    Case("nested objects + arrays", "json", _obj(
-        ["order_id", "customer", "items", "tags"],
-        order_id=_STR,
-        customer=_obj(["name", "email", "address"], name=_STR, email=_STR, address=_ADDRESS),
-        items={"type": "array", "minItems": 1, "items": _obj(
-            ["sku", "quantity", "unit_price"], sku=_STR, quantity={"type": "integer", "minimum": 1},
-            unit_price={"type": "number"})},
-        tags={"type": "array", "items": _STR, "maxItems": 5}),
-        {"order_id": "ORD-204817",
-         "customer": {"name": "Maria Rossi", "email": "maria.rossi@example.com",
-                      "address": {"street": "Via Roma 12", "city": "Torino", "postcode": "10121", "country": "IT"}},
-         "items": [{"sku": "KB-87-US", "quantity": 1, "unit_price": 89.5},
-                   {"sku": "MS-220", "quantity": 2, "unit_price": 24.99},
-                   {"sku": "USB-C-2M", "quantity": 3, "unit_price": 7.25}],
-         "tags": ["gift", "express"]}),
-    Case("optional fields", "json", _obj(
-        ["id", "username"],
-        id={"type": "integer"}, username=_STR, display_name=_STR, age={"type": "integer", "minimum": 0},
-        bio=_STR, website=_STR, languages={"type": "array", "items": _STR}, verified={"type": "boolean"},
-        timezone=_STR),
-        {"id": 48213, "username": "kzhang", "age": 34,
-         "bio": "Backend engineer; likes compilers, climbing and bad puns.", "languages": ["en", "zh", "de"],
-         "timezone": "Europe/Berlin"}),
-    Case("$ref / $defs", "json", {
-        "$defs": {"address": _ADDRESS,
-                  "person": _obj(["name", "address"], name=_STR, phone=_STR, address={"$ref": "#/$defs/address"}),
-                  "parcel": _obj(["weight_g", "fragile"], weight_g={"type": "integer", "minimum": 1},
-                                 fragile={"type": "boolean"})},
-        **_obj(["sender", "recipient", "parcels"], sender={"$ref": "#/$defs/person"},
-               recipient={"$ref": "#/$defs/person"}, parcels={"type": "array", "items": {"$ref": "#/$defs/parcel"}})},
-        {"sender": {"name": "Ana Lima", "phone": "+351 912 345 678",
-                    "address": {"street": "Rua Augusta 100", "city": "Lisboa", "postcode": "1100-053", "country": "PT"}},
-         "recipient": {"name": "Tom Berg",
-                       "address": {"street": "Storgatan 5", "city": "Uppsala", "postcode": "753 20", "country": "SE"}},
-         "parcels": [{"weight_g": 1250, "fragile": False}, {"weight_g": 300, "fragile": True}]}),
-    Case("regex, ISO 8601 date-time", "regex",
-         r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
-         r"(\.[0-9]{1,6})?(Z|[+-][0-9]{2}:[0-9]{2})",
-         "2026-12-02T13:12:07.123456+01:00"),
-    Case("regex, e-mail", "regex", r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
-         "jane.doe+newsletters@mail.example-university.co.uk"),
-    Case("choice of 4", "choice",
-         ["The customer is satisfied", "The customer is dissatisfied", "The customer is neutral",
-          "Not enough information to decide"],
-         "The customer is dissatisfied"),
-    Case("grammar, arithmetic", "grammar", {
-        "llguidance": ('start: expr\n'
-                       'expr: term (("+" | "-") term)*\n'
-                       'term: factor (("*" | "/") factor)*\n'
-                       'factor: NUMBER | "(" expr ")" | "-" factor\n'
-                       'NUMBER: /[0-9]+(\\.[0-9]+)?/\n'),
-        "xgrammar": ('root ::= expr\n'
-                     'expr ::= term (("+" | "-") term)*\n'
-                     'term ::= factor (("*" | "/") factor)*\n'
-                     'factor ::= number | "(" expr ")" | "-" factor\n'
-                     'number ::= [0-9]+ ("." [0-9]+)?\n')},
-        "(12.5+3)*(7-2)/4-((18*3.25)-(6/2))*2+100/(5+5)-(-3*(2+8))+0.125*(64-(3*7))"),
+    Case(
+        "flat, enums + bounded numbers",
+        "json",
+        _obj(
+            [
+                "product",
+                "category",
+                "condition",
+                "rating",
+                "price",
+                "discount_percent",
+                "in_stock",
+                "currency",
+                "weight_kg",
+            ],
+            product={"type": "string", "maxLength": 60},
+            category={"enum": ["electronics", "books", "garden", "toys", "grocery", "clothing"]},
+            condition={"type": "string", "enum": ["new", "used", "refurbished"]},
+            rating={"type": "integer", "minimum": 1, "maximum": 5},
+            price={"type": "number", "minimum": 0, "maximum": 10000},
+            discount_percent={"type": "integer", "minimum": 0, "maximum": 90},
+            in_stock={"type": "boolean"},
+            currency={"enum": ["USD", "EUR", "GBP", "JPY"]},
+            weight_kg={"type": "number", "minimum": 0, "maximum": 500},
+        ),
+        {
+            "product": "Noise-cancelling over-ear headphones, black",
+            "category": "electronics",
+            "condition": "refurbished",
+            "rating": 4,
+            "price": 199.99,
+            "discount_percent": 15,
+            "in_stock": True,
+            "currency": "EUR",
+            "weight_kg": 0.35,
+        },
+    ),
+    Case(
+        "nested objects + arrays",
+        "json",
+        _obj(
+            ["order_id", "customer", "items", "tags"],
+            order_id=_STR,
+            customer=_obj(["name", "email", "address"], name=_STR, email=_STR, address=_ADDRESS),
+            items={
+                "type": "array",
+                "minItems": 1,
+                "items": _obj(
+                    ["sku", "quantity", "unit_price"],
+                    sku=_STR,
+                    quantity={"type": "integer", "minimum": 1},
+                    unit_price={"type": "number"},
+                ),
+            },
+            tags={"type": "array", "items": _STR, "maxItems": 5},
+        ),
+        {
+            "order_id": "ORD-204817",
+            "customer": {
+                "name": "Maria Rossi",
+                "email": "maria.rossi@example.com",
+                "address": {"street": "Via Roma 12", "city": "Torino", "postcode": "10121", "country": "IT"},
+            },
+            "items": [
+                {"sku": "KB-87-US", "quantity": 1, "unit_price": 89.5},
+                {"sku": "MS-220", "quantity": 2, "unit_price": 24.99},
+                {"sku": "USB-C-2M", "quantity": 3, "unit_price": 7.25},
+            ],
+            "tags": ["gift", "express"],
+        },
+    ),
+    Case(
+        "optional fields",
+        "json",
+        _obj(
+            ["id", "username"],
+            id={"type": "integer"},
+            username=_STR,
+            display_name=_STR,
+            age={"type": "integer", "minimum": 0},
+            bio=_STR,
+            website=_STR,
+            languages={"type": "array", "items": _STR},
+            verified={"type": "boolean"},
+            timezone=_STR,
+        ),
+        {
+            "id": 48213,
+            "username": "kzhang",
+            "age": 34,
+            "bio": "Backend engineer; likes compilers, climbing and bad puns.",
+            "languages": ["en", "zh", "de"],
+            "timezone": "Europe/Berlin",
+        },
+    ),
+    Case(
+        "$ref / $defs",
+        "json",
+        {
+            "$defs": {
+                "address": _ADDRESS,
+                "person": _obj(["name", "address"], name=_STR, phone=_STR, address={"$ref": "#/$defs/address"}),
+                "parcel": _obj(
+                    ["weight_g", "fragile"], weight_g={"type": "integer", "minimum": 1}, fragile={"type": "boolean"}
+                ),
+            },
+            **_obj(
+                ["sender", "recipient", "parcels"],
+                sender={"$ref": "#/$defs/person"},
+                recipient={"$ref": "#/$defs/person"},
+                parcels={"type": "array", "items": {"$ref": "#/$defs/parcel"}},
+            ),
+        },
+        {
+            "sender": {
+                "name": "Ana Lima",
+                "phone": "+351 912 345 678",
+                "address": {"street": "Rua Augusta 100", "city": "Lisboa", "postcode": "1100-053", "country": "PT"},
+            },
+            "recipient": {
+                "name": "Tom Berg",
+                "address": {"street": "Storgatan 5", "city": "Uppsala", "postcode": "753 20", "country": "SE"},
+            },
+            "parcels": [{"weight_g": 1250, "fragile": False}, {"weight_g": 300, "fragile": True}],
+        },
+    ),
+    Case(
+        "regex, ISO 8601 date-time",
+        "regex",
+        r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
+        r"(\.[0-9]{1,6})?(Z|[+-][0-9]{2}:[0-9]{2})",
+        "2026-12-02T13:12:07.123456+01:00",
+    ),
+    Case(
+        "regex, e-mail",
+        "regex",
+        r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
+        "jane.doe+newsletters@mail.example-university.co.uk",
+    ),
+    Case(
+        "choice of 4",
+        "choice",
+        [
+            "The customer is satisfied",
+            "The customer is dissatisfied",
+            "The customer is neutral",
+            "Not enough information to decide",
+        ],
+        "The customer is dissatisfied",
+    ),
+    Case(
+        "grammar, arithmetic",
+        "grammar",
+        {
+            "llguidance": (
+                "start: expr\n"
+                'expr: term (("+" | "-") term)*\n'
+                'term: factor (("*" | "/") factor)*\n'
+                'factor: NUMBER | "(" expr ")" | "-" factor\n'
+                "NUMBER: /[0-9]+(\\.[0-9]+)?/\n"
+            ),
+            "xgrammar": (
+                "root ::= expr\n"
+                'expr ::= term (("+" | "-") term)*\n'
+                'term ::= factor (("*" | "/") factor)*\n'
+                'factor ::= number | "(" expr ")" | "-" factor\n'
+                'number ::= [0-9]+ ("." [0-9]+)?\n'
+            ),
+        },
+        "(12.5+3)*(7-2)/4-((18*3.25)-(6/2))*2+100/(5+5)-(-3*(2+8))+0.125*(64-(3*7))",
+    ),
 ]
 
 
@@ -286,8 +391,9 @@ def drive(engine, case: Case, tokens: list[int], eos: int, words: int) -> Drive:
     return Drive(compile_s, mask_s, warm_mask_s, masks[:, 0], problems)
 
 
-def mask_differences(name_a: str, a: np.ndarray, name_b: str, b: np.ndarray, tokens: list[int], tokenizer,
-                     examples: int = 3) -> list[str]:
+def mask_differences(
+    name_a: str, a: np.ndarray, name_b: str, b: np.ndarray, tokens: list[int], tokenizer, examples: int = 3
+) -> list[str]:
     """How two engines' masks for the same steps differ: added (special) tokens apart, then a few
     steps where ordinary tokens differ, with the text so far and some tokens on each side."""
     added = np.zeros(a.shape[1] * 32, bool)
@@ -306,37 +412,51 @@ def mask_differences(name_a: str, a: np.ndarray, name_b: str, b: np.ndarray, tok
         ordinary = {name: np.flatnonzero(bits & ~added) for name, bits in only.items()}
         if any(ids.size for ids in ordinary.values()):
             text = tokenizer.decode(tokens[:step])[-20:]
-            sides = "; ".join(f"only {name}: {ids.size} {tokenizer.convert_ids_to_tokens(ids[:4].tolist())}"
-                              for name, ids in ordinary.items() if ids.size)
+            sides = "; ".join(
+                f"only {name}: {ids.size} {tokenizer.convert_ids_to_tokens(ids[:4].tolist())}"
+                for name, ids in ordinary.items()
+                if ids.size
+            )
             kind = tuple(bool(ids.size) for ids in ordinary.values())
             candidates.append((kind, step, f"    step {step}, after {text!r}: {sides}"))
     first_of_kind = {}
     for kind, step, line in candidates:
         first_of_kind.setdefault(kind, (step, line))
     rest = [(step, line) for _, step, line in candidates if (step, line) not in first_of_kind.values()]
-    chosen = sorted(list(first_of_kind.values()) + rest[:max(0, examples - len(first_of_kind))])
-    head = (f"{differ.size} of {len(a)} steps differ; steps allowing added tokens (<|im_start|>, ...) only in "
-            + ", ".join(f"{name}: {n}" for name, n in added_steps.items()))
+    chosen = sorted(list(first_of_kind.values()) + rest[: max(0, examples - len(first_of_kind))])
+    head = (
+        f"{differ.size} of {len(a)} steps differ; steps allowing added tokens (<|im_start|>, ...) only in "
+        + ", ".join(f"{name}: {n}" for name, n in added_steps.items())
+    )
     return [head] + [line for _, line in chosen]
 
 
 def summarize(drives: list[Drive]) -> dict:
     later = np.array([s for d in drives for s in d.mask_s[1:]]) * 1e6
     warm = np.array([s for d in drives for s in d.warm_mask_s]) * 1e6
-    return {"compile_ms": float(np.median([d.compile_s for d in drives]) * 1e3),
-            "first_mask_us": float(np.median([d.mask_s[0] for d in drives]) * 1e6),
-            "mask_mean_us": float(later.mean()), "mask_p99_us": float(np.percentile(later, 99)),
-            "warm_mean_us": float(warm.mean()), "warm_p99_us": float(np.percentile(warm, 99)),
-            "problems": sorted({p for d in drives for p in d.problems})}
+    return {
+        "compile_ms": float(np.median([d.compile_s for d in drives]) * 1e3),
+        "first_mask_us": float(np.median([d.mask_s[0] for d in drives]) * 1e6),
+        "mask_mean_us": float(later.mean()),
+        "mask_p99_us": float(np.percentile(later, 99)),
+        "warm_mean_us": float(warm.mean()),
+        "warm_p99_us": float(np.percentile(warm, 99)),
+        "problems": sorted({p for d in drives for p in d.problems}),
+    }
 
 
 def geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-COLUMNS = [("compile ms", "compile_ms", ".2f"), ("1st mask µs", "first_mask_us", ".1f"),
-           ("mask mean µs", "mask_mean_us", ".1f"), ("mask p99 µs", "mask_p99_us", ".1f"),
-           ("warm mean µs", "warm_mean_us", ".1f"), ("warm p99 µs", "warm_p99_us", ".1f")]
+COLUMNS = [
+    ("compile ms", "compile_ms", ".2f"),
+    ("1st mask µs", "first_mask_us", ".1f"),
+    ("mask mean µs", "mask_mean_us", ".1f"),
+    ("mask p99 µs", "mask_p99_us", ".1f"),
+    ("warm mean µs", "warm_mean_us", ".1f"),
+    ("warm p99 µs", "warm_p99_us", ".1f"),
+]
 
 
 def print_table(results: list[dict]) -> None:
@@ -361,27 +481,35 @@ def main(argv=None) -> int:
     try:
         import xgrammar  # noqa: F401
     except ImportError as e:
-        raise SystemExit(f"xgrammar is not installed ({e}); install it with:\n"
-                         "    .venv/bin/pip install xgrammar\n"
-                         "(it requires torch; if pip wants to replace the venv's torch, use --no-deps and add "
-                         "apache-tvm-ffi by hand)") from None
+        raise SystemExit(
+            f"xgrammar is not installed ({e}); install it with:\n"
+            "    .venv/bin/pip install xgrammar\n"
+            "(it requires torch; if pip wants to replace the venv's torch, use --no-deps and add "
+            "apache-tvm-ffi by hand)"
+        ) from None
     tokenizer = tokenizer_from_gguf(GGUFFile(default_model_path()).field)
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
     words = (vocab + 31) // 32
     setup, engines = {}, []
-    for make in (lambda: LLGuidance(tokenizer, vocab, eos),
-                 lambda: XGrammar(tokenizer, vocab, eos, args.xgrammar_threads)):
+    for make in (
+        lambda: LLGuidance(tokenizer, vocab, eos),
+        lambda: XGrammar(tokenizer, vocab, eos, args.xgrammar_threads),
+    ):
         start = time.perf_counter()
         engine = make()
         setup[engine.name] = time.perf_counter() - start
         engine.compile(Case("warm-up", "regex", "[a-z]+@[a-z]+", "a@b"))  # process start-up, not timed
         engines.append(engine)
     versions = {e.name: version(e.name) for e in engines}
-    print(f"default model tokenizer: {vocab} tokens, mask {words} int32 words, EOS {eos} "
-          f"({tokenizer.convert_ids_to_tokens(eos)}); {os.cpu_count()} CPUs; --repeat {args.repeat}")
-    print("tokenizer info, built once: " + ", ".join(
-        f"{e.name} {versions[e.name]} {setup[e.name] * 1e3:.0f} ms" for e in engines)
-        + f" (xgrammar compiler max_threads={args.xgrammar_threads})")
+    print(
+        f"default model tokenizer: {vocab} tokens, mask {words} int32 words, EOS {eos} "
+        f"({tokenizer.convert_ids_to_tokens(eos)}); {os.cpu_count()} CPUs; --repeat {args.repeat}"
+    )
+    print(
+        "tokenizer info, built once: "
+        + ", ".join(f"{e.name} {versions[e.name]} {setup[e.name] * 1e3:.0f} ms" for e in engines)
+        + f" (xgrammar compiler max_threads={args.xgrammar_threads})"
+    )
     print()
 
     results, notes = [], []
@@ -390,8 +518,9 @@ def main(argv=None) -> int:
         drives = {e.name: [drive(e, case, tokens, eos, words) for _ in range(args.repeat)] for e in engines}
         for name, ds in drives.items():
             results.append({"case": case.name, "engine": name, "tokens": len(tokens), **summarize(ds)})
-        diffs = mask_differences("llguidance", drives["llguidance"][0].masks, "xgrammar",
-                                 drives["xgrammar"][0].masks, tokens, tokenizer)
+        diffs = mask_differences(
+            "llguidance", drives["llguidance"][0].masks, "xgrammar", drives["xgrammar"][0].masks, tokens, tokenizer
+        )
         if diffs:
             notes += [f"{case.name}: {diffs[0]}"] + diffs[1:]
     print_table(results)
@@ -401,14 +530,22 @@ def main(argv=None) -> int:
     print()
 
     by = {(r["case"], r["engine"]): r for r in results}
-    ratios = {key: [by[c.name, "xgrammar"][key] / by[c.name, "llguidance"][key] for c in CASES]
-              for _, key, _ in COLUMNS}
+    ratios = {
+        key: [by[c.name, "xgrammar"][key] / by[c.name, "llguidance"][key] for c in CASES] for _, key, _ in COLUMNS
+    }
     if args.json:
-        Path(args.json).write_text(json.dumps({"vocab": vocab, "setup_s": setup, "versions": versions,
-                                               "results": results, "ratios": ratios}, indent=2))
-    print(f"xgrammar / llguidance, geometric mean over {len(CASES)} cases [min-max] (>1: xgrammar slower): "
-          + ", ".join(f"{title.rsplit(' ', 1)[0]} x{geomean(ratios[key]):.2f} [{min(ratios[key]):.2f}-"
-                      f"{max(ratios[key]):.2f}]" for title, key, _ in COLUMNS))
+        Path(args.json).write_text(
+            json.dumps(
+                {"vocab": vocab, "setup_s": setup, "versions": versions, "results": results, "ratios": ratios}, indent=2
+            )
+        )
+    print(
+        f"xgrammar / llguidance, geometric mean over {len(CASES)} cases [min-max] (>1: xgrammar slower): "
+        + ", ".join(
+            f"{title.rsplit(' ', 1)[0]} x{geomean(ratios[key]):.2f} [{min(ratios[key]):.2f}-{max(ratios[key]):.2f}]"
+            for title, key, _ in COLUMNS
+        )
+    )
     return 0
 
 

@@ -16,8 +16,8 @@ head_dim 128, pages of 16, bf16) and three prefill cases, each checked against
 Quantized matmuls (`--only matmul`): at Llama-3-8B's projection shapes (fused QKV
 4096 x 6144, gate/up 4096 x 14336, down 14336 x 4096) for 1..256 tokens, the bf16 XLA dot
 against the W4A16 (int4, group 128) and FP8 W8A8 Mosaic GPU kernels (each with the plain
-and the warp-specialized pipeline), each checked against its reference first: time, achieved GB/s (weights + x + output) and its share of the copy
-bandwidth, TFLOP/s, and the speed-up over bf16 per token count.
+and the warp-specialized pipeline), each checked against its reference first: time, achieved
+GB/s (weights + x + output) and its share of the copy bandwidth, TFLOP/s, and the speed-up over bf16 per token count.
 
 Times are GPU times summed over the call's kernels, from CUPTI (Mosaic GPU's profiler),
 median of several runs after warm-up, on fresh random data; when CUPTI is not available
@@ -230,15 +230,22 @@ def run_case(case: Case, model: Model, *, on_gpu: bool, run_kernel: bool, interp
     scale = model.head_dim**-0.5
     reference = _jitted("reference", scale)
     want = reference(*args)
-    row = dict(case=case.name, tokens=num_tokens, seqs=num_seqs, hbm_bytes=hbm_bytes(case, model),
-               flops=attention_flops(case, model), prefill=case.prefill)
+    row = dict(
+        case=case.name,
+        tokens=num_tokens,
+        seqs=num_seqs,
+        hbm_bytes=hbm_bytes(case, model),
+        flops=attention_flops(case, model),
+        prefill=case.prefill,
+    )
     ref = time_rotated(reference, arg_sets, runs=runs, on_gpu=on_gpu)
     row["ref_us"], row["timing"], row["copies"] = ref.total_us, ref.method, copies
     if not run_kernel:
         return row
 
-    config = mgpu.default_config(num_tokens, num_seqs, model.num_heads, model.num_kv_heads, model.head_dim,
-                                 model.page_size)
+    config = mgpu.default_config(
+        num_tokens, num_seqs, model.num_heads, model.num_kv_heads, model.head_dim, model.page_size
+    )
     if interpret:
         config = dataclasses.replace(config, num_ctas=4)
     kernel = _jitted("kernel", scale, config, interpret)
@@ -277,8 +284,10 @@ def print_table(rows: list[dict], copy_gbs: float) -> None:
     print(f"\ncopy bandwidth (read + write): {copy_gbs:,.0f} GB/s")
     # kern: the whole call (plan, query gather, kernel, combine); reuse: with the plan made
     # once per step; main: the Mosaic kernel alone (CUPTI). GB/s and %copy: of the whole call.
-    head = (f"{'case':34} {'ref us':>9} {'kern us':>9} {'reuse us':>9} {'main us':>9} {'GB/s':>7} {'%copy':>6} "
-            f"{'reuse%':>6} {'main%':>6} {'TFLOP/s':>8} {'x ref':>6} {'err':>8}")
+    head = (
+        f"{'case':34} {'ref us':>9} {'kern us':>9} {'reuse us':>9} {'main us':>9} {'GB/s':>7} {'%copy':>6} "
+        f"{'reuse%':>6} {'main%':>6} {'TFLOP/s':>8} {'x ref':>6} {'err':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -288,10 +297,12 @@ def print_table(rows: list[dict], copy_gbs: float) -> None:
         tflops = f"{r['kernel_tflops']:8.1f}" if r["prefill"] else f"{'':8}"
         main_us = f"{r['main_kernel_us']:9.1f}" if "main_kernel_us" in r else f"{'-':>9}"
         main_share = f"{100 * r['main_kernel_gbs'] / copy_gbs:5.0f}%" if "main_kernel_us" in r else f"{'-':>6}"
-        print(f"{r['case']:34} {r['ref_us']:9.1f} {r['kernel_us']:9.1f} {r['kernel_plan_reused_us']:9.1f} {main_us} "
-              f"{r['kernel_gbs']:7.0f} {100 * r['kernel_copy_share']:5.0f}% "
-              f"{100 * r['kernel_plan_reused_copy_share']:5.0f}% {main_share} {tflops} {r['speedup']:6.1f} "
-              f"{r['max_abs_err']:8.1e}")
+        print(
+            f"{r['case']:34} {r['ref_us']:9.1f} {r['kernel_us']:9.1f} {r['kernel_plan_reused_us']:9.1f} {main_us} "
+            f"{r['kernel_gbs']:7.0f} {100 * r['kernel_copy_share']:5.0f}% "
+            f"{100 * r['kernel_plan_reused_copy_share']:5.0f}% {main_share} {tflops} {r['speedup']:6.1f} "
+            f"{r['max_abs_err']:8.1e}"
+        )
 
 
 def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
@@ -307,13 +318,20 @@ def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
         ctx = [int(r["case"].split("ctx=")[1]) for r in mine]
         line = bw.plot(ctx, [r["ref_gbs"] for r in mine], "--", alpha=0.6)[0]
         if "kernel_us" in mine[0]:
-            bw.plot(ctx, [r["kernel_plan_reused_gbs"] for r in mine], "o-", color=line.get_color(),
-                    label=f"kernel b={b} (plan reused)")
+            bw.plot(
+                ctx,
+                [r["kernel_plan_reused_gbs"] for r in mine],
+                "o-",
+                color=line.get_color(),
+                label=f"kernel b={b} (plan reused)",
+            )
             bw.plot(ctx, [r["kernel_gbs"] for r in mine], ":", color=line.get_color(), label=f"kernel b={b} (+ plan)")
         line.set_label(f"reference b={b}")
     bw.axhline(copy_gbs, color="k", lw=1, label="copy bandwidth")
     bw.axhline(0.7 * copy_gbs, color="k", lw=1, ls="--", label="70% of copy (target)")
-    bw.set(xscale="log", xlabel="context (tokens)", ylabel="GB/s (K/V + q + out)", title="decode: achieved HBM bandwidth")
+    bw.set(
+        xscale="log", xlabel="context (tokens)", ylabel="GB/s (K/V + q + out)", title="decode: achieved HBM bandwidth"
+    )
     bw.legend(fontsize=7)
     timed = [r for r in rows if "kernel_us" in r]
     speed.barh([r["case"] for r in timed], [r["speedup"] for r in timed])
@@ -347,8 +365,14 @@ def make_matmul_inputs(t: int, k: int, n: int, seed: int) -> dict:
     offsets = -8 * scales
     fp8 = (jax.random.normal(keys[4], (k, n), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
     fp8_scales = jax.random.uniform(keys[5], (n,), jnp.float32, 1e-4, 2e-4)
-    return dict(x=x, bf16=w, int4=(packed, scales, offsets), fp8=(fp8, fp8_scales),
-                int4_kernel=qmgpu.prepare_int4(packed, scales, offsets), fp8_kernel=qmgpu.prepare_fp8(fp8, fp8_scales))
+    return dict(
+        x=x,
+        bf16=w,
+        int4=(packed, scales, offsets),
+        fp8=(fp8, fp8_scales),
+        int4_kernel=qmgpu.prepare_int4(packed, scales, offsets),
+        fp8_kernel=qmgpu.prepare_fp8(fp8, fp8_scales),
+    )
 
 
 def matmul_bytes(variant: str, t: int, k: int, n: int) -> int:
@@ -361,8 +385,9 @@ def _bf16_dot(x, w):
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def run_matmul_case(name: str, t: int, k: int, n: int, *, on_gpu: bool, run_kernel: bool, interpret: bool,
-                    runs: int, seed: int) -> dict:
+def run_matmul_case(
+    name: str, t: int, k: int, n: int, *, on_gpu: bool, run_kernel: bool, interpret: bool, runs: int, seed: int
+) -> dict:
     row = dict(case=f"{name} {k}x{n} t={t}", shape=name, tokens=t, k=k, n=n, flops=2 * t * k * n)
     interp = True if interpret else None
     variants = {"bf16": (_bf16_dot, lambda d: (d["x"], d["bf16"]))}
@@ -370,10 +395,14 @@ def run_matmul_case(name: str, t: int, k: int, n: int, *, on_gpu: bool, run_kern
         for ws in (False, True):
             config = qmgpu.TuningConfig(warp_specialized=ws)
             suffix = "_ws" if ws else ""
-            variants["int4" + suffix] = (functools.partial(qmgpu.int4_matmul, config=config, interpret=interp),
-                                         lambda d: (d["x"], d["int4_kernel"]))
-            variants["fp8" + suffix] = (functools.partial(qmgpu.fp8_matmul, config=config, interpret=interp),
-                                        lambda d: (d["x"], d["fp8_kernel"]))
+            variants["int4" + suffix] = (
+                functools.partial(qmgpu.int4_matmul, config=config, interpret=interp),
+                lambda d: (d["x"], d["int4_kernel"]),
+            )
+            variants["fp8" + suffix] = (
+                functools.partial(qmgpu.fp8_matmul, config=config, interpret=interp),
+                lambda d: (d["x"], d["fp8_kernel"]),
+            )
     else:  # CPU: the references the kernels replace
         variants["int4"] = (int4_matmul_reference, lambda d: (d["x"], *d["int4"]))
         variants["fp8"] = (fp8_matmul_reference, lambda d: (d["x"], *d["fp8"]))
@@ -386,8 +415,9 @@ def run_matmul_case(name: str, t: int, k: int, n: int, *, on_gpu: bool, run_kern
         if variant != "bf16" and run_kernel:  # checked against its reference before timing
             d = inputs[0]
             got = jax.jit(fn)(*pick(d)).astype(jnp.float32)
-            ref = int4_matmul_reference(d["x"], *d["int4"]) if kind == "int4" else fp8_matmul_reference(d["x"],
-                                                                                                       *d["fp8"])
+            ref = (
+                int4_matmul_reference(d["x"], *d["int4"]) if kind == "int4" else fp8_matmul_reference(d["x"], *d["fp8"])
+            )
             ref = ref.astype(jnp.float32)
             err = float(jnp.max(jnp.abs(got - ref) / (jnp.abs(ref) + 1e-2 * jnp.max(jnp.abs(ref)))))
             row[f"{variant}_rel_err"] = err
@@ -408,15 +438,21 @@ def run_matmul_case(name: str, t: int, k: int, n: int, *, on_gpu: bool, run_kern
 def print_matmul_table(rows: list[dict], copy_gbs: float) -> None:
     """us, share of the copy bandwidth, TFLOP/s per variant; speed-ups over the bf16 dot."""
     variants = [v.removesuffix("_us") for v in rows[0] if v.endswith("_us")]
-    print(f"\nquantized matmuls ({rows[0]['impl']}; _ws: warp-specialized pipeline); "
-          f"copy bandwidth (read + write): {copy_gbs:,.0f} GB/s")
-    head = f"{'case':26}" + "".join(f" {v + ' us':>10} {'%copy':>6} {'TF/s':>6}" for v in variants) + \
-        "".join(f" {v + ' x':>9}" for v in variants[1:])
+    print(
+        f"\nquantized matmuls ({rows[0]['impl']}; _ws: warp-specialized pipeline); "
+        f"copy bandwidth (read + write): {copy_gbs:,.0f} GB/s"
+    )
+    head = (
+        f"{'case':26}"
+        + "".join(f" {v + ' us':>10} {'%copy':>6} {'TF/s':>6}" for v in variants)
+        + "".join(f" {v + ' x':>9}" for v in variants[1:])
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        cells = "".join(f" {r[v + '_us']:10.1f} {100 * r[v + '_gbs'] / copy_gbs:5.0f}% {r[v + '_tflops']:6.1f}"
-                        for v in variants)
+        cells = "".join(
+            f" {r[v + '_us']:10.1f} {100 * r[v + '_gbs'] / copy_gbs:5.0f}% {r[v + '_tflops']:6.1f}" for v in variants
+        )
         print(f"{r['case']:26}{cells}" + "".join(f" {r[v + '_speedup']:9.2f}" for v in variants[1:]))
 
 
@@ -426,14 +462,17 @@ def plot_matmul(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len({r["shape"] for r in rows}), figsize=(5 * len({r["shape"] for r in rows}), 4),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len({r["shape"] for r in rows}), figsize=(5 * len({r["shape"] for r in rows}), 4), squeeze=False
+    )
     for ax, shape in zip(axes[0], dict.fromkeys(r["shape"] for r in rows)):
         mine = [r for r in rows if r["shape"] == shape]
         for variant in [v.removesuffix("_speedup") for v in mine[0] if v.endswith("_speedup")]:
             ax.plot([r["tokens"] for r in mine], [r[f"{variant}_speedup"] for r in mine], "o-", label=variant)
         ax.axhline(1.0, color="k", lw=1)
-        ax.set(xscale="log", xlabel="tokens", ylabel="speed-up over bf16", title=f"{shape} {mine[0]['k']}x{mine[0]['n']}")
+        ax.set(
+            xscale="log", xlabel="tokens", ylabel="speed-up over bf16", title=f"{shape} {mine[0]['k']}x{mine[0]['n']}"
+        )
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -445,8 +484,19 @@ def run_matmuls(args, on_gpu: bool, run_kernel: bool, copy_gbs: float) -> list[d
     rows, start = [], time.perf_counter()
     for i, (name, k, n) in enumerate(shapes):
         for t in tokens:
-            rows.append(run_matmul_case(name, t, k, n, on_gpu=on_gpu, run_kernel=run_kernel,
-                                        interpret=args.interpret and not on_gpu, runs=args.runs, seed=100 * i + t))
+            rows.append(
+                run_matmul_case(
+                    name,
+                    t,
+                    k,
+                    n,
+                    on_gpu=on_gpu,
+                    run_kernel=run_kernel,
+                    interpret=args.interpret and not on_gpu,
+                    runs=args.runs,
+                    seed=100 * i + t,
+                )
+            )
             print(f"  {rows[-1]['case']}: done ({time.perf_counter() - start:.0f}s)", flush=True)
     print_matmul_table(rows, copy_gbs)
     return rows
@@ -459,8 +509,12 @@ def main(argv=None) -> None:
     parser.add_argument("--only", choices=("attention", "matmul"), help="one group of cases (default: both)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per case (median)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib); with both groups "
-                        "the matmul plot goes to PATH with '_matmul' before the suffix")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG plot (needs matplotlib); with both groups "
+        "the matmul plot goes to PATH with '_matmul' before the suffix",
+    )
     args = parser.parse_args(argv)
 
     device = jax.devices()[0]
@@ -479,8 +533,15 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         rows = []
         for i, case in enumerate(cases):
-            row = run_case(case, model, on_gpu=on_gpu, run_kernel=run_kernel,
-                           interpret=args.interpret and not on_gpu, runs=args.runs, seed=i)
+            row = run_case(
+                case,
+                model,
+                on_gpu=on_gpu,
+                run_kernel=run_kernel,
+                interpret=args.interpret and not on_gpu,
+                runs=args.runs,
+                seed=i,
+            )
             rows.append(summarize(row, copy_gbs))
             print(f"  {case.name}: done ({time.perf_counter() - start:.0f}s)", flush=True)
         print_table(rows, copy_gbs)

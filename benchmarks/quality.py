@@ -95,8 +95,7 @@ def nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(-logp[np.arange(len(targets)), targets].sum())
 
 
-def logit_stats(ref_logits: np.ndarray, test_logits: np.ndarray, targets: np.ndarray,
-                chunk: int = 128) -> LogitStats:
+def logit_stats(ref_logits: np.ndarray, test_logits: np.ndarray, targets: np.ndarray, chunk: int = 128) -> LogitStats:
     """The sums behind `compare_logits`. ref_logits, test_logits: [T, vocab], row t
     predicting targets[t]; rows are taken `chunk` at a time to bound the float64 copies."""
     ref_logits, test_logits, targets = np.asarray(ref_logits), np.asarray(test_logits), np.asarray(targets)
@@ -120,9 +119,13 @@ def logit_stats(ref_logits: np.ndarray, test_logits: np.ndarray, targets: np.nda
 def summarize(stats: LogitStats) -> dict:
     """Perplexity of each model, mean KL per token and top-1 agreement from summed stats."""
     n = stats.tokens
-    return {"tokens": n, "ref_perplexity": float(np.exp(stats.ref_nll / n)),
-            "test_perplexity": float(np.exp(stats.test_nll / n)), "mean_kl": stats.kl / n,
-            "top1_agreement": stats.top1_equal / n}
+    return {
+        "tokens": n,
+        "ref_perplexity": float(np.exp(stats.ref_nll / n)),
+        "test_perplexity": float(np.exp(stats.test_nll / n)),
+        "mean_kl": stats.kl / n,
+        "top1_agreement": stats.top1_equal / n,
+    }
 
 
 def compare_logits(ref_logits: np.ndarray, test_logits: np.ndarray, targets: np.ndarray) -> dict:
@@ -154,11 +157,11 @@ def text_windows(tokenizer, text: str, window: int) -> list[list[int]]:
     with the tokens the tokenizer adds in front (BOS), if any; a window has >= 2 tokens."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     with_special = tokenizer.encode("a", add_special_tokens=True)
-    prefix = with_special[:len(with_special) - len(tokenizer.encode("a", add_special_tokens=False))]
+    prefix = with_special[: len(with_special) - len(tokenizer.encode("a", add_special_tokens=False))]
     step = window - len(prefix)
     if step < 1:
         raise ValueError(f"{window=} leaves no room for text after the {len(prefix)} prefix tokens")
-    windows = [prefix + ids[i:i + step] for i in range(0, len(ids), step)]
+    windows = [prefix + ids[i : i + step] for i in range(0, len(ids), step)]
     return [w for w in windows if len(w) >= 2]
 
 
@@ -170,14 +173,15 @@ def window_logits_fn(loaded, window: int, kv_cache_dtype: str = "auto"):
     import jax
     from flax import nnx
 
-    from jaxserve.model.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
     from jaxserve.model.inputs import ModelInputs
+    from jaxserve.model.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
 
     graphdef, state = nnx.split(loaded.model)
     step = jax.jit(lambda state, kv, inputs: nnx.merge(graphdef, state)(inputs, kv), donate_argnums=(1,))
     num_blocks = -(-window // BLOCK_SIZE)
-    kv = allocate_kv_cache(loaded.config, num_blocks + 1, BLOCK_SIZE,
-                           resolve_kv_cache_dtype(kv_cache_dtype, loaded.model.dtype))
+    kv = allocate_kv_cache(
+        loaded.config, num_blocks + 1, BLOCK_SIZE, resolve_kv_cache_dtype(kv_cache_dtype, loaded.model.dtype)
+    )
     table = np.arange(1, num_blocks + 1)  # block 0 is the null block
     pad_pos = np.arange(window)
 
@@ -187,10 +191,14 @@ def window_logits_fn(loaded, window: int, kv_cache_dtype: str = "auto"):
         pos = np.arange(n)
         pad = window - n  # padding tokens: slot 0 (the null block), in no sequence
         inputs = ModelInputs.from_numpy(
-            input_ids=list(ids) + [0] * pad, positions=np.concatenate([pos, np.zeros(pad)]),
+            input_ids=list(ids) + [0] * pad,
+            positions=np.concatenate([pos, np.zeros(pad)]),
             slot_mapping=np.concatenate([table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, np.zeros(pad)]),
-            query_start_loc=[0, n], seq_lens=[n], block_tables=table[None],
-            logits_indices=np.minimum(pad_pos, n - 1))
+            query_start_loc=[0, n],
+            seq_lens=[n],
+            block_tables=table[None],
+            logits_indices=np.minimum(pad_pos, n - 1),
+        )
         out, kv = step(state, kv, inputs)
         return np.asarray(out[:n])
 
@@ -203,9 +211,17 @@ def greedy_continuations(loaded, prompts: list[str], max_tokens: int, kv_cache_d
     from scheduler import SamplingParams
 
     longest = max(len(loaded.tokenizer.encode(p)) for p in prompts)
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256,
-                                            max_model_len=longest + max_tokens, kv_cache_memory=64 << 20,
-                                            kv_cache_dtype=kv_cache_dtype, warm_up=False))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            max_num_seqs=len(prompts),
+            max_num_batched_tokens=256,
+            max_model_len=longest + max_tokens,
+            kv_cache_memory=64 << 20,
+            kv_cache_dtype=kv_cache_dtype,
+            warm_up=False,
+        ),
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -228,7 +244,7 @@ def run(args) -> dict:
         skipped["gguf"] = "not a .gguf file: there are no GGUF blocks to keep"
     reference = load_model(args.model, dtype=args.dtype, progress=False)
     models = {s: load_model(args.model, dtype=args.dtype, progress=False, quantization=s) for s in schemes}
-    windows = text_windows(reference.tokenizer, TEXT.read_text(), args.window)[:args.max_windows]
+    windows = text_windows(reference.tokenizer, TEXT.read_text(), args.window)[: args.max_windows]
 
     ref_logits = window_logits_fn(reference, args.window)
     logit_fns = {s: window_logits_fn(m, args.window) for s, m in models.items()}
@@ -247,21 +263,36 @@ def run(args) -> dict:
     for s in schemes:
         summary = summarize(stats[s])
         loaded = models.pop(s)
-        rows[s] = {"label": loaded.quantization.label, "weight_mib": loaded.weight_bytes / 2**20,
-                   "perplexity": summary["test_perplexity"], "mean_kl": summary["mean_kl"],
-                   "top1_agreement": summary["top1_agreement"],
-                   **greedy_agreement(ref_out, greedy_continuations(loaded, PROMPTS, args.max_tokens),
-                                      args.max_tokens)}
+        rows[s] = {
+            "label": loaded.quantization.label,
+            "weight_mib": loaded.weight_bytes / 2**20,
+            "perplexity": summary["test_perplexity"],
+            "mean_kl": summary["mean_kl"],
+            "top1_agreement": summary["top1_agreement"],
+            **greedy_agreement(ref_out, greedy_continuations(loaded, PROMPTS, args.max_tokens), args.max_tokens),
+        }
         del loaded
         gc.collect()
     tokens = sum(len(w) - 1 for w in windows)
     kv_rows = {d: kv_cache_row(reference, d, args, ref_out) for d in kv_dtypes}
-    return {"model": args.model or "SmolLM2-135M-Instruct (default, Q4_1 GGUF)", "dtype": args.dtype,
-            "window": args.window, "windows": len(windows), "tokens": tokens,
-            "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
-            "reference": {"label": f"{args.dtype} (not quantized)", "weight_mib": reference.weight_bytes / 2**20,
-                          "perplexity": float(np.exp(ref_nll / tokens))},
-            "schemes": rows, "skipped": skipped, "long_window": args.long_window, "kv_cache": kv_rows}
+    return {
+        "model": args.model or "SmolLM2-135M-Instruct (default, Q4_1 GGUF)",
+        "dtype": args.dtype,
+        "window": args.window,
+        "windows": len(windows),
+        "tokens": tokens,
+        "max_tokens": args.max_tokens,
+        "prompts": len(PROMPTS),
+        "reference": {
+            "label": f"{args.dtype} (not quantized)",
+            "weight_mib": reference.weight_bytes / 2**20,
+            "perplexity": float(np.exp(ref_nll / tokens)),
+        },
+        "schemes": rows,
+        "skipped": skipped,
+        "long_window": args.long_window,
+        "kv_cache": kv_rows,
+    }
 
 
 def kv_cache_row(reference, kv_dtype: str, args, ref_out: list[list[int]]) -> dict:
@@ -270,53 +301,87 @@ def kv_cache_row(reference, kv_dtype: str, args, ref_out: list[list[int]]) -> di
     from jaxserve.model.kv_cache import kv_bytes_per_token, kv_dtype_label, resolve_kv_cache_dtype
 
     dtype = resolve_kv_cache_dtype(kv_dtype, reference.model.dtype)
-    row = {"label": kv_dtype_label(dtype), "bytes_per_token": kv_bytes_per_token(reference.config, dtype),
-           "full_bytes_per_token": kv_bytes_per_token(reference.config, reference.model.dtype), "windows": {}}
+    row = {
+        "label": kv_dtype_label(dtype),
+        "bytes_per_token": kv_bytes_per_token(reference.config, dtype),
+        "full_bytes_per_token": kv_bytes_per_token(reference.config, reference.model.dtype),
+        "windows": {},
+    }
     for window in dict.fromkeys((args.window, args.long_window)):
-        windows = text_windows(reference.tokenizer, TEXT.read_text(), window)[:args.max_windows]
+        windows = text_windows(reference.tokenizer, TEXT.read_text(), window)[: args.max_windows]
         full, quantized = window_logits_fn(reference, window), window_logits_fn(reference, window, kv_dtype)
         stats = LogitStats()
         for i, ids in enumerate(windows):
             print(f"kv {kv_dtype}, {window}-token window {i + 1}/{len(windows)}", file=sys.stderr, flush=True)
             stats += logit_stats(full(ids)[:-1], quantized(ids)[:-1], np.asarray(ids[1:]))
         summary = summarize(stats)
-        row["windows"][window] = {"windows": len(windows), "tokens": summary["tokens"],
-                                  "perplexity": summary["test_perplexity"],
-                                  "full_perplexity": summary["ref_perplexity"], "mean_kl": summary["mean_kl"],
-                                  "top1_agreement": summary["top1_agreement"]}
+        row["windows"][window] = {
+            "windows": len(windows),
+            "tokens": summary["tokens"],
+            "perplexity": summary["test_perplexity"],
+            "full_perplexity": summary["ref_perplexity"],
+            "mean_kl": summary["mean_kl"],
+            "top1_agreement": summary["top1_agreement"],
+        }
         del full, quantized
         gc.collect()
-    row.update(greedy_agreement(ref_out, greedy_continuations(reference, PROMPTS, args.max_tokens, kv_dtype),
-                                args.max_tokens))
+    row.update(
+        greedy_agreement(ref_out, greedy_continuations(reference, PROMPTS, args.max_tokens, kv_dtype), args.max_tokens)
+    )
     return row
 
 
 def print_table(result: dict) -> None:
-    print(f"{result['model']}, {result['dtype']}: {result['tokens']} predicted tokens of "
-          f"benchmarks/quality_text.txt in {result['windows']} windows of <= {result['window']}; "
-          f"greedy {result['max_tokens']} tokens x {result['prompts']} prompts")
+    print(
+        f"{result['model']}, {result['dtype']}: {result['tokens']} predicted tokens of "
+        f"benchmarks/quality_text.txt in {result['windows']} windows of <= {result['window']}; "
+        f"greedy {result['max_tokens']} tokens x {result['prompts']} prompts"
+    )
     ref = result["reference"]
     header = ("scheme", "weights (MiB)", "perplexity", "mean KL (nats)", "top-1 agree", "greedy agree", "identical")
-    rows = [(ref["label"] + " [reference]", f"{ref['weight_mib']:.1f}",
-             f"{ref['perplexity']:.3f}", "-", "-", "-", "-")]
+    rows = [(ref["label"] + " [reference]", f"{ref['weight_mib']:.1f}", f"{ref['perplexity']:.3f}", "-", "-", "-", "-")]
     for r in result["schemes"].values():
-        rows.append((r["label"], f"{r['weight_mib']:.1f}", f"{r['perplexity']:.3f}", f"{r['mean_kl']:.2e}",
-                     f"{100 * r['top1_agreement']:.2f}%", f"{100 * r['greedy_agreement']:.1f}%",
-                     f"{r['greedy_identical']}/{result['prompts']}"))
+        rows.append(
+            (
+                r["label"],
+                f"{r['weight_mib']:.1f}",
+                f"{r['perplexity']:.3f}",
+                f"{r['mean_kl']:.2e}",
+                f"{100 * r['top1_agreement']:.2f}%",
+                f"{100 * r['greedy_agreement']:.1f}%",
+                f"{r['greedy_identical']}/{result['prompts']}",
+            )
+        )
     _print_rows(header, rows)
     for scheme, why in result["skipped"].items():
         print(f"{scheme} skipped: {why}")
     if result["kv_cache"]:
         print(f"\nKV cache, against the {ref['label']} model with its full-precision cache:")
-        header = ("KV cache", "bytes/token", "window", "perplexity (full)", "mean KL (nats)", "top-1 agree",
-                  "greedy agree", "identical")
+        header = (
+            "KV cache",
+            "bytes/token",
+            "window",
+            "perplexity (full)",
+            "mean KL (nats)",
+            "top-1 agree",
+            "greedy agree",
+            "identical",
+        )
         rows = []
         for r in result["kv_cache"].values():
             for window, w in r["windows"].items():
-                rows.append((r["label"], f"{r['bytes_per_token']} vs {r['full_bytes_per_token']}",
-                             f"{w['windows']} x {window}", f"{w['perplexity']:.3f} ({w['full_perplexity']:.3f})",
-                             f"{w['mean_kl']:.2e}", f"{100 * w['top1_agreement']:.2f}%",
-                             f"{100 * r['greedy_agreement']:.1f}%", f"{r['greedy_identical']}/{result['prompts']}"))
+                rows.append(
+                    (
+                        r["label"],
+                        f"{r['bytes_per_token']} vs {r['full_bytes_per_token']}",
+                        f"{w['windows']} x {window}",
+                        f"{w['perplexity']:.3f} ({w['full_perplexity']:.3f})",
+                        f"{w['mean_kl']:.2e}",
+                        f"{100 * w['top1_agreement']:.2f}%",
+                        f"{100 * r['greedy_agreement']:.1f}%",
+                        f"{r['greedy_identical']}/{result['prompts']}",
+                    )
+                )
         _print_rows(header, rows)
 
 
@@ -324,8 +389,9 @@ def _print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     """A markdown table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
     for i, row in enumerate([header, *rows]):
-        print("| " + " | ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
-              + " |")
+        print(
+            "| " + " | ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths))) + " |"
+        )
         if i == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
@@ -335,8 +401,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="a HF folder or .gguf file (default: the embedded model)")
     p.add_argument("--dtype", default="float32", help="dtype of the reference and of the quantized models' rest")
     p.add_argument("--quantization", default="gguf,int4,fp8", help="comma-separated schemes to compare")
-    p.add_argument("--kv-cache-dtype", default="fp8,int8",
-                   help="comma-separated 8-bit KV caches to compare with the full one ('' for none)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="fp8,int8",
+        help="comma-separated 8-bit KV caches to compare with the full one ('' for none)",
+    )
     p.add_argument("--window", type=int, default=512, help="tokens per independent window of the text")
     p.add_argument("--long-window", type=int, default=2048, help="the KV cache rows' long-context windows")
     p.add_argument("--max-windows", type=int, default=None, help="score only the first windows (default: all)")

@@ -30,8 +30,11 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig  # noq
 
 def step_overhead(num_seqs: int, num_blocks: int, steps: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    s = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=num_seqs,
-                                  max_num_batched_tokens=8192, max_model_len=4096))
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks, block_size=16, max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=4096
+        )
+    )
     for i in range(num_seqs):
         prompt = rng.integers(100, 40000, int(rng.integers(32, 512))).tolist()
         s.add_request(Request(str(i), prompt, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)))
@@ -54,15 +57,28 @@ def step_overhead(num_seqs: int, num_blocks: int, steps: int, seed: int = 0) -> 
             r.num_computed_tokens += 0
         floor.append(time.perf_counter() - start)
     ms = np.array(times) * 1000
-    return {"num_seqs": num_seqs, "num_blocks": num_blocks, "steps": steps, "median_ms": float(np.median(ms)),
-            "p99_ms": float(np.percentile(ms, 99)), "python_loop_floor_ms": float(np.median(floor) * 1000)}
+    return {
+        "num_seqs": num_seqs,
+        "num_blocks": num_blocks,
+        "steps": steps,
+        "median_ms": float(np.median(ms)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "python_loop_floor_ms": float(np.median(floor) * 1000),
+    }
 
 
 def kv_waste(num_requests: int, max_num_seqs: int, max_model_len: int, block_size: int = 16, seed: int = 0) -> dict:
     work = synthetic_workload(num_requests, seed=seed)
     num_blocks = 1 + 2 * max_num_seqs * (768 // block_size)  # room for max_num_seqs of the longest request
-    s = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=512, max_model_len=max_model_len))
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=512,
+            max_model_len=max_model_len,
+        )
+    )
     for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
         s.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
     paged_alloc = paged_used = contiguous_alloc = steps = 0
@@ -79,8 +95,13 @@ def kv_waste(num_requests: int, max_num_seqs: int, max_model_len: int, block_siz
             contiguous_alloc += max_model_len
         steps += 1
         s.update(batch, np.ones(batch.num_seqs, np.int32))
-    return {"block_size": block_size, "max_model_len": max_model_len, "steps": steps,
-            "paged_waste": 1 - paged_used / paged_alloc, "contiguous_waste": 1 - paged_used / contiguous_alloc}
+    return {
+        "block_size": block_size,
+        "max_model_len": max_model_len,
+        "steps": steps,
+        "paged_waste": 1 - paged_used / paged_alloc,
+        "contiguous_waste": 1 - paged_used / contiguous_alloc,
+    }
 
 
 def main(argv=None) -> int:
@@ -97,16 +118,20 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"step": overhead, "kv_waste": waste}, indent=2))
         return 0
-    print(f"schedule() + update(), {overhead['num_seqs']} running sequences, {overhead['num_blocks']} blocks, "
-          f"{overhead['steps']} steps")
+    print(
+        f"schedule() + update(), {overhead['num_seqs']} running sequences, {overhead['num_blocks']} blocks, "
+        f"{overhead['steps']} steps"
+    )
     print(f"| {'median (ms)':>11} | {'p99 (ms)':>8} | {'bare loop over the requests (ms)':>32} |")
     print(f"|{'-' * 13}|{'-' * 10}|{'-' * 34}|")
-    print(f"| {overhead['median_ms']:>11.3f} | {overhead['p99_ms']:>8.3f} | {overhead['python_loop_floor_ms']:>32.4f} |")
+    print(
+        f"| {overhead['median_ms']:>11.3f} | {overhead['p99_ms']:>8.3f} | {overhead['python_loop_floor_ms']:>32.4f} |"
+    )
     print()
     print("KV waste, throughput workload (128 requests, 64 running), allocated minus used slots over allocated")
     print(f"| {'allocation':<44} | {'waste':>6} |")
     print(f"|{'-' * 46}|{'-' * 8}|")
-    print(f"| {'paged, blocks of %d tokens' % waste['block_size']:<44} | {waste['paged_waste']:>6.1%} |")
+    print(f"| {f'paged, blocks of {waste["block_size"]} tokens':<44} | {waste['paged_waste']:>6.1%} |")
     label = f"contiguous, max_model_len={waste['max_model_len']} per request"
     print(f"| {label:<44} | {waste['contiguous_waste']:>6.1%} |")
     return 0

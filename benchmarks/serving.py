@@ -73,14 +73,18 @@ class RequestResult:
 
 # -- datasets ---------------------------------------------------------------------------
 
+
 def random_requests(num: int, input_len: int, output_len: int, seed: int) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
-    return [BenchRequest(rng.integers(*RANDOM_TOKEN_RANGE, input_len).tolist(), input_len, output_len, True)
-            for _ in range(num)]
+    return [
+        BenchRequest(rng.integers(*RANDOM_TOKEN_RANGE, input_len).tolist(), input_len, output_len, True)
+        for _ in range(num)
+    ]
 
 
-def sharegpt_requests(path: str, num: int, output_len: int | None, seed: int, tokenizer=None,
-                      ignore_eos: bool = False) -> list[BenchRequest]:
+def sharegpt_requests(
+    path: str, num: int, output_len: int | None, seed: int, tokenizer=None, ignore_eos: bool = False
+) -> list[BenchRequest]:
     """First human turn as the prompt; the reply's token count as the output length, unless
     `output_len` fixes it (a tokenizer is needed otherwise). Filters as vLLM does."""
     with open(path) as f:
@@ -91,8 +95,9 @@ def sharegpt_requests(path: str, num: int, output_len: int | None, seed: int, to
         prompt, reply = entry["conversations"][0]["value"], entry["conversations"][1]["value"]
         prompt_len = len(tokenizer.encode(prompt)) if tokenizer else None
         n = output_len or len(tokenizer.encode(reply))
-        if tokenizer and (prompt_len < 4 or (output_len is None and n < 4) or prompt_len > 1024
-                          or prompt_len + n > 2048):
+        if tokenizer and (
+            prompt_len < 4 or (output_len is None and n < 4) or prompt_len > 1024 or prompt_len + n > 2048
+        ):
             continue
         out.append(BenchRequest(prompt, prompt_len, n, ignore_eos))
         if len(out) == num:
@@ -104,9 +109,17 @@ def sharegpt_requests(path: str, num: int, output_len: int | None, seed: int, to
 
 # -- one streamed request ---------------------------------------------------------------
 
+
 async def send(http: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestResult:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": req.ignore_eos}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": req.ignore_eos,
+    }
     result = RequestResult(prompt_len=req.prompt_len or 0)
     start = last = time.perf_counter()
     try:
@@ -140,16 +153,27 @@ async def send(http: httpx.AsyncClient, model: str, req: BenchRequest) -> Reques
     return result
 
 
-async def run(base_url: str, model: str, requests: list[BenchRequest], *, request_rate: float,
-              max_concurrency: int | None, api_key: str | None, seed: int, timeout: float) -> tuple[list, float]:
+async def run(
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    *,
+    request_rate: float,
+    max_concurrency: int | None,
+    api_key: str | None,
+    seed: int,
+    timeout: float,
+) -> tuple[list, float]:
     """All requests, sent at the Poisson rate and under the concurrency cap; (results, seconds)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     gate = asyncio.Semaphore(limit)
     rng = np.random.default_rng(seed)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout, connect=30)) as http:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(timeout, connect=30)
+    ) as http:
+
         async def limited(req):
             async with gate:
                 return await send(http, model, req)
@@ -166,23 +190,32 @@ async def run(base_url: str, model: str, requests: list[BenchRequest], *, reques
 
 # -- metrics ----------------------------------------------------------------------------
 
-def calculate_metrics(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None,
-                      slo_tpot_ms: float | None = None) -> dict:
+
+def calculate_metrics(
+    results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+) -> dict:
     """vLLM's metrics and JSON keys; latencies in ms. Goodput counts requests within every given SLO."""
     ok = [r for r in results if r.success]
     ttfts = [r.ttft * 1000 for r in ok]
     tpots = [r.tpot * 1000 for r in ok if r.tpot is not None]
     itls = [x * 1000 for r in ok for x in r.itl]
     e2els = [r.latency * 1000 for r in ok]
-    good = [r for r in ok
-            if (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
-            and (slo_tpot_ms is None or (r.tpot or 0.0) * 1000 <= slo_tpot_ms)]
+    good = [
+        r
+        for r in ok
+        if (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
+        and (slo_tpot_ms is None or (r.tpot or 0.0) * 1000 <= slo_tpot_ms)
+    ]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
     m = {
-        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "request_goodput": len(good) / duration if (slo_ttft_ms or slo_tpot_ms) else None,
         "errors": sorted({r.error for r in results if not r.success})[:5],
@@ -194,8 +227,12 @@ def calculate_metrics(results: list[RequestResult], duration: float, slo_ttft_ms
     return m
 
 
-SECTIONS = [("Time to First Token", "ttft", "TTFT"), ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
-            ("Inter-token Latency", "itl", "ITL"), ("End-to-end Latency", "e2el", "E2EL")]
+SECTIONS = [
+    ("Time to First Token", "ttft", "TTFT"),
+    ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+    ("Inter-token Latency", "itl", "ITL"),
+    ("End-to-end Latency", "e2el", "E2EL"),
+]
 
 
 def format_report(m: dict, max_concurrency: int | None, request_rate: float) -> str:
@@ -224,12 +261,19 @@ def format_report(m: dict, max_concurrency: int | None, request_rate: float) -> 
     return "\n".join(lines)
 
 
-SWEEP_COLUMNS = [("concurrency", "max_concurrency", "{:d}"), ("req/s", "request_throughput", "{:.2f}"),
-                 ("out tok/s", "output_throughput", "{:.1f}"), ("total tok/s", "total_token_throughput", "{:.1f}"),
-                 ("mean TTFT", "mean_ttft_ms", "{:.0f}"), ("p99 TTFT", "p99_ttft_ms", "{:.0f}"),
-                 ("mean TPOT", "mean_tpot_ms", "{:.1f}"), ("p99 ITL", "p99_itl_ms", "{:.1f}"),
-                 ("mean E2EL", "mean_e2el_ms", "{:.0f}"), ("goodput", "request_goodput", "{:.2f}"),
-                 ("failed", "failed", "{:d}")]
+SWEEP_COLUMNS = [
+    ("concurrency", "max_concurrency", "{:d}"),
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("out tok/s", "output_throughput", "{:.1f}"),
+    ("total tok/s", "total_token_throughput", "{:.1f}"),
+    ("mean TTFT", "mean_ttft_ms", "{:.0f}"),
+    ("p99 TTFT", "p99_ttft_ms", "{:.0f}"),
+    ("mean TPOT", "mean_tpot_ms", "{:.1f}"),
+    ("p99 ITL", "p99_itl_ms", "{:.1f}"),
+    ("mean E2EL", "mean_e2el_ms", "{:.0f}"),
+    ("goodput", "request_goodput", "{:.2f}"),
+    ("failed", "failed", "{:d}"),
+]
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -274,8 +318,9 @@ def format_comparison(levels: dict[str, list[dict]]) -> str:
     return format_table(["engine"] + [name for name, _, _ in SWEEP_COLUMNS], rows)
 
 
-def plot_sweep(levels: list[dict], path: str, title: str, slo_ttft_ms: float | None = None,
-               slo_tpot_ms: float | None = None) -> None:
+def plot_sweep(
+    levels: list[dict], path: str, title: str, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+) -> None:
     """Output throughput (left) and latency (right, log scale) against concurrency; goodput
     and the SLO lines when SLOs were given."""
     import matplotlib
@@ -292,14 +337,20 @@ def plot_sweep(levels: list[dict], path: str, title: str, slo_ttft_ms: float | N
     if levels[0]["request_goodput"] is not None:
         ax1b = ax1.twinx()
         # (Request throughput itself would only repeat the token curve when lengths are fixed.)
-        ax1b.plot(conc, [m["request_goodput"] for m in levels], "s--", color="tab:red",
-                  label="goodput req/s (within SLOs)")
+        ax1b.plot(
+            conc, [m["request_goodput"] for m in levels], "s--", color="tab:red", label="goodput req/s (within SLOs)"
+        )
         ax1b.set_ylabel("requests/s")
         ax1b.set_ylim(bottom=0)
         handles += ax1b.get_lines()
     ax1.legend(handles=handles, loc="upper left", fontsize=8)
-    for key, label in (("mean_ttft_ms", "mean TTFT"), ("p99_ttft_ms", "p99 TTFT"), ("mean_tpot_ms", "mean TPOT"),
-                       ("p99_itl_ms", "p99 ITL"), ("mean_e2el_ms", "mean E2E latency")):
+    for key, label in (
+        ("mean_ttft_ms", "mean TTFT"),
+        ("p99_ttft_ms", "p99 TTFT"),
+        ("mean_tpot_ms", "mean TPOT"),
+        ("p99_itl_ms", "p99 ITL"),
+        ("mean_e2el_ms", "mean E2E latency"),
+    ):
         ax2.plot(conc, [m[key] for m in levels], "o-", label=label)
     for slo, label, color in ((slo_ttft_ms, "TTFT SLO", "tab:blue"), (slo_tpot_ms, "TPOT SLO", "tab:green")):
         if slo:
@@ -323,6 +374,7 @@ def plot_sweep(levels: list[dict], path: str, title: str, slo_ttft_ms: float | N
 
 # -- command line -----------------------------------------------------------------------
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (not with --baseline)")
@@ -332,14 +384,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="Hugging Face tokenizer for ShareGPT lengths (transformers)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="random prompts: tokens per prompt")
-    p.add_argument("--output-len", type=int, default=None,
-                   help="tokens to generate (random default 64; ShareGPT default: the reply's length)")
-    p.add_argument("--ignore-eos", action="store_true", help="ShareGPT: generate exactly the output length "
-                                                             "(random prompts always do)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="tokens to generate (random default 64; ShareGPT default: the reply's length)",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ShareGPT: generate exactly the output length (random prompts always do)",
+    )
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate, req/s (default inf)")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--sweep", help="comma-separated concurrency levels, e.g. 1,2,4,8 (each runs "
-                                   "max(num-prompts, 2 x level) requests)")
+    p.add_argument(
+        "--sweep",
+        help="comma-separated concurrency levels, e.g. 1,2,4,8 (each runs max(num-prompts, 2 x level) requests)",
+    )
     p.add_argument("--plot", help="with --sweep: save throughput and latency against concurrency here")
     p.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT, ms")
     p.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT, ms")
@@ -348,9 +409,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip the one request sent before measuring")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--result-file", help="also write the JSON result here")
-    vllm_baseline.add_arguments(p, choices=["vllm"], default=None,
-                                help="start jaxserve's server, then vLLM's (CPU build, from --vllm-python), "
-                                     "and run the same load against each")
+    vllm_baseline.add_arguments(
+        p,
+        choices=["vllm"],
+        default=None,
+        help="start jaxserve's server, then vLLM's (CPU build, from --vllm-python), and run the same load against each",
+    )
     servers = p.add_argument_group("servers that --baseline starts (both get the same)")
     servers.add_argument("--max-num-seqs", type=int, default=64)
     servers.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -374,6 +438,7 @@ def load_requests(args, num: int) -> list[BenchRequest]:
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     elif args.output_len is None:
         raise SystemExit("ShareGPT needs --tokenizer (to count reply tokens) or a fixed --output-len")
@@ -381,9 +446,18 @@ def load_requests(args, num: int) -> list[BenchRequest]:
 
 
 def benchmark(args, model: str, max_concurrency: int | None, requests: list[BenchRequest]) -> dict:
-    results, duration = asyncio.run(run(args.base_url, model, requests, request_rate=args.request_rate,
-                                        max_concurrency=max_concurrency, api_key=args.api_key, seed=args.seed,
-                                        timeout=args.timeout))
+    results, duration = asyncio.run(
+        run(
+            args.base_url,
+            model,
+            requests,
+            request_rate=args.request_rate,
+            max_concurrency=max_concurrency,
+            api_key=args.api_key,
+            seed=args.seed,
+            timeout=args.timeout,
+        )
+    )
     m = calculate_metrics(results, duration, args.slo_ttft, args.slo_tpot)
     rate = args.request_rate if args.request_rate != float("inf") else "inf"  # JSON has no infinity
     return {**m, "max_concurrency": max_concurrency, "request_rate": rate, "num_prompts": len(requests)}
@@ -394,12 +468,27 @@ def measure(args, requests: list[BenchRequest], sweep: list[int]) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     if not args.no_warmup:
-        warm = asyncio.run(run(args.base_url, model, requests[:1], request_rate=float("inf"),
-                               max_concurrency=1, api_key=args.api_key, seed=args.seed, timeout=args.timeout))[0][0]
+        warm = asyncio.run(
+            run(
+                args.base_url,
+                model,
+                requests[:1],
+                request_rate=float("inf"),
+                max_concurrency=1,
+                api_key=args.api_key,
+                seed=args.seed,
+                timeout=args.timeout,
+            )
+        )[0][0]
         if not warm.success:
             raise SystemExit(f"warm-up request failed: {warm.error}")
-    info = {"model": model, "base_url": args.base_url, "dataset": args.dataset_path or "random",
-            "input_len": None if args.dataset_path else args.input_len, "output_len": args.output_len}
+    info = {
+        "model": model,
+        "base_url": args.base_url,
+        "dataset": args.dataset_path or "random",
+        "input_len": None if args.dataset_path else args.input_len,
+        "output_len": args.output_len,
+    }
     if not sweep:
         return {**info, **benchmark(args, model, args.max_concurrency, requests)}
     levels = []
@@ -411,18 +500,40 @@ def measure(args, requests: list[BenchRequest], sweep: list[int]) -> dict:
 
 def server_commands(args, vllm_python: str) -> dict[str, tuple]:
     """name -> (command for a port, environment): the servers --baseline compares."""
-    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--max-model-len", str(args.max_model_len)]
-    jaxserve = lambda port: [sys.executable, "-m", "api", "--port", str(port), *flags,  # noqa: E731
-                             "--kv-cache-memory", f"{args.kv_cache_memory_mb}MiB", "--no-access-log",
-                             "--log-level", "warning"]
+    flags = [
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
+
+    def jaxserve(port):
+        return [
+            sys.executable,
+            "-m",
+            "api",
+            "--port",
+            str(port),
+            *flags,
+            "--kv-cache-memory",
+            f"{args.kv_cache_memory_mb}MiB",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
+
     model_dir = vllm_baseline.converted_model_dir()
-    vllm_flags = vllm_baseline.engine_flags(args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                                            args.kv_cache_memory_mb << 20)
+    vllm_flags = vllm_baseline.engine_flags(
+        args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory_mb << 20
+    )
     vllm = lambda port: vllm_baseline.vllm_server_command(vllm_python, model_dir, port, vllm_flags)  # noqa: E731
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {"jaxserve": (jaxserve, {**os.environ, "PYTHONPATH": path}),
-            "vllm": (vllm, vllm_baseline.vllm_env(vllm_python))}
+    return {
+        "jaxserve": (jaxserve, {**os.environ, "PYTHONPATH": path}),
+        "vllm": (vllm, vllm_baseline.vllm_env(vllm_python)),
+    }
 
 
 def compare(args, vllm_python: str, requests: list[BenchRequest], sweep: list[int]) -> dict:
@@ -447,17 +558,27 @@ def main(argv=None) -> int:
     requests = load_requests(args, max([args.num_prompts] + [2 * c for c in sweep]))
     if vllm_python:
         engines = compare(args, vllm_python, requests, sweep)
-        result = {**engines, "settings": {k: getattr(args, k) for k in (
-            "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_mb")}}
+        result = {
+            **engines,
+            "settings": {
+                k: getattr(args, k)
+                for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_mb")
+            },
+        }
         if args.json:
             print(json.dumps(result))
         else:
             what = args.dataset_path or f"random prompts, {args.input_len} tokens in / {args.output_len or 64} out"
             rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate} req/s"
-            print(f"{len(requests)} requests ({what}), {rate}, float32 CPU; both servers: "
-                  + ", ".join(f"{k} {v}" for k, v in result["settings"].items()))
-            print("start-up (s): " + ", ".join(f"{k} {v['startup_s']:.0f}" for k, v in engines.items())
-                  + "; latencies in ms; speed-up: jaxserve over vLLM (above 1: jaxserve better)")
+            print(
+                f"{len(requests)} requests ({what}), {rate}, float32 CPU; both servers: "
+                + ", ".join(f"{k} {v}" for k, v in result["settings"].items())
+            )
+            print(
+                "start-up (s): "
+                + ", ".join(f"{k} {v['startup_s']:.0f}" for k, v in engines.items())
+                + "; latencies in ms; speed-up: jaxserve over vLLM (above 1: jaxserve better)"
+            )
             print(format_comparison({k: v.get("levels", [v]) for k, v in engines.items()}))
         runs = [m for v in engines.values() for m in v.get("levels", [v])]
     else:

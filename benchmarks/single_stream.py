@@ -58,8 +58,15 @@ def jaxserve_runner(args):
 
     enable_compilation_cache()  # the user's cache: a server compiles its programs once
     loaded = load_model(None, progress=False, quantization=args.quantization)
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
-                                            max_model_len=args.max_model_len, kv_cache_memory=1 << 30))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=512,
+            max_model_len=args.max_model_len,
+            kv_cache_memory=1 << 30,
+        ),
+    )
     max_tokens = args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -125,11 +132,19 @@ def in_process(args, with_transformers: bool = True) -> tuple[dict, ...]:
                 result = run(prompt)
                 if r:
                     samples[name].append(result)
-    results = tuple({"ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
-                     "decode_tok_s": statistics.median(d for _, d in samples[name])} for name in runners)
+    results = tuple(
+        {
+            "ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
+            "decode_tok_s": statistics.median(d for _, d in samples[name]),
+        }
+        for name in runners
+    )
     if args.profile:
-        print(f"jaxserve step profile over {args.rounds} rounds x {len(PROMPTS)} prompts:\n"
-              f"{engine.profiler.table()}\n\n{device_report(engine.runner, engine.profiler)}\n", flush=True)
+        print(
+            f"jaxserve step profile over {args.rounds} rounds x {len(PROMPTS)} prompts:\n"
+            f"{engine.profiler.table()}\n\n{device_report(engine.runner, engine.profiler)}\n",
+            flush=True,
+        )
     results[0]["roofline_tok_s"] = roofline_tok_s(engine, args.max_tokens)
     return results
 
@@ -196,13 +211,29 @@ def vllm_runs(vllm_python: str, work: Path, args) -> tuple[dict, dict]:
     prompts.write_text(json.dumps(ids))
     first_prompt.write_text(json.dumps(ids[:1]))
     caches = {"VLLM_CACHE_ROOT": str(work / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
-    flags = ["--model", str(model_dir), *vllm_baseline.engine_flags(args.max_model_len, args.max_num_seqs,
-                                                                  512, 1 << 30)]
+    flags = [
+        "--model",
+        str(model_dir),
+        *vllm_baseline.engine_flags(args.max_model_len, args.max_num_seqs, 512, 1 << 30),
+    ]
 
     def run(prompts_file: Path, max_tokens: int, rounds: int) -> dict:
-        return vllm_baseline.run_runner(vllm_python, "single", [
-            *flags, "--prompts", str(prompts_file), "--max-tokens", str(max_tokens), "--rounds", str(rounds),
-            "--spawned-at", repr(time.time())], env=caches)
+        return vllm_baseline.run_runner(
+            vllm_python,
+            "single",
+            [
+                *flags,
+                "--prompts",
+                str(prompts_file),
+                "--max-tokens",
+                str(max_tokens),
+                "--rounds",
+                str(rounds),
+                "--spawned-at",
+                repr(time.time()),
+            ],
+            env=caches,
+        )
 
     measured = run(prompts, args.max_tokens, args.rounds)
     second = run(first_prompt, 4, 0)
@@ -234,8 +265,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64, help="both engines' max_num_seqs (a server's setting)")
     p.add_argument("--max-model-len", type=int, default=1024, help="both engines' max_model_len")
     p.add_argument("--profile", action="store_true", help="print jaxserve's step profile (host phases, device parts)")
-    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
-                   help="run jaxserve with quantized projections (the baseline stays float32)")
+    p.add_argument(
+        "--quantization",
+        choices=["int4", "fp8", "gguf"],
+        default=None,
+        help="run jaxserve with quantized projections (the baseline stays float32)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
@@ -250,39 +285,64 @@ def main(argv=None) -> int:
         else:
             (theirs,) = theirs
     base = args.baseline
-    result = {"max_tokens": args.max_tokens, "prompts": len(PROMPTS), "quantization": args.quantization,
-              "jaxserve": ours, base: theirs, "cold_start": cold}
+    result = {
+        "max_tokens": args.max_tokens,
+        "prompts": len(PROMPTS),
+        "quantization": args.quantization,
+        "jaxserve": ours,
+        base: theirs,
+        "cold_start": cold,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     rows = [
         ("time to first token (ms)", ours["ttft_ms"], theirs["ttft_ms"], theirs["ttft_ms"] / ours["ttft_ms"]),
-        ("decode (tokens/s)", ours["decode_tok_s"], theirs["decode_tok_s"], ours["decode_tok_s"] / theirs["decode_tok_s"]),
-        ("cold start, first (s)", cold["jaxserve_first_s"], cold[f"{base}_first_s"],
-         cold[f"{base}_first_s"] / cold["jaxserve_first_s"]),
-        ("cold start, second (s)", cold["jaxserve_second_s"], cold[f"{base}_second_s"],
-         cold[f"{base}_second_s"] / cold["jaxserve_second_s"]),
+        (
+            "decode (tokens/s)",
+            ours["decode_tok_s"],
+            theirs["decode_tok_s"],
+            ours["decode_tok_s"] / theirs["decode_tok_s"],
+        ),
+        (
+            "cold start, first (s)",
+            cold["jaxserve_first_s"],
+            cold[f"{base}_first_s"],
+            cold[f"{base}_first_s"] / cold["jaxserve_first_s"],
+        ),
+        (
+            "cold start, second (s)",
+            cold["jaxserve_second_s"],
+            cold[f"{base}_second_s"],
+            cold[f"{base}_second_s"] / cold["jaxserve_second_s"],
+        ),
     ]
     if args.quantization:
         print(f"jaxserve's projections quantized: {args.quantization}; the baseline runs float32")
     if vllm_python:
         name = f"vLLM {theirs['vllm_version']}"
-        print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
-              f"x {len(PROMPTS)} prompts, jaxserve then vLLM (max_num_seqs {args.max_num_seqs}, "
-              f"max_model_len {args.max_model_len}, from a float32 safetensors copy)")
+        print(
+            f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
+            f"x {len(PROMPTS)} prompts, jaxserve then vLLM (max_num_seqs {args.max_num_seqs}, "
+            f"max_model_len {args.max_model_len}, from a float32 safetensors copy)"
+        )
     else:
         name = "transformers"
-        print(f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
-              f"x {len(PROMPTS)} prompts, the two engines alternating")
+        print(
+            f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
+            f"x {len(PROMPTS)} prompts, the two engines alternating"
+        )
     width = max(12, len(name))
     print(f"| {'metric':<26} | {'jaxserve':>9} | {name:>{width}} | {'speed-up':>8} |")
     print(f"|{'-' * 28}|{'-' * 11}|{'-' * (width + 2)}|{'-' * 10}|")
     for label, a, b, ratio in rows:
         print(f"| {label:<26} | {a:>9.1f} | {b:>{width}.1f} | {ratio:>7.2f}x |")
     roof = ours["roofline_tok_s"]
-    print(f"memory roofline of a decode step (every weight and the context's K/V read once, at the read "
-          f"bandwidth measured in this run): {roof:.1f} tok/s; jaxserve reaches "
-          f"{100 * ours['decode_tok_s'] / roof:.0f}%, {name} {100 * theirs['decode_tok_s'] / roof:.0f}%")
+    print(
+        f"memory roofline of a decode step (every weight and the context's K/V read once, at the read "
+        f"bandwidth measured in this run): {roof:.1f} tok/s; jaxserve reaches "
+        f"{100 * ours['decode_tok_s'] / roof:.0f}%, {name} {100 * theirs['decode_tok_s'] / roof:.0f}%"
+    )
     return 0
 
 

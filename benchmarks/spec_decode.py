@@ -42,7 +42,8 @@ rate the accepted share of drafted tokens. Mismatches: requests whose greedy tok
 from the `none` run's for the same prompt and batch size (speculation must not change
 them; reported, not fatal).
 
-    python benchmarks/spec_decode.py [--methods none,ngram,draft,medusa,medusa-tree,eagle] [--sets repetitive,chat] [--batch-sizes 1,8]
+    python benchmarks/spec_decode.py [--methods none,ngram,draft,medusa,medusa-tree,eagle]
+        [--sets repetitive,chat] [--batch-sizes 1,8]
     python benchmarks/spec_decode.py --limit 4 --max-tokens 64 --plot spec.png
     python benchmarks/spec_decode.py --smoke --json     # 2 prompts, 16 tokens, batch 1, a small engine
 """
@@ -81,8 +82,12 @@ class SpecCounts(NamedTuple):
     def minus(self, before: SpecCounts) -> SpecCounts:
         """The counts since `before` (the per-position list only grows)."""
         earlier = before.per_position + (0,) * (len(self.per_position) - len(before.per_position))
-        return SpecCounts(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                          self.accepted - before.accepted, tuple(a - b for a, b in zip(self.per_position, earlier)))
+        return SpecCounts(
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted - before.accepted,
+            tuple(a - b for a, b in zip(self.per_position, earlier)),
+        )
 
 
 class RunResult(NamedTuple):
@@ -131,9 +136,13 @@ def encode_prompt_sets(engine, names: list[str], limit: int | None) -> dict[str,
     from jaxserve.engine.tokenization import encode_chat
 
     vocab = engine.loaded.config.vocab_size
-    return {name: [Prompt(r["id"], encode_chat(engine.tokenizer, r["messages"], vocab)[1])
-                   for r in read_prompt_set(name)[:limit]]
-            for name in names}
+    return {
+        name: [
+            Prompt(r["id"], encode_chat(engine.tokenizer, r["messages"], vocab)[1])
+            for r in read_prompt_set(name)[:limit]
+        ]
+        for name in names
+    }
 
 
 def groups(prompts: list[Prompt], batch: int) -> list[list[int]]:
@@ -149,16 +158,26 @@ def speculative_config(method: str, args) -> dict | None:
     """vLLM's --speculative-config keys for `method` (None: no speculation)."""
     k = args.num_speculative_tokens
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.prompt_lookup_min,
-                "prompt_lookup_max": args.prompt_lookup_max}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max,
+        }
     if method == "draft":
         return {"method": "draft_model", "num_speculative_tokens": k, "draft_num_layers": args.draft_num_layers}
     if method == "medusa":
-        return {"method": "medusa", "model": str(trained_heads("medusa", args.medusa_heads)),
-                "num_speculative_tokens": k}
+        return {
+            "method": "medusa",
+            "model": str(trained_heads("medusa", args.medusa_heads)),
+            "num_speculative_tokens": k,
+        }
     if method == "medusa-tree":
-        return {"method": "medusa", "model": str(trained_heads("medusa", args.medusa_heads)),
-                "speculative_token_tree": args.token_tree}
+        return {
+            "method": "medusa",
+            "model": str(trained_heads("medusa", args.medusa_heads)),
+            "speculative_token_tree": args.token_tree,
+        }
     if method == "eagle":
         return {"method": "eagle", "model": str(trained_heads("eagle", args.eagle_head)), "num_speculative_tokens": k}
     return None
@@ -182,17 +201,24 @@ def build_engine(method: str, args):
 
     spec = speculative_config(method, args)
     kwargs = {"speculative_config": spec} if spec else {}  # so `none` runs on an engine without the field too
-    return LLMEngine.from_model(None, progress=False, max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=1024,
-                                kv_cache_memory=1 << 30, **kwargs)
+    return LLMEngine.from_model(
+        None,
+        progress=False,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=1024,
+        kv_cache_memory=1 << 30,
+        **kwargs,
+    )
 
 
 def spec_counts(engine) -> SpecCounts:
     stats = getattr(engine.scheduler, "spec_stats", None)
     if stats is None:
         return SpecCounts(0, 0, 0, ())
-    return SpecCounts(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                      tuple(stats.accepted_per_position))
+    return SpecCounts(
+        stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, tuple(stats.accepted_per_position)
+    )
 
 
 def run_group(engine, prompts: list[Prompt], params, tag: str) -> RunResult:
@@ -217,11 +243,16 @@ def measure_method(engine, method: str, sets: dict[str, list[Prompt]], batch_siz
     for name, prompts in sets.items():
         for batch in batch_sizes:
             compiled, counts = engine.compilations, spec_counts(engine)
-            runs = [run_group(engine, [prompts[i] for i in group], params, f"{name}-{batch}-{n}")
-                    for n, group in enumerate(groups(prompts, batch))]
+            runs = [
+                run_group(engine, [prompts[i] for i in group], params, f"{name}-{batch}-{n}")
+                for n, group in enumerate(groups(prompts, batch))
+            ]
             results[name, batch] = Measured(runs, spec_counts(engine).minus(counts), engine.compilations - compiled)
-            print(f"  {method:<5} {name:<10} batch {batch}: {decode_rate(runs):.1f} decode tok/s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"  {method:<5} {name:<10} batch {batch}: {decode_rate(runs):.1f} decode tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
@@ -248,15 +279,26 @@ def make_rows(measured: dict[str, dict]) -> list[Row]:
             runs, counts, compilations = results[key]
             rate = decode_rate(runs)
             speculative = method != "none"
-            rows.append(Row(
-                prompt_set=key[0], batch=key[1], method=method, requests=sum(len(r.token_ids) for r in runs),
-                output_tokens=sum(len(ids) for r in runs for ids in r.token_ids), decode_tok_s=rate,
-                speedup=rate / decode_rate(base.runs) if base else None,
-                mean_acceptance_length=1 + counts.accepted / counts.drafts if speculative and counts.drafts else None,
-                acceptance_rate=counts.accepted / counts.draft_tokens if speculative and counts.draft_tokens else None,
-                accepted_per_position=list(counts.per_position),
-                mismatches=count_mismatches(runs, base.runs) if base and speculative else None,
-                compilations_while_timed=compilations))
+            rows.append(
+                Row(
+                    prompt_set=key[0],
+                    batch=key[1],
+                    method=method,
+                    requests=sum(len(r.token_ids) for r in runs),
+                    output_tokens=sum(len(ids) for r in runs for ids in r.token_ids),
+                    decode_tok_s=rate,
+                    speedup=rate / decode_rate(base.runs) if base else None,
+                    mean_acceptance_length=1 + counts.accepted / counts.drafts
+                    if speculative and counts.drafts
+                    else None,
+                    acceptance_rate=counts.accepted / counts.draft_tokens
+                    if speculative and counts.draft_tokens
+                    else None,
+                    accepted_per_position=list(counts.per_position),
+                    mismatches=count_mismatches(runs, base.runs) if base and speculative else None,
+                    compilations_while_timed=compilations,
+                )
+            )
     return rows
 
 
@@ -265,20 +307,32 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 
 def print_table(rows: list[Row], args) -> None:
-    print(f"SmolLM2-135M-Instruct, float32, greedy, max_tokens {args.max_tokens}, max_num_seqs {args.max_num_seqs}; "
-          f"{args.num_speculative_tokens} draft tokens; ngram lookup {args.prompt_lookup_min}-"
-          f"{args.prompt_lookup_max}; self-draft {args.draft_num_layers} layers")
+    print(
+        f"SmolLM2-135M-Instruct, float32, greedy, max_tokens {args.max_tokens}, max_num_seqs {args.max_num_seqs}; "
+        f"{args.num_speculative_tokens} draft tokens; ngram lookup {args.prompt_lookup_min}-"
+        f"{args.prompt_lookup_max}; self-draft {args.draft_num_layers} layers"
+    )
     head = ("set", "batch", "method", "decode tok/s", "speed-up", "mean acc. len", "acc. rate", "mismatches")
     widths = (10, 5, 11, 12, 8, 13, 9, 10)
     print("| " + " | ".join(f"{h:>{w}}" for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:
-        cells = (r.prompt_set, r.batch, r.method, f"{r.decode_tok_s:.1f}", _fmt(r.speedup, ".2f", "x"),
-                 _fmt(r.mean_acceptance_length, ".2f"), _fmt(r.acceptance_rate, ".2f"),
-                 _fmt(r.mismatches, "d", f"/{r.requests}"))
+        cells = (
+            r.prompt_set,
+            r.batch,
+            r.method,
+            f"{r.decode_tok_s:.1f}",
+            _fmt(r.speedup, ".2f", "x"),
+            _fmt(r.mean_acceptance_length, ".2f"),
+            _fmt(r.acceptance_rate, ".2f"),
+            _fmt(r.mismatches, "d", f"/{r.requests}"),
+        )
         print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + " |")
-    recompiled = [f"{r.method} {r.prompt_set} batch {r.batch}: {r.compilations_while_timed}" for r in rows
-                  if r.compilations_while_timed]
+    recompiled = [
+        f"{r.method} {r.prompt_set} batch {r.batch}: {r.compilations_while_timed}"
+        for r in rows
+        if r.compilations_while_timed
+    ]
     if recompiled:
         print("note: XLA compilations during timed runs (after the warm-up): " + ", ".join(recompiled))
 
@@ -313,10 +367,19 @@ def plot(rows: list[Row], path: str) -> None:
     ax.legend(title="speculation")
     for r in rows:
         if r.speedup is not None and r.mean_acceptance_length is not None:
-            acc.scatter(r.mean_acceptance_length, r.speedup, marker="o" if r.batch == 1 else "s",
-                        color=f"C{methods.index(r.method)}")
-            acc.annotate(f"{r.prompt_set[:4]} b{r.batch}", (r.mean_acceptance_length, r.speedup), fontsize=7,
-                         textcoords="offset points", xytext=(4, 2))
+            acc.scatter(
+                r.mean_acceptance_length,
+                r.speedup,
+                marker="o" if r.batch == 1 else "s",
+                color=f"C{methods.index(r.method)}",
+            )
+            acc.annotate(
+                f"{r.prompt_set[:4]} b{r.batch}",
+                (r.mean_acceptance_length, r.speedup),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(4, 2),
+            )
     acc.axhline(1.0, color="k", lw=0.8)
     acc.set_xlabel("mean acceptance length (tokens per verify step)")
     acc.set_ylabel("speed-up over none")
@@ -328,11 +391,13 @@ def plot(rows: list[Row], path: str) -> None:
 
 def choices(allowed: tuple[str, ...]):
     """An argparse type: a comma-separated subset of `allowed`, in the order given."""
+
     def parse(text: str) -> list[str]:
         items = [s.strip() for s in text.split(",") if s.strip()]
         if not items or any(s not in allowed for s in items):
             raise argparse.ArgumentTypeError(f"a comma-separated subset of {','.join(allowed)}, got {text!r}")
         return items
+
     return parse
 
 
@@ -348,8 +413,12 @@ def positive_ints(text: str) -> list[int]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", type=choices(METHODS), default=["none", "ngram", "draft"],
-                   help="default none,ngram,draft (medusa, medusa-tree and eagle train their heads first if missing)")
+    p.add_argument(
+        "--methods",
+        type=choices(METHODS),
+        default=["none", "ngram", "draft"],
+        help="default none,ngram,draft (medusa, medusa-tree and eagle train their heads first if missing)",
+    )
     p.add_argument("--sets", type=choices(SETS), default=list(SETS))
     p.add_argument("--batch-sizes", type=positive_ints, default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -363,9 +432,12 @@ def parse_args(argv):
     p.add_argument("--eagle-head", help="the folder train_draft wrote (default: the quick preset's)")
     p.add_argument("--token-tree", default=TOKEN_TREE, help="medusa-tree's speculative_token_tree")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny: 2 prompts, 16 tokens, batch 1, an engine with few programs to compile "
-                        "(max_num_seqs 4, 64 tokens per step)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny: 2 prompts, 16 tokens, batch 1, an engine with few programs to compile "
+        "(max_num_seqs 4, 64 tokens per step)",
+    )
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     args = p.parse_args(argv)
@@ -386,8 +458,11 @@ def main(argv=None) -> int:
     for method in args.methods:
         start = time.perf_counter()
         engine = build_engine(method, args)
-        print(f"{method}: engine built in {time.perf_counter() - start:.0f} s ({engine.compilations} compilations)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{method}: engine built in {time.perf_counter() - start:.0f} s ({engine.compilations} compilations)",
+            file=sys.stderr,
+            flush=True,
+        )
         sets = sets or encode_prompt_sets(engine, args.sets, args.limit)
         measured[method] = measure_method(engine, method, sets, args.batch_sizes, params)
         del engine  # one engine's KV cache at a time

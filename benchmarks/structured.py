@@ -85,9 +85,16 @@ def structured_outputs(kind: str, max_tokens: int, serial: int = 0) -> dict:
     """A constraint that cannot be complete within `max_tokens` tokens; each `serial` a new grammar."""
     if kind == "regex":  # no token of the default model's vocabulary is longer than 64 characters
         return {"regex": f"[a-z ]{{{64 * max_tokens + 1 + serial}}}"}
-    item = {"type": "object", "additionalProperties": False, "required": [f"id{serial or ''}", "name", "tags"],
-            "properties": {f"id{serial or ''}": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
-                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}}}
+    item = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": [f"id{serial or ''}", "name", "tags"],
+        "properties": {
+            f"id{serial or ''}": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 24},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        },
+    }
     return {"json": {"type": "array", "minItems": max_tokens, "items": item}}  # an item is several tokens
 
 
@@ -96,8 +103,9 @@ def arm_params(arm: str, args, max_tokens: int | None = None, serial: int = 0):
 
     n = max_tokens or args.max_tokens
     if arm == "constrained":
-        return SamplingParams(temperature=0, max_tokens=n,
-                              structured_outputs=structured_outputs(args.constraint, args.max_tokens, serial))
+        return SamplingParams(
+            temperature=0, max_tokens=n, structured_outputs=structured_outputs(args.constraint, args.max_tokens, serial)
+        )
     bias = {"logit_bias": {0: 0.0}} if arm.endswith("adjust sampler") else {}  # the adjust variant, no change
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **bias)
 
@@ -136,9 +144,12 @@ def run_group(engine, prompts: list[list[int]], params, tag: str) -> RunResult:
     outs = [done[i] for i in ids]
     start = max(o.metrics.first_token_time for o in outs)  # every prompt prefilled
     end = max(o.metrics.last_token_time for o in outs)
-    return RunResult(sum(t > start for o in outs for t in o.metrics.token_times), end - start,
-                     sum(len(o.outputs[0].token_ids) for o in outs),
-                     collections.Counter(o.outputs[0].finish_reason for o in outs))
+    return RunResult(
+        sum(t > start for o in outs for t in o.metrics.token_times),
+        end - start,
+        sum(len(o.outputs[0].token_ids) for o in outs),
+        collections.Counter(o.outputs[0].finish_reason for o in outs),
+    )
 
 
 def batch_of(prompts: list[list[int]], size: int, first: int = 0) -> list[list[int]]:
@@ -172,8 +183,11 @@ def measure_decode(engine, prompts, args, profiles=None) -> tuple[dict, int]:
                     run = run_group(engine, batch_of(prompts, batch, r), arm_params(arm, args), f"{arm}-{batch}-{r}")
                 engine.profiler = NullProfiler()
                 results[arm, batch].append(run)
-                print(f"  round {r}, batch {batch}, {arm}: {run.decode_tokens / run.decode_seconds:.1f} decode tok/s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  round {r}, batch {batch}, {arm}: {run.decode_tokens / run.decode_seconds:.1f} decode tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return dict(results), engine.compilations - compiled
 
 
@@ -250,6 +264,7 @@ class HostTimers:
                 return fn(*a, **kw)
             finally:
                 self.current[key] += time.perf_counter() - start
+
         return timed
 
     @contextlib.contextmanager
@@ -268,27 +283,39 @@ def print_profile(profiles: dict, results: dict, batch: int, engine) -> None:
     from jaxserve.engine.profiling import HOST_PHASES, breakdown_table, device_breakdown
 
     width = 34
-    print(f"\nwhere the time goes, batch {batch} (host ms per engine step, all rounds; "
-          "mask fill runs inside schedule, sampler inputs inside dispatch)")
-    print(f"| {'arm':<{width}} | decode tok/s | ms/decode step | " + " | ".join(f"{p:>10}" for p in HOST_PHASES)
-          + f" | {'mask fill':>9} | {'accept':>6} | {'sampler inputs':>14} |")
-    print(f"|{'-' * (width + 2)}|--------------|----------------|" + "|".join("-" * 12 for _ in HOST_PHASES)
-          + "|-----------|--------|----------------|")
+    print(
+        f"\nwhere the time goes, batch {batch} (host ms per engine step, all rounds; "
+        "mask fill runs inside schedule, sampler inputs inside dispatch)"
+    )
+    print(
+        f"| {'arm':<{width}} | decode tok/s | ms/decode step | "
+        + " | ".join(f"{p:>10}" for p in HOST_PHASES)
+        + f" | {'mask fill':>9} | {'accept':>6} | {'sampler inputs':>14} |"
+    )
+    print(
+        f"|{'-' * (width + 2)}|--------------|----------------|"
+        + "|".join("-" * 12 for _ in HOST_PHASES)
+        + "|-----------|--------|----------------|"
+    )
     for arm in LADDER:
         profiler, host = profiles[arm, batch]
         steps = max(profiler.steps, 1)
         rate = decode_rate(results[arm, batch])
-        print(f"| {arm:<{width}} | {rate:>12.1f} | {1000 * batch / rate:>14.1f} | "
-              + " | ".join(f"{1000 * profiler.seconds[p] / steps:>10.2f}" for p in HOST_PHASES)
-              + f" | {1000 * host['mask fill'] / steps:>9.2f} | {1000 * host['token accept'] / steps:>6.2f}"
-              f" | {1000 * host['sampler inputs'] / steps:>14.2f} |")
+        print(
+            f"| {arm:<{width}} | {rate:>12.1f} | {1000 * batch / rate:>14.1f} | "
+            + " | ".join(f"{1000 * profiler.seconds[p] / steps:>10.2f}" for p in HOST_PHASES)
+            + f" | {1000 * host['mask fill'] / steps:>9.2f} | {1000 * host['token accept'] / steps:>6.2f}"
+            f" | {1000 * host['sampler inputs'] / steps:>14.2f} |"
+        )
     examples = {}
     for arm in ("free", "constrained"):
         profiler, _ = profiles[arm, batch]
         shape, count = max(profiler.shapes.items(), key=lambda kv: kv[1])
         examples[arm] = profiler.examples[shape]
-        title = (f"\n{arm}: device time of its commonest step ({shape[0]} tokens, {shape[1]} sequences, "
-                 f"{count} steps), replayed:")
+        title = (
+            f"\n{arm}: device time of its commonest step ({shape[0]} tokens, {shape[1]} sequences, "
+            f"{count} steps), replayed:"
+        )
         print(breakdown_table(device_breakdown(engine.runner, examples[arm]), title))
     times = sampler_times(engine.runner, examples["free"], examples["constrained"])
     rows = engine.runner.rows_for(examples["constrained"].num_seqs)
@@ -307,9 +334,11 @@ def sampler_times(runner, free_batch, constrained_batch, repeats: int = 20) -> d
 
     rows = runner.rows_for(constrained_batch.num_seqs)
     adjust = runner._pad_sampling(constrained_batch.sampling, rows)
-    variants = {"plain": runner._pad_sampling(free_batch.sampling, rows), "adjust variant": adjust,
-                "mask alone": dataclasses.replace(adjust, history=None, history_lens=None, prompt_lens=None,
-                                                  token_bias=None)}
+    variants = {
+        "plain": runner._pad_sampling(free_batch.sampling, rows),
+        "adjust variant": adjust,
+        "mask alone": dataclasses.replace(adjust, history=None, history_lens=None, prompt_lens=None, token_bias=None),
+    }
     logits = jax.random.normal(jax.random.key(0), (rows, runner.config.vocab_size))
     run = jax.jit(sample)
     times = {}
@@ -333,43 +362,81 @@ def make_result(results: dict, latency: dict, setup_ms: float, args, compilation
     for batch in args.batch_sizes:
         free, con = results["free", batch], results["constrained", batch]
         decode[batch] = {
-            "free_tok_s": decode_rate(free), "constrained_tok_s": decode_rate(con),
-            "ratio": statistics.median(paired_ratios(con, free)), "round_ratios": paired_ratios(con, free),
-            "free_tokens": sum(r.generated for r in free), "constrained_tokens": sum(r.generated for r in con),
+            "free_tok_s": decode_rate(free),
+            "constrained_tok_s": decode_rate(con),
+            "ratio": statistics.median(paired_ratios(con, free)),
+            "round_ratios": paired_ratios(con, free),
+            "free_tokens": sum(r.generated for r in free),
+            "constrained_tokens": sum(r.generated for r in con),
             "constrained_finish": dict(sum((r.finish_reasons for r in con), collections.Counter())),
         }
-    return {"model": args.model or "default", "constraint": args.constraint, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "max_num_seqs": args.max_num_seqs, "decode": decode,
-            "grammar_ms": {**latency, "engine_setup": setup_ms}, "compilations_while_timed": compilations}
+    return {
+        "model": args.model or "default",
+        "constraint": args.constraint,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "max_num_seqs": args.max_num_seqs,
+        "decode": decode,
+        "grammar_ms": {**latency, "engine_setup": setup_ms},
+        "compilations_while_timed": compilations,
+    }
 
 
 def print_table(result: dict, args) -> None:
-    print(f"{args.model or 'SmolLM2-135M-Instruct (default)'}, float32, CPU; greedy, {args.max_tokens} tokens per "
-          f"request; constraint: {args.constraint} ({describe(args)}); {args.rounds} round{'s' * (args.rounds != 1)}, the arms alternating; "
-          f"max_num_seqs {args.max_num_seqs}")
+    print(
+        f"{args.model or 'SmolLM2-135M-Instruct (default)'}, float32, CPU; greedy, {args.max_tokens} tokens per "
+        f"request; constraint: {args.constraint} ({describe(args)}); "
+        f"{args.rounds} round{'s' * (args.rounds != 1)}, the arms alternating; "
+        f"max_num_seqs {args.max_num_seqs}"
+    )
     head, widths = ("metric", "free", "constrained", "constrained/free"), (40, 10, 13, 16)
-    print("| " + " | ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(head, widths))) + " |")
+    print(
+        "| " + " | ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(head, widths))) + " |"
+    )
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     rows = []
     for batch, d in result["decode"].items():
-        rows.append((f"decode tok/s, batch {batch}", f"{d['free_tok_s']:.1f}", f"{d['constrained_tok_s']:.1f}",
-                     f"{d['ratio']:.2f}x"))
-        rows.append((f"  constrained/free by round, batch {batch}", "", "", " ".join(f"{x:.2f}" for x in d["round_ratios"])))
+        rows.append(
+            (
+                f"decode tok/s, batch {batch}",
+                f"{d['free_tok_s']:.1f}",
+                f"{d['constrained_tok_s']:.1f}",
+                f"{d['ratio']:.2f}x",
+            )
+        )
+        rows.append(
+            (f"  constrained/free by round, batch {batch}", "", "", " ".join(f"{x:.2f}" for x in d["round_ratios"]))
+        )
         rows.append((f"tokens generated, batch {batch}", d["free_tokens"], d["constrained_tokens"], ""))
     g = result["grammar_ms"]
-    rows += [("time to first token (ms), cached grammar", f"{g['ttft_free']:.1f}", f"{g['ttft_cached']:.1f}",
-              f"{g['ttft_cached'] / g['ttft_free']:.2f}x"),
-             ("time to first token (ms), cold grammar", f"{g['ttft_free']:.1f}", f"{g['ttft_cold']:.1f}",
-              f"{g['ttft_cold'] / g['ttft_free']:.2f}x"),
-             ("grammar compile alone (ms), cold", "-", f"{g['compile_cold']:.2f}", ""),
-             ("grammar compile alone (ms), cached", "-", f"{g['compile_cached']:.3f}", ""),
-             ("grammar engine setup, once (ms)", "-", f"{g['engine_setup']:.0f}", "")]
+    rows += [
+        (
+            "time to first token (ms), cached grammar",
+            f"{g['ttft_free']:.1f}",
+            f"{g['ttft_cached']:.1f}",
+            f"{g['ttft_cached'] / g['ttft_free']:.2f}x",
+        ),
+        (
+            "time to first token (ms), cold grammar",
+            f"{g['ttft_free']:.1f}",
+            f"{g['ttft_cold']:.1f}",
+            f"{g['ttft_cold'] / g['ttft_free']:.2f}x",
+        ),
+        ("grammar compile alone (ms), cold", "-", f"{g['compile_cold']:.2f}", ""),
+        ("grammar compile alone (ms), cached", "-", f"{g['compile_cached']:.3f}", ""),
+        ("grammar engine setup, once (ms)", "-", f"{g['engine_setup']:.0f}", ""),
+    ]
     for cells in rows:
-        print("| " + " | ".join(f"{c:<{w}}" if i == 0 else f"{c!s:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))
-              + " |")
+        print(
+            "| "
+            + " | ".join(f"{c:<{w}}" if i == 0 else f"{c!s:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))
+            + " |"
+        )
     top = result["decode"][max(result["decode"])]
     verdict = "met" if top["ratio"] >= 0.9 else "missed"
-    print(f"aim: constrained decode within 10 % of free at batch {max(result['decode'])}: {top['ratio']:.2f}x, {verdict}")
+    print(
+        f"aim: constrained decode within 10 % of free at batch {max(result['decode'])}: {top['ratio']:.2f}x, {verdict}"
+    )
     finish = {b: d["constrained_finish"] for b, d in result["decode"].items()}
     print(f"constrained finish reasons: {finish}; TTFT and compile: medians of {args.ttft_samples}")
     if result["compilations_while_timed"]:
@@ -384,7 +451,9 @@ def describe(args) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a Hugging Face folder, GGUF file or hub id (default: the embedded one)")
+    p.add_argument(
+        "--model", default=None, help="a Hugging Face folder, GGUF file or hub id (default: the embedded one)"
+    )
     p.add_argument("--constraint", choices=("json", "regex"), default="json")
     p.add_argument("--batch-sizes", type=positive_ints, default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -392,11 +461,17 @@ def parse_args(argv):
     p.add_argument("--ttft-samples", type=int, default=5, help="cold and cached grammars timed (medians)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's max_num_seqs (a server's setting)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--profile", action="store_true",
-                   help="at the largest batch, two more arms and a step profile of each (host phases, mask fill, "
-                        "device time by part)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny: batch 1 and 2, 8 tokens, 1 round, an engine with few programs (max_num_seqs 4)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="at the largest batch, two more arms and a step profile of each (host phases, mask fill, "
+        "device time by part)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny: batch 1 and 2, 8 tokens, 1 round, an engine with few programs (max_num_seqs 4)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.smoke:
@@ -414,8 +489,13 @@ def main(argv=None) -> int:
     from scheduler import StructuredOutputsParams
 
     start = time.perf_counter()
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=1024, kv_cache_memory=1 << 30)
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=1024,
+        kv_cache_memory=1 << 30,
+    )
     engine = llm.engine
     print(f"engine built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     prompts = encode_prompts(engine)

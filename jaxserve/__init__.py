@@ -1,7 +1,7 @@
 """jaxserve: an LLM inference and serving engine in JAX.
 
-    from jaxserve import LLM, SamplingParams
-    LLM().generate("The capital of France is", SamplingParams(temperature=0))
+from jaxserve import LLM, SamplingParams
+LLM().generate("The capital of France is", SamplingParams(temperature=0))
 """
 
 import os
@@ -13,8 +13,11 @@ import os
 # does not set it already (the user's value wins); JAXSERVE_NO_XLA_FLAGS=1 appends none.
 # NOTE: they must be in place before jax creates its CPU client, hence here.
 _CPU_REASSOCIATION_FLAGS = (
-    "--xla_cpu_enable_fast_math=true", "--xla_cpu_fast_math_honor_infs=true", "--xla_cpu_fast_math_honor_nans=true",
-    "--xla_cpu_fast_math_honor_division=true", "--xla_cpu_fast_math_honor_functions=true",
+    "--xla_cpu_enable_fast_math=true",
+    "--xla_cpu_fast_math_honor_infs=true",
+    "--xla_cpu_fast_math_honor_nans=true",
+    "--xla_cpu_fast_math_honor_division=true",
+    "--xla_cpu_fast_math_honor_functions=true",
 )
 
 
@@ -32,8 +35,15 @@ if os.environ.get("JAXSERVE_NO_XLA_FLAGS") != "1":
 # start, that its models are unavailable.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name):

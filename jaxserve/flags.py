@@ -12,52 +12,111 @@ BACKENDS = ["auto", "pallas", "cpu", "reference"]
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--generation-config, --no-async-scheduling, --dtype, --quantization, --kv-cache-dtype, --attention-backend, --matmul-backend, --speculative-config,
-    --tensor-parallel-size, and the several-hosts flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout)."""
-    p.add_argument("--generation-config", default="auto",
-                   help="'auto': the model's generation_config.json sets the defaults of sampling fields a request "
-                        "(or a flag) leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="the serial step loop: wait for each step's tokens before scheduling the next (debugging)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the weights' and activations' dtype; auto (the default): the checkpoint's (config.json's "
-                        "torch_dtype; a GGUF file's 16-bit floats, else float16) on a GPU, float32 on the CPU")
-    p.add_argument("--quantization", choices=["int4", "fp8", "gguf"], default=None,
-                   help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
-                        "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto",
-                   help="store K and V in 8 bits (fp8 e4m3 or int8) with a scale per token and KV head: about "
-                        "1.9x the tokens of a bf16 cache (3.8x float32) in the same memory; auto: the model's dtype")
-    p.add_argument("--attention-backend", choices=BACKENDS, default=None,
-                   help="the Mosaic GPU kernel (Hopper, bf16/f16 models), the C++ CPU kernel (float32/bf16 KV, "
-                        "built once with the system compiler) or the pure-JAX reference; default "
-                        "$JAXSERVE_ATTENTION_BACKEND or auto (the first of those that can run)")
-    p.add_argument("--matmul-backend", choices=BACKENDS, default=None,
-                   help="quantized matmuls: the Mosaic GPU kernels (Hopper, bf16/f16 models) or the pure-JAX "
-                        "references; float models: the C++ CPU kernel for a tied LM head's decode products (cpu) "
-                        "or XLA's dot (reference); default $JAXSERVE_MATMUL_BACKEND or auto")
-    p.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative_config,
-                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
-                        '"num_speculative_tokens": 4}\' (draft_num_layers N: only its first N layers; no model: '
-                        'the target itself) or \'{"method": "medusa", "model": HEADS}\' (python -m jaxserve.train_draft; '
-                        'with "speculative_token_tree" a tree of candidates)')
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N devices (heads, MLP and vocabulary; the KV cache on its heads); "
-                        "--kv-cache-memory is then per device. On the CPU, jax is asked for N devices")
-    g = p.add_argument_group("several hosts", "one model over N nodes (jaxserve.parallel.multihost): the same command on "
-                             "every node, each with its own --node-rank; --tensor-parallel-size counts every node's "
-                             "devices. Node 0 serves; the others follow it")
+    """--generation-config, --no-async-scheduling, --dtype, --quantization, --kv-cache-dtype,
+    --attention-backend, --matmul-backend, --speculative-config, --tensor-parallel-size, and the
+    several-hosts flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout)."""
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="'auto': the model's generation_config.json sets the defaults of sampling fields a request "
+        "(or a flag) leaves unset; 'vllm': ignore them; or a folder holding a generation_config.json",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="the serial step loop: wait for each step's tokens before scheduling the next (debugging)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the weights' and activations' dtype; auto (the default): the checkpoint's (config.json's "
+        "torch_dtype; a GGUF file's 16-bit floats, else float16) on a GPU, float32 on the CPU",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["int4", "fp8", "gguf"],
+        default=None,
+        help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
+        "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "int8"],
+        default="auto",
+        help="store K and V in 8 bits (fp8 e4m3 or int8) with a scale per token and KV head: about "
+        "1.9x the tokens of a bf16 cache (3.8x float32) in the same memory; auto: the model's dtype",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=BACKENDS,
+        default=None,
+        help="the Mosaic GPU kernel (Hopper, bf16/f16 models), the C++ CPU kernel (float32/bf16 KV, "
+        "built once with the system compiler) or the pure-JAX reference; default "
+        "$JAXSERVE_ATTENTION_BACKEND or auto (the first of those that can run)",
+    )
+    p.add_argument(
+        "--matmul-backend",
+        choices=BACKENDS,
+        default=None,
+        help="quantized matmuls: the Mosaic GPU kernels (Hopper, bf16/f16 models) or the pure-JAX "
+        "references; float models: the C++ CPU kernel for a tied LM head's decode products (cpu) "
+        "or XLA's dot (reference); default $JAXSERVE_MATMUL_BACKEND or auto",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        type=_speculative_config,
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\' (draft_num_layers N: only its first N layers; no model: '
+        'the target itself) or \'{"method": "medusa", "model": HEADS}\' (python -m jaxserve.train_draft; '
+        'with "speculative_token_tree" a tree of candidates)',
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N devices (heads, MLP and vocabulary; the KV cache on its heads); "
+        "--kv-cache-memory is then per device. On the CPU, jax is asked for N devices",
+    )
+    g = p.add_argument_group(
+        "several hosts",
+        "one model over N nodes (jaxserve.parallel.multihost): the same command on "
+        "every node, each with its own --node-rank; --tensor-parallel-size counts every node's "
+        "devices. Node 0 serves; the others follow it",
+    )
     g.add_argument("--nnodes", type=int, default=1, metavar="N", help="how many nodes (hosts) hold the model")
     g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0 to N-1")
     g.add_argument("--dist-init-addr", metavar="HOST:PORT", help="node 0's address for jax.distributed's coordinator")
-    g.add_argument("--dist-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="node 0 stops, saying which node, when a node misses its heartbeats this long (default 10)")
+    g.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="node 0 stops, saying which node, when a node misses its heartbeats this long (default 10)",
+    )
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -76,8 +135,9 @@ def start_devices(args: argparse.Namespace, host_devices: int):
     from jaxserve.parallel import multihost
     from jaxserve.parallel.devices import ensure_host_devices
 
-    config = multihost.DistConfig(nnodes=args.nnodes, node_rank=args.node_rank, init_addr=args.dist_init_addr,
-                                  heartbeat_timeout=args.dist_timeout)
+    config = multihost.DistConfig(
+        nnodes=args.nnodes, node_rank=args.node_rank, init_addr=args.dist_init_addr, heartbeat_timeout=args.dist_timeout
+    )
     if not config.enabled:
         ensure_host_devices(host_devices)
         return None
@@ -86,10 +146,15 @@ def start_devices(args: argparse.Namespace, host_devices: int):
 
 def model_engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields those flags set."""
-    return {"generation_config": args.generation_config, "async_scheduling": not args.no_async_scheduling,
-            "kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
-            "matmul_backend": args.matmul_backend, "speculative_config": args.speculative_config,
-            "tensor_parallel_size": args.tensor_parallel_size}
+    return {
+        "generation_config": args.generation_config,
+        "async_scheduling": not args.no_async_scheduling,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "attention_backend": args.attention_backend,
+        "matmul_backend": args.matmul_backend,
+        "speculative_config": args.speculative_config,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

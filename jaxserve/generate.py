@@ -11,13 +11,14 @@ import argparse
 import logging
 import sys
 
-from jaxserve.weights.default_model import DefaultModelMissing
 from jaxserve.flags import add_model_flags, model_engine_kwargs, start_devices
+from jaxserve.weights.default_model import DefaultModelMissing
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxserve.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts-file)")
     p.add_argument("--prompts-file", help="a file of prompts, one per line, run as one batch")
     p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
@@ -27,11 +28,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, help="0 is off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
-    p.add_argument("--no-special-tokens", action="store_true",
-                   help="do not add the tokenizer's special tokens (its BOS) to a plain prompt")
+    p.add_argument(
+        "--no-special-tokens",
+        action="store_true",
+        help="do not add the tokenizer's special tokens (its BOS) to a plain prompt",
+    )
     add_model_flags(p)
-    p.add_argument("--cache-dir", help="where converted weights and compiled programs are kept "
-                                       "(default $JAXSERVE_CACHE or ~/.cache/jaxserve)")
+    p.add_argument(
+        "--cache-dir",
+        help="where converted weights and compiled programs are kept (default $JAXSERVE_CACHE or ~/.cache/jaxserve)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.prompts_file is None):
@@ -59,6 +65,7 @@ def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int =
 
     def pow2(n):
         return max(MIN_TOKENS, 1 << (n - 1).bit_length())
+
     decode = {pow2(len(prompt_lens) * n) for n in {1, tokens_per_seq}}
     return tuple(sorted(decode | {min(pow2(sum(prompt_lens)), limit)}))
 
@@ -71,42 +78,56 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jaxserve.weights.dtype import resolve_dtype
     from jaxserve.engine import EngineConfig, LLMEngine
     from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.engine.generation_config import read_generation_config
-    from jaxserve.parallel.multihost import Follower
     from jaxserve.engine.tokenization import encode_chat, encode_prompt
+    from jaxserve.parallel.multihost import Follower
     from jaxserve.weights import load_model
+    from jaxserve.weights.dtype import resolve_dtype
     from scheduler import SamplingParams
 
     prompts = read_prompts(args)
     try:
         enable_compilation_cache(args.cache_dir)
-        loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, args.model), cache_dir=args.cache_dir,
-                            progress=sys.stderr.isatty(), quantization=args.quantization)
+        loaded = load_model(
+            args.model,
+            dtype=resolve_dtype(args.dtype, args.model),
+            cache_dir=args.cache_dir,
+            progress=sys.stderr.isatty(),
+            quantization=args.quantization,
+        )
         # A flag wins over the model's generation config, which wins over the CLI's defaults.
-        flags = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                     seed=args.seed)
+        flags = dict(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        )
         defaults = read_generation_config(loaded.source, args.generation_config).sampling
         params = SamplingParams(**{**CLI_DEFAULTS, **defaults, **{k: v for k, v in flags.items() if v is not None}})
         vocab = loaded.config.vocab_size
         if args.chat:
             prompt_ids = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p}], vocab)[1] for p in prompts]
         else:
-            prompt_ids = [encode_prompt(loaded.tokenizer, p, vocab, add_special_tokens=not args.no_special_tokens)
-                          for p in prompts]
+            prompt_ids = [
+                encode_prompt(loaded.tokenizer, p, vocab, add_special_tokens=not args.no_special_tokens)
+                for p in prompts
+            ]
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lens = [len(ids) for ids in prompt_ids]
     spec = args.speculative_config
     buckets = buckets_for(lens, tokens_per_seq=1 + (spec.num_speculative_tokens if spec else 0))
-    engine = LLMEngine(loaded, EngineConfig(
-        max_num_seqs=len(prompts), max_num_batched_tokens=buckets[-1], token_buckets=buckets,
-        max_model_len=max(lens) + params.max_tokens + 1, kv_cache_memory=256 << 20,
-        **model_engine_kwargs(args),
-    ))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            max_num_seqs=len(prompts),
+            max_num_batched_tokens=buckets[-1],
+            token_buckets=buckets,
+            max_model_len=max(lens) + params.max_tokens + 1,
+            kv_cache_memory=256 << 20,
+            **model_engine_kwargs(args),
+        ),
+    )
     if isinstance(node, Follower):
         node.follow(engine)  # every node builds the same engine; node 0's calls drive them all
         return 0
@@ -150,8 +171,10 @@ def summary(outputs) -> str:
     decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
     decode_time = max(o.metrics.last_token_time for o in outputs) - min(o.metrics.first_token_time for o in outputs)
     rate = decode_tokens / decode_time if decode_time > 0 else float("nan")
-    return (f"prompt tokens: {prompt_tokens}, generated tokens: {generated}, "
-            f"time to first token: {ttft * 1000:.0f} ms, decode: {rate:.1f} tokens/s")
+    return (
+        f"prompt tokens: {prompt_tokens}, generated tokens: {generated}, "
+        f"time to first token: {ttft * 1000:.0f} ms, decode: {rate:.1f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,15 @@ from pathlib import Path
 
 from jaxserve.flags import parse_bytes
 from jaxserve.model.sizing import (
-    DEVICES, GB, Device, KVPlan, Setup, activation_workspace, both_units, compute_dtype, plan_kv,
+    DEVICES,
+    GB,
+    Device,
+    KVPlan,
+    Setup,
+    activation_workspace,
+    both_units,
+    compute_dtype,
+    plan_kv,
 )
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -34,8 +42,9 @@ INLINE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermedia
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxserve.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     m = p.add_argument_group("the model: a folder, a .gguf file, a hub id, or inline dimensions")
     m.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
     m.add_argument("--layers", type=int)
@@ -46,22 +55,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--intermediate", type=int)
     m.add_argument("--vocab", type=int)
     m.add_argument("--tied", action="store_true", help="inline: the LM head is the embedding table")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (default: float32 on the CPU, as the engine; bfloat16 elsewhere)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and activations (default: float32 on the CPU, as the engine; bfloat16 elsewhere)",
+    )
     p.add_argument("--quantization", choices=["none", "int4", "fp8", "gguf"], default="none")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (figures are per device)")
     d = p.add_argument_group("the device")
-    d.add_argument("--device", choices=["cpu", *DEVICES],
-                   help="figures from the table; cpu: measured here (default: this machine)")
+    d.add_argument(
+        "--device", choices=["cpu", *DEVICES], help="figures from the table; cpu: measured here (default: this machine)"
+    )
     d.add_argument("--memory", type=parse_bytes, help="override the device's memory (e.g. 80GB, 24GiB)")
     d.add_argument("--bandwidth", type=float, help="override the memory bandwidth, GB/s")
     d.add_argument("--peak-tflops", type=float, help="override the peak TFLOP/s of the compute dtype")
     t = p.add_argument_group("the target")
     t.add_argument("--context", type=int, default=4096, help="tokens per sequence (prompt + output)")
-    t.add_argument("--memory-budget", type=parse_bytes,
-                   help="memory for weights, activations and KV together (default: the device's memory)")
+    t.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        help="memory for weights, activations and KV together (default: the device's memory)",
+    )
     t.add_argument("--kv-cache-memory", type=parse_bytes, help="memory for the KV cache alone (the engine's flag)")
     t.add_argument("--max-num-seqs", type=int, help="sequences to serve at once: the KV memory they need")
     t.add_argument("--max-num-batched-tokens", type=int, default=512, help="the largest step (activation workspace)")
@@ -70,13 +86,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--num-speculative-tokens", type=int, default=4)
     s.add_argument("--draft-cost", type=float, default=0.05, help="a draft step's time over a target decode step's")
-    s.add_argument("--acceptance-lengths", type=_float_list, default=(1.5, 2.0, 3.0, 4.0),
-                   help="mean tokens per verify step (accepted drafts + 1)")
+    s.add_argument(
+        "--acceptance-lengths",
+        type=_float_list,
+        default=(1.5, 2.0, 3.0, 4.0),
+        help="mean tokens per verify step (accepted drafts + 1)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write everything printed as JSON")
     o.add_argument("--plot", metavar="PATH", help="write a roofline PNG of the batch sweep")
-    o.add_argument("--measure", action="store_true",
-                   help="run the engine's decode step over the batch sweep here and compare with the bound")
+    o.add_argument(
+        "--measure",
+        action="store_true",
+        help="run the engine's decode step over the batch sweep here and compare with the bound",
+    )
     o.add_argument("--measure-context", type=int, default=128, help="prompt tokens per sequence in --measure")
     o.add_argument("--measure-steps", type=int, default=6, help="decode steps timed per batch size")
     args = p.parse_args(argv)
@@ -119,8 +142,18 @@ def model_config(args):
 
     if args.layers is not None:
         head_dim = args.head_dim or args.hidden // args.heads
-        cfg = ModelConfig("LlamaForCausalLM", args.vocab, args.hidden, args.intermediate, args.layers, args.heads,
-                          args.kv_heads, head_dim, args.context, tie_word_embeddings=args.tied)
+        cfg = ModelConfig(
+            "LlamaForCausalLM",
+            args.vocab,
+            args.hidden,
+            args.intermediate,
+            args.layers,
+            args.heads,
+            args.kv_heads,
+            head_dim,
+            args.context,
+            tie_word_embeddings=args.tied,
+        )
         return cfg, f"inline ({args.layers} layers, {args.kv_heads} KV heads of {head_dim})"
     from jaxserve.weights.load import read_hf_config
 
@@ -194,50 +227,109 @@ def make_plan(args) -> dict:
     device = device_figures(args, compute_dtype(dtype, quant))
     context = args.context
     budget = args.memory_budget or device.memory_bytes
-    workspace = activation_workspace(cfg, max_num_batched_tokens=args.max_num_batched_tokens,
-                                     max_num_seqs=args.max_num_seqs or 256)
+    workspace = activation_workspace(
+        cfg, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs or 256
+    )
     weights_per_device = setup.weight_bytes // args.tp
     kv_memory = args.kv_cache_memory or max(0, budget - weights_per_device - workspace)
     kv = plan_kv(cfg, kv_dtype, context=context, block_size=args.block_size, memory_bytes=kv_memory, tp=args.tp)
     plan = {
-        "model": {"source": source, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
-                  "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size,
-                  "vocab": cfg.vocab_size, "tied_embeddings": cfg.tie_word_embeddings},
-        "setup": {"dtype": dtype, "quantization": quant.label if quant else "none", "kv_cache_dtype": kv_dtype,
-                  "block_size": args.block_size, "tp": args.tp, "context": context},
-        "device": {"name": device.name, "source": device.source, "memory_bytes": device.memory_bytes,
-                   "bandwidth_bytes_s": device.bandwidth, "peak_flops": device.peak_flops},
+        "model": {
+            "source": source,
+            "layers": cfg.num_layers,
+            "hidden": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "intermediate": cfg.intermediate_size,
+            "vocab": cfg.vocab_size,
+            "tied_embeddings": cfg.tie_word_embeddings,
+        },
+        "setup": {
+            "dtype": dtype,
+            "quantization": quant.label if quant else "none",
+            "kv_cache_dtype": kv_dtype,
+            "block_size": args.block_size,
+            "tp": args.tp,
+            "context": context,
+        },
+        "device": {
+            "name": device.name,
+            "source": device.source,
+            "memory_bytes": device.memory_bytes,
+            "bandwidth_bytes_s": device.bandwidth,
+            "peak_flops": device.peak_flops,
+        },
         "weights_bytes": setup.weight_bytes,
         "weights_bytes_per_device": weights_per_device,
-        "kv": kv_summary(kv, budget=budget, workspace=workspace, from_budget=args.kv_cache_memory is None,
-                         sequences=args.max_num_seqs),
+        "kv": kv_summary(
+            kv,
+            budget=budget,
+            workspace=workspace,
+            from_budget=args.kv_cache_memory is None,
+            sequences=args.max_num_seqs,
+        ),
         "decode": [bound_row(setup.decode_bound(device, b, context), batch=b) for b in args.batches],
         "compute_bound_batch": setup.compute_bound_batch(device, context),
-        "prefill": [bound_row(setup.prefill_bound(device, n), prompt_len=n)
-                    for n in args.prompt_lens or sorted({128, 512, 2048, context})],
+        "prefill": [
+            bound_row(setup.prefill_bound(device, n), prompt_len=n)
+            for n in args.prompt_lens or sorted({128, 512, 2048, context})
+        ],
         "schemes": scheme_table(cfg, dtype, args, device, kv_memory if args.kv_cache_memory else budget - workspace),
-        "speculative": [{"acceptance_length": a, "speedup": {b: setup.speculative_speedup(
-            device, batch=b, context=context, acceptance_length=a, num_speculative_tokens=args.num_speculative_tokens,
-            draft_cost=args.draft_cost) for b in (1, 8, 64)}} for a in args.acceptance_lengths],
+        "speculative": [
+            {
+                "acceptance_length": a,
+                "speedup": {
+                    b: setup.speculative_speedup(
+                        device,
+                        batch=b,
+                        context=context,
+                        acceptance_length=a,
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        draft_cost=args.draft_cost,
+                    )
+                    for b in (1, 8, 64)
+                },
+            }
+            for a in args.acceptance_lengths
+        ],
         "flags": engine_flags(args, setup, kv, workspace, budget),
-        "not_modelled": ["tensor-parallel communication (all-reduces per layer)" if args.tp > 1 else
-                         "tensor-parallel communication", "kernel efficiency (the bound assumes the roofs)",
-                         "the host's time between steps", "activations' memory traffic"],
+        "not_modelled": [
+            "tensor-parallel communication (all-reduces per layer)" if args.tp > 1 else "tensor-parallel communication",
+            "kernel efficiency (the bound assumes the roofs)",
+            "the host's time between steps",
+            "activations' memory traffic",
+        ],
     }
     return plan
 
 
 def kv_summary(kv: KVPlan, *, budget: int, workspace: int, from_budget: bool, sequences: int | None) -> dict:
-    return {"target_sequences": sequences, "target_bytes": sequences and sequences * kv.bytes_per_sequence,"bytes_per_token": kv.bytes_per_token, "bytes_per_sequence": kv.bytes_per_sequence,
-            "memory_bytes": kv.nbytes, "num_blocks": kv.num_blocks, "tokens": kv.usable_tokens,
-            "max_sequences": kv.max_sequences, "budget_bytes": budget if from_budget else None,
-            "workspace_bytes": workspace if from_budget else None}
+    return {
+        "target_sequences": sequences,
+        "target_bytes": sequences and sequences * kv.bytes_per_sequence,
+        "bytes_per_token": kv.bytes_per_token,
+        "bytes_per_sequence": kv.bytes_per_sequence,
+        "memory_bytes": kv.nbytes,
+        "num_blocks": kv.num_blocks,
+        "tokens": kv.usable_tokens,
+        "max_sequences": kv.max_sequences,
+        "budget_bytes": budget if from_budget else None,
+        "workspace_bytes": workspace if from_budget else None,
+    }
 
 
 def bound_row(bound, **key) -> dict:
-    return {**key, "bytes": bound.bytes, "flops": bound.flops, "memory_ms": bound.memory_s * 1e3,
-            "compute_ms": bound.compute_s * 1e3, "bound_ms": bound.seconds * 1e3, "tokens_per_s": bound.tokens_per_s,
-            "bound_by": bound.bound_by}
+    return {
+        **key,
+        "bytes": bound.bytes,
+        "flops": bound.flops,
+        "memory_ms": bound.memory_s * 1e3,
+        "compute_ms": bound.compute_s * 1e3,
+        "bound_ms": bound.seconds * 1e3,
+        "tokens_per_s": bound.tokens_per_s,
+        "bound_by": bound.bound_by,
+    }
 
 
 def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[dict]:
@@ -252,12 +344,19 @@ def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[
             kv_dtype = resolve_kv_cache_dtype(kv_name, dtype).name
             setup = Setup(cfg, dtype, quant, kv_dtype, args.tp)
             left = kv_memory - (0 if args.kv_cache_memory else setup.weight_bytes // args.tp)
-            kv = plan_kv(cfg, kv_dtype, context=args.context, block_size=args.block_size,
-                         memory_bytes=max(0, left), tp=args.tp)
-            rows.append({"quantization": method, "kv_cache_dtype": kv_name, "weights_bytes": setup.weight_bytes,
-                         "kv_bytes_per_token": setup.kv_bytes_per_token, "max_sequences": kv.max_sequences,
-                         "tokens_per_s": {b: setup.decode_bound(device, b, args.context).tokens_per_s
-                                          for b in (1, 64)}})
+            kv = plan_kv(
+                cfg, kv_dtype, context=args.context, block_size=args.block_size, memory_bytes=max(0, left), tp=args.tp
+            )
+            rows.append(
+                {
+                    "quantization": method,
+                    "kv_cache_dtype": kv_name,
+                    "weights_bytes": setup.weight_bytes,
+                    "kv_bytes_per_token": setup.kv_bytes_per_token,
+                    "max_sequences": kv.max_sequences,
+                    "tokens_per_s": {b: setup.decode_bound(device, b, args.context).tokens_per_s for b in (1, 64)},
+                }
+            )
     return rows
 
 
@@ -267,9 +366,13 @@ def engine_flags(args, setup: Setup, kv: KVPlan, workspace: int, budget: int) ->
     seqs = args.max_num_seqs or max(1, kv.max_sequences)
     blocks = seqs * kv.blocks_per_sequence + 1  # and the null block
     kv_memory = blocks * kv.block_size * kv.bytes_per_token
-    flags = {"--kv-cache-memory": f"{-(-kv_memory // 2**20)}MiB",  # rounded up, so the blocks fit
-             "--max-num-seqs": seqs, "--max-model-len": args.context,
-             "--max-num-batched-tokens": args.max_num_batched_tokens, "--block-size": args.block_size}
+    flags = {
+        "--kv-cache-memory": f"{-(-kv_memory // 2**20)}MiB",  # rounded up, so the blocks fit
+        "--max-num-seqs": seqs,
+        "--max-model-len": args.context,
+        "--max-num-batched-tokens": args.max_num_batched_tokens,
+        "--block-size": args.block_size,
+    }
     if args.kv_cache_dtype != "auto":
         flags["--kv-cache-dtype"] = args.kv_cache_dtype
     if args.quantization != "none":
@@ -283,37 +386,53 @@ def engine_flags(args, setup: Setup, kv: KVPlan, workspace: int, budget: int) ->
 
 def print_plan(plan: dict) -> None:
     m, st, dev, kv = plan["model"], plan["setup"], plan["device"], plan["kv"]
-    print(f"model   {m['source']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / "
-          f"{m['kv_heads']} KV heads of {m['head_dim']}, vocab {m['vocab']}")
-    print(f"setup   {st['dtype']}, weights {st['quantization']}, KV {st['kv_cache_dtype']}, blocks of "
-          f"{st['block_size']}, tp {st['tp']}, context {st['context']:,}")
+    print(
+        f"model   {m['source']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / "
+        f"{m['kv_heads']} KV heads of {m['head_dim']}, vocab {m['vocab']}"
+    )
+    print(
+        f"setup   {st['dtype']}, weights {st['quantization']}, KV {st['kv_cache_dtype']}, blocks of "
+        f"{st['block_size']}, tp {st['tp']}, context {st['context']:,}"
+    )
     peaks = ", ".join(f"{k} {v / 1e12:,.2f}" for k, v in dev["peak_flops"].items())
-    print(f"device  {dev['name']} ({dev['source']}): {both_units(dev['memory_bytes'])}, "
-          f"{dev['bandwidth_bytes_s'] / GB:,.1f} GB/s, peak TFLOP/s {peaks}")
-    print(f"\nweights        {both_units(plan['weights_bytes'])}"
-          + (f", {both_units(plan['weights_bytes_per_device'])} per device" if st["tp"] > 1 else ""))
+    print(
+        f"device  {dev['name']} ({dev['source']}): {both_units(dev['memory_bytes'])}, "
+        f"{dev['bandwidth_bytes_s'] / GB:,.1f} GB/s, peak TFLOP/s {peaks}"
+    )
+    print(
+        f"\nweights        {both_units(plan['weights_bytes'])}"
+        + (f", {both_units(plan['weights_bytes_per_device'])} per device" if st["tp"] > 1 else "")
+    )
     per_device = " per device" if st["tp"] > 1 else ""
     print(f"KV per token   {kv['bytes_per_token']:,} bytes{per_device}")
     print(f"KV per seq     {both_units(kv['bytes_per_sequence'])} for {st['context']:,} tokens (whole blocks)")
     if kv["target_sequences"]:
         print(f"KV for {kv['target_sequences']:,} seqs {both_units(kv['target_bytes'])} (and one null block)")
     if kv["budget_bytes"] is not None and plan["weights_bytes_per_device"] >= kv["budget_bytes"]:
-        print(f"KV memory      none: the weights alone exceed the budget {both_units(kv['budget_bytes'])} "
-              "(try --tp or --quantization)")
+        print(
+            f"KV memory      none: the weights alone exceed the budget {both_units(kv['budget_bytes'])} "
+            "(try --tp or --quantization)"
+        )
     elif kv["budget_bytes"] is not None:
-        print(f"KV memory      {both_units(kv['memory_bytes'])}: the budget {both_units(kv['budget_bytes'])} "
-              f"less weights and ~{both_units(kv['workspace_bytes'])} of activations")
+        print(
+            f"KV memory      {both_units(kv['memory_bytes'])}: the budget {both_units(kv['budget_bytes'])} "
+            f"less weights and ~{both_units(kv['workspace_bytes'])} of activations"
+        )
     else:
         print(f"KV memory      {both_units(kv['memory_bytes'])} ({kv['num_blocks']:,} blocks, the null block included)")
-    print(f"fits           {kv['max_sequences']:,} sequences of {st['context']:,} tokens at once "
-          f"({kv['tokens']:,} tokens in {max(0, kv['num_blocks'] - 1):,} usable blocks)")
+    print(
+        f"fits           {kv['max_sequences']:,} sequences of {st['context']:,} tokens at once "
+        f"({kv['tokens']:,} tokens in {max(0, kv['num_blocks'] - 1):,} usable blocks)"
+    )
 
     print(f"\ndecode step bound at context {st['context']:,}: max(bytes / bandwidth, FLOPs / peak)")
     print("| batch | bytes/step | GFLOP/step | memory ms | compute ms | tok/s bound | bound by |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for r in plan["decode"]:
-        print(f"| {r['batch']} | {both_units(r['bytes'])} | {r['flops'] / 1e9:,.1f} | {r['memory_ms']:,.3f} | "
-              f"{r['compute_ms']:,.3f} | {r['tokens_per_s']:,.0f} | {r['bound_by']} |")
+        print(
+            f"| {r['batch']} | {both_units(r['bytes'])} | {r['flops'] / 1e9:,.1f} | {r['memory_ms']:,.3f} | "
+            f"{r['compute_ms']:,.3f} | {r['tokens_per_s']:,.0f} | {r['bound_by']} |"
+        )
     turn = plan["compute_bound_batch"]
     print(f"decode turns compute-bound at batch {turn:,}" if turn else "decode stays memory-bound")
 
@@ -326,9 +445,11 @@ def print_plan(plan: dict) -> None:
     print("| weights | KV | weights size | KV bytes/token | sequences fit | tok/s bound, batch 1 | batch 64 |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in plan["schemes"]:
-        print(f"| {r['quantization']} | {r['kv_cache_dtype']} | {both_units(r['weights_bytes'])} | "
-              f"{r['kv_bytes_per_token']:,} | {r['max_sequences']:,} | {r['tokens_per_s'][1]:,.0f} | "
-              f"{r['tokens_per_s'][64]:,.0f} |")
+        print(
+            f"| {r['quantization']} | {r['kv_cache_dtype']} | {both_units(r['weights_bytes'])} | "
+            f"{r['kv_bytes_per_token']:,} | {r['max_sequences']:,} | {r['tokens_per_s'][1]:,.0f} | "
+            f"{r['tokens_per_s'][64]:,.0f} |"
+        )
 
     print("\nspeculative decoding: speed-up bound (acceptance length = accepted drafts + 1 per verify step)")
     print("| acceptance length | batch 1 | batch 8 | batch 64 |\n|---:|---:|---:|---:|")
@@ -339,19 +460,25 @@ def print_plan(plan: dict) -> None:
     f = plan["flags"]
     flags = " ".join(f"{k} {v}" for k, v in f["flags"].items())
     verdict = "fits" if f["fits"] else "does NOT fit"
-    print(f"\nflags   {flags}\n        needs {both_units(f['memory_needed_bytes'])} with weights and activations: "
-          f"{verdict} in {both_units(plan['kv']['budget_bytes'] or plan['device']['memory_bytes'])}")
+    print(
+        f"\nflags   {flags}\n        needs {both_units(f['memory_needed_bytes'])} with weights and activations: "
+        f"{verdict} in {both_units(plan['kv']['budget_bytes'] or plan['device']['memory_bytes'])}"
+    )
     print(f"not modelled: {'; '.join(plan['not_modelled'])}")
 
 
 def print_measured(rows: list[dict]) -> None:
-    print(f"\nmeasured here: the engine's decode step (random prompts of {rows[0]['prompt']} tokens, the median of "
-          f"{rows[0]['steps']} steps per batch; context: the sequences' mean while timed)")
+    print(
+        f"\nmeasured here: the engine's decode step (random prompts of {rows[0]['prompt']} tokens, the median of "
+        f"{rows[0]['steps']} steps per batch; context: the sequences' mean while timed)"
+    )
     print("| batch | context | step ms | measured tok/s | bound tok/s | measured / bound |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['context']} | {r['step_ms']:,.1f} | {r['tokens_per_s']:,.1f} | "
-              f"{r['bound_tokens_per_s']:,.1f} | {r['ratio']:.2f} |")
+        print(
+            f"| {r['batch']} | {r['context']} | {r['step_ms']:,.1f} | {r['tokens_per_s']:,.1f} | "
+            f"{r['bound_tokens_per_s']:,.1f} | {r['ratio']:.2f} |"
+        )
 
 
 def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
@@ -378,17 +505,30 @@ def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
     ax.plot(batches, compute, "--", color="tab:red", label="compute roof (FLOPs / peak)")
     ax.plot(batches, bound, "-", color="k", lw=2, label="bound")
     if measured:
-        ax.plot(batches, [r["tokens_per_s"] for r in measured], "o-", color="tab:green",
-                label=f"measured (prompts of {measured[0]['prompt']})")
+        ax.plot(
+            batches,
+            [r["tokens_per_s"] for r in measured],
+            "o-",
+            color="tab:green",
+            label=f"measured (prompts of {measured[0]['prompt']})",
+        )
         for r in measured:
-            ax.annotate(f"{r['ratio']:.2f}", (r["batch"], r["tokens_per_s"]), textcoords="offset points",
-                        xytext=(0, -12), ha="center", fontsize=7)
+            ax.annotate(
+                f"{r['ratio']:.2f}",
+                (r["batch"], r["tokens_per_s"]),
+                textcoords="offset points",
+                xytext=(0, -12),
+                ha="center",
+                fontsize=7,
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("decode batch (sequences)")
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"{Path(plan['model']['source']).name}, {plan['setup']['dtype']}, {context} on "
-                 f"{plan['device']['name']}", fontsize=9)
+    ax.set_title(
+        f"{Path(plan['model']['source']).name}, {plan['setup']['dtype']}, {context} on {plan['device']['name']}",
+        fontsize=9,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -32,10 +32,17 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.model.inputs import ModelInputs
-from jaxserve.spec_decode.heads import (METHODS, EagleHead, MedusaHeads, make_heads, prefill_inputs,
-                                         save_heads, trainable_attention)
+from jaxserve.model.kv_cache import allocate_kv_cache
+from jaxserve.spec_decode.heads import (
+    METHODS,
+    EagleHead,
+    MedusaHeads,
+    make_heads,
+    prefill_inputs,
+    save_heads,
+    trainable_attention,
+)
 from jaxserve.spec_decode.ngram import propose_ngram
 
 # Shipped as package data (pyproject: [tool.setuptools.package-data]), so an installed wheel has it.
@@ -87,6 +94,7 @@ class Corpus:
 
 # -- data -------------------------------------------------------------------------------
 
+
 def read_prompts(path: Path, tokenizer, vocab_size: int, limit: int) -> list[list[int]]:
     """Token ids of the file's prompts, through the chat template when the tokenizer has one."""
     from jaxserve.engine.tokenization import encode_chat, encode_prompt
@@ -105,8 +113,15 @@ def self_distill(loaded, prompts: list[list[int]], max_tokens: int, temperature:
     from jaxserve.engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, warm_up=False,
-                                            max_model_len=max(map(len, prompts)) + max_tokens))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            max_num_seqs=32,
+            max_num_batched_tokens=512,
+            warm_up=False,
+            max_model_len=max(map(len, prompts)) + max_tokens,
+        ),
+    )
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i))
     done = {}
@@ -125,7 +140,7 @@ def record_features(model, prompts: list[list[int]], continuations: list[list[in
     length = -(-max(map(len, seqs)) // TARGET_BLOCK) * TARGET_BLOCK
     tokens = np.zeros((len(seqs), length), np.int32)
     for n, s in enumerate(seqs):
-        tokens[n, :len(s)] = s
+        tokens[n, : len(s)] = s
     batch = min(batch, len(seqs))
     inputs = prefill_inputs([length] * batch, length, TARGET_BLOCK)
     kv = allocate_kv_cache(model.cfg, 1 + batch * length // TARGET_BLOCK, TARGET_BLOCK, model.dtype)
@@ -133,15 +148,17 @@ def record_features(model, prompts: list[list[int]], continuations: list[list[in
     run = jax.jit(lambda state, inputs, kv: nnx.merge(graphdef, state).hidden_states(inputs, kv)[0])
     features = np.zeros((len(seqs), length, model.cfg.hidden_size), np.float32)
     for lo in tqdm(range(0, len(seqs), batch), desc="target features", unit="batch"):
-        rows = tokens[lo:lo + batch]
+        rows = tokens[lo : lo + batch]
         ids = np.concatenate([rows, np.zeros((batch - len(rows), length), np.int32)]).reshape(-1)
         h = run(state, dataclasses.replace(inputs, input_ids=jnp.asarray(ids)), kv)
-        features[lo:lo + batch] = np.asarray(h).reshape(batch, length, -1)[:len(rows)]
-    return Corpus(tokens, np.array(list(map(len, seqs)), np.int32), np.array(list(map(len, prompts)), np.int32),
-                  features)
+        features[lo : lo + batch] = np.asarray(h).reshape(batch, length, -1)[: len(rows)]
+    return Corpus(
+        tokens, np.array(list(map(len, seqs)), np.int32), np.array(list(map(len, prompts)), np.int32), features
+    )
 
 
 # -- losses -----------------------------------------------------------------------------
+
 
 def medusa_batch(corpus: Corpus, positions: list[tuple[int, int]], k: int) -> dict:
     """Features h_t and head j's target x_{t+j+2} (mask: inside the sequence)."""
@@ -164,11 +181,14 @@ def eagle_batch(corpus: Corpus) -> dict:
     i = np.arange(length)[None, :]
     shift = lambda a, s: np.concatenate([a[:, s:], np.zeros_like(a[:, :s])], axis=1)  # noqa: E731
     lengths, starts = corpus.lengths[:, None], corpus.starts[:, None]
-    return {"features": corpus.features.reshape(n * length, -1), "next_ids": shift(corpus.tokens, 1).reshape(-1),
-            "next_features": shift(corpus.features, 1).reshape(n * length, -1),
-            "next_next_ids": shift(corpus.tokens, 2).reshape(-1),
-            "reg_mask": (i + 1 < lengths).reshape(-1).astype(np.float32),
-            "ce_mask": ((i + 2 < lengths) & (i >= starts - 1)).reshape(-1).astype(np.float32)}
+    return {
+        "features": corpus.features.reshape(n * length, -1),
+        "next_ids": shift(corpus.tokens, 1).reshape(-1),
+        "next_features": shift(corpus.features, 1).reshape(n * length, -1),
+        "next_next_ids": shift(corpus.tokens, 2).reshape(-1),
+        "reg_mask": (i + 1 < lengths).reshape(-1).astype(np.float32),
+        "ce_mask": ((i + 2 < lengths) & (i >= starts - 1)).reshape(-1).astype(np.float32),
+    }
 
 
 def eagle_loss(head: EagleHead, target, batch: dict, inputs, kv, attention=trainable_attention) -> jax.Array:
@@ -181,6 +201,7 @@ def eagle_loss(head: EagleHead, target, batch: dict, inputs, kv, attention=train
 
 # -- training ---------------------------------------------------------------------------
 
+
 def train_heads(heads, target, corpus: Corpus, settings: Settings) -> list[float]:
     """AdamW with warm-up and cosine decay on the heads' parameters alone; the loss per step."""
     rng = np.random.default_rng(settings.seed)
@@ -188,15 +209,17 @@ def train_heads(heads, target, corpus: Corpus, settings: Settings) -> list[float
         positions = corpus.draft_positions()
         loss_fn = medusa_loss
         next_batch = lambda: medusa_batch(  # noqa: E731
-            corpus, [positions[i] for i in rng.integers(len(positions), size=settings.batch)], heads.num_heads)
+            corpus, [positions[i] for i in rng.integers(len(positions), size=settings.batch)], heads.num_heads
+        )
     else:
         rows = max(1, settings.batch // 32)
         length = corpus.tokens.shape[1]
         inputs, kv = prefill_inputs([length] * rows, length), heads.allocate_kv(1 + rows * length, 1)
         loss_fn = lambda h, t, b: eagle_loss(h, t, b, inputs, kv, trainable_attention)  # noqa: E731
         next_batch = lambda: eagle_batch(corpus.subset(rng.integers(len(corpus.tokens), size=rows)))  # noqa: E731
-    schedule = optax.warmup_cosine_decay_schedule(0.0, settings.lr, max(1, settings.steps // 20), settings.steps,
-                                                  settings.lr * 0.05)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, settings.lr, max(1, settings.steps // 20), settings.steps, settings.lr * 0.05
+    )
     opt = optax.adamw(schedule, weight_decay=0.0)
     head_def, params = nnx.split(heads, nnx.Param)
     target_def, target_state = nnx.split(target)
@@ -205,13 +228,15 @@ def train_heads(heads, target, corpus: Corpus, settings: Settings) -> list[float
     @jax.jit
     def step(params, opt_state, target_state, batch):
         loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(nnx.merge(head_def, p), nnx.merge(target_def, target_state), batch))(params)
+            lambda p: loss_fn(nnx.merge(head_def, p), nnx.merge(target_def, target_state), batch)
+        )(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     losses = []
-    with tqdm(range(settings.steps), desc=f"training {'medusa' if isinstance(heads, MedusaHeads) else 'eagle'}",
-              unit="step") as bar:
+    with tqdm(
+        range(settings.steps), desc=f"training {'medusa' if isinstance(heads, MedusaHeads) else 'eagle'}", unit="step"
+    ) as bar:
         for _ in bar:
             params, opt_state, loss = step(params, opt_state, target_state, next_batch())
             losses.append(float(loss))
@@ -221,6 +246,7 @@ def train_heads(heads, target, corpus: Corpus, settings: Settings) -> list[float
 
 
 # -- acceptance -------------------------------------------------------------------------
+
 
 def head_drafts(heads, target, corpus: Corpus, k: int) -> np.ndarray:
     """int32 [N, L, k]: the greedy chain of k drafts at every position t (guesses for x_{t+2} ...)."""
@@ -232,15 +258,19 @@ def head_drafts(heads, target, corpus: Corpus, k: int) -> np.ndarray:
         return np.stack([np.asarray(run(state, target_state, h)) for h in corpus.features])
     rows, length = 4, corpus.tokens.shape[1]
     chains = _chains(rows, length, k)
-    run = jax.jit(lambda s, ts, batch: _eagle_chain_drafts(nnx.merge(head_def, s), nnx.merge(target_def, ts), batch,
-                                                           chains, k))
+    run = jax.jit(
+        lambda s, ts, batch: _eagle_chain_drafts(nnx.merge(head_def, s), nnx.merge(target_def, ts), batch, chains, k)
+    )
     out = np.zeros((len(corpus.tokens), length, k), np.int32)
     for lo in range(0, len(corpus.tokens), rows):
         part = corpus.subset(slice(lo, lo + rows))
         pad = (rows - len(part.tokens)) * length
-        batch = {key: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)])
-                 for key, v in eagle_batch(part).items() if key in ("features", "next_ids")}
-        out[lo:lo + rows] = np.asarray(run(state, target_state, batch))[:len(part.tokens)]
+        batch = {
+            key: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)])
+            for key, v in eagle_batch(part).items()
+            if key in ("features", "next_ids")
+        }
+        out[lo : lo + rows] = np.asarray(run(state, target_state, batch))[: len(part.tokens)]
     return out
 
 
@@ -276,9 +306,15 @@ def _eagle_chain_drafts(head: EagleHead, target, batch: dict, chains: Chains, k:
     for s in range(1, k):
         pos = chains.t + s
         # input_ids is unused: the head reads the drafted tokens as `next_ids`.
-        inputs = ModelInputs.from_numpy(input_ids=np.zeros(c), positions=pos, slot_mapping=chains.private[:, s - 1],
-                                        query_start_loc=np.arange(c + 1), seq_lens=pos + 1,
-                                        block_tables=chains.tables, logits_indices=np.arange(c))
+        inputs = ModelInputs.from_numpy(
+            input_ids=np.zeros(c),
+            positions=pos,
+            slot_mapping=chains.private[:, s - 1],
+            query_start_loc=np.arange(c + 1),
+            seq_lens=pos + 1,
+            block_tables=chains.tables,
+            logits_indices=np.arange(c),
+        )
         f, kv = head(target, f, drafts[-1], inputs, kv)
         drafts.append(jnp.argmax(target.logits(f), -1))
     return jnp.stack(drafts, -1).reshape(rows, length, k)
@@ -286,7 +322,7 @@ def _eagle_chain_drafts(head: EagleHead, target, batch: dict, chains: Chains, k:
 
 def ngram_drafts(corpus: Corpus, k: int, min_n: int = 2, max_n: int = 4) -> dict[tuple[int, int], list[int]]:
     """Prompt lookup at every draft position, over the tokens known there (x_0 .. x_{t+1})."""
-    return {(n, t): propose_ngram(corpus.tokens[n, :t + 2], k, min_n, max_n) for n, t in corpus.draft_positions()}
+    return {(n, t): propose_ngram(corpus.tokens[n, : t + 2], k, min_n, max_n) for n, t in corpus.draft_positions()}
 
 
 def acceptance(corpus: Corpus, drafts, k: int, positions: list[tuple[int, int]] | None = None) -> list[float]:
@@ -305,6 +341,7 @@ def acceptance(corpus: Corpus, drafts, k: int, positions: list[tuple[int, int]] 
 
 # -- the command ------------------------------------------------------------------------
 
+
 def run(settings: Settings, loaded, prompts: list[list[int]], out: Path | None, source: str) -> dict:
     """Distill, train, measure; save to `out` when given. The results table as a dict."""
     continuations = self_distill(loaded, prompts, settings.max_tokens, settings.temperature, settings.seed)
@@ -314,13 +351,22 @@ def run(settings: Settings, loaded, prompts: list[list[int]], out: Path | None, 
     heads = make_heads(settings.method, loaded.config, settings.num_heads, seed=settings.seed)
     losses = train_heads(heads, loaded.model, train, settings)
     k = settings.num_heads
-    results = {"k": list(range(1, k + 1)), "positions": len(evaluate.draft_positions()),
-               settings.method: acceptance(evaluate, head_drafts(heads, loaded.model, evaluate, k), k),
-               "ngram": acceptance(evaluate, ngram_drafts(evaluate, k), k),
-               "first_loss": losses[0], "last_loss": float(np.mean(losses[-10:]))}
+    results = {
+        "k": list(range(1, k + 1)),
+        "positions": len(evaluate.draft_positions()),
+        settings.method: acceptance(evaluate, head_drafts(heads, loaded.model, evaluate, k), k),
+        "ngram": acceptance(evaluate, ngram_drafts(evaluate, k), k),
+        "first_loss": losses[0],
+        "last_loss": float(np.mean(losses[-10:])),
+    }
     if out is not None:
-        info = {"method": settings.method, "num_heads": k, "target_source": source,
-                "target_config": dataclasses.asdict(loaded.config), "settings": dataclasses.asdict(settings)}
+        info = {
+            "method": settings.method,
+            "num_heads": k,
+            "target_source": source,
+            "target_config": dataclasses.asdict(loaded.config),
+            "settings": dataclasses.asdict(settings),
+        }
         save_heads(out / "heads", heads, info)
         (out / "results.json").write_text(json.dumps({**results, "losses": losses}, indent=1))
         plot_losses(losses, out / "loss.png", f"{settings.method} on {Path(source).stem}")
@@ -360,8 +406,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--force", action="store_true", help="retrain even if the output exists for these settings")
     args = p.parse_args(argv)
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)
-                 if f.name != "method" and getattr(args, f.name) is not None}
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(Settings)
+        if f.name != "method" and getattr(args, f.name) is not None
+    }
     for name, value in overrides.items():
         if value <= 0 and not (name in ("temperature", "seed") and value == 0):
             p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -399,8 +448,10 @@ def main(argv=None) -> int:
     loaded = load_model(args.model)
     prompts = read_prompts(args.prompts, loaded.tokenizer, loaded.config.vocab_size, settings.num_prompts)
     if len(prompts) < 10:
-        print(f"error: {args.prompts} has {len(prompts)} prompts; at least 10 are needed (a tenth is held out)",
-              file=sys.stderr)
+        print(
+            f"error: {args.prompts} has {len(prompts)} prompts; at least 10 are needed (a tenth is held out)",
+            file=sys.stderr,
+        )
         return 2
     out.mkdir(parents=True, exist_ok=True)
     results = run(settings, loaded, prompts, out, source)

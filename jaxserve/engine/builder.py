@@ -71,46 +71,88 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     tp = config.tensor_parallel_size
     check_tensor_parallel(mcfg, tp)
     mesh = make_mesh(tp, config.device_ids)
-    attention_backend, attention = select_attention(config.attention_backend, mcfg, dtype, config.block_size,
-                                                    kv_dtype, mesh=mesh)
+    attention_backend, attention = select_attention(
+        config.attention_backend, mcfg, dtype, config.block_size, kv_dtype, mesh=mesh
+    )
     matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=mesh)  # before the runner splits it
     make_runner = functools.partial(
-        ModelRunner, loaded.model, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, attention=attention,
-        kv_dtype=kv_dtype, buckets=step_token_buckets(config, num_spec),
-        num_speculative_tokens=num_spec, draft_distributions=spec is not None and spec.method == "draft_model",
-        draft_tree=spec and spec.tree, keep_step_hidden=spec is not None and spec.method == "eagle",
+        ModelRunner,
+        loaded.model,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        attention=attention,
+        kv_dtype=kv_dtype,
+        buckets=step_token_buckets(config, num_spec),
+        num_speculative_tokens=num_spec,
+        draft_distributions=spec is not None and spec.method == "draft_model",
+        draft_tree=spec and spec.tree,
+        keep_step_hidden=spec is not None and spec.method == "eagle",
         mesh=mesh,
     )
     memory_bytes = config.kv_cache_memory
     if config.gpu_memory_utilization is not None and config.num_blocks is None:
         memory_bytes = kv_memory_for_utilization(make_runner, max_model_len, config.gpu_memory_utilization, mesh)
-    kv_plan = plan_kv(mcfg, kv_dtype, context=max_model_len, block_size=config.block_size,
-                      memory_bytes=memory_bytes, num_blocks=config.num_blocks, tp=tp)
+    kv_plan = plan_kv(
+        mcfg,
+        kv_dtype,
+        context=max_model_len,
+        block_size=config.block_size,
+        memory_bytes=memory_bytes,
+        num_blocks=config.num_blocks,
+        tp=tp,
+    )
     num_blocks, capacity = kv_plan.num_blocks, kv_plan.usable_tokens
     if kv_plan.max_sequences == 0:
-        logger.warning("the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
-                       "using max_model_len %d (python -m jaxserve.plan sizes the cache)", capacity,
-                       max_model_len, both_units(kv_plan.bytes_per_sequence), capacity)
+        logger.warning(
+            "the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
+            "using max_model_len %d (python -m jaxserve.plan sizes the cache)",
+            capacity,
+            max_model_len,
+            both_units(kv_plan.bytes_per_sequence),
+            capacity,
+        )
         max_model_len = capacity
     else:
-        logger.info("plan: %d sequences of max_model_len %d fit in the KV cache at once (%s each)",
-                    kv_plan.max_sequences, max_model_len, both_units(kv_plan.bytes_per_sequence))
-    scheduler = Scheduler(SchedulerConfig(
-        num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        enable_prefix_caching=config.enable_prefix_caching, num_speculative_tokens=num_spec,
-        draft_tree=spec and spec.tree,
-    ))
+        logger.info(
+            "plan: %d sequences of max_model_len %d fit in the KV cache at once (%s each)",
+            kv_plan.max_sequences,
+            max_model_len,
+            both_units(kv_plan.bytes_per_sequence),
+        )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_speculative_tokens=num_spec,
+            draft_tree=spec and spec.tree,
+        )
+    )
     runner = make_runner(num_blocks=num_blocks, max_model_len=max_model_len)
-    logger.info("KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.1f MiB)", num_blocks,
-                config.block_size, capacity, kv_dtype_label(kv_dtype), runner.kv.nbytes / 2**20)
+    logger.info(
+        "KV cache: %d blocks of %d tokens, %d tokens in all, %s (%.1f MiB)",
+        num_blocks,
+        config.block_size,
+        capacity,
+        kv_dtype_label(kv_dtype),
+        runner.kv.nbytes / 2**20,
+    )
     proposer = None
     if spec:
-        context = ProposerContext(model=loaded.model, model_config=mcfg, runner=runner, scheduler=scheduler,
-                                  kv_dtype=kv_dtype, attention_backend=config.attention_backend,
-                                  warm_up=config.warm_up)
+        context = ProposerContext(
+            model=loaded.model,
+            model_config=mcfg,
+            runner=runner,
+            scheduler=scheduler,
+            kv_dtype=kv_dtype,
+            attention_backend=config.attention_backend,
+            warm_up=config.warm_up,
+        )
         proposer = make_proposer(spec, context)
         logger.info("speculative decoding: %s, %d tokens per step", spec.method, num_spec)
     # NOTE: a factory that does not hold the engine: a reference cycle would keep every
@@ -118,14 +160,31 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     grammars = GrammarCompiler(functools.partial(grammar_backend, loaded.tokenizer, eos_token_ids, mcfg.vocab_size))
     if config.warm_up:
         runner.warm_up()
-    return EngineParts(generation=generation, eos_token_ids=eos_token_ids, kv_dtype=kv_dtype, mesh=mesh,
-                       attention_backend=attention_backend, matmul_backend=matmul_backend,
-                       max_model_len=max_model_len, scheduler=scheduler, runner=runner, proposer=proposer,
-                       grammars=grammars)
+    return EngineParts(
+        generation=generation,
+        eos_token_ids=eos_token_ids,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+        attention_backend=attention_backend,
+        matmul_backend=matmul_backend,
+        max_model_len=max_model_len,
+        scheduler=scheduler,
+        runner=runner,
+        proposer=proposer,
+        grammars=grammars,
+    )
 
 
-def load(model: str | None, *, dtype="auto", cache_dir=None, progress: bool = True, quantization: str | None = None,
-         tokenizer: str | None = None, **engine_kwargs) -> tuple[LoadedModel, EngineConfig]:
+def load(
+    model: str | None,
+    *,
+    dtype="auto",
+    cache_dir=None,
+    progress: bool = True,
+    quantization: str | None = None,
+    tokenizer: str | None = None,
+    **engine_kwargs,
+) -> tuple[LoadedModel, EngineConfig]:
     """Read `model`'s weights (None: the embedded default) and check `engine_kwargs` (EngineConfig
     fields) before that: ask jax for the CPU devices they need, refuse what cannot work here."""
     config = EngineConfig(**engine_kwargs)
@@ -134,8 +193,14 @@ def load(model: str | None, *, dtype="auto", cache_dir=None, progress: bool = Tr
         require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
     enable_compilation_cache(cache_dir)
     dtype = resolve_dtype(dtype, model)
-    loaded = load_model(model, dtype=jnp.dtype(dtype), cache_dir=cache_dir, progress=progress,
-                        quantization=quantization, tokenizer=tokenizer)
+    loaded = load_model(
+        model,
+        dtype=jnp.dtype(dtype),
+        cache_dir=cache_dir,
+        progress=progress,
+        quantization=quantization,
+        tokenizer=tokenizer,
+    )
     return loaded, config
 
 
@@ -160,11 +225,16 @@ def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: floa
     probe_kv = probe.kv.nbytes
     jax.tree.map(lambda a: a.delete(), probe.kv)
     del probe
-    budget = kv_budget_for_utilization(utilization, total_bytes=stats["bytes_limit"],
-                                       peak_bytes=stats["peak_bytes_in_use"] - probe_kv)
-    logger.info("gpu_memory_utilization %s of %s: weights and activations peaked at %s; KV cache budget %s",
-                utilization, both_units(stats["bytes_limit"]), both_units(stats["peak_bytes_in_use"] - probe_kv),
-                both_units(budget))
+    budget = kv_budget_for_utilization(
+        utilization, total_bytes=stats["bytes_limit"], peak_bytes=stats["peak_bytes_in_use"] - probe_kv
+    )
+    logger.info(
+        "gpu_memory_utilization %s of %s: weights and activations peaked at %s; KV cache budget %s",
+        utilization,
+        both_units(stats["bytes_limit"]),
+        both_units(stats["peak_bytes_in_use"] - probe_kv),
+        both_units(budget),
+    )
     return budget
 
 
@@ -196,8 +266,10 @@ def device_memory_stats(device) -> dict | None:
 
 def require_memory_stats(device) -> None:
     if device_memory_stats(device) is None:
-        raise ValueError(f"gpu_memory_utilization needs a device that reports its memory; the {device.platform} "
-                         "device does not: size the KV cache with kv_cache_memory (--kv-cache-memory) instead")
+        raise ValueError(
+            f"gpu_memory_utilization needs a device that reports its memory; the {device.platform} "
+            "device does not: size the KV cache with kv_cache_memory (--kv-cache-memory) instead"
+        )
 
 
 def enable_compilation_cache(cache_dir=None) -> None:

@@ -45,10 +45,11 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             spec = self.speculative_config
             if spec is not None and spec.method != "ngram":
-                raise ValueError(f"speculative decoding with {spec.method!r} does not run with tensor parallelism "
-                                 "yet; ngram does")
+                raise ValueError(
+                    f"speculative decoding with {spec.method!r} does not run with tensor parallelism yet; ngram does"
+                )
             if u is not None:
-                raise ValueError("gpu_memory_utilization does not work with tensor parallelism yet; "
-                                 "give kv_cache_memory (per device)")
-
-
+                raise ValueError(
+                    "gpu_memory_utilization does not work with tensor parallelism yet; "
+                    "give kv_cache_memory (per device)"
+                )

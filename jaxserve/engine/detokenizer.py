@@ -30,12 +30,22 @@ CONTEXT_TOKENS = 5  # prompt tokens to decode along with the first output tokens
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), *,
-                 include_stop: bool = False, min_tokens: int = 0, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, use_decode_stream: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        *,
+        include_stop: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        use_decode_stream: bool = True,
+    ):
         self.tokenizer = tokenizer
-        self.decode_args = dict(skip_special_tokens=skip_special_tokens,
-                                spaces_between_special_tokens=spaces_between_special_tokens)
+        self.decode_args = dict(
+            skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
         self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0  # window start
         self.read_offset = len(self.token_ids)  # tokens before this are already in `decoded`

@@ -18,8 +18,14 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # generation_config.json field -> SamplingParams field
-SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +49,11 @@ def read_generation_config(model_source: str | Path, mode: str = "auto") -> Gene
         raw = json.load(f)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    sampling = {} if mode == "vllm" else {ours: raw[theirs] for theirs, ours in SAMPLING_FIELDS.items()
-                                          if raw.get(theirs) is not None}
+    sampling = (
+        {}
+        if mode == "vllm"
+        else {ours: raw[theirs] for theirs, ours in SAMPLING_FIELDS.items() if raw.get(theirs) is not None}
+    )
     if sampling:
-        logger.info("default sampling parameters from %s: %s (--generation-config vllm ignores them)", path,
-                    sampling)
+        logger.info("default sampling parameters from %s: %s (--generation-config vllm ignores them)", path, sampling)
     return GenerationDefaults(eos_ids, sampling)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -22,10 +23,19 @@ class LLM:
     arguments are `EngineConfig` fields (max_num_seqs, kv_cache_dtype, gpu_memory_utilization, ...).
     """
 
-    def __init__(self, model: str | None = None, *, dtype="auto", cache_dir=None, quantization: str | None = None,
-                 tokenizer: str | None = None, **engine_kwargs):
-        self.engine = LLMEngine.from_model(model, dtype=dtype, cache_dir=cache_dir, quantization=quantization,
-                                           tokenizer=tokenizer, **engine_kwargs)
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype="auto",
+        cache_dir=None,
+        quantization: str | None = None,
+        tokenizer: str | None = None,
+        **engine_kwargs,
+    ):
+        self.engine = LLMEngine.from_model(
+            model, dtype=dtype, cache_dir=cache_dir, quantization=quantization, tokenizer=tokenizer, **engine_kwargs
+        )
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
@@ -89,9 +99,17 @@ class LLM:
         if tools is not None:
             template_kwargs["tools"] = tools
         vocab = self.engine.loaded.config.vocab_size
-        prompts = [encode_chat(self.tokenizer, list(conversation), vocab, add_generation_prompt=add_generation_prompt,
-                               template_vars=chat_template_kwargs, **template_kwargs)[1]
-                   for conversation in conversations]
+        prompts = [
+            encode_chat(
+                self.tokenizer,
+                list(conversation),
+                vocab,
+                add_generation_prompt=add_generation_prompt,
+                template_vars=chat_template_kwargs,
+                **template_kwargs,
+            )[1]
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
@@ -103,5 +121,7 @@ def _prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
         return prompt["prompt_token_ids"]
     if set(prompt) == {"prompt"}:
         return prompt["prompt"]
-    raise ValueError(f'a prompt dict holds "prompt_token_ids" (token ids) or "prompt" (text), nothing else; '
-                     f"got the keys {sorted(prompt)}")
+    raise ValueError(
+        f'a prompt dict holds "prompt_token_ids" (token ids) or "prompt" (text), nothing else; '
+        f"got the keys {sorted(prompt)}"
+    )

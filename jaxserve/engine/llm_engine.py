@@ -82,19 +82,40 @@ class LLMEngine:
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache's settings, as /metrics shows them (vLLM's cache_config_info labels)."""
         kv = self.runner.kv
-        return {"block_size": str(kv.block_size), "cache_dtype": self.config.kv_cache_dtype,
-                "kv_cache_dtype": kv_dtype_label(kv.dtype), "num_gpu_blocks": str(kv.num_blocks - 1),
-                "kv_cache_bytes": str(kv.nbytes), "tokens": str((kv.num_blocks - 1) * kv.block_size)}
+        return {
+            "block_size": str(kv.block_size),
+            "cache_dtype": self.config.kv_cache_dtype,
+            "kv_cache_dtype": kv_dtype_label(kv.dtype),
+            "num_gpu_blocks": str(kv.num_blocks - 1),
+            "kv_cache_bytes": str(kv.nbytes),
+            "tokens": str((kv.num_blocks - 1) * kv.block_size),
+        }
 
     @classmethod
-    def from_model(cls, model: str | None = None, *, dtype="auto", cache_dir=None, progress: bool = True,
-                   quantization: str | None = None, tokenizer: str | None = None, **engine_kwargs) -> LLMEngine:
+    def from_model(
+        cls,
+        model: str | None = None,
+        *,
+        dtype="auto",
+        cache_dir=None,
+        progress: bool = True,
+        quantization: str | None = None,
+        tokenizer: str | None = None,
+        **engine_kwargs,
+    ) -> LLMEngine:
         """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields.
         `dtype` "auto": the checkpoint's on a GPU, float32 on the CPU (jaxserve.weights.dtype).
         `quantization`: "int4", "fp8" or "gguf" (see jaxserve.model.quantization); None: as the checkpoint is.
         `tokenizer`: a folder whose tokenizer replaces the model's (weights without one)."""
-        loaded, config = builder.load(model, dtype=dtype, cache_dir=cache_dir, progress=progress,
-                                      quantization=quantization, tokenizer=tokenizer, **engine_kwargs)
+        loaded, config = builder.load(
+            model,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            progress=progress,
+            quantization=quantization,
+            tokenizer=tokenizer,
+            **engine_kwargs,
+        )
         return cls(loaded, config)
 
     def replica(self, device_ids: tuple[int, ...]) -> LLMEngine:
@@ -110,11 +131,19 @@ class LLMEngine:
         before add_request, so a slow grammar never holds up the step loop."""
         return self.grammars.compile(spec)
 
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | dict | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None, add_special_tokens: bool = True,
-                    cache_salt: str | None = None, kv_handoff: KVHandoff | None = None,
-                    export_kv: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | dict | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
+        kv_handoff: KVHandoff | None = None,
+        export_kv: bool = False,
+    ) -> None:
         """Queue a request. Raises ValueError for bad input; nothing is queued then.
 
         Prefill/decode disaggregation: `kv_handoff` (another engine's export_prefix of this
@@ -133,8 +162,9 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=secrets.randbits(SEED_BITS))
         vocab = self.loaded.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
-                             f"got {list(params.stop_token_ids)}")
+            raise ValueError(
+                f"stop_token_ids must be below the vocabulary size {vocab}, got {list(params.stop_token_ids)}"
+            )
         params.check_token_ids(vocab)
         if params.bad_words:
             if self.tokenizer is None:
@@ -149,9 +179,19 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = []
         for i in range(params.n):
-            samples.append(Request(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params,
-                                   eos_token_ids=self.eos_token_ids, priority=priority, arrival_time=arrival,
-                                   fork_of=samples[0] if i else None, sample_index=i, cache_salt=cache_salt))
+            samples.append(
+                Request(
+                    request_id if i == 0 else f"{request_id}#{i}",
+                    prompt_ids,
+                    params,
+                    eos_token_ids=self.eos_token_ids,
+                    priority=priority,
+                    arrival_time=arrival,
+                    fork_of=samples[0] if i else None,
+                    sample_index=i,
+                    cache_salt=cache_salt,
+                )
+            )
         for req in samples:  # validate all before queueing any
             self.scheduler.check_request(req)
         for req in samples:  # each sample follows its own output
@@ -167,8 +207,16 @@ class LLMEngine:
         for req in samples:
             self.scheduler.add_request(req)
         if self.followers is not None:
-            self.followers.send("add_request", request_id, prompt, params, priority=priority, arrival_time=arrival,
-                                add_special_tokens=add_special_tokens, cache_salt=cache_salt)
+            self.followers.send(
+                "add_request",
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                arrival_time=arrival,
+                add_special_tokens=add_special_tokens,
+                cache_salt=cache_salt,
+            )
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults, then `overrides`."""
@@ -206,9 +254,13 @@ class LLMEngine:
         self._check_handoff()
         have, want = handoff.kv, self.runner.kv
         heads = sorted((have.k.shape[3], want.k.shape[3]))  # a tensor-parallel engine may repeat its KV heads
-        checks = {"KV dtype": (have.dtype, want.dtype), "block size": (have.block_size, want.block_size),
-                  "layers": (have.k.shape[0], want.k.shape[0]), "head size": (have.k.shape[-1], want.k.shape[-1]),
-                  "KV heads": (heads[1] % heads[0], 0)}
+        checks = {
+            "KV dtype": (have.dtype, want.dtype),
+            "block size": (have.block_size, want.block_size),
+            "layers": (have.k.shape[0], want.k.shape[0]),
+            "head size": (have.k.shape[-1], want.k.shape[-1]),
+            "KV heads": (heads[1] % heads[0], 0),
+        }
         mismatch = [name for name, (a, b) in checks.items() if a != b]
         if mismatch:
             raise ValueError(f"the handed-over KV does not fit this engine's cache: its {', '.join(mismatch)} differ")
@@ -298,8 +350,10 @@ class LLMEngine:
     def _needs_known_tokens(self) -> bool:
         """A running request with penalties, bad words or a grammar: the next batch needs its
         last token on the host."""
-        return any(r.sampling_params.uses_penalties or r.sampling_params.bad_words or r.grammar is not None
-                   for r in self.scheduler.running)
+        return any(
+            r.sampling_params.uses_penalties or r.sampling_params.bad_words or r.grammar is not None
+            for r in self.scheduler.running
+        )
 
     def generate_all(self) -> list[RequestOutput]:
         """Step until every request is done; the final output of each, in finishing order."""
@@ -311,5 +365,3 @@ class LLMEngine:
     @property
     def compilations(self) -> int:
         return self.runner.compilations.count
-
-

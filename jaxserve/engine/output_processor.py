@@ -7,8 +7,8 @@ import functools
 import time
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.runner.model_runner import PromptLogprobsOutput, RunnerOutput
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.runner.model_runner import PromptLogprobsOutput, RunnerOutput
 from scheduler import Request, RequestStatus, Scheduler, StepResult
 
 
@@ -38,21 +38,42 @@ class OutputProcessor:
         self._sample: dict[str, tuple[RequestGroup, int]] = {}  # sample request id -> (group, index)
         self._decode_token = functools.lru_cache(maxsize=65536)(self._decode_one)
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], samples: list[Request],
-            arrival_time: float) -> None:
+    def add(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], samples: list[Request], arrival_time: float
+    ) -> None:
         p = samples[0].sampling_params
-        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop, include_stop=p.include_stop_str_in_output,
-                                         min_tokens=p.min_tokens, skip_special_tokens=p.skip_special_tokens,
-                                         spaces_between_special_tokens=p.spaces_between_special_tokens)
-                  if self.tokenizer else None for _ in samples]
-        group = RequestGroup(request_id, prompt, prompt_ids, samples, detoks, [[] for _ in samples],
-                             [0.0] * len(samples), RequestMetrics(arrival_time),
-                             [None] if p.prompt_logprobs is not None else None)
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                p.stop,
+                include_stop=p.include_stop_str_in_output,
+                min_tokens=p.min_tokens,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens,
+            )
+            if self.tokenizer
+            else None
+            for _ in samples
+        ]
+        group = RequestGroup(
+            request_id,
+            prompt,
+            prompt_ids,
+            samples,
+            detoks,
+            [[] for _ in samples],
+            [0.0] * len(samples),
+            RequestMetrics(arrival_time),
+            [None] if p.prompt_logprobs is not None else None,
+        )
         self.groups[request_id] = group
         for i, req in enumerate(samples):
             self._sample[req.request_id] = (group, i)
 
-    def process(self, results: list[StepResult], output: RunnerOutput | None, scheduler: Scheduler) -> list[RequestOutput]:
+    def process(
+        self, results: list[StepResult], output: RunnerOutput | None, scheduler: Scheduler
+    ) -> list[RequestOutput]:
         now = time.monotonic()
         if output is not None and output.prompt_logprobs is not None:
             self._record_prompt_logprobs(output.prompt_logprobs)
@@ -70,7 +91,9 @@ class OutputProcessor:
                 text_end = len(req.output_token_ids) - int(hide_stop_token)  # the tokens before it are text
                 for j, token in enumerate(req.output_token_ids[first:]):
                     new_ids.append(token)
-                    self._record_logprobs(group, i, req, token, output, row, j if output.num_tokens is not None else None)
+                    self._record_logprobs(
+                        group, i, req, token, output, row, j if output.num_tokens is not None else None
+                    )
                     self._record_time(group, i, now)
                     if detok is not None and first + j < text_end:
                         text += detok.push(token)
@@ -117,8 +140,10 @@ class OutputProcessor:
             if len(group.prompt_logprobs) != position:
                 continue
             k = k_of.setdefault(request_id, group.samples[0].sampling_params.prompt_logprobs)
-            entry = {t: Logprob(v, rank, self._decode_token(t)) for rank, (t, v) in
-                     enumerate(zip(out.top_ids[n][:k].tolist(), out.top_logprobs[n][:k].tolist()), 1)}
+            entry = {
+                t: Logprob(v, rank, self._decode_token(t))
+                for rank, (t, v) in enumerate(zip(out.top_ids[n][:k].tolist(), out.top_logprobs[n][:k].tolist()), 1)
+            }
             token = int(out.token_ids[n])
             entry[token] = Logprob(float(out.logprobs[n]), int(out.ranks[n]), self._decode_token(token))
             group.prompt_logprobs.append(entry)
@@ -146,23 +171,41 @@ class OutputProcessor:
             # It ended this very step for another reason; the stop string still wins.
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
 
-    def _request_output(self, group: RequestGroup, changed: dict[int, tuple[str, list[int]]], now: float) -> RequestOutput:
+    def _request_output(
+        self, group: RequestGroup, changed: dict[int, tuple[str, list[int]]], now: float
+    ) -> RequestOutput:
         completions = []
         for i, req in enumerate(group.samples):
             detok = group.detokenizers[i]
             new_text, new_ids = changed.get(i, ("", []))
-            completions.append(CompletionOutput(
-                index=i, text=detok.text if detok else "", token_ids=list(req.output_token_ids),
-                cumulative_logprob=group.cumulative_logprobs[i] if req.sampling_params.logprobs is not None else None,
-                logprobs=group.logprobs[i] if req.sampling_params.logprobs is not None else None,
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                new_text=new_text, new_token_ids=new_ids,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.text if detok else "",
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=group.cumulative_logprobs[i]
+                    if req.sampling_params.logprobs is not None
+                    else None,
+                    logprobs=group.logprobs[i] if req.sampling_params.logprobs is not None else None,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    new_text=new_text,
+                    new_token_ids=new_ids,
+                )
+            )
         group.metrics.first_scheduled_time = group.samples[0].first_scheduled_time
         if group.finished:
             group.metrics.finished_time = now
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
-                             group.samples[0].num_cached_tokens, group.metrics, group.prompt_logprobs)
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            group.finished,
+            group.samples[0].num_cached_tokens,
+            group.metrics,
+            group.prompt_logprobs,
+        )
 
     def abort(self, request_id: str) -> RequestGroup | None:
         group = self.groups.get(request_id)

@@ -82,8 +82,10 @@ class StepProfiler:
         idle, span = self.device_idle()
         rows = [f"| {'host phase':<12} | {'ms/step':>8} |", f"|{'-' * 14}|{'-' * 10}|"]
         rows += [f"| {p:<12} | {self.seconds[p] * 1e3 / steps:>8.3f} |" for p in HOST_PHASES]
-        rows.append(f"steps: {self.steps}; device idle between steps: {idle * 1e3 / steps:.3f} ms/step, "
-                    f"{100 * idle / span if span else 0:.1f}% of {span:.2f} s")
+        rows.append(
+            f"steps: {self.steps}; device idle between steps: {idle * 1e3 / steps:.3f} ms/step, "
+            f"{100 * idle / span if span else 0:.1f}% of {span:.2f} s"
+        )
         return "\n".join(rows)
 
 
@@ -99,12 +101,20 @@ class NullProfiler:
 
 # -- the device's time by part --------------------------------------------------------------
 
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (.*)$', re.M)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # Ops XLA made itself (a one-row matmul rewritten to a matrix-vector product) carry no
 # metadata; their weight operand still names the module.
-_WEIGHT_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "lm_head": "lm_head"}
+_WEIGHT_PARTS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+    "lm_head": "lm_head",
+}
 _WEIGHT = re.compile(r"%params\S*?_(" + "|".join(_WEIGHT_PARTS) + r")_")
 
 
@@ -209,8 +219,10 @@ def device_report(runner, profiler: StepProfiler, top: int = 2) -> str:
     report = []
     for (t, r), count in steps.most_common(top):
         batch = example[(t, r)]
-        title = (f"{count} steps ran in the {t}-token x {r}-row programs; one of them "
-                 f"({batch.num_tokens} tokens, {batch.num_seqs} sequences), replayed:")
+        title = (
+            f"{count} steps ran in the {t}-token x {r}-row programs; one of them "
+            f"({batch.num_tokens} tokens, {batch.num_seqs} sequences), replayed:"
+        )
         report.append(breakdown_table(device_breakdown(runner, batch), title))
     return "\n\n".join(report)
 

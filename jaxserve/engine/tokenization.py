@@ -17,23 +17,27 @@ class PromptError(ValueError):
     """The prompt cannot be used (no tokenizer, ids out of range, a template that fails)."""
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int, *,
-                  add_special_tokens: bool = True) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int, *, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise PromptError("this model has no tokenizer: give the prompt as token ids")
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in prompt):
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise PromptError("a prompt is a string or a list of token ids")
     if any(t < 0 or t >= vocab_size for t in prompt):
         raise PromptError(f"prompt token ids must be in [0, {vocab_size})")
     return list(prompt)
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                template_vars: dict[str, Any] | None = None, **template_kwargs) -> str:
+def render_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    template_vars: dict[str, Any] | None = None,
+    **template_kwargs,
+) -> str:
     """The conversation as text, by the model's chat template (transformers' sandboxed Jinja).
 
     `template_kwargs` are apply_chat_template's (chat_template, continue_final_message, ...);
@@ -43,18 +47,31 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], *, add_generation_pro
     if tokenizer is None or not (template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)):
         raise PromptError("this model has no chat template")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs, **(template_vars or {}))
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+            **(template_vars or {}),
+        )
     except Exception as e:  # the template rejects the conversation, or the sandbox refused an operation
         raise PromptError(f"the chat template could not render these messages: {e}") from None
 
 
-def encode_chat(tokenizer, messages: list[dict[str, Any]], vocab_size: int, *, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False, template_vars: dict[str, Any] | None = None,
-                **template_kwargs) -> tuple[str, list[int]]:
+def encode_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    vocab_size: int,
+    *,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+    template_vars: dict[str, Any] | None = None,
+    **template_kwargs,
+) -> tuple[str, list[int]]:
     """The rendered conversation and its token ids (the template decides BOS by default)."""
-    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, template_vars=template_vars,
-                       **template_kwargs)
+    text = render_chat(
+        tokenizer, messages, add_generation_prompt=add_generation_prompt, template_vars=template_vars, **template_kwargs
+    )
     return text, encode_prompt(tokenizer, text, vocab_size, add_special_tokens=add_special_tokens)
 
 

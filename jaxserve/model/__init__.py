@@ -7,5 +7,14 @@ from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, KVHandoff, allocate_kv_cache
 from jaxserve.model.quantization import QuantConfig, QuantizedLinear
 
-__all__ = ["DecoderLM", "KVCache", "KVHandoff", "ModelConfig", "ModelInputs", "QuantConfig", "QuantizedLinear",
-           "UnsupportedModelError", "allocate_kv_cache"]
+__all__ = [
+    "DecoderLM",
+    "KVCache",
+    "KVHandoff",
+    "ModelConfig",
+    "ModelInputs",
+    "QuantConfig",
+    "QuantizedLinear",
+    "UnsupportedModelError",
+    "allocate_kv_cache",
+]

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model.inputs import ModelInputs
+from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model.quantization import QuantConfig, QuantizedLinear
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -96,7 +96,8 @@ class Attention(nnx.Module):
         t = q.shape[0]
         with jax.named_scope("qkv_proj"):
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-            # KV heads from the weights' shape: under tensor parallelism they may be repeated (jaxserve.parallel.sharding).
+            # KV heads from the weights' shape: under tensor parallelism they may be repeated
+            # (jaxserve.parallel.sharding).
             k = k.reshape(t, -1, cfg.head_dim)
             v = v.reshape(t, -1, cfg.head_dim)
             if cfg.qk_norm:
@@ -112,8 +113,15 @@ class Attention(nnx.Module):
         pages, block_offset = fold_layers(kv), layer_idx * kv.num_blocks
         with jax.named_scope("attention"):
             out = attention(
-                q, pages.k, pages.v, inputs.seq_lens, inputs.block_tables + block_offset, inputs.query_start_loc,
-                sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, **pages.scales(),
+                q,
+                pages.k,
+                pages.v,
+                inputs.seq_lens,
+                inputs.block_tables + block_offset,
+                inputs.query_start_loc,
+                sm_scale=cfg.head_dim**-0.5,
+                sliding_window=cfg.sliding_window,
+                **pages.scales(),
                 **({} if inputs.tree_mask is None else {"tree_mask": inputs.tree_mask}),
             )
         return out.reshape(t, cfg.num_heads * cfg.head_dim), kv
@@ -154,15 +162,23 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
     graphdef, state = nnx.split(model)
     unstacked = nnx.merge(graphdef, state)
     layer_def, stacked = nnx.split(unstacked.layers)
-    unstacked.layers = nnx.List([nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], stacked))
-                                 for i in range(model.cfg.num_layers)])
+    unstacked.layers = nnx.List(
+        [nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(model.cfg.num_layers)]
+    )
     return unstacked
 
 
 def has_plain_projections(layer: DecoderLayer) -> bool:
     """What the layer kernels compute: float (unquantized) projections, no o_proj bias."""
-    projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+    projections = (
+        layer.self_attn.q_proj,
+        layer.self_attn.k_proj,
+        layer.self_attn.v_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_proj,
+        layer.mlp.up_proj,
+        layer.mlp.down_proj,
+    )
     return all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
 
 
@@ -173,21 +189,32 @@ def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, at
     x, kv, layer_idx = carry
     attn, mlp = layer.self_attn, layer.mlp
     with jax.named_scope("qkv_proj"):
-        q, k, v = cpu_kernels.norm_qkv(x, layer.input_layernorm.weight[...], attn.q_proj.kernel[...],
-                                       attn.k_proj.kernel[...], attn.v_proj.kernel[...],
-                                       eps=layer.input_layernorm.eps)
+        q, k, v = cpu_kernels.norm_qkv(
+            x,
+            layer.input_layernorm.weight[...],
+            attn.q_proj.kernel[...],
+            attn.k_proj.kernel[...],
+            attn.v_proj.kernel[...],
+            eps=layer.input_layernorm.eps,
+        )
         if attn.q_proj.bias is not None:
             q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
     out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
     with jax.named_scope("mlp"):  # o_proj's time is charged here
-        x = cpu_kernels.o_proj_mlp(out, x, attn.o_proj.kernel[...], layer.post_attention_layernorm.weight[...],
-                                   mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...],
-                                   eps=layer.post_attention_layernorm.eps)
+        x = cpu_kernels.o_proj_mlp(
+            out,
+            x,
+            attn.o_proj.kernel[...],
+            layer.post_attention_layernorm.weight[...],
+            mlp.gate_proj.kernel[...],
+            mlp.up_proj.kernel[...],
+            mlp.down_proj.kernel[...],
+            eps=layer.post_attention_layernorm.eps,
+        )
     return x, kv, layer_idx + 1
 
 
-def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn,
-           kernel_rows: int = 0):
+def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn, kernel_rows: int = 0):
     """One decoder layer; carry: (x, the cache, layer index). Up to `kernel_rows` rows run
     through the CPU layer kernels (FewRowKernels.layer_rows)."""
     x, kv, layer_idx = carry
@@ -209,8 +236,11 @@ def _jitted_layer(layer_def, attention: AttentionFn, kernel_rows: int):
     it once per layer: jax then traces and lowers a single layer (unrolling 30 layers in
     Python made each program take seconds to trace, even on a compile-cache hit), and XLA
     inlines the calls into one program with each layer's weights read in place."""
-    return jax.jit(lambda carry, state, inputs, inv_freq: _layer(carry, nnx.merge(layer_def, state), inputs, inv_freq,
-                                                                 attention, kernel_rows))
+    return jax.jit(
+        lambda carry, state, inputs, inv_freq: _layer(
+            carry, nnx.merge(layer_def, state), inputs, inv_freq, attention, kernel_rows
+        )
+    )
 
 
 class DecoderLM(nnx.Module):
@@ -276,7 +306,14 @@ class DecoderLM(nnx.Module):
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
             carry, _ = jax.lax.scan(
-                lambda c, state: (_layer(c, nnx.merge(layer_def, state), inputs, inv_freq, attention,
-                                         self.few_row_kernels.layer_rows), None), carry, layer_state)
+                lambda c, state: (
+                    _layer(
+                        c, nnx.merge(layer_def, state), inputs, inv_freq, attention, self.few_row_kernels.layer_rows
+                    ),
+                    None,
+                ),
+                carry,
+                layer_state,
+            )
         x, kv, _ = carry
         return x, kv

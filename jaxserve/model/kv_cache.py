@@ -143,6 +143,7 @@ def write_blocks(kv: KVCache, blocks: KVCache, rows: jax.Array, block_ids: jax.A
     """kv[:, block_ids[i]] = blocks[:, rows[i]] in every array: blocks from read_blocks,
     possibly another engine's whose tensor parallelism repeated its KV heads differently
     (jaxserve.parallel.sharding.replicate_kv_heads); they are repeated or thinned to this cache's."""
+
     def write(x, b, head_axis):
         have, want = b.shape[head_axis], x.shape[head_axis]
         if want > have:
@@ -168,6 +169,7 @@ def move_slots(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         def move_scales(x):  # [L, num_blocks, KV, block_size]
             values = x[:, src // block_size, :, src % block_size]
             return x.at[:, dst // block_size, :, dst % block_size].set(values)
+
         out.k_scale, out.v_scale = move_scales(kv.k_scale), move_scales(kv.v_scale)
     return out
 
@@ -181,11 +183,16 @@ def write_kv(kv: KVCache, layer: jax.Array, slots: jax.Array, k: jax.Array, v: j
     size one (one KV head per device: MQA, or tensor parallelism), and then copies the
     whole cache twice a step to and from it."""
     if kv.k_scale is None:
-        return KVCache(_write_slots(kv.k, layer, slots, k.astype(kv.dtype)),
-                       _write_slots(kv.v, layer, slots, v.astype(kv.dtype)))
+        return KVCache(
+            _write_slots(kv.k, layer, slots, k.astype(kv.dtype)), _write_slots(kv.v, layer, slots, v.astype(kv.dtype))
+        )
     (k, k_scale), (v, v_scale) = quantize_kv(k, kv.dtype), quantize_kv(v, kv.dtype)
-    return KVCache(_write_slots(kv.k, layer, slots, k), _write_slots(kv.v, layer, slots, v),
-                   _write_scales(kv.k_scale, layer, slots, k_scale), _write_scales(kv.v_scale, layer, slots, v_scale))
+    return KVCache(
+        _write_slots(kv.k, layer, slots, k),
+        _write_slots(kv.v, layer, slots, v),
+        _write_scales(kv.k_scale, layer, slots, k_scale),
+        _write_scales(kv.v_scale, layer, slots, v_scale),
+    )
 
 
 def _one_row_guard(slots: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -122,8 +122,9 @@ class QuantizedLinear(nnx.Module):
         if self.kind == "int4":
             weights = mgpu.Int4KernelWeights(self.q[...], self.scales[...], self.offsets[...], self.dout)
             return mgpu.int4_matmul(x, weights, interpret=interpret)
-        return mgpu.fp8_matmul(x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout),
-                               interpret=interpret)
+        return mgpu.fp8_matmul(
+            x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout), interpret=interpret
+        )
 
     def kernel_unsupported_reason(self, dtype) -> str | None:
         """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype`, or None."""
@@ -133,13 +134,19 @@ class QuantizedLinear(nnx.Module):
         if self.kind == "int4":
             groups = self.scales.shape[-2]  # [.., G, N] in both layouts
             n_pad = mgpu.padded_n(self.dout)
-            weights = mgpu.Int4KernelWeights(jax.ShapeDtypeStruct((n_pad, self.din), jnp.int4),
-                                             jax.ShapeDtypeStruct((groups, n_pad), jnp.float32),
-                                             jax.ShapeDtypeStruct((groups, n_pad), jnp.float32), self.dout)
+            weights = mgpu.Int4KernelWeights(
+                jax.ShapeDtypeStruct((n_pad, self.din), jnp.int4),
+                jax.ShapeDtypeStruct((groups, n_pad), jnp.float32),
+                jax.ShapeDtypeStruct((groups, n_pad), jnp.float32),
+                self.dout,
+            )
             return mgpu.int4_unsupported_reason(x, weights)
         n_pad = mgpu.padded_n(self.dout)
-        weights = mgpu.Fp8KernelWeights(jax.ShapeDtypeStruct((n_pad, self.din), jnp.float8_e4m3fn),
-                                        jax.ShapeDtypeStruct((n_pad,), jnp.float32), self.dout)
+        weights = mgpu.Fp8KernelWeights(
+            jax.ShapeDtypeStruct((n_pad, self.din), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((n_pad,), jnp.float32),
+            self.dout,
+        )
         return mgpu.fp8_unsupported_reason(x, weights)
 
     def use_kernel_layout(self, *, interpret: bool = False) -> None:

@@ -173,8 +173,16 @@ class KVPlan:
         return max(0, self.num_blocks - 1) // self.blocks_per_sequence
 
 
-def plan_kv(cfg: ModelConfig, kv_dtype, *, context: int, block_size: int = 16, memory_bytes: int | None = None,
-            num_blocks: int | None = None, tp: int = 1) -> KVPlan:
+def plan_kv(
+    cfg: ModelConfig,
+    kv_dtype,
+    *,
+    context: int,
+    block_size: int = 16,
+    memory_bytes: int | None = None,
+    num_blocks: int | None = None,
+    tp: int = 1,
+) -> KVPlan:
     """The engine's cache for `memory_bytes` of K and V (or `num_blocks` blocks), per
     device under tensor parallelism `tp` (KV heads split, replicated when fewer than tp)."""
     cfg_per_device = per_device_config(cfg, tp)
@@ -199,7 +207,8 @@ def kv_budget_for_utilization(utilization: float, *, total_bytes: int, peak_byte
             f"gpu_memory_utilization {utilization} allows {both_units(allowed)} of {both_units(total_bytes)}, but "
             f"the weights and the largest step's activations already take {both_units(peak_bytes)}: nothing is "
             f"left for the KV cache; give more than {peak_bytes / total_bytes:.3f} (or lower max_num_batched_tokens "
-            f"/ max_num_seqs)")
+            f"/ max_num_seqs)"
+        )
     return budget
 
 
@@ -215,8 +224,9 @@ def activation_workspace(cfg: ModelConfig, *, max_num_batched_tokens: int, max_n
     """An estimate of the largest step's live activations: float32 per token (the hidden
     state, q/k/v, the MLP's two intermediate rows) and float32 logits per sequence, with
     the sampler's copies of them."""
-    per_token = 4 * (3 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                     + 2 * cfg.intermediate_size)
+    per_token = 4 * (
+        3 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 2 * cfg.intermediate_size
+    )
     return max_num_batched_tokens * per_token + 3 * max_num_seqs * cfg.vocab_size * 4
 
 
@@ -304,8 +314,16 @@ class Setup:
                 lo = mid + 1
         return lo
 
-    def speculative_speedup(self, device: Device, *, batch: int, context: int, acceptance_length: float,
-                            num_speculative_tokens: int, draft_cost: float) -> float:
+    def speculative_speedup(
+        self,
+        device: Device,
+        *,
+        batch: int,
+        context: int,
+        acceptance_length: float,
+        num_speculative_tokens: int,
+        draft_cost: float,
+    ) -> float:
         """The bound on speculative decoding's speed-up: `acceptance_length` tokens (accepted
         drafts + 1) per verify step of k+1 tokens per sequence, plus k draft steps each
         costing `draft_cost` times a plain decode step."""

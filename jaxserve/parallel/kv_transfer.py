@@ -63,8 +63,14 @@ class KVTransfer:
     """One server's end: offers its prompts' KV (a prefill server) and pulls others' (a decode
     server). `device`: where pulled blocks land (the engine's first device)."""
 
-    def __init__(self, device: jax.Device, host: str = "127.0.0.1", offer_timeout: float = 60.0,
-                 pull_timeout: float = 30.0, secret: str | None = None):
+    def __init__(
+        self,
+        device: jax.Device,
+        host: str = "127.0.0.1",
+        offer_timeout: float = 60.0,
+        pull_timeout: float = 30.0,
+        secret: str | None = None,
+    ):
         from jax.experimental import transfer
 
         self.device = device
@@ -78,8 +84,9 @@ class KVTransfer:
         self.stats = TransferStats()
         self._connections: dict[str, object] = {}
         self._lock = threading.RLock()
-        logger.info("KV transfer server on %s (offers kept %g s, pulls wait %g s)", self.address, offer_timeout,
-                    pull_timeout)
+        logger.info(
+            "KV transfer server on %s (offers kept %g s, pulls wait %g s)", self.address, offer_timeout, pull_timeout
+        )
 
     def offer(self, handoff: KVHandoff) -> dict:
         """Offer `handoff` for one pull; the kv_transfer_params a decode server needs."""
@@ -89,15 +96,20 @@ class KVTransfer:
         arrays = {name: getattr(kv, name) for name in KV_FIELDS if getattr(kv, name) is not None}
         transfer_id = secrets.randbits(63)
         expires = time.time() + self.offer_timeout
-        self.server.await_pull(transfer_id, list(arrays.values()),
-                               timeout=datetime.datetime.fromtimestamp(expires))
+        self.server.await_pull(transfer_id, list(arrays.values()), timeout=datetime.datetime.fromtimestamp(expires))
         with self._lock:
             self.stats.offered += 1
             self.stats.offered_bytes += handoff.nbytes
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_address": self.address,
-                  "transfer_id": str(transfer_id), "num_blocks": handoff.num_blocks,
-                  "arrays": {name: [list(a.shape), str(a.dtype)] for name, a in arrays.items()},
-                  "expires_at": expires, "num_bytes": handoff.nbytes}
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_address": self.address,
+            "transfer_id": str(transfer_id),
+            "num_blocks": handoff.num_blocks,
+            "arrays": {name: [list(a.shape), str(a.dtype)] for name, a in arrays.items()},
+            "expires_at": expires,
+            "num_bytes": handoff.nbytes,
+        }
         if self.secret is not None:
             params["signature"] = self._sign(params)
         return params
@@ -113,8 +125,10 @@ class KVTransfer:
         try:
             address, transfer_id = str(params["remote_address"]), int(params["transfer_id"])
             num_blocks = int(params["num_blocks"])
-            specs = {name: (tuple(int(d) for d in shape), jnp.dtype(dtype))
-                     for name, (shape, dtype) in params["arrays"].items()}
+            specs = {
+                name: (tuple(int(d) for d in shape), jnp.dtype(dtype))
+                for name, (shape, dtype) in params["arrays"].items()
+            }
             expires = float(params["expires_at"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kv_transfer_params is not an offer of a prefill server: {e!r}") from None
@@ -141,8 +155,9 @@ class KVTransfer:
         structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in specs.values()]
         job = concurrent.futures.Future()
         # A pull that may never return (see the module's note) waits in its own thread.
-        thread = threading.Thread(target=self._pull, args=(address, transfer_id, structs, job), daemon=True,
-                                  name=f"kv-pull-{transfer_id}")
+        thread = threading.Thread(
+            target=self._pull, args=(address, transfer_id, structs, job), daemon=True, name=f"kv-pull-{transfer_id}"
+        )
         thread.start()
         with self._lock:
             self._pulls = [t for t in self._pulls if t.is_alive()] + [thread]

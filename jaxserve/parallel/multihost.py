@@ -55,8 +55,10 @@ class DistConfig:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and (not self.init_addr or ":" not in self.init_addr):
-            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's coordinator "
-                             f"address), got {self.init_addr!r}")
+            raise ValueError(
+                f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's coordinator "
+                f"address), got {self.init_addr!r}"
+            )
         if self.heartbeat_timeout <= 0:
             raise ValueError(f"the heartbeat timeout must be positive, got {self.heartbeat_timeout}")
 
@@ -71,8 +73,10 @@ class DistConfig:
     def local_devices(self, tensor_parallel_size: int) -> int:
         """Each node's share of the mesh's devices."""
         if tensor_parallel_size % self.nnodes:
-            raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} must split evenly over --nnodes "
-                             f"{self.nnodes}: every node holds the same number of the mesh's devices")
+            raise ValueError(
+                f"--tensor-parallel-size {tensor_parallel_size} must split evenly over --nnodes "
+                f"{self.nnodes}: every node holds the same number of the mesh's devices"
+            )
         return tensor_parallel_size // self.nnodes
 
 
@@ -87,11 +91,17 @@ def start(config: DistConfig, tensor_parallel_size: int) -> Leader | Follower:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     logger.info("node %d of %d: joining %s", config.node_rank, config.nnodes, config.init_addr)
     # jax's own heartbeat stays longer than ours, so ours is the one that reports a lost node.
-    jax.distributed.initialize(config.init_addr, num_processes=config.nnodes, process_id=config.node_rank,
-                               heartbeat_timeout_seconds=max(100, int(4 * config.heartbeat_timeout)))
+    jax.distributed.initialize(
+        config.init_addr,
+        num_processes=config.nnodes,
+        process_id=config.node_rank,
+        heartbeat_timeout_seconds=max(100, int(4 * config.heartbeat_timeout)),
+    )
     if jax.device_count() != tensor_parallel_size:
-        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} must cover every node's devices: "
-                         f"{config.nnodes} nodes hold {jax.device_count()} ({jax.local_device_count()} here)")
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size} must cover every node's devices: "
+            f"{config.nnodes} nodes hold {jax.device_count()} ({jax.local_device_count()} here)"
+        )
     from jax._src.distributed import global_state  # NOTE: the coordination service's key-value store
 
     if config.is_leader:
@@ -115,7 +125,7 @@ class Leader:
         host = config.init_addr.rsplit(":", 1)[0]
         key = secrets.token_bytes(32)
         listener = Listener((host, 0), authkey=key)
-        address = "%s:%d" % listener.address
+        address = ":".join(map(str, listener.address))
         kv_store.key_value_set(CONTROL_KEY, f"{address} {key.hex()}")
         self.followers: dict[int, Connection] = {}
         accepting = threading.Thread(target=self._accept, args=(listener,), daemon=True)
@@ -155,8 +165,10 @@ class Leader:
                 reason = "closed its control connection (it stopped or crashed)"
                 break
         if not self.stopping:
-            fatal(f"node {rank} of {self.config.nnodes} {reason}; the model is split over every node, "
-                  "so none can go on. Stopping.")
+            fatal(
+                f"node {rank} of {self.config.nnodes} {reason}; the model is split over every node, "
+                "so none can go on. Stopping."
+            )
 
     def send(self, method: str, *args, **kwargs) -> None:
         for rank, conn in self.followers.items():
@@ -203,13 +215,16 @@ class Follower:
             try:
                 method, args, kwargs = self.conn.recv()
             except (EOFError, OSError):
-                fatal(f"node {rank}: the leader (node 0) closed the control connection (it stopped or crashed); "
-                      "stopping")
+                fatal(
+                    f"node {rank}: the leader (node 0) closed the control connection (it stopped or crashed); stopping"
+                )
             if method == STOP:
                 self.done.set()
                 return
             try:
                 getattr(engine, method)(*args, **kwargs)
             except Exception:  # the leader's same call succeeded: this node no longer matches it
-                fatal(f"node {rank}: replaying the leader's {method} failed, so this node's engine no longer "
-                      f"matches the leader's:\n{traceback.format_exc()}")
+                fatal(
+                    f"node {rank}: replaying the leader's {method} failed, so this node's engine no longer "
+                    f"matches the leader's:\n{traceback.format_exc()}"
+                )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,25 +61,35 @@ def make_mesh(tensor_parallel_size: int = 1, device_ids: tuple[int, ...] | None 
     if len(ids) != tensor_parallel_size:
         raise ValueError(f"tensor parallel size {tensor_parallel_size} needs as many devices, got device ids {ids}")
     if max(ids) >= len(devices) or min(ids) < 0:
-        hint = (" (on the CPU, --tensor-parallel-size sets jax_num_cpu_devices before jax starts; in a library, "
-                "call jax.config.update('jax_num_cpu_devices', N) first)" if devices[0].platform == "cpu" else "")
-        raise ValueError(f"device ids {ids} need {max(ids) + 1} devices, and jax sees {len(devices)} "
-                         f"{devices[0].platform} device(s){hint}")
+        hint = (
+            " (on the CPU, --tensor-parallel-size sets jax_num_cpu_devices before jax starts; in a library, "
+            "call jax.config.update('jax_num_cpu_devices', N) first)"
+            if devices[0].platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"device ids {ids} need {max(ids) + 1} devices, and jax sees {len(devices)} "
+            f"{devices[0].platform} device(s){hint}"
+        )
     # NOTE: Auto axes (plain GSPMD). jax 0.12's make_mesh defaults to Explicit, which puts
     # shardings into array types and refuses the implicit reshards GSPMD does for us.
     return jax.make_mesh((1, len(ids)), AXES, axis_types=(AxisType.Auto,) * 2, devices=[devices[i] for i in ids])
 
 
-def replica_device_ids(tensor_parallel_size: int, data_parallel_size: int,
-                       devices: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+def replica_device_ids(
+    tensor_parallel_size: int, data_parallel_size: int, devices: Sequence[int] | None = None
+) -> list[tuple[int, ...]]:
     """Each data-parallel replica's device ids: consecutive groups of tensor_parallel_size
     from `devices` (default 0, 1, 2, ...)."""
     need = tensor_parallel_size * data_parallel_size
     devices = list(range(need) if devices is None else devices)
     if len(devices) < need:
-        raise ValueError(f"{data_parallel_size} replicas of {tensor_parallel_size} devices need {need} devices, "
-                         f"got {devices}")
-    return [tuple(devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size]) for i in range(data_parallel_size)]
+        raise ValueError(
+            f"{data_parallel_size} replicas of {tensor_parallel_size} devices need {need} devices, got {devices}"
+        )
+    return [
+        tuple(devices[i * tensor_parallel_size : (i + 1) * tensor_parallel_size]) for i in range(data_parallel_size)
+    ]
 
 
 def tensor_parallel_size(mesh: jax.sharding.Mesh) -> int:
@@ -92,8 +102,10 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
     if cfg.num_heads % tp:
         divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
-        raise ValueError(f"tensor parallel size {tp} does not divide the model's {cfg.num_heads} attention heads; "
-                         f"it can be one of {divisors}")
+        raise ValueError(
+            f"tensor parallel size {tp} does not divide the model's {cfg.num_heads} attention heads; "
+            f"it can be one of {divisors}"
+        )
     kv = cfg.num_kv_heads
     if kv % tp and tp % kv:
         raise ValueError(f"tensor parallel size {tp} and the model's {kv} KV heads: one must divide the other")
@@ -113,8 +125,12 @@ def replicate_kv_heads(state: nnx.State, cfg: ModelConfig, tp: int) -> nnx.State
     r = kv_heads_for(cfg, tp) // cfg.num_kv_heads
     if r == 1:
         return state
-    logger.info("tensor parallel %d: repeating each of the model's %d KV heads %dx (one whole head per device)",
-                tp, cfg.num_kv_heads, r)
+    logger.info(
+        "tensor parallel %d: repeating each of the model's %d KV heads %dx (one whole head per device)",
+        tp,
+        cfg.num_kv_heads,
+        r,
+    )
 
     def repeat(path, x):
         if not re.search(r"(k|v)_proj/\w+$", _path(path)) or x.ndim == 0:
@@ -146,8 +162,12 @@ def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
 
     shardings = jax.tree.map_with_path(spec, state)
     if kept_whole and tp > 1:
-        logger.info("tensor parallel %d: %d parameters do not divide evenly and stay whole on every device "
-                    "(e.g. %s)", tp, len(kept_whole), kept_whole[0])
+        logger.info(
+            "tensor parallel %d: %d parameters do not divide evenly and stay whole on every device (e.g. %s)",
+            tp,
+            len(kept_whole),
+            kept_whole[0],
+        )
     return shardings
 
 
@@ -166,6 +186,7 @@ def place(tree, shardings):
     """jax.device_put(tree, shardings), also onto a mesh over several hosts
     (jaxserve.parallel.multihost), where device_put refuses an array held on one device: there each
     node cuts its own devices' shards from its host copy of the whole array."""
+
     def put(x, sharding):
         if sharding.is_fully_addressable:
             return jax.device_put(x, sharding)
@@ -180,14 +201,30 @@ def shard_attention(attention, mesh: jax.sharding.Mesh):
     """`attention` (the model's AttentionFn signature) run per device on its own heads; the
     same function object for the same arguments, so jitted layers are cached by it."""
 
-    def sharded(q, k_pages, v_pages, kv_lens, block_tables, query_start_loc, *, k_scales=None, v_scales=None,
-                tree_mask=None, **static):
-        arrays = {"k_scales": (k_scales, PAGE_SCALES), "v_scales": (v_scales, PAGE_SCALES), "tree_mask": (tree_mask, P())}
+    def sharded(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        *,
+        k_scales=None,
+        v_scales=None,
+        tree_mask=None,
+        **static,
+    ):
+        arrays = {
+            "k_scales": (k_scales, PAGE_SCALES),
+            "v_scales": (v_scales, PAGE_SCALES),
+            "tree_mask": (tree_mask, P()),
+        }
         names = [name for name, (a, _) in arrays.items() if a is not None]
 
         def local(q, k_pages, v_pages, kv_lens, block_tables, query_start_loc, *extra):
-            return attention(q, k_pages, v_pages, kv_lens, block_tables, query_start_loc,
-                             **dict(zip(names, extra)), **static)
+            return attention(
+                q, k_pages, v_pages, kv_lens, block_tables, query_start_loc, **dict(zip(names, extra)), **static
+            )
 
         in_specs = (HEADS, PAGES, PAGES, P(), P(), P(), *(arrays[n][1] for n in names))
         # NOTE: check_vma=False: the reference's fori_loop carries start as unvarying zeros and
@@ -200,6 +237,6 @@ def shard_attention(attention, mesh: jax.sharding.Mesh):
 
 
 def _path(path) -> str:
-    """"layers/3/self_attn/q_proj/kernel" for a parameter's tree path (a Variable's own
+    """ "layers/3/self_attn/q_proj/kernel" for a parameter's tree path (a Variable's own
     `.value` attribute left out)."""
     return "/".join(str(k.key if hasattr(k, "key") else k.idx) for k in path if not hasattr(k, "name"))

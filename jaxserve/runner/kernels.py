@@ -21,8 +21,8 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import AttentionFn, FewRowKernels, has_plain_projections
 from jaxserve.model.quantization import quantized_layers, use_kernel_layout
-from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
 from jaxserve.model.sizing import per_device_config
+from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
 from jaxserve.weights.load import default_cache_dir
 from pallas_kernels import cpu_kernels
 from pallas_kernels.quantized_kv import is_quantized_kv
@@ -40,8 +40,9 @@ def is_hopper(device: jax.Device) -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def pallas_unsupported_reason(cfg: ModelConfig, dtype, block_size: int, device: jax.Device,
-                              kv_dtype=None) -> str | None:
+def pallas_unsupported_reason(
+    cfg: ModelConfig, dtype, block_size: int, device: jax.Device, kv_dtype=None
+) -> str | None:
     """Why the Mosaic GPU attention kernel cannot serve this model (and this KV cache dtype,
     default the model's) here, or None."""
     if not is_hopper(device):
@@ -64,8 +65,9 @@ def cpu_unsupported_reason(dtype, kv_dtype, device: jax.Device) -> str | None:
     return reason or cpu_kernels.build(default_cache_dir())
 
 
-def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
-                     kv_dtype=None, mesh: jax.sharding.Mesh | None = None) -> tuple[str, AttentionFn]:
+def select_attention(
+    name: str | None, cfg: ModelConfig, dtype, block_size: int, kv_dtype=None, mesh: jax.sharding.Mesh | None = None
+) -> tuple[str, AttentionFn]:
     """(backend name, attention function) for the flag value `name` (None: env var, else auto),
     for a KV cache of `kv_dtype` (None: the model's dtype), on `mesh`'s devices (None: the
     first device). Under tensor parallelism the function runs per device on its own heads."""
@@ -91,8 +93,9 @@ def select_attention(name: str | None, cfg: ModelConfig, dtype, block_size: int,
         fn = cpu_kernels.ragged_paged_attention
     else:
         fn = ragged_paged_attention_reference
-    why = "".join(f" ({kernel} kernel not used: {reason})" for kernel, reason in reasons.items()
-                  if kernel != name and reason)
+    why = "".join(
+        f" ({kernel} kernel not used: {reason})" for kernel, reason in reasons.items() if kernel != name and reason
+    )
     where = f", tensor parallel {tp} over devices {[d.id for d in mesh.devices.flat]}" if tp > 1 else ""
     logger.info("attention backend: %s on %s%s%s", name, device.device_kind, where, why)
     return name, (shard_attention(fn, mesh) if tp > 1 else fn)
@@ -131,8 +134,9 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     products (decode steps) through the CPU kernels: the decoder layers' (up to
     LAYER_MAX_ROWS rows) and a tied LM head's; else "reference"."""
     if name == "pallas":  # nothing to choose for (as with the variable set for every model)
-        logger.info("matmul backend: reference (the Pallas matmul kernels are for quantized models; this one is "
-                    "not quantized)")
+        logger.info(
+            "matmul backend: reference (the Pallas matmul kernels are for quantized models; this one is not quantized)"
+        )
         name = "reference"
     reason = None if name == "reference" else dense_matmul_unsupported_reason(model, device, tp)
     if name == "cpu" and reason is not None:
@@ -140,9 +144,12 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     use = name != "reference" and reason is None
     model.few_row_kernels = few_row_kernels(model) if use else FewRowKernels()
     if use:
-        logger.info("matmul backend: cpu on %s for the decoder layers' products of up to %d rows%s",
-                    device.device_kind, model.few_row_kernels.layer_rows,
-                    f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "")
+        logger.info(
+            "matmul backend: cpu on %s for the decoder layers' products of up to %d rows%s",
+            device.device_kind,
+            model.few_row_kernels.layer_rows,
+            f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "",
+        )
     elif name == "auto":
         logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
     return "cpu" if use else "reference"
@@ -153,8 +160,10 @@ def few_row_kernels(model) -> FewRowKernels:
     rows when all its layers have plain projections, and a tied head's up to MAX_ROWS."""
     layers = model.layers if isinstance(model.layers, nnx.List) else [model.layers]  # unstacked, or stacked
     plain = all(has_plain_projections(layer) for layer in layers)
-    return FewRowKernels(layer_rows=cpu_kernels.LAYER_MAX_ROWS if plain else 0,
-                         lm_head_rows=cpu_kernels.MAX_ROWS if model.cfg.tie_word_embeddings else 0)
+    return FewRowKernels(
+        layer_rows=cpu_kernels.LAYER_MAX_ROWS if plain else 0,
+        lm_head_rows=cpu_kernels.MAX_ROWS if model.cfg.tie_word_embeddings else 0,
+    )
 
 
 def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:
@@ -169,8 +178,9 @@ def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None
     if not quantized_layers(model):
         return select_dense_matmul(name, model, device, 1 if mesh is None else tensor_parallel_size(mesh))
     if name == "cpu":
-        raise ValueError("the CPU matmul kernel takes float weights; this model is quantized (its reference "
-                         "matmuls run on the CPU)")
+        raise ValueError(
+            "the CPU matmul kernel takes float weights; this model is quantized (its reference matmuls run on the CPU)"
+        )
     reason = None if name == "reference" else matmul_unsupported_reason(model, device)
     if reason is None and mesh is not None and tensor_parallel_size(mesh) > 1:
         # NOTE: a Pallas call is opaque to GSPMD; the kernels would need their own shard_map.
@@ -181,12 +191,17 @@ def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None
         name = "reference" if reason is not None else "pallas"
     if name == "reference" and any(layer.layout != "canonical" for _, layer in quantized_layers(model)):
         # NOTE: the conversion is one-way (the canonical arrays are dropped to save memory).
-        raise ValueError("this model's quantized layers are already in the Pallas kernels' layout (an earlier "
-                         "select_matmul); load the model again to run the reference")
+        raise ValueError(
+            "this model's quantized layers are already in the Pallas kernels' layout (an earlier "
+            "select_matmul); load the model again to run the reference"
+        )
     if name == "pallas":
         count = use_kernel_layout(model)
-        logger.info("matmul backend: pallas on %s (%d quantized layers converted to the kernel layout)",
-                    device.device_kind, count)
+        logger.info(
+            "matmul backend: pallas on %s (%d quantized layers converted to the kernel layout)",
+            device.device_kind,
+            count,
+        )
     else:
         why = f" (Pallas kernels not used: {reason})" if reason else ""
         logger.info("matmul backend: reference on %s%s", device.device_kind, why)

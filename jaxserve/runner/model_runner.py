@@ -40,15 +40,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.kv_cache import KVCache, allocate_kv_cache, copy_blocks, read_blocks, write_blocks
 from jaxserve.model.decoder import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model.inputs import ModelInputs
-from jaxserve.sample.sampler import SamplerOutput, SamplingMetadata
-from jaxserve.parallel.sharding import (kv_cache_sharding, kv_heads_for, make_mesh, param_shardings, place,
-                               replicate_kv_heads, replicated, tensor_parallel_size)
+from jaxserve.model.kv_cache import KVCache, allocate_kv_cache, copy_blocks, read_blocks, write_blocks
+from jaxserve.parallel.sharding import (
+    kv_cache_sharding,
+    kv_heads_for,
+    make_mesh,
+    param_shardings,
+    place,
+    replicate_kv_heads,
+    replicated,
+    tensor_parallel_size,
+)
 from jaxserve.runner import steps
 from jaxserve.runner.steps import NULL_SLOT, PendingTokens
 from jaxserve.sample.rejection_sampler import VerifyOutput
+from jaxserve.sample.sampler import SamplerOutput, SamplingMetadata
 from jaxserve.sample.tree_verify import TreeVerifyOutput
 from pallas_kernels.quantized_kv import is_quantized_kv
 from scheduler.draft_tree import DraftTree
@@ -121,8 +129,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = sorted(buckets) if buckets else token_buckets(max_num_batched_tokens)
         if self.buckets[-1] < max_num_batched_tokens or self.buckets[0] < MIN_TOKENS:
-            raise ValueError(f"token buckets {self.buckets} must lie in [{MIN_TOKENS}, ...] and reach "
-                             f"{max_num_batched_tokens=}")
+            raise ValueError(
+                f"token buckets {self.buckets} must lie in [{MIN_TOKENS}, ...] and reach {max_num_batched_tokens=}"
+            )
         # The devices the step runs on (jaxserve.parallel.sharding): one, or tensor-parallel shards.
         self.mesh = mesh = mesh if mesh is not None else make_mesh(1)
         tp = tensor_parallel_size(mesh)
@@ -133,8 +142,9 @@ class ModelRunner:
         kv_config = dataclasses.replace(self.config, num_kv_heads=kv_heads_for(self.config, tp))
         kv_shardings = kv_cache_sharding(mesh, quantized=is_quantized_kv(kv_dtype))
         # Allocated in place, shard by shard: no device ever holds the whole cache.
-        self.kv: KVCache = jax.jit(lambda: allocate_kv_cache(kv_config, num_blocks, block_size, kv_dtype),
-                                   out_shardings=kv_shardings)()
+        self.kv: KVCache = jax.jit(
+            lambda: allocate_kv_cache(kv_config, num_blocks, block_size, kv_dtype), out_shardings=kv_shardings
+        )()
         graphdef, params = nnx.split(unstack_layers(model))
         params = replicate_kv_heads(params, self.config, tp)
         self.graphdef, self.attention = graphdef, attention
@@ -148,15 +158,23 @@ class ModelRunner:
         # accepted path's K/V moved next to each other after each verify step.
         self.keep_step_hidden = keep_step_hidden
         self.tree = draft_tree if draft_tree is not None and not draft_tree.is_chain else None
-        statics = steps.StepStatics(graphdef=graphdef, attention=attention, mesh=mesh, kv_shardings=kv_shardings,
-                                    rows=rows, num_speculative_tokens=k, tree=self.tree,
-                                    keep_step_hidden=keep_step_hidden)
+        statics = steps.StepStatics(
+            graphdef=graphdef,
+            attention=attention,
+            mesh=mesh,
+            kv_shardings=kv_shardings,
+            rows=rows,
+            num_speculative_tokens=k,
+            tree=self.tree,
+            keep_step_hidden=keep_step_hidden,
+        )
 
         # jit is applied here, once; the step functions (runner/steps.py) stay plain functions.
         self._body = jax.jit(functools.partial(steps.body, statics), donate_argnames=("kv",))
         # Steps with prompt logprobs keep every token's hidden state: a variant compiled when the first comes.
-        self._body_keeping_hidden = jax.jit(functools.partial(steps.body, statics, keep_hidden=True),
-                                            donate_argnames=("kv",))
+        self._body_keeping_hidden = jax.jit(
+            functools.partial(steps.body, statics, keep_hidden=True), donate_argnames=("kv",)
+        )
         self._prompt_head = jax.jit(functools.partial(steps.prompt_head, statics))
         self._head = jax.jit(functools.partial(steps.head, statics))
         self._verify_head = jax.jit(functools.partial(steps.verify_head, statics))
@@ -211,8 +229,13 @@ class ModelRunner:
                     out.token_ids.block_until_ready()
                     if self.tree is not None:
                         self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
-        logger.info("compiled %d token buckets %s and %d row buckets %s", len(self.buckets), self.buckets,
-                    len(self.row_buckets), self.row_buckets)
+        logger.info(
+            "compiled %d token buckets %s and %d row buckets %s",
+            len(self.buckets),
+            self.buckets,
+            len(self.row_buckets),
+            self.row_buckets,
+        )
 
     # -- KV handed between engines (prefill/decode disaggregation) ---------------------------
 
@@ -337,11 +360,19 @@ class ModelRunner:
             return out
 
         meta = SamplingMetadata(
-            temperature=pad(b.temperature), top_p=pad(b.top_p, 1), top_k=pad(b.top_k), min_p=pad(b.min_p),
-            presence_penalty=pad(b.presence_penalty), frequency_penalty=pad(b.frequency_penalty),
-            repetition_penalty=pad(b.repetition_penalty, 1), seeds=pad(b.seeds), sample_index=pad(b.sample_index),
+            temperature=pad(b.temperature),
+            top_p=pad(b.top_p, 1),
+            top_k=pad(b.top_k),
+            min_p=pad(b.min_p),
+            presence_penalty=pad(b.presence_penalty),
+            frequency_penalty=pad(b.frequency_penalty),
+            repetition_penalty=pad(b.repetition_penalty, 1),
+            seeds=pad(b.seeds),
+            sample_index=pad(b.sample_index),
             output_index=pad(b.output_index),
-            banned_token_ids=pad(b.banned_token_ids), ban=pad(b.ban), want_logprobs=np.bool_(b.want_logprobs),
+            banned_token_ids=pad(b.banned_token_ids),
+            ban=pad(b.ban),
+            want_logprobs=np.bool_(b.want_logprobs),
         )
         if b.history is not None or b.token_bias is not None or b.token_bitmask is not None:
             # One variant for penalties, the token bias and the grammar's bitmask (rows without
@@ -350,7 +381,11 @@ class ModelRunner:
             if b.history is not None:
                 history[: len(b.history), : b.history.shape[1]] = b.history
                 lens, prompt_lens = pad(b.history_lens), pad(b.prompt_lens)
-            meta.history, meta.history_lens, meta.prompt_lens = history, lens, lens if prompt_lens is None else prompt_lens
+            meta.history, meta.history_lens, meta.prompt_lens = (
+                history,
+                lens,
+                lens if prompt_lens is None else prompt_lens,
+            )
             meta.token_bias = token_bias_matrix(b.token_bias or [], s, self.config.vocab_size)
             words = bitmask_words(self.config.vocab_size)
             meta.token_bitmask = np.full((s, words), -1, np.int32)
@@ -371,8 +406,9 @@ def copy_pairs(copies: list[tuple[int, int]], rows: int) -> np.ndarray:
 class StepHandle:
     """A dispatched step; `fetch()` waits for its sampled tokens (one row per sequence)."""
 
-    def __init__(self, out: SamplerOutput | VerifyOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int,
-                 prompt=None):
+    def __init__(
+        self, out: SamplerOutput | VerifyOutput, num_seqs: int, want_logprobs: bool, num_logprobs: int, prompt=None
+    ):
         self.out, self.num_seqs, self.want_logprobs, self.num_logprobs = out, num_seqs, want_logprobs, num_logprobs
         self.prompt = prompt  # (device tables, _prompt_rows(batch)) with prompt logprobs
 
@@ -381,8 +417,14 @@ class StepHandle:
         if self.prompt is not None:
             (logprobs, ranks, top_ids, top_values), (at, request_ids, positions, token_ids, k) = self.prompt
             result.prompt_logprobs = PromptLogprobsOutput(
-                request_ids, positions, token_ids, np.asarray(logprobs)[at], np.asarray(ranks)[at],
-                np.asarray(top_ids)[at, :k], np.asarray(top_values)[at, :k])
+                request_ids,
+                positions,
+                token_ids,
+                np.asarray(logprobs)[at],
+                np.asarray(ranks)[at],
+                np.asarray(top_ids)[at, :k],
+                np.asarray(top_values)[at, :k],
+            )
         return result
 
     def _fetch_samples(self) -> RunnerOutput:
@@ -393,8 +435,13 @@ class StepHandle:
             return RunnerOutput(token_ids, None, None, None, num_tokens)
         logprobs = np.asarray(out.logprobs)[:n]
         if k:
-            return RunnerOutput(token_ids, logprobs, np.asarray(out.top_logprob_ids)[:n, ..., :k],
-                                np.asarray(out.top_logprobs)[:n, ..., :k], num_tokens)
+            return RunnerOutput(
+                token_ids,
+                logprobs,
+                np.asarray(out.top_logprob_ids)[:n, ..., :k],
+                np.asarray(out.top_logprobs)[:n, ..., :k],
+                num_tokens,
+            )
         return RunnerOutput(token_ids, logprobs, None, None, num_tokens)
 
 
@@ -410,8 +457,21 @@ def _prompt_rows(batch: StepBatch):
 
 def _dummy_sampling(s: int, penalties: bool, width: int, vocab_size: int) -> SamplingMetadata:
     f, i = np.zeros(s, np.float32), np.zeros(s, np.int32)
-    meta = SamplingMetadata(f, f + 1, i, f, f, f, f + 1, np.zeros((s, 2), np.uint32), i, i,
-                            np.zeros((s, MAX_BANNED_TOKENS), np.int32), np.zeros(s, bool), np.bool_(False))
+    meta = SamplingMetadata(
+        f,
+        f + 1,
+        i,
+        f,
+        f,
+        f,
+        f + 1,
+        np.zeros((s, 2), np.uint32),
+        i,
+        i,
+        np.zeros((s, MAX_BANNED_TOKENS), np.int32),
+        np.zeros(s, bool),
+        np.bool_(False),
+    )
     if penalties:
         meta.history, meta.history_lens, meta.prompt_lens = np.zeros((s, width), np.int32), i, i
         meta.token_bias = np.zeros((s, vocab_size), np.float32)

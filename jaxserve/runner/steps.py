@@ -65,8 +65,15 @@ def whole(s: StepStatics, logits: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, replicated(s.mesh))
 
 
-def body(s: StepStatics, params, kv: KVCache, inputs: ModelInputs, pending: PendingTokens, last_tokens,
-         keep_hidden: bool = False):
+def body(
+    s: StepStatics,
+    params,
+    kv: KVCache,
+    inputs: ModelInputs,
+    pending: PendingTokens,
+    last_tokens,
+    keep_hidden: bool = False,
+):
     """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
     of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, and with
     `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all)."""
@@ -92,12 +99,19 @@ def verify_head(s: StepStatics, params, hidden, meta: SamplingMetadata, draft_id
         out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
     else:  # column 0 is the root (not a draft); a request keeps a BFS prefix of the tree
         valid = jnp.arange(k + 1)[None, :] <= num_drafts[:, None]
-        out = verify_tree(logits, meta, tree, jnp.pad(draft_ids, ((0, 0), (1, 0))), valid,
-                          None if draft_probs is None else jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))))
+        out = verify_tree(
+            logits,
+            meta,
+            tree,
+            jnp.pad(draft_ids, ((0, 0), (1, 0))),
+            valid,
+            None if draft_probs is None else jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))),
+        )
     last = jnp.take_along_axis(out.token_ids, out.num_tokens[:, None] - 1, axis=1)[:, 0]
     # The position the last token was drawn at: its hidden state is what draft heads read.
-    end = out.num_tokens - 1 if tree is None else jnp.take_along_axis(out.path, out.num_tokens[:, None] - 1,
-                                                                           axis=1)[:, 0]
+    end = (
+        out.num_tokens - 1 if tree is None else jnp.take_along_axis(out.path, out.num_tokens[:, None] - 1, axis=1)[:, 0]
+    )
     return out, by_row(last, s.rows), by_row(hidden[jnp.arange(r), end], s.rows)
 
 

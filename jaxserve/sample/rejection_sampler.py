@@ -24,7 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sample.sampler import (
-    MAX_LOGPROBS, SamplingMetadata, adjust_logits, apply_grammar_mask, draw_uniforms, invert_cdf,
+    MAX_LOGPROBS,
+    SamplingMetadata,
+    adjust_logits,
+    apply_grammar_mask,
+    draw_uniforms,
+    invert_cdf,
     probabilities,
 )
 
@@ -41,8 +46,13 @@ class VerifyOutput:
     top_logprobs: jax.Array  # f32 [R, K+1, W]
 
 
-def verify(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.Array, num_drafts: jax.Array,
-           draft_probs: jax.Array | None = None) -> VerifyOutput:
+def verify(
+    logits: jax.Array,
+    meta: SamplingMetadata,
+    draft_ids: jax.Array,
+    num_drafts: jax.Array,
+    draft_probs: jax.Array | None = None,
+) -> VerifyOutput:
     """logits: f32 [R*(K+1), V], row r*(K+1)+j for position j of request r; meta: as many
     rows; draft_ids: i32 [R, K]; num_drafts: i32 [R] (positions past them are ignored);
     draft_probs: f32 [R, K, V], the distributions the drafts were drawn from (None: point
@@ -81,8 +91,7 @@ def verify(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.Array, num_
         return accepted, last
 
     temperature = meta.temperature.reshape(num_rows, k + 1)[:, 0]
-    accepted, last = jax.lax.cond(
-        jnp.all(temperature == 0), lambda: (greedy_accepted, greedy_last), sampled_path)
+    accepted, last = jax.lax.cond(jnp.all(temperature == 0), lambda: (greedy_accepted, greedy_last), sampled_path)
     row_greedy = temperature == 0
     accepted = jnp.where(row_greedy, greedy_accepted, accepted)
     last = jnp.where(row_greedy, greedy_last, last)
@@ -97,12 +106,18 @@ def verify(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.Array, num_
         raw = jax.nn.log_softmax(logits, axis=-1)
         values, ids = jax.lax.top_k(raw, width)
         chosen = jnp.take_along_axis(raw, token_ids.reshape(-1, 1), axis=1)[:, 0]
-        return (chosen.reshape(num_rows, k + 1), ids.astype(jnp.int32).reshape(num_rows, k + 1, width),
-                values.reshape(num_rows, k + 1, width))
+        return (
+            chosen.reshape(num_rows, k + 1),
+            ids.astype(jnp.int32).reshape(num_rows, k + 1, width),
+            values.reshape(num_rows, k + 1, width),
+        )
 
     def no_tables():
-        return (jnp.zeros((num_rows, k + 1)), jnp.zeros((num_rows, k + 1, width), jnp.int32),
-                jnp.zeros((num_rows, k + 1, width)))
+        return (
+            jnp.zeros((num_rows, k + 1)),
+            jnp.zeros((num_rows, k + 1, width), jnp.int32),
+            jnp.zeros((num_rows, k + 1, width)),
+        )
 
     chosen, top_ids, top_values = jax.lax.cond(meta.want_logprobs, logprob_tables, no_tables)
     return VerifyOutput(token_ids, accepted + 1, chosen, top_ids, top_values)

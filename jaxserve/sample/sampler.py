@@ -80,7 +80,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     logits = adjust_logits(logits, meta)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     token_ids = jax.lax.cond(
-        jnp.all(meta.temperature == 0), lambda: greedy,
+        jnp.all(meta.temperature == 0),
+        lambda: greedy,
         lambda: jnp.where(meta.temperature == 0, greedy, _draw(logits, meta)),
     )
 
@@ -157,7 +158,7 @@ def probabilities(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     temperature = jnp.where(meta.temperature > 0, meta.temperature, 1.0)
     logits = logits / temperature[:, None]
     needs_filter = jnp.any((meta.top_k > 0) | (meta.top_p < 1) | (meta.min_p > 0))
-    logits = jax.lax.cond(needs_filter, _filter, lambda l, m: l, logits, meta)
+    logits = jax.lax.cond(needs_filter, _filter, lambda logits, meta: logits, logits, meta)
     return jax.nn.softmax(logits, axis=-1)
 
 
@@ -194,8 +195,9 @@ def _filter(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     vocab = logits.shape[1]
     candidates = jax.lax.top_k(logits, min(FILTER_CANDIDATES, vocab))[0]  # [S, n], descending
     threshold, resolved = _cutoff(candidates, logits, meta)
-    threshold = jax.lax.cond(jnp.all(resolved), lambda: threshold,
-                             lambda: _cutoff(-jnp.sort(-logits, axis=-1), logits, meta)[0])
+    threshold = jax.lax.cond(
+        jnp.all(resolved), lambda: threshold, lambda: _cutoff(-jnp.sort(-logits, axis=-1), logits, meta)[0]
+    )
     logits = jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
 
     probs = jax.nn.softmax(logits, axis=-1)
@@ -223,8 +225,11 @@ def _cutoff(head: jax.Array, logits: jax.Array, meta: SamplingMetadata) -> tuple
     # Top-p renormalizes over K: known if K is the whole vocabulary, or if K lies in the head
     # (nothing outside the head ties with its smallest member).
     k_in_head = whole_row | ((k <= n) & (head[:, -1] < t_k))
-    norm = jnp.where(has_top_k[:, None], jax.nn.logsumexp(jnp.where(in_top_k, head, -jnp.inf), axis=-1, keepdims=True),
-                     jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+    norm = jnp.where(
+        has_top_k[:, None],
+        jax.nn.logsumexp(jnp.where(in_top_k, head, -jnp.inf), axis=-1, keepdims=True),
+        jax.nn.logsumexp(logits, axis=-1, keepdims=True),
+    )
     probs = jnp.where(in_top_k, jnp.exp(head - norm), 0.0)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     top_p = meta.top_p[:, None]
@@ -235,7 +240,8 @@ def _cutoff(head: jax.Array, logits: jax.Array, meta: SamplingMetadata) -> tuple
     num_kept = keep.sum(axis=-1)
     threshold = jnp.take_along_axis(head, num_kept[:, None] - 1, axis=-1)[:, 0]
     resolved = jnp.where(
-        has_top_k, (k <= n) & (~has_top_p | k_in_head),
+        has_top_k,
+        (k <= n) & (~has_top_p | k_in_head),
         ~has_top_p | whole_row | (num_kept < n),  # without top-k, the top-p cut must fall inside the head
     )
     no_filter = ~has_top_k & ~has_top_p

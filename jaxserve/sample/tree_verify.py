@@ -42,7 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sample.sampler import (
-    MAX_LOGPROBS, SamplingMetadata, adjust_logits, apply_grammar_mask, draw_uniforms, invert_cdf,
+    MAX_LOGPROBS,
+    SamplingMetadata,
+    adjust_logits,
+    apply_grammar_mask,
+    draw_uniforms,
+    invert_cdf,
     probabilities,
 )
 from scheduler.draft_tree import DraftTree
@@ -61,8 +66,14 @@ class TreeVerifyOutput:
     top_logprobs: jax.Array  # f32 [R, D+1, W]
 
 
-def verify_tree(logits: jax.Array, meta: SamplingMetadata, tree: DraftTree, draft_ids: jax.Array,
-                valid: jax.Array, draft_probs: jax.Array | None = None) -> TreeVerifyOutput:
+def verify_tree(
+    logits: jax.Array,
+    meta: SamplingMetadata,
+    tree: DraftTree,
+    draft_ids: jax.Array,
+    valid: jax.Array,
+    draft_probs: jax.Array | None = None,
+) -> TreeVerifyOutput:
     """logits: f32 [R*(N+1), V], row r*(N+1)+i for tree position i of request r; meta: as
     many rows; draft_ids: i32 [R, N+1], each position's token (column 0, the root's, is not
     read); valid: bool [R, N+1], a request's pruned tree (an invalid node's descendants are
@@ -74,13 +85,16 @@ def verify_tree(logits: jax.Array, meta: SamplingMetadata, tree: DraftTree, draf
     vocab = logits.shape[-1]
     logits = apply_grammar_mask(logits, meta)  # the logprobs below too
     adjusted = adjust_logits(logits, meta)
-    greedy_path, greedy_last = _greedy_path(tree, jnp.argmax(adjusted, axis=-1).reshape(num_rows, width),
-                                            draft_ids, valid)
+    greedy_path, greedy_last = _greedy_path(
+        tree, jnp.argmax(adjusted, axis=-1).reshape(num_rows, width), draft_ids, valid
+    )
 
     def sampled():
         p = probabilities(adjusted, meta).reshape(num_rows, width, vocab)
-        u_accept = [draw_uniforms(meta, TREE_ACCEPT_STREAM0 + j).reshape(num_rows, width)
-                    for j in range(max(map(len, tree.children)))]
+        u_accept = [
+            draw_uniforms(meta, TREE_ACCEPT_STREAM0 + j).reshape(num_rows, width)
+            for j in range(max(map(len, tree.children)))
+        ]
         u_draw = draw_uniforms(meta).reshape(num_rows, width)
         return _sampled_walk(tree, p, draft_probs, draft_ids, valid, u_accept, u_draw)
 
@@ -124,8 +138,15 @@ def _greedy_path(tree: DraftTree, best: jax.Array, draft_ids: jax.Array, valid: 
     return jnp.asarray(tree.path_table)[end], best[rows, end].astype(jnp.int32)
 
 
-def _sampled_walk(tree: DraftTree, p_all: jax.Array, q_all: jax.Array | None, draft_ids: jax.Array,
-                  valid: jax.Array, u_accept: list[jax.Array], u_draw: jax.Array):
+def _sampled_walk(
+    tree: DraftTree,
+    p_all: jax.Array,
+    q_all: jax.Array | None,
+    draft_ids: jax.Array,
+    valid: jax.Array,
+    u_accept: list[jax.Array],
+    u_draw: jax.Array,
+):
     """p_all: f32 [R, N+1, V], the target at each position; q_all: the same shape or None
     (point masses); u_accept: per rank, f32 [R, N+1]; u_draw: f32 [R, N+1]. The accepted
     path [R, D+1] and the token drawn at its end [R]."""
@@ -183,7 +204,10 @@ def _logprobs(logits: jax.Array, path: jax.Array, token_ids: jax.Array, meta: Sa
         return chosen, ids.astype(jnp.int32), values
 
     def no_tables():
-        return (jnp.zeros((num_rows, steps)), jnp.zeros((num_rows, steps, width), jnp.int32),
-                jnp.zeros((num_rows, steps, width)))
+        return (
+            jnp.zeros((num_rows, steps)),
+            jnp.zeros((num_rows, steps, width), jnp.int32),
+            jnp.zeros((num_rows, steps, width)),
+        )
 
     return jax.lax.cond(meta.want_logprobs, tables, no_tables)

@@ -50,22 +50,37 @@ class SpeculativeConfig:
     def __post_init__(self):
         checks = [
             (self.method in METHODS, f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}"),
-            (_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
-             f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}"),
-            (_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
-             f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min!r}"),
-            (_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
-             f"prompt_lookup_max must be >= prompt_lookup_min, got {self.prompt_lookup_max!r}"),
-            (self.draft_num_layers is None or (_is_int(self.draft_num_layers) and self.draft_num_layers >= 1),
-             f"draft_num_layers must be >= 1, got {self.draft_num_layers!r}"),
-            (self.disable_by_batch_size is None or (_is_int(self.disable_by_batch_size)
-                                                     and self.disable_by_batch_size >= 1),
-             f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}"),
-            (self.method == "draft_model" or self.draft_num_layers is None, "draft_num_layers is for method draft_model"),
+            (
+                _is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}",
+            ),
+            (
+                _is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
+                f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min!r}",
+            ),
+            (
+                _is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+                f"prompt_lookup_max must be >= prompt_lookup_min, got {self.prompt_lookup_max!r}",
+            ),
+            (
+                self.draft_num_layers is None or (_is_int(self.draft_num_layers) and self.draft_num_layers >= 1),
+                f"draft_num_layers must be >= 1, got {self.draft_num_layers!r}",
+            ),
+            (
+                self.disable_by_batch_size is None
+                or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+                f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}",
+            ),
+            (
+                self.method == "draft_model" or self.draft_num_layers is None,
+                "draft_num_layers is for method draft_model",
+            ),
             (self.method != "ngram" or self.model is None, "method ngram takes no model"),
-            (self.method not in HEAD_METHODS or self.model is not None,
-             f"method {self.method} needs model: the folder python -m jaxserve.train_draft --method {self.method} "
-             "wrote"),
+            (
+                self.method not in HEAD_METHODS or self.model is not None,
+                f"method {self.method} needs model: the folder python -m jaxserve.train_draft --method {self.method} "
+                "wrote",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -73,11 +88,15 @@ class SpeculativeConfig:
         if self.speculative_token_tree is not None:
             tree = self.tree
             if tree.max_depth != self.num_speculative_tokens:
-                raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) must be the depth of "
-                                 f"speculative_token_tree ({tree.max_depth})")
+                raise ValueError(
+                    f"num_speculative_tokens ({self.num_speculative_tokens}) must be the depth of "
+                    f"speculative_token_tree ({tree.max_depth})"
+                )
             if not tree.is_chain and self.method != "medusa":
-                raise ValueError(f"speculative_token_tree needs a proposer of candidate trees (medusa); method "
-                                 f"{self.method!r} proposes one chain")
+                raise ValueError(
+                    f"speculative_token_tree needs a proposer of candidate trees (medusa); method "
+                    f"{self.method!r} proposes one chain"
+                )
 
     @property
     def tree(self) -> DraftTree | None:
@@ -105,7 +124,9 @@ class SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"unknown speculative config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"unknown speculative config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         if "method" not in value:
             raise ValueError(f"the speculative config needs a method ({', '.join(METHODS)})")
         if value.get("speculative_token_tree") is not None and "num_speculative_tokens" not in value:

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.runner.kernels import select_attention
 from jaxserve.model.decoder import DecoderLM, unstack_layers
 from jaxserve.model.inputs import ModelInputs
+from jaxserve.runner.kernels import select_attention
 from jaxserve.runner.model_runner import ModelRunner, StepHandle
 from jaxserve.sample.sampler import invert_cdf, sample_key
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -62,8 +62,10 @@ def load_draft(config: SpeculativeConfig, context: ProposerContext) -> DecoderLM
 
         draft = load_model(config.model, dtype=model.dtype, progress=False)
         if draft.config.vocab_size != context.model_config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
-                             f"({context.model_config.vocab_size}): they must share a tokenizer")
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
+                f"({context.model_config.vocab_size}): they must share a tokenizer"
+            )
         model = draft.model
     if config.draft_num_layers is not None:
         model = truncate_layers(model, config.draft_num_layers)
@@ -78,12 +80,21 @@ class DraftModelProposer:
         model = load_draft(config, context)
         target = context.runner
         kv_dtype = context.kv_dtype
-        _, attention = select_attention(context.attention_backend, model.cfg, model.dtype, target.block_size,
-                                        kv_dtype, mesh=target.mesh)
+        _, attention = select_attention(
+            context.attention_backend, model.cfg, model.dtype, target.block_size, kv_dtype, mesh=target.mesh
+        )
         self.runner = ModelRunner(
-            model, num_blocks=target.kv.num_blocks, block_size=target.block_size, max_num_seqs=target.max_num_seqs,
-            max_num_batched_tokens=target.buckets[-1], max_model_len=target.max_model_len, attention=attention,
-            kv_dtype=kv_dtype, buckets=target.buckets, mesh=target.mesh)  # on the target's devices
+            model,
+            num_blocks=target.kv.num_blocks,
+            block_size=target.block_size,
+            max_num_seqs=target.max_num_seqs,
+            max_num_batched_tokens=target.buckets[-1],
+            max_model_len=target.max_model_len,
+            attention=attention,
+            kv_dtype=kv_dtype,
+            buckets=target.buckets,
+            mesh=target.mesh,
+        )  # on the target's devices
         logger.info("draft model: %d layers, KV cache %.1f MiB", model.cfg.num_layers, self.runner.kv.nbytes / 2**20)
         self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",))
         self._take_rows = jax.jit(lambda probs, rows: probs[rows])
@@ -112,8 +123,9 @@ class DraftModelProposer:
         if not requests:
             return
         rows = self.target.rows_for(len(requests))
-        drafts, self._probs, self.runner.kv = self._propose(self.runner.params, self.runner.kv,
-                                                            *self._inputs(requests, rows))
+        drafts, self._probs, self.runner.kv = self._propose(
+            self.runner.params, self.runner.kv, *self._inputs(requests, rows)
+        )
         drafts = np.asarray(drafts).tolist()
         max_len = self.target.max_model_len
         for i, req in enumerate(requests):
@@ -138,8 +150,11 @@ class DraftModelProposer:
         tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         tables = np.zeros((rows, self.runner.max_blocks_per_seq), np.int32)
         temperature = np.zeros(rows, np.float32)
-        seeds, sample_index, output_index = np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32), np.zeros(
-            rows, np.int32)
+        seeds, sample_index, output_index = (
+            np.zeros((rows, 2), np.uint32),
+            np.zeros(rows, np.int32),
+            np.zeros(rows, np.int32),
+        )
         for i, req in enumerate(requests):
             tokens[i], positions[i] = req.all_token_ids[-1], req.num_tokens - 1
             table = self.scheduler.kv.block_ids(req.request_id)[: tables.shape[1]]
@@ -160,8 +175,15 @@ class DraftModelProposer:
             block = tables[row_ids, jnp.minimum(positions // bs, tables.shape[1] - 1)]
             # Past the context there is no slot: the null block takes the write.
             slots = jnp.where(positions < max_len, block * bs + positions % bs, 0)
-            inputs = ModelInputs(tokens, positions, slots, jnp.arange(rows + 1, dtype=jnp.int32), positions + 1,
-                                 tables, row_ids.astype(jnp.int32))
+            inputs = ModelInputs(
+                tokens,
+                positions,
+                slots,
+                jnp.arange(rows + 1, dtype=jnp.int32),
+                positions + 1,
+                tables,
+                row_ids.astype(jnp.int32),
+            )
             hidden, kv = model.hidden_states(inputs, kv, attention=self.runner.attention)
             logits = model.logits(hidden)
             q = jax.nn.softmax(logits / jnp.where(temperature > 0, temperature, 1.0)[:, None], axis=-1)

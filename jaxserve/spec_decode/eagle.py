@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from jaxserve.model.inputs import ModelInputs
+from jaxserve.model.kv_cache import allocate_kv_cache, copy_blocks
+from jaxserve.runner.model_runner import copy_pairs
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
-from jaxserve.runner.model_runner import copy_pairs
 from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
 from scheduler import Request, StepBatch
@@ -62,8 +62,9 @@ class EagleProposer:
         self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",))
         self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
         # By row of the latest step: the head's guess of h at each row's new last token.
-        self._features = jax.device_put(np.zeros((target.max_num_seqs, head.cfg.hidden_size), self.dtype),
-                                        target.replicated)
+        self._features = jax.device_put(
+            np.zeros((target.max_num_seqs, head.cfg.hidden_size), self.dtype), target.replicated
+        )
         self._rows: dict[str, int] = {}  # request id -> its row in the latest step, if it sampled there
         if context.warm_up:
             self.warm_up()
@@ -87,8 +88,11 @@ class EagleProposer:
     def propose(self, running: list[Request]) -> None:
         kv, k = self.scheduler.kv, self.config.num_speculative_tokens
         # Drafting writes the head's entries up to L + k - 2: reserve the step's slots now (or skip).
-        requests = [r for r in decoding(running, self.config)
-                    if r.request_id in self._rows and kv.allocate_slots(r, 1 + k) is not None]
+        requests = [
+            r
+            for r in decoding(running, self.config)
+            if r.request_id in self._rows and kv.allocate_slots(r, 1 + k) is not None
+        ]
         if requests:
             for req, tokens in zip(requests, self._draft(requests, self.target.rows_for(len(requests)))):
                 req.spec_token_ids = tokens
@@ -125,8 +129,16 @@ class EagleProposer:
                 next_ids[ends[row]] = req.all_token_ids[batch.positions[ends[row]] + 1]
         device = self.target.replicated
         ends = self._ends(first, jax.device_put(counts, device), np.int32(t))
-        self.kv, self._features = self._follow(self.params, self.target.params, self.kv, hidden, inputs,
-                                               next_ids, jax.device_put(ends, device), self.target.last_tokens)
+        self.kv, self._features = self._follow(
+            self.params,
+            self.target.params,
+            self.kv,
+            hidden,
+            inputs,
+            next_ids,
+            jax.device_put(ends, device),
+            self.target.last_tokens,
+        )
 
     def _follow_fn(self, params, target_params, kv, hidden, inputs: ModelInputs, next_ids, ends, last_tokens):
         """The head over a step's T tokens; its outputs at `ends` [max_num_seqs] (T: none), by row."""
@@ -144,8 +156,9 @@ class EagleProposer:
             positions[i], feature_rows[i] = req.num_tokens - 1, self._rows[req.request_id]
             table = self.scheduler.kv.block_ids(req.request_id)[: tables.shape[1]]
             tables[i, : len(table)] = table
-        drafts, self.kv = self._propose(self.params, self.target.params, self.kv, self._features, feature_rows,
-                                        positions, tables)
+        drafts, self.kv = self._propose(
+            self.params, self.target.params, self.kv, self._features, feature_rows, positions, tables
+        )
         return np.asarray(drafts)[: len(requests)].tolist()
 
     def _propose_fn(self, params, target_params, kv, features, feature_rows, positions, tables):
@@ -159,8 +172,9 @@ class EagleProposer:
         for _ in range(self.config.num_speculative_tokens - 1):
             block = tables[row_ids, jnp.minimum(positions // bs, tables.shape[1] - 1)]
             slots = jnp.where(positions < max_len, block * bs + positions % bs, 0)  # past the context: the null block
-            inputs = ModelInputs(drafts[-1], positions, slots, jnp.arange(rows + 1, dtype=jnp.int32), positions + 1,
-                                 tables, row_ids)
+            inputs = ModelInputs(
+                drafts[-1], positions, slots, jnp.arange(rows + 1, dtype=jnp.int32), positions + 1, tables, row_ids
+            )
             f, kv = head(target, f, drafts[-1], inputs, kv, self.target.attention)
             drafts.append(jnp.argmax(target.logits(f), axis=-1).astype(jnp.int32))
             positions = positions + 1

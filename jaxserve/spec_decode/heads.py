@@ -33,9 +33,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.kv_cache import KVCache, allocate_kv_cache
 from jaxserve.model.decoder import AttentionFn, DecoderLayer, DecoderLM, _layer
 from jaxserve.model.inputs import ModelInputs
+from jaxserve.model.kv_cache import KVCache, allocate_kv_cache
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 METHODS = ("medusa", "eagle")
@@ -45,8 +45,15 @@ class MedusaBlock(nnx.Module):
     """h + SiLU(W h + b), W and b zero at first: the identity until trained."""
 
     def __init__(self, dim: int, dtype, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(dim, dim, dtype=dtype, param_dtype=dtype, kernel_init=nnx.initializers.zeros,
-                                 bias_init=nnx.initializers.zeros, rngs=rngs)
+        self.linear = nnx.Linear(
+            dim,
+            dim,
+            dtype=dtype,
+            param_dtype=dtype,
+            kernel_init=nnx.initializers.zeros,
+            bias_init=nnx.initializers.zeros,
+            rngs=rngs,
+        )
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return h + jax.nn.silu(self.linear(h))
@@ -78,8 +85,15 @@ class EagleHead(nnx.Module):
     def allocate_kv(self, num_blocks: int, block_size: int) -> KVCache:
         return allocate_kv_cache(self.cfg, num_blocks, block_size, self.fc.kernel.dtype)
 
-    def __call__(self, target: DecoderLM, features: jax.Array, next_ids: jax.Array, inputs: ModelInputs,
-                 kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference) -> tuple[jax.Array, KVCache]:
+    def __call__(
+        self,
+        target: DecoderLM,
+        features: jax.Array,
+        next_ids: jax.Array,
+        inputs: ModelInputs,
+        kv: KVCache,
+        attention: AttentionFn = ragged_paged_attention_reference,
+    ) -> tuple[jax.Array, KVCache]:
         """The next features [T, D] from features [T, D] and the tokens that follow them
         (`next_ids` [T], at `inputs.positions`), and the cache with these tokens' K/V."""
         x = self.fc(jnp.concatenate([features, target.embed_tokens(next_ids)], axis=-1))
@@ -88,15 +102,26 @@ class EagleHead(nnx.Module):
         return x, kv
 
 
-def trainable_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start_loc, *, sm_scale: float,
-                        sliding_window: int | None = None, **unsupported) -> jax.Array:
+def trainable_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    **unsupported,
+) -> jax.Array:
     """`ragged_paged_attention_reference` for training: every token attends over its whole
     gathered context in one masked softmax (no data-dependent loops, so differentiable).
     Memory is T x context, fine for training batches, not for serving."""
     if any(v is not None for v in unsupported.values()):
         raise ValueError(f"trainable_attention does not support {sorted(unsupported)}")
     q, k_pages, v_pages, kv_lens, block_tables, query_start_loc = map(
-        jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc))
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, block_tables, query_start_loc)
+    )
     t, h, dh = q.shape
     s, kvh = kv_lens.shape[0], k_pages.shape[2]
     tok = jnp.arange(t)
@@ -135,9 +160,15 @@ def prefill_inputs(lengths: list[int], seq_len: int, block_size: int = 1) -> Mod
     pos = np.tile(np.arange(seq_len), s)
     slots = tables[np.repeat(np.arange(s), seq_len), pos // block_size] * block_size + pos % block_size
     starts = np.arange(s + 1) * seq_len
-    return ModelInputs.from_numpy(input_ids=np.zeros(s * seq_len), positions=pos, slot_mapping=slots,
-                                  query_start_loc=starts, seq_lens=np.full(s, seq_len), block_tables=tables,
-                                  logits_indices=starts[1:] - 1)
+    return ModelInputs.from_numpy(
+        input_ids=np.zeros(s * seq_len),
+        positions=pos,
+        slot_mapping=slots,
+        query_start_loc=starts,
+        seq_lens=np.full(s, seq_len),
+        block_tables=tables,
+        logits_indices=starts[1:] - 1,
+    )
 
 
 def save_heads(folder: str | Path, heads: nnx.Module, info: dict) -> None:
@@ -156,8 +187,9 @@ def save_heads(folder: str | Path, heads: nnx.Module, info: dict) -> None:
     tmp.rename(folder)
 
 
-def load_heads(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, method: str | None = None
-               ) -> tuple[nnx.Module, dict]:
+def load_heads(
+    folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, method: str | None = None
+) -> tuple[nnx.Module, dict]:
     """The heads saved in `folder` (or in its `heads`: train_draft's output folder) for a
     target of config `cfg`, and their info; `method`: the kind they must be."""
     import orbax.checkpoint as ocp

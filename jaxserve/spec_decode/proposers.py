@@ -39,8 +39,13 @@ def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]
         req.spec_token_ids = []
     if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
         return []
-    return [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.num_pending == 0
-            and r.num_output_tokens + 1 < r.sampling_params.max_tokens]
+    return [
+        r
+        for r in running
+        if r.num_tokens - r.num_computed_tokens == 1
+        and r.num_pending == 0
+        and r.num_output_tokens + 1 < r.sampling_params.max_tokens
+    ]
 
 
 def sampled_rows(batch: StepBatch) -> dict[str, int]:
@@ -58,8 +63,9 @@ class NgramProposer:
     def propose(self, running: list[Request]) -> None:
         c = self.config
         for req in decoding(running, c):
-            req.spec_token_ids = propose_ngram(req.all_token_ids, c.num_speculative_tokens, c.prompt_lookup_min,
-                                               c.prompt_lookup_max)
+            req.spec_token_ids = propose_ngram(
+                req.all_token_ids, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max
+            )
 
     def draft_probs(self, batch: StepBatch) -> None:
         return None

@@ -6,7 +6,6 @@ in a thread pool, cached by the spec; `request_grammar.py` is what a request car
 its compile future and, once that resolves, its own matcher.
 """
 
-
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.errors import GrammarError
 from jaxserve.structured.request_grammar import RequestGrammar

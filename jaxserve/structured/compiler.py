@@ -22,8 +22,7 @@ from scheduler.sampling_params import StructuredOutputsParams
 
 
 class GrammarCompiler:
-    def __init__(self, make_backend: Callable[[], GrammarBackend], *, max_workers: int = 2,
-                 cache_size: int = 256):
+    def __init__(self, make_backend: Callable[[], GrammarBackend], *, max_workers: int = 2, cache_size: int = 256):
         self._make_backend = make_backend
         self._backend: GrammarBackend | Exception | None = None
         self._backend_lock = threading.Lock()
@@ -53,7 +52,7 @@ class GrammarCompiler:
 
     def _prepare(self) -> None:
         with contextlib.suppress(Exception):
-            self.backend
+            _ = self.backend  # made here, in the pool; a failure is kept for the first compile
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """The compiled grammar of `spec`, as a Future (its exception: a GrammarError)."""

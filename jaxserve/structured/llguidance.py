@@ -63,7 +63,8 @@ def llguidance_grammar(spec: StructuredOutputsParams) -> str:
     if kind == "choice":
         # Lark string literals (JSON's escapes), so no choice is read as a pattern.
         return LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+        )
     try:
         lark = any_to_lark(spec.grammar)
     except Exception as e:  # the converter raises plain Exceptions too (a rule not found)
@@ -80,8 +81,9 @@ class LLGuidanceBackend:
         # A model's vocab may be padded past the tokenizer's: llguidance's vocab covers
         # both, so the padding ids are simply never allowed.
         n_vocab = max(model_vocab_size, len(hf_tokenizer))
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
-                                                      eos_token=list(eos_token_ids) or None)
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=n_vocab, eos_token=list(eos_token_ids) or None
+        )
         self.bitmask_words = (self.tokenizer.vocab_size + 31) // 32
 
     def compile(self, spec: StructuredOutputsParams):

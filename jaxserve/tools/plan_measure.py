@@ -24,19 +24,33 @@ def measure_decode_sweep(args, plan: dict) -> list[dict]:
     their contexts differ: the bound is taken at their mean context then."""
     batches, context, steps = sorted(args.batches), args.measure_context, args.measure_steps
     st = plan["setup"]
-    loaded = load_model(args.model, dtype=st["dtype"], quantization=None if args.quantization == "none"
-                        else args.quantization)
+    loaded = load_model(
+        args.model, dtype=st["dtype"], quantization=None if args.quantization == "none" else args.quantization
+    )
     cfg = loaded.config
     # Each step has room for every decode and one whole prompt, so the last prompt is
     # prefilled within B steps; the first ones decode meanwhile, hence the length.
     budget = batches[-1] + context
     max_len = context + batches[-1] + steps + 4
-    kv = plan_kv(cfg, st["kv_cache_dtype"], context=max_len, block_size=args.block_size,
-                 num_blocks=batches[-1] * -(-max_len // args.block_size) + 1)  # the largest batch, whole blocks
-    engine = LLMEngine(loaded, EngineConfig(
-        num_blocks=kv.num_blocks, max_num_seqs=batches[-1], max_num_batched_tokens=budget,
-        max_model_len=max_len, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=False))
+    kv = plan_kv(
+        cfg,
+        st["kv_cache_dtype"],
+        context=max_len,
+        block_size=args.block_size,
+        num_blocks=batches[-1] * -(-max_len // args.block_size) + 1,
+    )  # the largest batch, whole blocks
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            num_blocks=kv.num_blocks,
+            max_num_seqs=batches[-1],
+            max_num_batched_tokens=budget,
+            max_model_len=max_len,
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=False,
+        ),
+    )
     d = plan["device"]
     device = Device(d["name"], d["memory_bytes"], d["bandwidth_bytes_s"], d["peak_flops"])
     setup = Setup(cfg, st["dtype"], loaded.quantization, st["kv_cache_dtype"])
@@ -61,8 +75,18 @@ def measure_decode_sweep(args, plan: dict) -> list[dict]:
         engine.generate_all()
         step_s = statistics.median(times)
         bound = setup.decode_bound(device, batch, round(mean_context))
-        rows.append({"batch": batch, "prompt": context, "context": round(mean_context), "steps": steps, "step_ms": step_s * 1e3,
-                     "tokens_per_s": batch / step_s, "bound_tokens_per_s": bound.tokens_per_s,
-                     "memory_roof_tokens_per_s": batch / bound.memory_s, "compute_roof_tokens_per_s": batch / bound.compute_s,
-                     "ratio": batch / step_s / bound.tokens_per_s})
+        rows.append(
+            {
+                "batch": batch,
+                "prompt": context,
+                "context": round(mean_context),
+                "steps": steps,
+                "step_ms": step_s * 1e3,
+                "tokens_per_s": batch / step_s,
+                "bound_tokens_per_s": bound.tokens_per_s,
+                "memory_roof_tokens_per_s": batch / bound.memory_s,
+                "compute_roof_tokens_per_s": batch / bound.compute_s,
+                "ratio": batch / step_s / bound.tokens_per_s,
+            }
+        )
     return rows

@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -34,15 +34,33 @@ from jaxserve.weights.safetensors_reader import read_raw_tensors
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = ("jaxserve loads compressed-tensors checkpoints (pack-quantized int4, float-quantized fp8) "
-             "or quantizes float checkpoints itself (--quantization int4|fp8)")
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SUPPORTED = (
+    "jaxserve loads compressed-tensors checkpoints (pack-quantized int4, float-quantized fp8) "
+    "or quantizes float checkpoints itself (--quantization int4|fp8)"
+)
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _PROJECTION_MODULE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
 # Per-module tensors of compressed-tensors quantization: a projection's must be ours to read;
 # anywhere else they mean a module we keep in float is quantized.
-_QPARAMS = {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
-            "weight_global_scale", "input_scale", "input_zero_point", "input_global_scale"}
+_QPARAMS = {
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_g_idx",
+    "weight_global_scale",
+    "input_scale",
+    "input_zero_point",
+    "input_global_scale",
+}
 _UNUSED = {"input_scale", "input_zero_point"}  # activations are quantized per token at run time
 _KV_SCALES = {"k_scale", "v_scale", "q_scale"}
 
@@ -69,8 +87,10 @@ def checkpoint_quant_config(spec: dict) -> QuantConfig:
     formats and schemes by name."""
     scheme = _parse(spec)
     if scheme.activations == "static":
-        logger.info("compressed-tensors: the checkpoint's static input_scale is ignored; "
-                    "activations are quantized per token on the fly")
+        logger.info(
+            "compressed-tensors: the checkpoint's static input_scale is ignored; "
+            "activations are quantized per token on the fly"
+        )
     elif scheme.activations == "none" and scheme.quant.kind == "fp8":
         logger.info("compressed-tensors: fp8 weight-only checkpoint; activations are still quantized per token (W8A8)")
     if spec.get("kv_cache_scheme") is not None:
@@ -100,15 +120,19 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
                 del pending[module]
                 yield f"{module}.weight", _convert(module, pieces, scheme.quant)
         elif leaf in _QPARAMS:
-            raise WeightError(f"tensor {name!r}: {module} is quantized in this checkpoint, but jaxserve quantizes "
-                              "only the attention and MLP projections (the rest stays in the model dtype)")
+            raise WeightError(
+                f"tensor {name!r}: {module} is quantized in this checkpoint, but jaxserve quantizes "
+                "only the attention and MLP projections (the rest stays in the model dtype)"
+            )
         else:
             yield name, np.asarray(tensor, np.float32)
     for module, pieces in pending.items():
         if pieces.keys() == {"weight"}:
             raise _unquantized(module, scheme)
-        raise WeightError(f"quantized module {module} is incomplete: it has {', '.join(sorted(pieces))} "
-                          f"but no {', '.join(sorted(scheme.pieces - pieces.keys()))}")
+        raise WeightError(
+            f"quantized module {module} is incomplete: it has {', '.join(sorted(pieces))} "
+            f"but no {', '.join(sorted(scheme.pieces - pieces.keys()))}"
+        )
 
 
 # -- quantization_config ------------------------------------------------------------------
@@ -120,17 +144,23 @@ def _parse(spec: dict) -> _Scheme:
     if method != "compressed-tensors":
         raise WeightError(f"quantization_config.quant_method {method!r} is not supported; {SUPPORTED}")
     if (spec.get("sparsity_config") or {}).get("format", "dense") != "dense":
-        raise WeightError(f"compressed-tensors sparsity ({spec['sparsity_config']['format']}) is not supported; {SUPPORTED}")
+        raise WeightError(
+            f"compressed-tensors sparsity ({spec['sparsity_config']['format']}) is not supported; {SUPPORTED}"
+        )
     if spec.get("transform_config"):
-        raise WeightError("compressed-tensors transforms (rotations applied at run time) are not supported; " + SUPPORTED)
+        raise WeightError(
+            "compressed-tensors transforms (rotations applied at run time) are not supported; " + SUPPORTED
+        )
     groups = spec.get("config_groups") or {}
     if not groups:
         raise WeightError("compressed-tensors quantization_config has no config_groups")
     schemes = {name: _group_scheme(name, group, spec.get("format")) for name, group in groups.items()}
     if len(set(schemes.values())) > 1:
         described = "; ".join(f"{name}: {s.quant.label}" for name, s in schemes.items())
-        raise WeightError(f"compressed-tensors config_groups use different schemes ({described}); "
-                          "jaxserve needs one scheme for every projection")
+        raise WeightError(
+            f"compressed-tensors config_groups use different schemes ({described}); "
+            "jaxserve needs one scheme for every projection"
+        )
     _check_coverage([t for g in groups.values() for t in g.get("targets") or []], spec.get("ignore") or [])
     return next(iter(schemes.values()))
 
@@ -144,9 +174,12 @@ def _group_scheme(name: str, group, default_format: str | None) -> _Scheme:
     if weights is None:
         raise WeightError(f"compressed-tensors config group {name!r} quantizes no weights; {SUPPORTED}")
     wtype, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
-    what = (f"format {fmt!r} with {wtype}{bits} weights (strategy {strategy!r}"
-            + (f", group {weights.get('group_size')}" if strategy == "group" else "") + ") and "
-            + (f"{acts.get('type')}{acts.get('num_bits')} activations" if acts else "float activations"))
+    what = (
+        f"format {fmt!r} with {wtype}{bits} weights (strategy {strategy!r}"
+        + (f", group {weights.get('group_size')}" if strategy == "group" else "")
+        + ") and "
+        + (f"{acts.get('type')}{acts.get('num_bits')} activations" if acts else "float activations")
+    )
     refused = WeightError(f"compressed-tensors config group {name!r}: {what} is not supported; {SUPPORTED}")
     if group.get("output_activations") or weights.get("dynamic"):
         raise refused
@@ -155,8 +188,10 @@ def _group_scheme(name: str, group, default_format: str | None) -> _Scheme:
         if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
             raise refused
         if weights.get("actorder") == "group":  # a weight_g_idx permutes the groups along K
-            raise WeightError(f"compressed-tensors config group {name!r}: int4 with actorder 'group' "
-                              f"(weight_g_idx) is not supported; {SUPPORTED}")
+            raise WeightError(
+                f"compressed-tensors config group {name!r}: int4 with actorder 'group' "
+                f"(weight_g_idx) is not supported; {SUPPORTED}"
+            )
         asymmetric = not weights.get("symmetric", True)
         return _Scheme(QuantConfig("compressed-tensors", "int4", group_size), zero_points=asymmetric)
     # naive-quantized stores float8 weights exactly as float-quantized does
@@ -176,15 +211,20 @@ def _check_coverage(targets: list[str], ignore: list[str]) -> None:
     for projection in _PROJECTIONS:
         name = f"model.layers.0.{projection}"
         if not any(_matches(name, t) for t in targets):
-            raise WeightError(f"compressed-tensors targets {targets} leave {projection} unquantized; jaxserve "
-                              "does not load partly quantized models (every attention and MLP projection or none)")
+            raise WeightError(
+                f"compressed-tensors targets {targets} leave {projection} unquantized; jaxserve "
+                "does not load partly quantized models (every attention and MLP projection or none)"
+            )
         hit = [i for i in ignore if _matches(name, i) or (not i.startswith("re:") and i.endswith("." + projection))]
         if hit:
-            raise WeightError(f"compressed-tensors ignore entry {hit[0]!r} leaves {projection} unquantized; jaxserve "
-                              "does not load partly quantized models (every attention and MLP projection or none)")
+            raise WeightError(
+                f"compressed-tensors ignore entry {hit[0]!r} leaves {projection} unquantized; jaxserve "
+                "does not load partly quantized models (every attention and MLP projection or none)"
+            )
     if any(_matches("lm_head", t) for t in targets) and not any(_matches("lm_head", i) for i in ignore):
-        raise WeightError("this compressed-tensors checkpoint quantizes lm_head; jaxserve keeps the LM head "
-                          "in the model dtype")
+        raise WeightError(
+            "this compressed-tensors checkpoint quantizes lm_head; jaxserve keeps the LM head in the model dtype"
+        )
 
 
 def _matches(name: str, target: str) -> bool:
@@ -200,13 +240,17 @@ def _unexpected_piece(name: str, leaf: str, scheme: _Scheme) -> WeightError:
         return _unquantized(name.rpartition(".")[0], scheme)
     if leaf == "weight_g_idx":
         return WeightError(f"tensor {name!r}: int4 with activation-order group indices is not supported; {SUPPORTED}")
-    return WeightError(f"unexpected tensor {name!r} in a {scheme.quant.label} checkpoint "
-                       f"(a quantized projection stores {', '.join(sorted(scheme.pieces))})")
+    return WeightError(
+        f"unexpected tensor {name!r} in a {scheme.quant.label} checkpoint "
+        f"(a quantized projection stores {', '.join(sorted(scheme.pieces))})"
+    )
 
 
 def _unquantized(module: str, scheme: _Scheme) -> WeightError:
-    return WeightError(f"{module} is stored unquantized in a {scheme.quant.label} checkpoint; jaxserve does not "
-                       "load partly quantized models (check the quantization_config ignore list)")
+    return WeightError(
+        f"{module} is stored unquantized in a {scheme.quant.label} checkpoint; jaxserve does not "
+        "load partly quantized models (check the quantization_config ignore list)"
+    )
 
 
 # -- one projection -----------------------------------------------------------------------
@@ -220,24 +264,32 @@ def _convert_int4(module: str, pieces: dict[str, np.ndarray], group: int) -> Qua
     """pack-quantized pieces -> our packed [K/2, N], scales and offsets [K/group, N]."""
     n, k = (int(x) for x in np.asarray(pieces["weight_shape"]).reshape(-1))
     if k % 2 or k % group:
-        raise WeightError(f"{module}: K={k} is not a multiple of the int4 group size {group} in quantization_config "
-                          "(int4 also needs an even K)")
+        raise WeightError(
+            f"{module}: K={k} is not a multiple of the int4 group size {group} in quantization_config "
+            "(int4 also needs an even K)"
+        )
     packed, scale = pieces["weight_packed"], pieces["weight_scale"]
     words = -(-k // 8)
     if packed.dtype != np.int32 or packed.shape != (n, words):
-        raise WeightError(f"{module}.weight_packed is {packed.dtype} {packed.shape}, expected int32 {(n, words)} "
-                          f"for weight_shape {(n, k)}")
+        raise WeightError(
+            f"{module}.weight_packed is {packed.dtype} {packed.shape}, expected int32 {(n, words)} "
+            f"for weight_shape {(n, k)}"
+        )
     if scale.shape != (n, k // group):
-        raise WeightError(f"{module}.weight_scale has shape {scale.shape}, expected {(n, k // group)} "
-                          f"for group size {group}")
+        raise WeightError(
+            f"{module}.weight_scale has shape {scale.shape}, expected {(n, k // group)} for group size {group}"
+        )
     # The int32 words' little-endian bytes hold k = 2j in the low nibble of byte j and
     # 2j + 1 in the high one: our packing, along the other axis.
     nibble_bytes = packed.view(np.uint8)[:, : k // 2]  # [N, K/2]
     scale = scale.astype(np.float32)  # [N, K/group]
     zero = _stored_zero_points(module, pieces.get("weight_zero_point"), scale.shape)
     offsets = -scale * zero  # scale * (nibble - 8 - zp), zp stored as zp + 8
-    params = {"packed": np.ascontiguousarray(nibble_bytes.T), "scales": np.ascontiguousarray(scale.T),
-              "offsets": np.ascontiguousarray(offsets.T)}
+    params = {
+        "packed": np.ascontiguousarray(nibble_bytes.T),
+        "scales": np.ascontiguousarray(scale.T),
+        "offsets": np.ascontiguousarray(offsets.T),
+    }
     return QuantizedWeight("int4", params, (n, k))
 
 
@@ -263,6 +315,8 @@ def _convert_fp8(module: str, pieces: dict[str, np.ndarray]) -> QuantizedWeight:
         raise WeightError(f"{module}.weight is {weight.dtype} {weight.shape}, expected a 2-D float8_e4m3fn tensor")
     n, k = weight.shape
     if scale.size not in (1, n):
-        raise WeightError(f"{module}.weight_scale has {scale.size} values, expected 1 (per tensor) or {n} (per channel)")
+        raise WeightError(
+            f"{module}.weight_scale has {scale.size} values, expected 1 (per tensor) or {n} (per channel)"
+        )
     scales = np.broadcast_to(scale, (n,)).astype(np.float32)  # a per-tensor scale is every channel's
     return QuantizedWeight("fp8", {"weight": np.ascontiguousarray(weight.T), "scales": scales}, (n, k))

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -113,14 +114,20 @@ class GGUFFile:
             shape = tuple(int(n) for n in reversed(t.shape))
             is_projection = _BLOCK.match(t.name) is not None and len(shape) == 2
             try:
-                if keep_q4 and is_projection and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+                if (
+                    keep_q4
+                    and is_projection
+                    and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+                ):
                     array = q4_blocks_as_int4(np.asarray(t.data), t.tensor_type == GGMLQuantizationType.Q4_1, shape)
                 else:
                     requantized += keep_q4 and is_projection
                     array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
             except Exception as e:
                 raise WeightError(f"{self.path}: tensor {t.name!r} could not be read: {e}") from e
-            heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(t.name.split(".")[-2])
+            heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(
+                t.name.split(".")[-2]
+            )
             if self.arch == "llama" and heads is not None:
                 if isinstance(array, QuantizedWeight):
                     order = unpermute_rotary(np.arange(shape[0]), heads)
@@ -129,8 +136,11 @@ class GGUFFile:
                     array = unpermute_rotary(array, heads)
             yield name, array
         if requantized:
-            logger.warning("%s: %d projections are not Q4_0/Q4_1 blocks; they were re-quantized to int4 (group 32)",
-                           self.path.name, requantized)
+            logger.warning(
+                "%s: %d projections are not Q4_0/Q4_1 blocks; they were re-quantized to int4 (group 32)",
+                self.path.name,
+                requantized,
+            )
 
 
 def hf_name(gguf_name: str) -> str:

@@ -26,13 +26,24 @@ TOKEN_TYPE_USER_DEFINED = 4
 _DIGIT_SPLITTING = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _PLAIN_GPT2 = {"default", "gpt2", "mpt", "olmo", "jais"}
 # llama.cpp's word-splitting regexes (llama-vocab.cpp); they differ only in how digits group.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_REGEX_SPLIT = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-                "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_SPLIT = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 _BYTE_LEVEL_PRE = _DIGIT_SPLITTING | _PLAIN_GPT2 | set(_REGEX_SPLIT)
 SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
@@ -54,9 +65,11 @@ def tokenizer_from_gguf(field) -> Any:
         raise UnsupportedModelError(
             f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (SentencePiece 'llama', or "
             f"byte-level BPE 'gpt2' with pre-tokenizer {sorted(_BYTE_LEVEL_PRE)} is); use the model's Hugging Face "
-            f"folder")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL])
+            f"folder"
+        )
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
+    )
     tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED])
 
     def special(key):
@@ -65,20 +78,34 @@ def tokenizer_from_gguf(field) -> Any:
 
     # llama.cpp adds BOS (and, rarely, EOS) around a text prompt when the file says so;
     # a SentencePiece file that says nothing gets BOS.
-    ends = [(key, field(f"tokenizer.ggml.{key}_token_id")) for key in ("bos", "eos")
-            if field(f"tokenizer.ggml.add_{key}_token", kind == "llama" and key == "bos")
-            and field(f"tokenizer.ggml.{key}_token_id") is not None]
+    ends = [
+        (key, field(f"tokenizer.ggml.{key}_token_id"))
+        for key in ("bos", "eos")
+        if field(f"tokenizer.ggml.add_{key}_token", kind == "llama" and key == "bos")
+        and field(f"tokenizer.ggml.{key}_token_id") is not None
+    ]
     if ends:
+
         def template(piece):
-            return " ".join([f"{tokens[i]}:0" for key, i in ends if key == "bos"] + [piece]
-                            + [f"{tokens[i]}:0" for key, i in ends if key == "eos"])
+            return " ".join(
+                [f"{tokens[i]}:0" for key, i in ends if key == "bos"]
+                + [piece]
+                + [f"{tokens[i]}:0" for key, i in ends if key == "eos"]
+            )
+
         tok.post_processor = processors.TemplateProcessing(
-            single=template("$A"), pair=template("$A") + " " + template("$B:1"),
-            special_tokens=[(tokens[i], i) for _, i in ends])
+            single=template("$A"),
+            pair=template("$A") + " " + template("$B:1"),
+            special_tokens=[(tokens[i], i) for _, i in ends],
+        )
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=special("bos"), eos_token=special("eos"), unk_token=special("unknown"),
-        pad_token=special("padding"), chat_template=field("tokenizer.chat_template"),
+        tokenizer_object=tok,
+        bos_token=special("bos"),
+        eos_token=special("eos"),
+        unk_token=special("unknown"),
+        pad_token=special("padding"),
+        chat_template=field("tokenizer.chat_template"),
     )
 
 
@@ -86,15 +113,20 @@ def _byte_level_bpe(field, tokens: list[str], pre: str):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                               byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
+    )
     if pre in _REGEX_SPLIT:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_REGEX_SPLIT[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_REGEX_SPLIT[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(field("tokenizer.ggml.add_space_prefix", False)),
-                                              use_regex=True)
+        byte_level = pre_tokenizers.ByteLevel(
+            add_prefix_space=bool(field("tokenizer.ggml.add_space_prefix", False)), use_regex=True
+        )
         if pre in _DIGIT_SPLITTING:
             byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         tok.pre_tokenizer = byte_level
@@ -111,8 +143,15 @@ def _sentencepiece_bpe(field, tokens: list[str]):
     else:
         merges = merges_by_score(tokens, field("tokenizer.ggml.scores", [0.0] * len(tokens)))
     unk = field("tokenizer.ggml.unknown_token_id")
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges,
+            unk_token=None if unk is None else tokens[unk],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
     # NOTE: a normalizer, not a Metaspace pre-tokenizer: like llama.cpp (and SentencePiece) it puts
     # a space before every run of text, even one that starts with a space or follows a special

@@ -23,10 +23,10 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.weights.default_model import default_model_path
 from jaxserve.model.decoder import DecoderLM, unstack_layers
 from jaxserve.model.quantization import QuantConfig, weight_bytes
 from jaxserve.weights import compressed_tensors, safetensors_reader
+from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
 from jaxserve.weights.params import ParamAssembler, build_model, model_params
@@ -93,8 +93,11 @@ def load_model(
             _save(entry, loaded)
     if tokenizer_override is not None:
         loaded.tokenizer = tokenizer_override
-    logger.info("weights: %.1f MiB resident, %s", loaded.weight_bytes / 2**20,
-                quant.label if quant else f"{dtype} (not quantized)")
+    logger.info(
+        "weights: %.1f MiB resident, %s",
+        loaded.weight_bytes / 2**20,
+        quant.label if quant else f"{dtype} (not quantized)",
+    )
     return loaded
 
 
@@ -195,8 +198,9 @@ def _convert(source: Path, dtype, quant: QuantConfig | None, progress: bool) -> 
     assembler = ParamAssembler(config, dtype, quant)
     if quant is not None and quant.kind == "int4":
         _log_group_sizes(assembler.specs, quant)
-    for name, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
-                             disable=not progress, leave=False):
+    for name, tensor in tqdm(
+        tensors, total=total, desc=f"loading {source.name}", unit="tensor", disable=not progress, leave=False
+    ):
         assembler.add(name, tensor)
     model = assembler.build()  # unstacked, the serving layout: one array per layer's weight
     return LoadedModel(config, model, _load_tokenizer(source, gguf), str(source), False, hf_config, quant)
@@ -263,7 +267,8 @@ def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None) -> Loa
         hf_config = json.load(f)
     config = ModelConfig.from_hf_dict(hf_config)
     abstract = nnx.eval_shape(
-        lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant)))
+        lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant))
+    )
     graphdef, state = nnx.split(abstract)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:

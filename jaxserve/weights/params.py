@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ def param_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], int | None
     if name == "model.norm.weight":
         return ("norm", "weight"), None, False
     if name == "lm_head.weight":
-        return (None if cfg.tie_word_embeddings else (("lm_head", "kernel"), None, True))
+        return None if cfg.tie_word_embeddings else (("lm_head", "kernel"), None, True)
     m = _LAYER.match(name)
     if not m:
         raise WeightError(f"unknown tensor {name!r} in checkpoint for {cfg.architecture}")
@@ -61,7 +61,8 @@ class ParamAssembler:
         self.dtype = jnp.dtype(dtype)
         self.quant = quantization
         abstract = nnx.eval_shape(
-            lambda: unstack_layers(DecoderLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization)))
+            lambda: unstack_layers(DecoderLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization))
+        )
         self.graphdef, state = nnx.split(abstract)
         self.specs = dict(_flatten(nnx.to_pure_dict(state)))
         self.state = state
@@ -84,8 +85,8 @@ class ParamAssembler:
         value = tensor.T if transpose else tensor
         want = self.specs[path].shape
         if tuple(value.shape) != tuple(want):
-            got = tuple(tensor.shape)
-            raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {tuple(want[::-1]) if transpose else tuple(want)}")
+            got, implied = tuple(tensor.shape), tuple(want[::-1]) if transpose else tuple(want)
+            raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {implied}")
         self.params[path] = np.asarray(value, self.specs[path].dtype)
 
     def _add_quantized(self, name: str, module: tuple, tensor: np.ndarray | QuantizedWeight) -> None:
@@ -106,8 +107,10 @@ class ParamAssembler:
             spec = self.specs.get(module + (leaf,))
             if spec is None or tuple(value.shape) != tuple(spec.shape) or value.dtype != spec.dtype:
                 want = None if spec is None else (tuple(spec.shape), str(spec.dtype))
-                raise WeightError(f"quantized tensor {name!r}: {leaf} is {(tuple(value.shape), str(value.dtype))}, "
-                                  f"expected {want} (a different group size?)")
+                raise WeightError(
+                    f"quantized tensor {name!r}: {leaf} is {(tuple(value.shape), str(value.dtype))}, "
+                    f"expected {want} (a different group size?)"
+                )
             self.params[module + (leaf,)] = value
 
     def build(self) -> DecoderLM:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -29,9 +29,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     else:
         found = sorted(p.name for p in folder.glob("*.safetensors"))
         if not found:
-            raise FileNotFoundError(
-                f"no {SINGLE_FILE} or {INDEX_FILE} in {folder} (and no other *.safetensors file)"
-            )
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder} (and no other *.safetensors file)")
         files = [folder / n for n in found]
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
@@ -62,9 +60,18 @@ def read_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
 # safetensors dtype codes -> numpy dtypes. safetensors' numpy framework cannot make float8
 # arrays, so quantized checkpoints are read from the raw bytes (ml_dtypes comes with jax).
 _RAW_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 _MAX_HEADER = 100 << 20
 
