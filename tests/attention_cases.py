@@ -89,7 +89,11 @@ def make_case(
 
 
 def dense_attention(
-    case: AttentionCase, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    case: AttentionCase,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
     tree_mask: np.ndarray | None = None,
 ) -> np.ndarray:
     """float64 attention, one sequence at a time over its dense K/V. Padding rows are 0.
@@ -163,8 +167,9 @@ def quantize_case(case: AttentionCase, dtype, rng: np.random.Generator) -> tuple
         pages = case.block_tables[s, : -(-int(kv_len) // page_size)]
         dense_k.append(k_deq[pages].reshape(-1, *k_deq.shape[2:])[:kv_len])
         dense_v.append(v_deq[pages].reshape(-1, *v_deq.shape[2:])[:kv_len])
-    quantized = dataclasses.replace(case, k_pages=k, v_pages=v, k_scales=k_scales, v_scales=v_scales,
-                                    dense_k=dense_k, dense_v=dense_v)
+    quantized = dataclasses.replace(
+        case, k_pages=k, v_pages=v, k_scales=k_scales, v_scales=v_scales, dense_k=dense_k, dense_v=dense_v
+    )
     return quantized, dataclasses.replace(quantized, k_pages=k_deq, v_pages=v_deq, k_scales=None, v_scales=None)
 
 

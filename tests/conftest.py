@@ -1,24 +1,38 @@
-"""Shared fixtures: tiny random checkpoints on disk, built once per test session."""
+"""Shared fixtures (tiny random checkpoints on disk, built once per test session) and the
+markers' rules.
+
+This file imports no jax: `pytest tests/scheduler` runs pure Python (its conftest checks
+that). The conftest of each folder whose tests run jax calls `use_jax()` when pytest
+collects the folder, before any of its test modules is imported; the session's compilation
+cache is switched on only once jax is loaded.
+"""
 
 import os
+import sys
 from pathlib import Path
 
-import jax
 import pytest
 
 from tests.tiny_models import make_tiny_char_tokenizer, make_tiny_model, make_tiny_tokenizer
 
-# Tensor- and data-parallel tests need several devices. On the CPU jax makes them only if
-# asked before its backend starts; programs on device 0 are the same either way.
-if "JAX_NUM_CPU_DEVICES" not in os.environ:
-    jax.config.update("jax_num_cpu_devices", 4)
+
+def use_jax() -> None:
+    """Tensor- and data-parallel tests need several devices. On the CPU jax makes them only
+    if asked before its backend starts; programs on device 0 are the same either way. (Not
+    through the environment: servers and scripts the tests start must get jax's default.)"""
+    import jax
+
+    if "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jax.config.update("jax_num_cpu_devices", 4)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """One persistent XLA cache for the session: the many engines the tests build compile
-    the same programs, and each is compiled once."""
-    from jaxserve.engine.llm_engine import enable_compilation_cache
+    the same programs, and each is compiled once. Nothing to do where no jax was loaded."""
+    if "jax" not in sys.modules:
+        return
+    from jaxserve.engine.builder import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("JAXSERVE_CACHE") or tmp_path_factory.mktemp("jaxserve-cache"))
 
@@ -89,3 +103,60 @@ def hf_default_model():
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+# -- markers (registered in pyproject.toml; --strict-markers) ---------------------------
+#
+# Most are given here from what a test uses, so they stay true as tests are added; a module
+# marks itself (`pytestmark`) only where its use cannot be seen this way (a default-model
+# server started without --model, `load_model(None)`, the interpreter through a helper).
+#   server         a fixture `server` (the session's server), or a test or fixture that starts
+#                  one with tests.api.conftest's run_server / serve_in_thread
+#   default_model  the fixtures default_model, server, hf_default_model (all load SmolLM2-135M)
+#   hf             a test or fixture that imports torch or transformers, or a module that does
+#   slow           every default_model test ("runs the 135M default model"), and long work
+#   interpret      Pallas kernels in the Mosaic GPU interpreter: marked by hand
+SERVER_FIXTURES = {"server"}
+SERVER_STARTERS = {"run_server", "serve_in_thread"}
+DEFAULT_MODEL_FIXTURES = {"default_model", "server", "hf_default_model"}
+HF_MODULES = ("torch", "transformers")
+
+
+def _code_names(code) -> frozenset[str]:
+    """The global and attribute names a function's code (nested functions included) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return frozenset(names)
+
+
+def _module_uses_hf(module) -> bool:
+    for value in vars(module).values():
+        name = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.split(".")[0] in HF_MODULES:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    hf_modules: dict[str, bool] = {}
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        funcs = [getattr(item, "function", None)]
+        infos = getattr(item, "_fixtureinfo", None)
+        if infos is not None:
+            funcs += [d.func for name in fixtures for d in infos.name2fixturedefs.get(name, ())]
+        names = frozenset().union(*(_code_names(f.__code__) for f in funcs if hasattr(f, "__code__")))
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__ not in hf_modules:
+            hf_modules[module.__name__] = _module_uses_hf(module)
+
+        if fixtures & SERVER_FIXTURES or names & SERVER_STARTERS:
+            item.add_marker("server")
+        if fixtures & DEFAULT_MODEL_FIXTURES:
+            item.add_marker("default_model")
+        if names & set(HF_MODULES) or (module is not None and hf_modules[module.__name__]):
+            item.add_marker("hf")
+        if item.get_closest_marker("default_model"):
+            item.add_marker("slow")

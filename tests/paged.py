@@ -19,8 +19,9 @@ class PagedSequences:
         for s, n in enumerate(need):
             self.tables[s, :n] = [free.pop() for _ in range(n)]
 
-    def step(self, tokens: list[list[int]], spans: list[tuple[int, int]], pad_to: int | None = None,
-             all_logits: bool = False) -> ModelInputs:
+    def step(
+        self, tokens: list[list[int]], spans: list[tuple[int, int]], pad_to: int | None = None, all_logits: bool = False
+    ) -> ModelInputs:
         """Inputs for one step: sequence s runs tokens[s][start:end] for (start, end) = spans[s].
 
         Logits are taken at each sequence's last new token, or at every token.
@@ -35,7 +36,11 @@ class PagedSequences:
             qsl.append(qsl[-1] + end - start)
         pad = (pad_to or len(ids)) - len(ids)
         return ModelInputs.from_numpy(
-            input_ids=ids + [0] * pad, positions=pos + [0] * pad, slot_mapping=slots + [0] * pad,
-            query_start_loc=qsl, seq_lens=[end for _, end in spans], block_tables=self.tables,
+            input_ids=ids + [0] * pad,
+            positions=pos + [0] * pad,
+            slot_mapping=slots + [0] * pad,
+            query_start_loc=qsl,
+            seq_lens=[end for _, end in spans],
+            block_tables=self.tables,
             logits_indices=logits_at,
         )

@@ -30,8 +30,9 @@ def kept_by_documentation(z: np.ndarray, top_k: int, top_p: float, min_p: float)
     return keep
 
 
-def target_distribution(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                        min_p: float = 0.0) -> np.ndarray:
+def target_distribution(
+    logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
     """The probabilities a draw must follow: softmax over the documented kept set."""
     z = logits.astype(np.float64) / temperature
     keep = kept_by_documentation(z, top_k, top_p, min_p)
@@ -41,13 +42,27 @@ def target_distribution(logits: np.ndarray, temperature: float = 1.0, top_k: int
 
 def meta(n, **fields):
     f, i = np.zeros(n, np.float32), np.zeros(n, np.int32)
-    base = dict(temperature=f + 1, top_p=f + 1, top_k=i, min_p=f, presence_penalty=f, frequency_penalty=f,
-                repetition_penalty=f + 1, seeds=seed_words(np.arange(n)), sample_index=i, output_index=i,
-                banned_token_ids=np.zeros((n, 4), np.int32), ban=np.zeros(n, bool), want_logprobs=np.bool_(False))
+    base = dict(
+        temperature=f + 1,
+        top_p=f + 1,
+        top_k=i,
+        min_p=f,
+        presence_penalty=f,
+        frequency_penalty=f,
+        repetition_penalty=f + 1,
+        seeds=seed_words(np.arange(n)),
+        sample_index=i,
+        output_index=i,
+        banned_token_ids=np.zeros((n, 4), np.int32),
+        ban=np.zeros(n, bool),
+        want_logprobs=np.bool_(False),
+    )
     for key, value in fields.items():
-        base[key] = np.broadcast_to(np.asarray(value, base[key].dtype), base[key].shape).copy() \
-            if key not in ("history", "history_lens", "prompt_lens", "want_logprobs", "banned_token_ids", "seeds") \
+        base[key] = (
+            np.broadcast_to(np.asarray(value, base[key].dtype), base[key].shape).copy()
+            if key not in ("history", "history_lens", "prompt_lens", "want_logprobs", "banned_token_ids", "seeds")
             else np.asarray(value)
+        )
     return SamplingMetadata(**base)
 
 
@@ -131,8 +146,9 @@ def table_rows(tables, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     last = tokens[rows, np.maximum(lengths - 1, 0)]
     before = tokens[rows, np.maximum(lengths - 2, 0)]
     first, second, later = tables
-    return np.where((lengths == 0)[:, None], first[None, :],
-                    np.where((lengths == 1)[:, None], second[last], later[before, last]))
+    return np.where(
+        (lengths == 0)[:, None], first[None, :], np.where((lengths == 1)[:, None], second[last], later[before, last])
+    )
 
 
 @dataclasses.dataclass(frozen=True)

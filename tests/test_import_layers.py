@@ -104,7 +104,7 @@ def test_no_import_circles():
         state[node] = 1
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                circles.append(" -> ".join(path[path.index(target):] + [node, target]))
+                circles.append(" -> ".join(path[path.index(target) :] + [node, target]))
             elif target not in state:
                 visit(target, path + [node])
         state[node] = 2
@@ -117,6 +117,11 @@ def test_no_import_circles():
 
 @pytest.mark.parametrize("package", ["scheduler", "pallas_kernels"])
 def test_bottom_packages_import_nothing_of_ours(package):
-    outside = {f"{m} -> {t}" for m, ts in import_graph().items() if m.split(".")[0] == package
-               for t in ts if t.split(".")[0] != package}
+    outside = {
+        f"{m} -> {t}"
+        for m, ts in import_graph().items()
+        if m.split(".")[0] == package
+        for t in ts
+        if t.split(".")[0] != package
+    }
     assert not outside

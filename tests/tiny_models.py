@@ -9,18 +9,36 @@ from __future__ import annotations
 from pathlib import Path
 
 BASE = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 # name -> (architecture, config overrides)
 TINY_MODELS = {
     "llama": ("LlamaForCausalLM", dict(tie_word_embeddings=False)),
-    "llama-tied-mqa-llama3rope": ("LlamaForCausalLM", dict(
-        tie_word_embeddings=True, num_key_value_heads=1,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=32))),
+    "llama-tied-mqa-llama3rope": (
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            num_key_value_heads=1,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
     "llama-bias-mha": ("LlamaForCausalLM", dict(attention_bias=True, num_key_value_heads=4)),
     "mistral-window": ("MistralForCausalLM", dict(sliding_window=7, tie_word_embeddings=False)),
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
@@ -55,12 +73,16 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0, dtype: str = "float3
 
 
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: BASE's bos_token_id 1 and eos_token_id 2
-WORDS = ("the a cat dog sat on mat and ran to house big small red blue green is was of in it he she they we you "
-         "am are be hello world user assistant system : . , ! ? yes no one two three four five six seven eight "
-         "nine ten time day night sun moon star tree sky sea fish bird eat drink sleep go come see look play walk "
-         "talk good bad new old hot cold up down left right out over under very").split()
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-                 "{% if add_generation_prompt %}assistant :{% endif %}")
+WORDS = (
+    "the a cat dog sat on mat and ran to house big small red blue green is was of in it he she they we you "
+    "am are be hello world user assistant system : . , ! ? yes no one two three four five six seven eight "
+    "nine ten time day night sun moon star tree sky sea fish bird eat drink sleep go come see look play walk "
+    "talk good bad new old hot cold up down left right out over under very"
+).split()
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
 
 
 def make_tiny_tokenizer(folder: Path, *, add_bos: bool = True, chat_template: str | None = CHAT_TEMPLATE) -> None:
@@ -76,10 +98,12 @@ def make_tiny_tokenizer(folder: Path, *, add_bos: bool = True, chat_template: st
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     if add_bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
-                                                           special_tokens=[("<s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   chat_template=chat_template)
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", 1)]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=chat_template
+    )
     fast.save_pretrained(folder)
 
 

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -246,9 +247,10 @@ def _fast_tokenizer(folder: Path):
 def _save(entry: Path, loaded: LoadedModel) -> None:
     import orbax.checkpoint as ocp
 
-    tmp = entry.with_name(entry.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # NOTE: a temporary folder of this process's own: several processes may convert the same
+    # weights at once (servers starting side by side); the first rename wins, the rest drop theirs.
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".", suffix=".tmp", dir=entry.parent))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp.resolve() / "params", model_params(loaded.model))
     if loaded.tokenizer is not None:
@@ -256,8 +258,14 @@ def _save(entry: Path, loaded: LoadedModel) -> None:
     with open(tmp / "config.json", "w") as f:
         json.dump(loaded.hf_config, f)
     (tmp / "complete").write_text(loaded.source)
-    shutil.rmtree(entry, ignore_errors=True)
-    tmp.rename(entry)
+    if not (entry / "complete").exists():
+        shutil.rmtree(entry, ignore_errors=True)  # an incomplete entry (a conversion that died)
+    try:
+        tmp.rename(entry)
+    except OSError:
+        if not (entry / "complete").exists():
+            raise
+    shutil.rmtree(tmp, ignore_errors=True)  # another process's complete entry is the same weights
 
 
 def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None) -> LoadedModel:

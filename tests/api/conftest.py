@@ -25,7 +25,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import use_jax
 from tests.tiny_models import make_tiny_model, make_tiny_tokenizer
+
+use_jax()  # in-process engines (tiny_engine, serve_in_thread) run jax
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
@@ -50,8 +53,7 @@ class Server:
 
     def _client_args(self, kw: dict) -> dict:
         # No retries: a test must see the first answer (the client retries 5xx by default).
-        return {"base_url": f"{self.url}/v1", "api_key": self.api_key or "none", "max_retries": 0, "timeout": 300,
-                **kw}
+        return {"base_url": f"{self.url}/v1", "api_key": self.api_key or "none", "max_retries": 0, "timeout": 300, **kw}
 
     @property
     def headers(self) -> dict[str, str]:
@@ -95,19 +97,45 @@ def run_server(log_dir: Path, *args: str, api_key: str | None = API_KEY):
     env.pop("JAXSERVE_API_KEY", None)
     # NOTE: output goes to a file, not a pipe: nobody reads a pipe while tests run, and a full
     # one would block the server.
-    with open(log, "w") as out:
+    with _starting_alone(), open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            url = _wait_for_url(process, log)
+            _wait_healthy(url, process, log)
+        except BaseException:
+            _stop(process)
+            raise
     try:
-        url = _wait_for_url(process, log)
-        _wait_healthy(url, process, log)
         yield Server(url, process, log, api_key)
     finally:
-        process.terminate()
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def _starting_alone():
+    """One server starts at a time per cache directory (until it answers /health), across
+    pytest-xdist workers and other pytest runs: servers share $JAXSERVE_CACHE, and two that
+    convert the same weights at once write the same `<entry>.tmp` folder
+    (jaxserve/weights/load.py `_save`), so one of them may fail."""
+    import fcntl
+
+    cache = Path(os.environ.get("JAXSERVE_CACHE") or Path.home() / ".cache" / "jaxserve")
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".test-server-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _wait_for_url(process: subprocess.Popen, log: Path) -> str:
@@ -163,8 +191,11 @@ def serve_in_thread(app):
     The app's lifespan (the engine thread) runs in that thread's event loop."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
+    )
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -191,15 +222,16 @@ def tiny_folder(tmp_path_factory) -> Path:
 
 
 # Small enough to compile in seconds on a CPU, big enough for a few short requests at once.
-TINY_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=4, num_blocks=64,
-                   max_model_len=64)
+TINY_ENGINE = dict(
+    max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=4, num_blocks=64, max_model_len=64
+)
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_folder):
     """An in-process LLMEngine on `tiny_folder`, for `create_app` + `serve_in_thread`. Apps
     share it one after another (each stops its engine thread when it shuts down)."""
-    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+    from jaxserve.engine import EngineConfig, LLMEngine
     from jaxserve.weights import load_model
 
     return LLMEngine(load_model(str(tiny_folder), use_cache=False, progress=False), EngineConfig(**TINY_ENGINE))
@@ -211,7 +243,7 @@ def greedy_where_clear(loaded, prompts: list[str], max_tokens: int) -> list[tupl
     and including the first near-tie (top-2 logprob margin under 1e-3), and whether there was none."""
     import numpy as np
 
-    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+    from jaxserve.engine import EngineConfig, LLMEngine
     from scheduler import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(**{**TINY_ENGINE, "block_size": 4}))

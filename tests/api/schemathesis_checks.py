@@ -28,12 +28,18 @@ import schemathesis
 # NOTE: the three rules between fields could be written into the schema (if/then), but then
 # schemathesis' coverage phase makes one valid request per operation instead of about 120
 # (its boundary values), so they stay rules of the handlers, listed here.
-STRUCTURED = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-              "guided_grammar"}
+STRUCTURED = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 RUNTIME_RULES = {
     "/v1/completions": {"prompt", "n", "min_tokens", "best_of", "stream_options", *STRUCTURED},
-    "/v1/chat/completions": {"messages", "n", "min_tokens", "stream_options", "top_logprobs", "tool_choice",
-                             *STRUCTURED},
+    "/v1/chat/completions": {
+        "messages",
+        "n",
+        "min_tokens",
+        "stream_options",
+        "top_logprobs",
+        "tool_choice",
+        *STRUCTURED,
+    },
     "/tokenize": {"messages"},
 }
 # ... and parameters with an index, as regular expressions.

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from tests.api.conftest import MODEL
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 def test_chat_applies_the_template(client, tokenizer):
@@ -23,16 +25,23 @@ def test_chat_applies_the_template(client, tokenizer):
 
 
 def test_chat_stops_at_end_of_turn(client):
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say just: OK"}],
-                                         temperature=0)  # no max_tokens: the rest of the context
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say just: OK"}], temperature=0
+    )  # no max_tokens: the rest of the context
     assert out.choices[0].finish_reason == "stop"
     assert "<|im_end|>" not in out.choices[0].message.content
     assert out.usage.completion_tokens < 200
 
 
 def test_streamed_chat_equals_non_streamed(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a haiku about rain."}], temperature=0.8,
-              seed=99, max_completion_tokens=30, n=2)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a haiku about rain."}],
+        temperature=0.8,
+        seed=99,
+        max_completion_tokens=30,
+        n=2,
+    )
     whole = client.chat.completions.create(**kw)
     stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
     texts, roles, reasons, usage = {}, {}, {}, None
@@ -54,8 +63,9 @@ def test_streamed_chat_equals_non_streamed(client):
 
 
 def test_chat_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
-                                         top_logprobs=2)
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens == 5
     assert "".join(t.token for t in content) == out.choices[0].message.content
@@ -64,8 +74,7 @@ def test_chat_logprobs(client):
         assert len(item.top_logprobs) == 2
         assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == item.logprob
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
-    no_top = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
-                                            logprobs=True)
+    no_top = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True)
     assert [t.top_logprobs for t in no_top.choices[0].logprobs.content] == [[], []]
     assert [t.logprob for t in no_top.choices[0].logprobs.content] == [t.logprob for t in content[:2]]
 
@@ -73,14 +82,19 @@ def test_chat_logprobs(client):
 def test_multibyte_text_streams_whole_characters(client):
     """Characters split across tokens never reach the client as U+FFFD, and each token's
     `bytes` are its exact UTF-8 bytes even when it holds only part of a character."""
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Écris « bonjour » et un emoji 😀 en chinois: 你好"}],
-              max_tokens=40, temperature=0.7, seed=3, logprobs=True)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Écris « bonjour » et un emoji 😀 en chinois: 你好"}],
+        max_tokens=40,
+        temperature=0.7,
+        seed=3,
+        logprobs=True,
+    )
     whole = client.chat.completions.create(**kw).choices[0]
     text = whole.message.content
     assert any(ord(ch) > 0xFFFF for ch in text), f"the oracle needs 4-byte characters (emoji): {text!r}"
     assert "\ufffd" not in text
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
-              if c.choices]
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices]
     assert "".join(pieces) == text
     tokens = whole.logprobs.content[:-1] if whole.finish_reason == "stop" else whole.logprobs.content  # not eos
     raw = b"".join(bytes(t.bytes) for t in tokens)

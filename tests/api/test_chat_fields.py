@@ -37,10 +37,12 @@ def test_continue_final_message_leaves_the_last_message_open(server, client, tok
     want = template_ids(tokenizer, PARTIAL, continue_final_message=True)
     assert tokenizer.decode(want).endswith("My favorite color is")  # no end-of-turn after it
     assert tokenize(server, {"messages": PARTIAL, "continue_final_message": True}) == want
-    assert tokenize(server, {"messages": PARTIAL, "continue_final_message": True,
-                             "add_generation_prompt": False}) == want
-    usage = client.chat.completions.create(model=MODEL, messages=PARTIAL, max_tokens=1,
-                                           extra_body={"continue_final_message": True}).usage
+    assert (
+        tokenize(server, {"messages": PARTIAL, "continue_final_message": True, "add_generation_prompt": False}) == want
+    )
+    usage = client.chat.completions.create(
+        model=MODEL, messages=PARTIAL, max_tokens=1, extra_body={"continue_final_message": True}
+    ).usage
     assert usage.prompt_tokens == len(want)
 
 
@@ -48,17 +50,23 @@ def test_add_generation_prompt(server, client, tokenizer):
     for add in (True, False):
         want = template_ids(tokenizer, QUESTION, add_generation_prompt=add)
         assert tokenize(server, {"messages": QUESTION, "add_generation_prompt": add}) == want
-        usage = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
-                                               extra_body={"add_generation_prompt": add}).usage
+        usage = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=1, extra_body={"add_generation_prompt": add}
+        ).usage
         assert usage.prompt_tokens == len(want)
     assert len(template_ids(tokenizer, QUESTION, add_generation_prompt=True)) > len(
-        template_ids(tokenizer, QUESTION, add_generation_prompt=False))
+        template_ids(tokenizer, QUESTION, add_generation_prompt=False)
+    )
 
 
 def test_continue_final_message_with_add_generation_prompt_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=PARTIAL, max_tokens=1, extra_body={
-            "continue_final_message": True, "add_generation_prompt": True})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=PARTIAL,
+            max_tokens=1,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True},
+        )
     assert e.value.body["param"] == "continue_final_message"
 
 
@@ -75,8 +83,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer):
 
     messages = [{"role": "user", "content": TEXT}]
     chat = client.chat.completions.create(messages=messages, extra_body={"truncate_prompt_tokens": 7}, **greedy)
-    by_hand = client.completions.create(prompt=template_ids(tokenizer, messages, add_generation_prompt=True)[-7:],
-                                        **greedy)
+    by_hand = client.completions.create(
+        prompt=template_ids(tokenizer, messages, add_generation_prompt=True)[-7:], **greedy
+    )
     assert chat.usage.prompt_tokens == 7
     assert chat.choices[0].message.content == by_hand.choices[0].text
 
@@ -85,8 +94,9 @@ def test_truncate_prompt_tokens_out_of_range_is_a_400(client):
     max_model_len = client.models.list().data[0].model_extra["max_model_len"]
     for value in (0, -2, max_model_len + 1):
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=MODEL, prompt=TEXT, max_tokens=1,
-                                      extra_body={"truncate_prompt_tokens": value})
+            client.completions.create(
+                model=MODEL, prompt=TEXT, max_tokens=1, extra_body={"truncate_prompt_tokens": value}
+            )
         assert "truncate_prompt_tokens" in (e.value.body["param"] or e.value.body["message"]), value
 
 
@@ -96,13 +106,18 @@ def test_unknown_fields_are_named_in_a_header_and_logged_once(server, client):
     header = ", ".join(names)
     raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body=extra)
     assert raw.headers["x-ignored-fields"] == header
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=1, stream=True,
-                                                           extra_body=extra)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, max_tokens=1, stream=True, extra_body=extra
+    )
     assert raw.headers["x-ignored-fields"] == header
     assert any(chunk.choices for chunk in raw.parse())
     # An error after the body was read carries it too.
-    r = httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=60,
-                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 10 ** 6, **extra})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        headers=server.headers,
+        timeout=60,
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 10**6, **extra},
+    )
     assert r.status_code == 400 and r.headers["x-ignored-fields"] == header
     plain = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1)
     assert "x-ignored-fields" not in plain.headers
@@ -113,16 +128,19 @@ def test_unknown_fields_are_named_in_a_header_and_logged_once(server, client):
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"tools": TOOLS}, "tool_choice"),  # tool_choice "auto" (the default with tools) needs a tool-call parser
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
-    ({"structured_outputs": {"regex": "[a-z]+", "whitespace_pattern": " "}}, "structured_outputs"),
-    ({"structured_outputs": {"json": {}, "disable_additional_properties": True}}, "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": TOOLS}, "tool_choice"),  # tool_choice "auto" (the default with tools) needs a tool-call parser
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "[a-z]+", "whitespace_pattern": " "}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {}, "disable_additional_properties": True}}, "structured_outputs"),
+    ],
+)
 def test_fields_the_server_cannot_honour_are_400s_naming_them(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body=fields)
@@ -134,20 +152,25 @@ def test_tools_with_tool_choice_none_go_to_the_template_and_the_reply_is_text(cl
     assert out.choices[0].message.tool_calls is None and out.usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("field, value, harmless", [
-    ("use_beam_search", True, False),
-    ("length_penalty", 0.5, 1.0),
-    ("return_tokens_as_token_ids", True, False),
-    ("logits_processors", ["my.module:Processor"], None),
-    ("guided_decoding_backend", "xgrammar", None),
-    ("guided_whitespace_pattern", "[ ]*", None),
-    ("structural_tag", "{}", None),
-])
+@pytest.mark.parametrize(
+    "field, value, harmless",
+    [
+        ("use_beam_search", True, False),
+        ("length_penalty", 0.5, 1.0),
+        ("return_tokens_as_token_ids", True, False),
+        ("logits_processors", ["my.module:Processor"], None),
+        ("guided_decoding_backend", "xgrammar", None),
+        ("guided_whitespace_pattern", "[ ]*", None),
+        ("structural_tag", "{}", None),
+    ],
+)
 def test_vllm_fields_that_would_change_the_output_are_400s_on_both_endpoints(client, field, value, harmless):
     """vLLM honours these; dropping them would answer with different text, so each is a 400
     naming it, while its harmless value (vLLM's default) is accepted."""
-    for create, args in ((client.chat.completions.create, {"messages": QUESTION}),
-                         (client.completions.create, {"prompt": "Hi"})):
+    for create, args in (
+        (client.chat.completions.create, {"messages": QUESTION}),
+        (client.completions.create, {"prompt": "Hi"}),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             create(model=MODEL, max_tokens=1, extra_body={field: value}, **args)
         assert e.value.body["param"] == field
@@ -160,9 +183,11 @@ def test_echo_in_chat_is_refused_and_response_format_text_is_free_text(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body={"echo": True})
     assert e.value.body["param"] == "echo"
-    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
-                                      extra_body={"response_format": {"type": "text"}})
+    plain = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=1, extra_body={"response_format": {"type": "text"}}
+    )
     assert plain.usage.completion_tokens == 1
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
-                                          response_format={"type": "text"})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=1, response_format={"type": "text"}
+    )
     assert chat.usage.completion_tokens == 1

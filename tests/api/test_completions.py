@@ -36,11 +36,19 @@ def test_greedy_completion_knows_paris(client, tokenizer):
 
 
 def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
-    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=1.0, top_p=0.95, seed=1234,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=24,
+        temperature=1.0,
+        top_p=0.95,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**kw)
-    texts, reasons, usage = stream_text(client.completions.create(stream=True, stream_options={"include_usage": True},
-                                                                  **kw))
+    texts, reasons, usage = stream_text(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert texts[0] == whole.choices[0].text
     assert len(whole.choices[0].text) > 24  # real text, not an empty match
     assert reasons == {0: "length"}
@@ -49,8 +57,15 @@ def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
 
 
 def test_n_samples_stream_and_whole_agree(client):
-    kw = dict(model=MODEL, prompt="My favourite food is", max_tokens=12, temperature=1.0, seed=7, n=3,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="My favourite food is",
+        max_tokens=12,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**kw)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert whole.usage.completion_tokens == 3 * 12
@@ -75,8 +90,9 @@ def test_token_id_prompt_and_echo(client, tokenizer):
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True)
     assert out.choices[0].text == PROMPT + " Paris."
     assert out.usage.prompt_tokens == len(ids)
-    texts, _, _ = stream_text(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
-                                                        echo=True, stream=True))
+    texts, _, _ = stream_text(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, stream=True)
+    )
     assert texts[0] == PROMPT + " Paris."
 
 
@@ -122,11 +138,11 @@ def test_logprobs_shape_and_values(client):
 def test_logprobs_match_teacher_forcing(client, tokenizer):
     """The logprobs of the 2nd generated token equal those of the 1st token after a prompt
     that already holds the 1st: decode and prefill must agree on the model's distribution."""
-    assert tokenizer.encode(PROMPT + " Paris", add_special_tokens=False) == \
-        tokenizer.encode(PROMPT, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("ĠParis")]
+    assert tokenizer.encode(PROMPT + " Paris", add_special_tokens=False) == tokenizer.encode(
+        PROMPT, add_special_tokens=False
+    ) + [tokenizer.convert_tokens_to_ids("ĠParis")]
     generated = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=5)
-    forced = client.completions.create(model=MODEL, prompt=PROMPT + " Paris", max_tokens=1, temperature=0,
-                                       logprobs=5)
+    forced = client.completions.create(model=MODEL, prompt=PROMPT + " Paris", max_tokens=1, temperature=0, logprobs=5)
     want, got = generated.choices[0].logprobs.top_logprobs[1], forced.choices[0].logprobs.top_logprobs[0]
     assert list(got) == list(want)
     assert got == pytest.approx(want, abs=2e-3)

@@ -22,19 +22,39 @@ import pytest
 
 from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear, run_server
 
+pytestmark = pytest.mark.slow  # a prefill and a decode server in subprocesses
+
 PROMPTS = ["the cat sat on the mat and the dog sat on the log", "one two three four five six seven eight nine ten"]
 MAX_TOKENS = 8
 SECRET = "a shared secret"
-ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64", "--num-blocks", "64",
-                "--block-size", "4", "--kv-transfer-secret", SECRET, "--kv-transfer-timeout", "10"]
+ENGINE_FLAGS = [
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "32",
+    "--max-model-len",
+    "64",
+    "--num-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--kv-transfer-secret",
+    SECRET,
+    "--kv-transfer-timeout",
+    "10",
+]
 
 
 @contextlib.contextmanager
 def run_proxy(log_dir, prefill_url, decode_url):
     log = log_dir / "proxy.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "api.disagg_proxy", "--port", "0", "--prefill", prefill_url,
-                                    "--decode", decode_url], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "api.disagg_proxy", "--port", "0", "--prefill", prefill_url, "--decode", decode_url],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         for _ in range(300):
             match = re.search(r"jaxserve: proxy on (http://\S+)", log.read_text())
@@ -51,9 +71,11 @@ def run_proxy(log_dir, prefill_url, decode_url):
 @pytest.fixture(scope="module")
 def servers(tiny_folder, tmp_path_factory):
     dirs = [tmp_path_factory.mktemp(name) for name in ("prefill", "decode", "proxy")]
-    with run_server(dirs[0], "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "prefill") as prefill, \
-            run_server(dirs[1], "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "decode", "-tp", "2") as decode, \
-            run_proxy(dirs[2], prefill.url, decode.url) as proxy_url:
+    with (
+        run_server(dirs[0], "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "prefill") as prefill,
+        run_server(dirs[1], "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "decode", "-tp", "2") as decode,
+        run_proxy(dirs[2], prefill.url, decode.url) as proxy_url,
+    ):
         yield prefill, decode, proxy_url
 
 
@@ -63,8 +85,11 @@ def proxy_client(servers) -> openai.OpenAI:
 
 def transfer_counters(server) -> dict[str, float]:
     m = server.metrics()
-    return {k.removeprefix("jaxserve:kv_transfer_").removesuffix("_total"): v for k, v in m.items()
-            if k.startswith("jaxserve:kv_transfer_") and k.endswith("_total")}
+    return {
+        k.removeprefix("jaxserve:kv_transfer_").removesuffix("_total"): v
+        for k, v in m.items()
+        if k.startswith("jaxserve:kv_transfer_") and k.endswith("_total")
+    }
 
 
 def test_disaggregated_output_equals_colocated_and_the_kv_moved(servers, tiny_engine):
@@ -73,10 +98,13 @@ def test_disaggregated_output_equals_colocated_and_the_kv_moved(servers, tiny_en
     model = client.models.list().data[0].id
     hits = decode.metrics()["jaxserve:prefix_cache_hits_total"]
     sent, got = transfer_counters(prefill), transfer_counters(decode)
-    texts = [client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
-             for p in PROMPTS]
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
-                                            max_tokens=4, temperature=0, stream=True)
+    texts = [
+        client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert_same_where_clear(texts, greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS))
 
@@ -93,8 +121,14 @@ def test_disaggregated_output_equals_colocated_and_the_kv_moved(servers, tiny_en
 def test_an_abandoned_stream_frees_the_blocks_on_both_sides(servers):
     prefill, decode, _ = servers
     client = proxy_client(servers)
-    stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=40,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=PROMPTS[1],
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(stream))
     stream.close()
     prefill.wait_idle()
@@ -105,16 +139,24 @@ def test_wrong_roles_and_unsigned_offers_are_refused(servers):
     prefill, decode, _ = servers
     headers = decode.headers
     body = {"prompt": PROMPTS[0], "max_tokens": 1}
-    answer = httpx.post(f"{decode.url}/v1/completions", headers=headers,
-                        json={**body, "kv_transfer_params": {"do_remote_decode": True}})
+    answer = httpx.post(
+        f"{decode.url}/v1/completions", headers=headers, json={**body, "kv_transfer_params": {"do_remote_decode": True}}
+    )
     assert answer.status_code == 400 and "--role prefill" in answer.json()["error"]["message"]
-    offer = httpx.post(f"{prefill.url}/v1/completions", headers=headers,
-                       json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    offer = httpx.post(
+        f"{prefill.url}/v1/completions",
+        headers=headers,
+        json={**body, "kv_transfer_params": {"do_remote_decode": True}},
+    ).json()["kv_transfer_params"]
     forged = {**offer, "transfer_id": "1"}
     answer = httpx.post(f"{decode.url}/v1/completions", headers=headers, json={**body, "kv_transfer_params": forged})
     assert answer.status_code == 400 and "not signed" in answer.json()["error"]["message"]
-    assert httpx.post(f"{decode.url}/v1/completions", headers=headers,
-                      json={**body, "kv_transfer_params": offer}).status_code == 200
+    assert (
+        httpx.post(
+            f"{decode.url}/v1/completions", headers=headers, json={**body, "kv_transfer_params": offer}
+        ).status_code
+        == 200
+    )
 
 
 def test_a_killed_prefill_server_leaves_the_decode_server_computing_the_prompt(tiny_folder, tiny_engine, tmp_path):
@@ -122,20 +164,31 @@ def test_a_killed_prefill_server_leaves_the_decode_server_computing_the_prompt(t
         prefill_dir = tmp_path / "prefill"
         prefill_dir.mkdir()
         with run_server(prefill_dir, "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "prefill") as prefill:
-            offer = httpx.post(f"{prefill.url}/v1/completions", headers=prefill.headers, timeout=60,
-                               json={"prompt": PROMPTS[0], "max_tokens": 1,
-                                     "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+            offer = httpx.post(
+                f"{prefill.url}/v1/completions",
+                headers=prefill.headers,
+                timeout=60,
+                json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+            ).json()["kv_transfer_params"]
             prefill.process.kill()
             prefill.process.wait()
         client = decode.client()
-        answer = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0],
-                                           max_tokens=MAX_TOKENS, temperature=0,
-                                           extra_body={"kv_transfer_params": offer})
+        answer = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=PROMPTS[0],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"kv_transfer_params": offer},
+        )
         want = greedy_where_clear(tiny_engine.loaded, PROMPTS[:1], MAX_TOKENS)
         assert_same_where_clear([answer.choices[0].text], want)
         assert transfer_counters(decode)["failed_pulls"] == 1
         decode.wait_idle()
         with run_proxy(tmp_path, prefill.url, decode.url) as proxy_url:  # the prefill server is gone
-            answer = httpx.post(f"{proxy_url}/v1/completions", headers=decode.headers, timeout=60,
-                                json={"prompt": PROMPTS[0], "max_tokens": 2})
+            answer = httpx.post(
+                f"{proxy_url}/v1/completions",
+                headers=decode.headers,
+                timeout=60,
+                json={"prompt": PROMPTS[0], "max_tokens": 2},
+            )
         assert answer.status_code == 502 and "prefill server" in answer.json()["error"]["message"]

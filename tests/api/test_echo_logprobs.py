@@ -76,8 +76,9 @@ def test_reported_prompt_logprobs_shape(answers, tokenizer):
 def test_streamed_echo_equals_whole(client, answers):
     whole = answers[0].choices[0].logprobs
     tokens, offsets, values, text = [], [], [], ""
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
-                                           logprobs=K, stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=K, stream=True
+    ):
         for c in chunk.choices:
             text += c.text
             if c.logprobs:
@@ -96,8 +97,13 @@ def test_echo_without_logprobs(client, answers):
 
 
 def test_chat_prompt_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                         temperature=0, extra_body={"prompt_logprobs": 0})
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 0},
+    )
     reported = out.model_extra["prompt_logprobs"]
     assert len(reported) == out.usage.prompt_tokens and reported[0] is None
     assert all(len(entry) == 1 and next(iter(entry.values()))["logprob"] <= 0 for entry in reported[1:])
@@ -105,10 +111,16 @@ def test_chat_prompt_logprobs(client):
 
 @pytest.mark.parametrize("value", [-1, 21, 1.5, "2", True])
 def test_bad_prompt_logprobs_is_400(server, value):
-    for path, body in (("completions", {"prompt": PROMPT}),
-                       ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-        r = httpx.post(f"{server.url}/v1/{path}", headers=server.headers, timeout=60,
-                       json={"model": MODEL, "max_tokens": 1, "prompt_logprobs": value, **body})
+    for path, body in (
+        ("completions", {"prompt": PROMPT}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        r = httpx.post(
+            f"{server.url}/v1/{path}",
+            headers=server.headers,
+            timeout=60,
+            json={"model": MODEL, "max_tokens": 1, "prompt_logprobs": value, **body},
+        )
         assert r.status_code == 400, (path, value, r.text)
         assert r.json()["error"]["param"] == "prompt_logprobs"
 

@@ -52,8 +52,18 @@ class ScriptedEngine:
         self.generation = SimpleNamespace(sampling={})  # no generation_config.json defaults
         self.scheduler = ScriptedScheduler(max_num_seqs)
 
-    def add_request(self, request_id, prompt, params, *, priority=0, arrival_time=None, cache_salt=None,
-                    kv_handoff=None, export_kv=False):
+    def add_request(
+        self,
+        request_id,
+        prompt,
+        params,
+        *,
+        priority=0,
+        arrival_time=None,
+        cache_salt=None,
+        kv_handoff=None,
+        export_kv=False,
+    ):
         if not prompt:
             raise ValueError("the prompt is empty")
         self.requests[request_id] = [params, [], arrival_time]
@@ -81,8 +91,17 @@ class ScriptedEngine:
             tokens.append(7)
             done = len(tokens) >= params.max_tokens
             now = time.monotonic()
-            completion = CompletionOutput(0, "a" * len(tokens), list(tokens), 0.0, None, "length" if done else None,
-                                          None, new_text="a", new_token_ids=[7])
+            completion = CompletionOutput(
+                0,
+                "a" * len(tokens),
+                list(tokens),
+                0.0,
+                None,
+                "length" if done else None,
+                None,
+                new_text="a",
+                new_token_ids=[7],
+            )
             metrics = RequestMetrics(arrival, now, now, now if done else None, [now])
             outputs.append(RequestOutput(request_id, None, [1, 2], [completion], done, 0, metrics))
             if done:
@@ -121,8 +140,7 @@ def test_closing_a_generation_aborts_it():
         engine = ScriptedEngine()
         loop = await _started(engine)
         generation = loop.generation(["a", "b"])
-        await generation.add([[1], [2]], SamplingParams(max_tokens=1000), loop.admit(2),
-                             arrival_time=time.monotonic())
+        await generation.add([[1], [2]], SamplingParams(max_tokens=1000), loop.admit(2), arrival_time=time.monotonic())
         async with generation:
             async for _ in generation:
                 break  # the caller goes away after the first delta

@@ -13,8 +13,12 @@ from tests.api.conftest import MODEL
 
 def post(server, path: str, body, headers=None) -> httpx.Response:
     kw = {"json": body} if not isinstance(body, (str, bytes)) else {"content": body}
-    return httpx.post(f"{server.url}{path}", headers={**server.headers, **(headers or {}),
-                                                       "Content-Type": "application/json"}, timeout=60, **kw)
+    return httpx.post(
+        f"{server.url}{path}",
+        headers={**server.headers, **(headers or {}), "Content-Type": "application/json"},
+        timeout=60,
+        **kw,
+    )
 
 
 def assert_error(response: httpx.Response, status: int, param=..., code=...) -> dict:
@@ -64,15 +68,16 @@ CHAT_CASES = [
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content",
+    ),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "response_format"),
 ]
 
 
@@ -89,8 +94,10 @@ def test_bad_json_and_bodies_are_400(server):
 
 def test_a_request_without_a_body_says_so(server):
     for path in ("/v1/completions", "/v1/chat/completions"):
-        for response in (post(server, path, b""),  # an empty JSON body
-                         httpx.post(f"{server.url}{path}", headers=server.headers, timeout=60)):  # no body at all
+        for response in (
+            post(server, path, b""),  # an empty JSON body
+            httpx.post(f"{server.url}{path}", headers=server.headers, timeout=60),
+        ):  # no body at all
             error = assert_error(response, 400, param=None)
             assert "no body" in error["message"] and "None" not in error["message"], error
 
@@ -98,11 +105,15 @@ def test_a_request_without_a_body_says_so(server):
 def test_prompt_longer_than_the_context_is_400(server, client):
     max_model_len = client.models.retrieve(MODEL).model_extra["max_model_len"]
     long_prompt = [100] * (max_model_len + 5)
-    assert_error(post(server, "/v1/completions", {"prompt": long_prompt}), 400, param="prompt",
-                 code="context_length_exceeded")
+    assert_error(
+        post(server, "/v1/completions", {"prompt": long_prompt}), 400, param="prompt", code="context_length_exceeded"
+    )
     # The prompt fits, but not with the completion asked for (OpenAI's and vLLM's rule).
-    error = assert_error(post(server, "/v1/completions", {"prompt": [100] * 100, "max_tokens": max_model_len}), 400,
-                         code="context_length_exceeded")
+    error = assert_error(
+        post(server, "/v1/completions", {"prompt": [100] * 100, "max_tokens": max_model_len}),
+        400,
+        code="context_length_exceeded",
+    )
     assert f"maximum context length is {max_model_len} tokens" in error["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * max_model_len}])
@@ -115,8 +126,11 @@ def test_unknown_model_is_404_model_not_found(server, client):
     assert e.value.code == "model_not_found" and "`gpt-5` does not exist" in e.value.message
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-5")
-    assert_error(post(server, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
-                 404, code="model_not_found")
+    assert_error(
+        post(server, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+        404,
+        code="model_not_found",
+    )
 
 
 def test_unknown_path_and_method_are_openai_errors(server):
@@ -127,8 +141,12 @@ def test_unknown_path_and_method_are_openai_errors(server):
 
 def test_api_key_is_required_on_v1(server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic dGVzdC1rZXk="},
-                    {"Authorization": f"Bearer {server.api_key}x"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "Basic dGVzdC1rZXk="},
+        {"Authorization": f"Bearer {server.api_key}x"},
+    ):
         response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
         assert_error(response, 401, code="invalid_api_key")
         assert response.headers["www-authenticate"] == "Bearer"
@@ -146,8 +164,14 @@ def test_api_key_is_required_on_v1(server):
 def test_bad_requests_do_not_disturb_a_running_stream(server, client):
     """Every bad request above is sent, over and over, while a stream runs; the stream
     completes intact and equals the same request run alone."""
-    kw = dict(model=MODEL, prompt="Tell me a story about a dragon.", max_tokens=40, temperature=0.9, seed=5,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="Tell me a story about a dragon.",
+        max_tokens=40,
+        temperature=0.9,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     alone = client.completions.create(**kw).choices[0].text
     pieces, started = [], threading.Event()
 

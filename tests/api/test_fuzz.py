@@ -58,18 +58,51 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404"]
 def fuzzed(tiny_folder, tmp_path_factory):
     """A tiny-model server, and the schemathesis run against it."""
     api_key = "fuzz-key"
-    args = ["--model", str(tiny_folder), "--served-model-name", NAME, "--max-model-len", "32", "--max-num-seqs", "8",
-            "--max-num-batched-tokens", "64", "--block-size", "4", "--num-blocks", "128",
-            "--max-request-sequences", "16"]
+    args = [
+        "--model",
+        str(tiny_folder),
+        "--served-model-name",
+        NAME,
+        "--max-model-len",
+        "32",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "64",
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "128",
+        "--max-request-sequences",
+        "16",
+    ]
     work = tmp_path_factory.mktemp("fuzz")
     with run_server(work, *args, api_key=api_key) as server:
         config = work / "schemathesis.toml"
         hooks = Path(__file__).with_name("schemathesis_checks.py")
         config.write_text(CONFIG.format(hooks=hooks, api_key=api_key, name=NAME))
-        cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "--no-color", "run",
-               f"{server.url}/openapi.json", "--checks", "all", "--max-examples", str(MAX_EXAMPLES),
-               "--seed", str(SEED), "--request-timeout", "60", "--report", "ndjson",
-               "--report-ndjson-path", str(work / "events.ndjson")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "--config-file",
+            str(config),
+            "--no-color",
+            "run",
+            f"{server.url}/openapi.json",
+            "--checks",
+            "all",
+            "--max-examples",
+            str(MAX_EXAMPLES),
+            "--seed",
+            str(SEED),
+            "--request-timeout",
+            "60",
+            "--report",
+            "ndjson",
+            "--report-ndjson-path",
+            str(work / "events.ndjson"),
+        ]
         # cwd: schemathesis writes its report folder there, not into the repository.
         run = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=1200)
         yield server, run, work / "events.ndjson"
@@ -93,6 +126,7 @@ def tally(events: Path) -> tuple[collections.Counter, collections.Counter, colle
     return cases, checks, statuses
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_nothing(fuzzed):
     server, run, events = fuzzed
     assert run.returncode == 0, f"schemathesis failed:\n{run.stdout[-12000:]}\n{run.stderr[-3000:]}"
@@ -104,17 +138,27 @@ def test_schemathesis_finds_nothing(fuzzed):
     for op in ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models/{model}"):
         assert cases[op, "fuzzing"] >= MAX_EXAMPLES, cases
     ran = {name for name, _ in checks}
-    assert {"not_a_server_error", "positive_data_acceptance", "negative_data_rejection",
-            "response_schema_conformance", "status_code_conformance", "content_type_conformance",
-            "ignored_auth", "unsupported_method", "valid_requests_are_refused_only_by_runtime_rules",
-            "errors_are_openai_shaped"} <= ran, ran
+    assert {
+        "not_a_server_error",
+        "positive_data_acceptance",
+        "negative_data_rejection",
+        "response_schema_conformance",
+        "status_code_conformance",
+        "content_type_conformance",
+        "ignored_auth",
+        "unsupported_method",
+        "valid_requests_are_refused_only_by_runtime_rules",
+        "errors_are_openai_shaped",
+    } <= ran, ran
     assert all(status == "success" for _, status in checks), checks
     assert not any(code is not None and code >= 500 for _, code in statuses), statuses
     # And the fuzzing reached the engine, not only the validator.
     for op in ("POST /v1/completions", "POST /v1/chat/completions"):
         assert statuses[op, 200] >= 20, statuses
-    print(f"\nschemathesis: {sum(cases.values())} test cases, {len(ran)} checks; "
-          + ", ".join(f"{op} {phase}: {n}" for (op, phase), n in sorted(cases.items())))
+    print(
+        f"\nschemathesis: {sum(cases.values())} test cases, {len(ran)} checks; "
+        + ", ".join(f"{op} {phase}: {n}" for (op, phase), n in sorted(cases.items()))
+    )
 
 
 def test_the_engine_serves_and_holds_no_blocks_afterwards(fuzzed):
@@ -122,8 +166,9 @@ def test_the_engine_serves_and_holds_no_blocks_afterwards(fuzzed):
     m = server.wait_idle()  # nothing running or waiting, every KV block free
     assert m['jaxserve:request_success_total{finished_reason="length"}'] > 0
     client = server.client()
-    out = client.completions.create(model=NAME, prompt="the cat sat on the mat", max_tokens=4, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=NAME, prompt="the cat sat on the mat", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
     assert chat.usage.completion_tokens >= 1

@@ -11,11 +11,26 @@ from tests.api.conftest import run_server
 
 
 def test_server_with_an_int8_cache(tiny_folder, tmp_path):
-    args = ["--model", str(tiny_folder), "--kv-cache-dtype", "int8", "--kv-cache-memory", "1MiB",
-            "--block-size", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64"]
+    args = [
+        "--model",
+        str(tiny_folder),
+        "--kv-cache-dtype",
+        "int8",
+        "--kv-cache-memory",
+        "1MiB",
+        "--block-size",
+        "4",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-model-len",
+        "64",
+    ]
     with run_server(tmp_path, *args) as server:
-        out = server.client().completions.create(model=server.client().models.list().data[0].id,
-                                                 prompt="the cat", max_tokens=4, temperature=0)
+        out = server.client().completions.create(
+            model=server.client().models.list().data[0].id, prompt="the cat", max_tokens=4, temperature=0
+        )
         assert out.usage.completion_tokens == 4
         m = server.metrics()
         log = server.log.read_text()

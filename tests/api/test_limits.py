@@ -12,6 +12,8 @@ import pytest
 
 from tests.api.conftest import MODEL, run_server
 
+pytestmark = pytest.mark.default_model  # its server runs the default model (no --model)
+
 MAX_NUM_SEQS = 2
 MAX_WAITING = 2
 
@@ -19,8 +21,16 @@ MAX_WAITING = 2
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     # 8 MiB holds 10 usable blocks of 16 tokens (160 tokens) on the default model.
-    args = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "64", "--kv-cache-memory", "8MiB",
-            "--max-waiting", str(MAX_WAITING)]
+    args = [
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens",
+        "64",
+        "--kv-cache-memory",
+        "8MiB",
+        "--max-waiting",
+        str(MAX_WAITING),
+    ]
     with run_server(tmp_path_factory.mktemp("small"), *args, api_key=None) as s:
         yield s
 
@@ -29,8 +39,14 @@ LONG = 140  # tokens: seconds of decoding, and within the 160-token context
 
 
 def long_request(max_tokens: int = LONG, stream: bool = False) -> dict:
-    return {"model": MODEL, "prompt": "Count slowly:", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": stream}
+    return {
+        "model": MODEL,
+        "prompt": "Count slowly:",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 def test_full_queue_answers_503_at_once(small):
@@ -39,9 +55,11 @@ def test_full_queue_answers_503_at_once(small):
 
     async def burst():
         async with httpx.AsyncClient(base_url=small.url, timeout=300) as http:
+
             async def one(i):
                 response = await http.post("/v1/completions", json=long_request(48))
                 return response, time.monotonic()
+
             return await asyncio.gather(*(one(i) for i in range(num)))
 
     results = asyncio.run(burst())
@@ -59,8 +77,9 @@ def test_full_queue_answers_503_at_once(small):
     for response, _ in accepted:
         assert response.json()["usage"]["completion_tokens"] == 48
     after = small.wait_idle()
-    assert after["jaxserve:num_requests_rejected_total"] - before.get("jaxserve:num_requests_rejected_total", 0) \
-        == len(refused)
+    assert after["jaxserve:num_requests_rejected_total"] - before.get("jaxserve:num_requests_rejected_total", 0) == len(
+        refused
+    )
     # And the server takes work again.
     assert httpx.post(f"{small.url}/v1/completions", json=long_request(2), timeout=60).status_code == 200
 
@@ -94,8 +113,13 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(small):
 def test_openai_client_closing_a_stream_aborts(small):
     before = small.wait_idle()
     client = small.client()
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a long tale."}],
-                                            max_tokens=100, stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell a long tale."}],
+        max_tokens=100,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             break
@@ -119,9 +143,14 @@ def test_kv_cache_pressure_preempts_and_loses_nothing(small):
 
     async def pair():
         async with small.async_client() as client:
-            return await asyncio.gather(*(
-                client.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=96, temperature=0,
-                                          extra_body={"ignore_eos": True}) for i in range(2)))
+            return await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=MODEL, prompt=f"Story {i}:", max_tokens=96, temperature=0, extra_body={"ignore_eos": True}
+                    )
+                    for i in range(2)
+                )
+            )
 
     outs = asyncio.run(pair())
     assert [o.usage.completion_tokens for o in outs] == [96, 96]

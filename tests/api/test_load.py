@@ -14,8 +14,7 @@ NUM_REQUESTS = 200
 
 async def one_request(client, i: int) -> dict:
     max_tokens = 1 + i % 8
-    kw = dict(model=MODEL, max_tokens=max_tokens, temperature=0.8, seed=i,
-              extra_body={"ignore_eos": True, "top_k": 50})
+    kw = dict(model=MODEL, max_tokens=max_tokens, temperature=0.8, seed=i, extra_body={"ignore_eos": True, "top_k": 50})
     if i % 4 == 3:  # some chats too
         kw["messages"] = [{"role": "user", "content": f"Request {i}: name a colour."}]
         create = client.chat.completions.create
@@ -31,11 +30,17 @@ async def one_request(client, i: int) -> dict:
                 text += c.text if hasattr(c, "text") else (c.delta.content or "")
                 if c.finish_reason:
                     reasons.append(c.finish_reason)
-        return dict(i=i, want=max_tokens, got=usage.completion_tokens, prompt_tokens=usage.prompt_tokens,
-                    reasons=reasons)
+        return dict(
+            i=i, want=max_tokens, got=usage.completion_tokens, prompt_tokens=usage.prompt_tokens, reasons=reasons
+        )
     out = await create(**kw)
-    return dict(i=i, want=max_tokens, got=out.usage.completion_tokens, prompt_tokens=out.usage.prompt_tokens,
-                reasons=[c.finish_reason for c in out.choices])
+    return dict(
+        i=i,
+        want=max_tokens,
+        got=out.usage.completion_tokens,
+        prompt_tokens=out.usage.prompt_tokens,
+        reasons=[c.finish_reason for c in out.choices],
+    )
 
 
 async def watch_health(server, done: asyncio.Event) -> tuple[int, int]:
@@ -80,7 +85,11 @@ def test_200_concurrent_requests(server):
     assert grew["jaxserve:inter_token_latency_seconds_count"] == sum(r["got"] - 1 for r in results)
     # Every chat prompt starts with the template's system turn: full blocks the prefix cache shares.
     assert grew["jaxserve:prefix_cache_hits_total"] > 0
-    assert after["jaxserve:prefix_cache_hit_rate"] == \
-        after["jaxserve:prefix_cache_hits_total"] / after["jaxserve:prefix_cache_queries_total"]
-    assert after['jaxserve:time_to_first_token_seconds_bucket{le="+Inf"}'] == \
-        after["jaxserve:time_to_first_token_seconds_count"]
+    assert (
+        after["jaxserve:prefix_cache_hit_rate"]
+        == after["jaxserve:prefix_cache_hits_total"] / after["jaxserve:prefix_cache_queries_total"]
+    )
+    assert (
+        after['jaxserve:time_to_first_token_seconds_bucket{le="+Inf"}']
+        == after["jaxserve:time_to_first_token_seconds_count"]
+    )

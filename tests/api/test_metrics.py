@@ -8,8 +8,13 @@ import pytest
 from tests.api.conftest import MODEL
 
 PHASES = ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
-PER_REQUEST = (*PHASES, "request_prompt_tokens", "request_generation_tokens", "e2e_request_latency_seconds",
-               "time_to_first_token_seconds")
+PER_REQUEST = (
+    *PHASES,
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "e2e_request_latency_seconds",
+    "time_to_first_token_seconds",
+)
 
 
 def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -21,15 +26,28 @@ def test_per_request_histograms_add_up_to_usage(server, client):
     usages = [
         client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0).usage,
         # Two prompts are two engine requests; n=2 is one request with both samples' tokens.
-        client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=4, temperature=0,
-                                  extra_body={"ignore_eos": True}).usage,
-        client.completions.create(model=MODEL, prompt="My favourite food is", max_tokens=6, n=2, seed=3,
-                                  extra_body={"ignore_eos": True}).usage,
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
-                                       max_tokens=8, temperature=0).usage,
+        client.completions.create(
+            model=MODEL,
+            prompt=["One, two,", "Red, green,"],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        ).usage,
+        client.completions.create(
+            model=MODEL, prompt="My favourite food is", max_tokens=6, n=2, seed=3, extra_body={"ignore_eos": True}
+        ).usage,
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0
+        ).usage,
     ]
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=7,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     usages += [chunk.usage for chunk in stream if chunk.usage is not None]
     num_requests = 6
     g = grown(before, server.wait_idle())
@@ -37,10 +55,16 @@ def test_per_request_histograms_add_up_to_usage(server, client):
     for name in PER_REQUEST:
         assert g[f"jaxserve:{name}_count"] == num_requests, name
         assert g[f'jaxserve:{name}_bucket{{le="+Inf"}}'] == num_requests, name
-    assert g["jaxserve:request_prompt_tokens_sum"] == sum(u.prompt_tokens for u in usages) \
+    assert (
+        g["jaxserve:request_prompt_tokens_sum"]
+        == sum(u.prompt_tokens for u in usages)
         == g["jaxserve:prompt_tokens_total"]
-    assert g["jaxserve:request_generation_tokens_sum"] == sum(u.completion_tokens for u in usages) \
+    )
+    assert (
+        g["jaxserve:request_generation_tokens_sum"]
+        == sum(u.completion_tokens for u in usages)
         == g["jaxserve:generation_tokens_total"]
+    )
     queue, prefill, decode = (g[f"jaxserve:{name}_sum"] for name in PHASES)
     assert queue > 0 and prefill > 0 and decode > 0
     # Arrival -> first scheduled -> first token is the time to first token; the last token

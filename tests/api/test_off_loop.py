@@ -47,8 +47,10 @@ class GatedTokenizer:
 
 CASES = {
     "encode": ("/v1/completions", {"prompt": "the cat sat on the mat", "max_tokens": 2, "temperature": 0}),
-    "apply_chat_template": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world"}],
-                                                     "max_tokens": 2, "temperature": 0}),
+    "apply_chat_template": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 2, "temperature": 0},
+    ),
 }
 
 

@@ -34,11 +34,21 @@ def number_schema(field: dict) -> dict:
 
 
 # API field -> SamplingParams field, for the fields whose range SamplingParams checks.
-SAMPLED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-           "repetition_penalty": "repetition_penalty", "n": "n", "min_tokens": "min_tokens",
-           "max_tokens": "max_tokens", "logprobs": "logprobs", "top_logprobs": "logprobs",
-           "max_completion_tokens": "max_tokens"}
+SAMPLED = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "n": "n",
+    "min_tokens": "min_tokens",
+    "max_tokens": "max_tokens",
+    "logprobs": "logprobs",
+    "top_logprobs": "logprobs",
+    "max_completion_tokens": "max_tokens",
+}
 
 
 def accepts(field: str, value) -> bool:
@@ -100,8 +110,11 @@ def test_schema_has_only_json_schema_keywords_and_the_vocabulary_bound(schema):
 def test_logit_bias_keys_are_the_vocabulary(schema, body):
     import re
 
-    (member,) = [m for m in schema["components"]["schemas"][body]["properties"]["logit_bias"]["anyOf"]
-                 if m.get("type") == "object"]
+    (member,) = [
+        m
+        for m in schema["components"]["schemas"][body]["properties"]["logit_bias"]["anyOf"]
+        if m.get("type") == "object"
+    ]
     assert member["additionalProperties"] is False
     ((pattern, values),) = member["patternProperties"].items()
     assert [k for k in map(str, range(3 * VOCAB)) if re.search(pattern, k)] == [str(i) for i in range(VOCAB)]

@@ -21,8 +21,20 @@ from transformers import AutoTokenizer
 from tests.api.conftest import REPO, run_server
 
 NAME = "tiny"
-TINY = ["--served-model-name", NAME, "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-        "--block-size", "4", "--num-blocks", "64"]
+TINY = [
+    "--served-model-name",
+    NAME,
+    "--max-model-len",
+    "64",
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "32",
+    "--block-size",
+    "4",
+    "--num-blocks",
+    "64",
+]
 PROMPT = "the cat sat on the mat and the dog ran to the house"
 
 
@@ -39,8 +51,9 @@ def folder(tiny_folder, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(folder, tmp_path_factory):
     """`--generation-config vllm`: the folder's sampling defaults are ignored."""
-    with run_server(tmp_path_factory.mktemp("plain"), "--model", str(folder), "--generation-config", "vllm", *TINY,
-                    api_key=None) as server:
+    with run_server(
+        tmp_path_factory.mktemp("plain"), "--model", str(folder), "--generation-config", "vllm", *TINY, api_key=None
+    ) as server:
         yield server
 
 
@@ -71,8 +84,9 @@ def test_a_chat_gets_exactly_one_bos_the_templates(plain, hf_tokenizer):
     out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
     assert out.usage.prompt_tokens == len(want)
     # Asking for the tokenizer's special tokens too gives the double BOS the default avoids.
-    doubled = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1,
-                                             extra_body={"add_special_tokens": True})
+    doubled = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=1, extra_body={"add_special_tokens": True}
+    )
     assert doubled.usage.prompt_tokens == len(want) + 1
 
 
@@ -83,8 +97,11 @@ def test_a_request_cannot_bring_its_own_chat_template(plain):
     messages = [{"role": "user", "content": "hello world"}]
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model=NAME, messages=messages, max_tokens=1,
-            extra_body={"chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
+            model=NAME,
+            messages=messages,
+            max_tokens=1,
+            extra_body={"chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"},
+        )
     assert refused.value.body["param"] == "chat_template"
 
 
@@ -109,12 +126,15 @@ def test_include_stop_str_in_output_keeps_the_stop_string(plain):
     # A later word whose first appearance is not at the start, so that text remains before it.
     stop = next(f" {w}" for w in whole.split()[2:] if whole.index(f" {w}") > 0)
     cut = whole.index(stop)  # greedy: the stop string ends the text where it first appears
-    for include, want in ((False, whole[:cut]), (True, whole[:cut + len(stop)])):
+    for include, want in ((False, whole[:cut]), (True, whole[: cut + len(stop)])):
         extra = {"ignore_eos": True, "include_stop_str_in_output": include}
         choice = client.completions.create(**{**kw, "extra_body": extra}, stop=[stop]).choices[0]
         assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (want, "stop", stop)
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            **{**kw, "extra_body": extra}, stop=[stop], stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(**{**kw, "extra_body": extra}, stop=[stop], stream=True)
+            if c.choices
+        )
         assert streamed == want
 
 
@@ -133,9 +153,14 @@ def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(plain):
 
 
 def sample_texts(client, n: int, extra: dict | None = None, **kw) -> list[str]:
-    return [client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16,
-                                      extra_body={"ignore_eos": True, **(extra or {})}, **kw).choices[0].text
-            for _ in range(n)]
+    return [
+        client.completions.create(
+            model=NAME, prompt=PROMPT, max_tokens=16, extra_body={"ignore_eos": True, **(extra or {})}, **kw
+        )
+        .choices[0]
+        .text
+        for _ in range(n)
+    ]
 
 
 def test_generation_config_defaults_fill_unset_fields(folder, plain, tmp_path_factory):
@@ -143,8 +168,9 @@ def test_generation_config_defaults_fill_unset_fields(folder, plain, tmp_path_fa
     request sets top_k itself or the server runs with --generation-config vllm."""
     greedy = sample_texts(plain.client(), 1, temperature=0)[0]
     # Without the defaults (vllm), seeded temperature-1 samples stray from greedy.
-    plain_samples = sample_texts(plain.client(), 1, temperature=1.0, seed=1) + \
-        sample_texts(plain.client(), 1, temperature=1.0, seed=2)
+    plain_samples = sample_texts(plain.client(), 1, temperature=1.0, seed=1) + sample_texts(
+        plain.client(), 1, temperature=1.0, seed=2
+    )
     assert any(text != greedy for text in plain_samples), "temperature 1 sampled the greedy text twice"
     with run_server(tmp_path_factory.mktemp("defaults"), "--model", str(folder), *TINY, api_key=None) as server:
         client = server.client()

@@ -57,8 +57,10 @@ def per_engine(m: dict[str, float], name: str) -> list[float]:
 
 def finished(m: dict[str, float]) -> list[float]:
     """Finished requests per replica, all finish reasons together."""
-    return [sum(v for k, v in m.items() if k.startswith("jaxserve:request_success_total{")
-                and f'engine="{i}"' in k) for i in range(NUM_REPLICAS)]
+    return [
+        sum(v for k, v in m.items() if k.startswith("jaxserve:request_success_total{") and f'engine="{i}"' in k)
+        for i in range(NUM_REPLICAS)
+    ]
 
 
 def words(start: int, count: int) -> str:
@@ -71,14 +73,18 @@ async def complete_all(url: str, prompts: list[str], max_tokens: int, streamed: 
     exception in place of a failed call."""
 
     async def stream(c, prompt):
-        chunks = await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            stream=True)
+        chunks = await c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
         return "".join([chunk.choices[0].text async for chunk in chunks])
 
     async with async_client(url) as c:
-        calls = [stream(c, p) if i < len(streamed) and streamed[i] else
-                 c.completions.create(model="tiny", prompt=p, max_tokens=max_tokens, temperature=0)
-                 for i, p in enumerate(prompts)]
+        calls = [
+            stream(c, p)
+            if i < len(streamed) and streamed[i]
+            else c.completions.create(model="tiny", prompt=p, max_tokens=max_tokens, temperature=0)
+            for i, p in enumerate(prompts)
+        ]
         return await asyncio.gather(*calls, return_exceptions=True)
 
 
@@ -123,8 +129,9 @@ PROMPTS = [words(0, 5), words(10, 7), words(20, 3), words(30, 9)]
 def test_replicas_give_a_single_engines_greedy_outputs(replicated, tiny_engine):
     url, _ = replicated
     with serve_in_thread(create_app(tiny_engine, model_name="tiny")) as single_url:
-        want = [client(single_url).completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
-                for p in PROMPTS]
+        want = [
+            client(single_url).completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0) for p in PROMPTS
+        ]
     got = asyncio.run(complete_all(url, PROMPTS, max_tokens=6))
     assert [r.choices[0].text for r in got] == [r.choices[0].text for r in want]
     assert [r.usage.completion_tokens for r in got] == [r.usage.completion_tokens for r in want]
@@ -149,8 +156,10 @@ def test_a_shared_prefix_hits_one_replicas_cache(replicated):
         for i in range(4):
             c.completions.create(model="tiny", prompt=f"{prefix} {words(i * 2, 2)}", max_tokens=2, temperature=0)
     after = metrics(url)
-    hits = [a - b for a, b in zip(per_engine(after, "prefix_cache_hits_total"),
-                                  per_engine(before, "prefix_cache_hits_total"))]
+    hits = [
+        a - b
+        for a, b in zip(per_engine(after, "prefix_cache_hits_total"), per_engine(before, "prefix_cache_hits_total"))
+    ]
     hot = max(range(NUM_REPLICAS), key=hits.__getitem__)
     # The first call prefilled the prefix there; the three after it found at least 3 full blocks each.
     assert hits[hot] >= 3 * 3 * BLOCK, hits

@@ -21,8 +21,9 @@ MAX_SEQUENCES = 4
 
 @pytest.fixture(scope="module")
 def url(tiny_engine):
-    app = create_app(tiny_engine, model_name="tiny", max_request_sequences=MAX_SEQUENCES,
-                     max_request_body_bytes=MAX_BODY)
+    app = create_app(
+        tiny_engine, model_name="tiny", max_request_sequences=MAX_SEQUENCES, max_request_body_bytes=MAX_BODY
+    )
     with serve_in_thread(app) as url:
         yield url
 
@@ -44,22 +45,31 @@ def assert_idle_and_serving(url: str) -> None:
 
 
 def test_a_body_over_the_limit_is_413_whether_declared_or_chunked(url):
-    fits = httpx.post(f"{url}/v1/completions", content=body_of_size(MAX_BODY),
-                      headers={"Content-Type": "application/json"}, timeout=60)
+    fits = httpx.post(
+        f"{url}/v1/completions",
+        content=body_of_size(MAX_BODY),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert fits.status_code == 200, fits.text
 
-    declared = httpx.post(f"{url}/v1/completions", content=body_of_size(MAX_BODY + 1),
-                          headers={"Content-Type": "application/json"}, timeout=60)
+    declared = httpx.post(
+        f"{url}/v1/completions",
+        content=body_of_size(MAX_BODY + 1),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     error = assert_error(declared, 413, code="request_too_large")
     assert str(MAX_BODY) in error["message"] and "--max-request-body-bytes" in error["message"]
 
     def chunks():  # no Content-Length: the server counts as the body arrives
         body = body_of_size(4 * MAX_BODY)
         for i in range(0, len(body), 8192):
-            yield body[i:i + 8192]
+            yield body[i : i + 8192]
 
-    chunked = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"},
-                         timeout=60)
+    chunked = httpx.post(
+        f"{url}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert "content-length" not in chunked.request.headers
     assert_error(chunked, 413, code="request_too_large")
 
@@ -70,12 +80,15 @@ def test_a_body_over_the_limit_is_413_whether_declared_or_chunked(url):
     assert_idle_and_serving(url)
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "the cat", "n": MAX_SEQUENCES + 1}, "n"),
-    ("/v1/completions", {"prompt": ["the cat", "a dog", "the sun"], "n": 2}, "n"),
-    ("/v1/completions", {"prompt": [[5, 6]] * (MAX_SEQUENCES + 1)}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": MAX_SEQUENCES + 1}, "n"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "the cat", "n": MAX_SEQUENCES + 1}, "n"),
+        ("/v1/completions", {"prompt": ["the cat", "a dog", "the sun"], "n": 2}, "n"),
+        ("/v1/completions", {"prompt": [[5, 6]] * (MAX_SEQUENCES + 1)}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": MAX_SEQUENCES + 1}, "n"),
+    ],
+)
 def test_too_many_sequences_in_one_call_is_400(url, path, body, param):
     error = assert_error(httpx.post(f"{url}{path}", json={**body, "max_tokens": 1}, timeout=60), 400, param=param)
     assert f"at most {MAX_SEQUENCES} per request" in error["message"]
@@ -84,8 +97,9 @@ def test_too_many_sequences_in_one_call_is_400(url, path, body, param):
 
 def test_a_call_at_the_sequence_limit_runs(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    out = client.completions.create(model="tiny", prompt=["the cat", "a dog"], n=2, max_tokens=3,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model="tiny", prompt=["the cat", "a dog"], n=2, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.usage.completion_tokens == MAX_SEQUENCES * 3
     assert_idle_and_serving(url)

@@ -3,23 +3,43 @@ CPU devices (the server asks jax for them before it starts), two replicas of a m
 in two, answering as the one-device engine does."""
 
 import httpx
+import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from scheduler import SamplingParams
 from tests.api.conftest import TINY_ENGINE, run_server
+
+pytestmark = pytest.mark.slow  # servers in subprocesses over several devices
 
 PROMPTS = ["the cat sat on the mat", "hello world", "one two three four five six seven eight nine ten"]
 
 
 def test_server_splits_the_model_and_serves_replicas(tiny_folder, tmp_path, tiny_engine):
-    args = ["--model", str(tiny_folder), "--tensor-parallel-size", "2", "--data-parallel-size", "2",
-            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64",
-            "--num-blocks", "64", "--block-size", "4"]
+    args = [
+        "--model",
+        str(tiny_folder),
+        "--tensor-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-model-len",
+        "64",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        "4",
+    ]
     with run_server(tmp_path, *args) as server:
         client = server.client()
         model = client.models.list().data[0].id
-        got = [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
-               for p in PROMPTS]
+        got = [
+            client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+            for p in PROMPTS
+        ]
         health = httpx.get(f"{server.url}/health").json()
         log = server.log.read_text()
     assert health == {"replicas": [{"id": 0, "alive": True}, {"id": 1, "alive": True}]}

@@ -36,36 +36,102 @@ def run_bench(server, capsys, *args) -> tuple[int, str]:
 
 
 def test_random_run_counts_every_token(server, capsys):
-    code, out = run_bench(server, capsys, "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "24",
-                          "--output-len", "5", "--json")
+    code, out = run_bench(
+        server,
+        capsys,
+        "--num-prompts",
+        "6",
+        "--max-concurrency",
+        "3",
+        "--input-len",
+        "24",
+        "--output-len",
+        "5",
+        "--json",
+    )
     m = json.loads(out)
     assert code == 0 and (m["completed"], m["failed"]) == (6, 0)
     assert m["total_input_tokens"] == 6 * 24 and m["total_output_tokens"] == 6 * 5
     assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"] and m["mean_tpot_ms"] > 0 and m["p99_itl_ms"] > 0
-    code, out = run_bench(server, capsys, "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
-                          "--request-rate", "50", "--slo-ttft", "60000", "--slo-tpot", "60000", "--no-warmup")
-    for name in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
-                 "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "Request goodput (req/s):"):
+    code, out = run_bench(
+        server,
+        capsys,
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--request-rate",
+        "50",
+        "--slo-ttft",
+        "60000",
+        "--slo-tpot",
+        "60000",
+        "--no-warmup",
+    )
+    for name in (
+        "Successful requests:",
+        "Request throughput (req/s):",
+        "Output token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "Median TPOT (ms):",
+        "P99 ITL (ms):",
+        "Request goodput (req/s):",
+    ):
         assert name in out
     assert "Successful requests:                    2" in out
 
 
 def test_sharegpt_file(server, capsys, tmp_path):
-    data = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
-                               {"from": "gpt", "value": f"It is {2 * i}."}]} for i in range(5)]
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+                {"from": "gpt", "value": f"It is {2 * i}."},
+            ]
+        }
+        for i in range(5)
+    ]
     data.append({"conversations": [{"from": "human", "value": "a lone turn is skipped"}]})
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
-    code, out = run_bench(server, capsys, "--dataset-path", str(path), "--num-prompts", "4", "--output-len", "3",
-                          "--ignore-eos", "--max-concurrency", "4", "--json")
+    code, out = run_bench(
+        server,
+        capsys,
+        "--dataset-path",
+        str(path),
+        "--num-prompts",
+        "4",
+        "--output-len",
+        "3",
+        "--ignore-eos",
+        "--max-concurrency",
+        "4",
+        "--json",
+    )
     m = json.loads(out)
     assert code == 0 and m["completed"] == 4 and m["total_output_tokens"] == 12 and m["total_input_tokens"] > 4 * 8
 
 
 def test_sweep_draws_the_plot(server, capsys, tmp_path):
     plot = tmp_path / "sweep.png"
-    code, out = run_bench(server, capsys, "--sweep", "1,2", "--num-prompts", "2", "--input-len", "8",
-                          "--output-len", "3", "--plot", str(plot), "--result-file", str(tmp_path / "r.json"))
+    code, out = run_bench(
+        server,
+        capsys,
+        "--sweep",
+        "1,2",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--plot",
+        str(plot),
+        "--result-file",
+        str(tmp_path / "r.json"),
+    )
     assert code == 0
     assert out.splitlines()[0].split()[:3] == ["concurrency", "req/s", "out"]
     assert [line.split()[0] for line in out.splitlines()[1:]] == ["1", "2"]
@@ -76,7 +142,23 @@ def test_sweep_draws_the_plot(server, capsys, tmp_path):
 
 
 def test_failures_are_counted(server, capsys):
-    code = serving.main(["--base-url", server.url, "--api-key", "wrong", "--model", "x", "--num-prompts", "3",
-                         "--input-len", "4", "--output-len", "2", "--no-warmup", "--json"])
+    code = serving.main(
+        [
+            "--base-url",
+            server.url,
+            "--api-key",
+            "wrong",
+            "--model",
+            "x",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--no-warmup",
+            "--json",
+        ]
+    )
     m = json.loads(capsys.readouterr().out)
     assert code == 1 and (m["completed"], m["failed"]) == (0, 3) and "HTTP 401" in m["errors"][0]

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.weights import load_model
 from scheduler import SamplingParams
 from tests.api.conftest import run_server
@@ -18,14 +18,28 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 
 
 def test_server_with_ngram_speculation(tiny_folder, tmp_path):
-    plain = LLMEngine(load_model(str(tiny_folder), use_cache=False, progress=False),
-                      EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, warm_up=False))
+    plain = LLMEngine(
+        load_model(str(tiny_folder), use_cache=False, progress=False),
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, warm_up=False),
+    )
     for i, prompt in enumerate(PROMPTS):
         plain.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     want = {o.request_id: o.outputs[0].text for o in plain.generate_all()}
 
-    args = ["--model", str(tiny_folder), "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "32", "--max-model-len", "64", "--block-size", "4"]
+    args = [
+        "--model",
+        str(tiny_folder),
+        "--speculative-config",
+        json.dumps(SPEC),
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-model-len",
+        "64",
+        "--block-size",
+        "4",
+    ]
     with run_server(tmp_path, *args) as server:
         client = server.client()
         model = client.models.list().data[0].id
@@ -45,7 +59,11 @@ def test_server_with_ngram_speculation(tiny_folder, tmp_path):
 
 
 def test_bad_speculative_config_flag():
-    proc = subprocess.run([sys.executable, "-m", "api", "--speculative-config", '{"method": "eagle9"}'],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "api", "--speculative-config", '{"method": "eagle9"}'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "--speculative-config: speculative method must be one of ngram, draft_model" in proc.stderr

@@ -38,8 +38,11 @@ def test_special_tokens_shown_when_not_skipped(client, tokenizer, chat_prompt):
     ids = tokenizer.encode(shown, add_special_tokens=False)
     for spaces in (True, False):
         want = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)
-        assert completion(client, chat_prompt, skip_special_tokens=False, spaces_between_special_tokens=spaces) \
-            == want == shown
+        assert (
+            completion(client, chat_prompt, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+            == want
+            == shown
+        )
 
 
 def test_chat_shows_special_tokens_when_not_skipped(client):
@@ -59,12 +62,17 @@ def test_the_eos_that_ends_a_request_is_not_text(client):
     ended = client.chat.completions.create(extra_body={"skip_special_tokens": False}, **kw).choices[0]
     assert ended.finish_reason == "stop" and IM_END not in ended.message.content
     kept = client.chat.completions.create(
-        extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}, **kw).choices[0]
+        extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}, **kw
+    ).choices[0]
     assert kept.message.content == ended.message.content + IM_END
 
 
 @pytest.mark.parametrize("field", ["skip_special_tokens", "spaces_between_special_tokens"])
 def test_a_field_that_is_not_a_bool_is_a_400_naming_it(server, field):
-    r = httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=60,
-                   json={"model": MODEL, "prompt": "hi", "max_tokens": 1, field: "no"})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        headers=server.headers,
+        timeout=60,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 1, field: "no"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == field

@@ -16,15 +16,24 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from api.server import create_app
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from tests.api.conftest import serve_in_thread
 
 SLOW = r"[a-z]{3}-[0-9]{2}"
 
 
 def test_a_slow_grammar_compile_holds_up_only_its_own_request(tiny_llama_chars):
-    engine = LLMEngine(tiny_llama_chars, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
-                                                      num_blocks=128, max_model_len=128, token_buckets=(8, 64)))
+    engine = LLMEngine(
+        tiny_llama_chars,
+        EngineConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            block_size=4,
+            num_blocks=128,
+            max_model_len=128,
+            token_buckets=(8, 64),
+        ),
+    )
     backend = engine.grammars.backend
     compile_, entered, gate = backend.compile, threading.Event(), threading.Event()
 
@@ -38,8 +47,12 @@ def test_a_slow_grammar_compile_holds_up_only_its_own_request(tiny_llama_chars):
     backend.compile = gated
     body = {"model": "tiny", "prompt": "hello", "temperature": 0}
     with serve_in_thread(create_app(engine, model_name="tiny")) as url, ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(httpx.post, f"{url}/v1/completions", timeout=120,
-                           json={**body, "max_tokens": 20, "structured_outputs": {"regex": SLOW}})
+        slow = pool.submit(
+            httpx.post,
+            f"{url}/v1/completions",
+            timeout=120,
+            json={**body, "max_tokens": 20, "structured_outputs": {"regex": SLOW}},
+        )
         assert entered.wait(30), "the constrained request never reached the compile"
         try:
             free = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 5, "ignore_eos": True}, timeout=30)

@@ -27,37 +27,94 @@ from tests.api.conftest import MODEL
 
 MAX_TOKENS = 200  # generous: every schema below ends well within it
 
-POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -100, "maximum": 100},
-                                          "y": {"type": "integer", "minimum": -100, "maximum": 100}},
-         "required": ["x", "y"], "additionalProperties": False}
+POINT = {
+    "type": "object",
+    "properties": {
+        "x": {"type": "integer", "minimum": -100, "maximum": 100},
+        "y": {"type": "integer", "minimum": -100, "maximum": 100},
+    },
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}
 NAME = {"type": "string", "minLength": 1, "maxLength": 20}
 
 SCHEMAS = {
-    "nested": ("Describe a person and where they live as JSON.", {
-        "type": "object", "additionalProperties": False, "required": ["name", "address"],
-        "properties": {"name": NAME, "address": {
-            "type": "object", "additionalProperties": False, "required": ["city", "zip"],
-            "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}),
-    "array": ("List a few colors as JSON.", {
-        "type": "object", "additionalProperties": False, "required": ["colors"],
-        "properties": {"colors": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                                  "minItems": 2, "maxItems": 4}}}),
-    "enum": ("Pick a T-shirt size and color as JSON.", {
-        "type": "object", "additionalProperties": False, "required": ["size", "color"],
-        "properties": {"size": {"enum": ["small", "medium", "large"]},
-                       "color": {"type": "string", "enum": ["red", "green", "blue"]}}}),
-    "bounds": ("Give an age and a score between 0 and 1 as JSON.", {
-        "type": "object", "additionalProperties": False, "required": ["age", "score", "count"],
-        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                       "score": {"type": "number", "minimum": 0, "maximum": 1},
-                       "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}}}),
-    "optional": ("Describe a book as JSON.", {
-        "type": "object", "additionalProperties": False, "required": ["title"],
-        "properties": {"title": NAME, "subtitle": NAME, "year": {"type": "integer", "minimum": 1900,
-                                                                  "maximum": 2100}}}),
-    "refs": ("Give a line segment as JSON.", {
-        "$defs": {"point": POINT}, "type": "object", "additionalProperties": False, "required": ["start", "end"],
-        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}}),
+    "nested": (
+        "Describe a person and where they live as JSON.",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "address"],
+            "properties": {
+                "name": NAME,
+                "address": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["city", "zip"],
+                    "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                },
+            },
+        },
+    ),
+    "array": (
+        "List a few colors as JSON.",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["colors"],
+            "properties": {
+                "colors": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2, "maxItems": 4}
+            },
+        },
+    ),
+    "enum": (
+        "Pick a T-shirt size and color as JSON.",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["size", "color"],
+            "properties": {
+                "size": {"enum": ["small", "medium", "large"]},
+                "color": {"type": "string", "enum": ["red", "green", "blue"]},
+            },
+        },
+    ),
+    "bounds": (
+        "Give an age and a score between 0 and 1 as JSON.",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["age", "score", "count"],
+            "properties": {
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "score": {"type": "number", "minimum": 0, "maximum": 1},
+                "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9},
+            },
+        },
+    ),
+    "optional": (
+        "Describe a book as JSON.",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["title"],
+            "properties": {
+                "title": NAME,
+                "subtitle": NAME,
+                "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+            },
+        },
+    ),
+    "refs": (
+        "Give a line segment as JSON.",
+        {
+            "$defs": {"point": POINT},
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["start", "end"],
+            "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        },
+    ),
 }
 SAMPLED = {"temperature": 1.0, "seed": 1234}
 GREEDY = {"temperature": 0.0}
@@ -104,16 +161,25 @@ def schema_requests(schema_name: str):
     response_format = {"type": "json_schema", "json_schema": {"name": schema_name, "schema": schema, "strict": True}}
     for stream in (False, True):
         for how, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            yield ("chat", how, stream), lambda c, s=stream, kw=sampling: chat_text(
-                c, s, messages=user(prompt), max_tokens=MAX_TOKENS, response_format=response_format, **kw)
+            yield (
+                ("chat", how, stream),
+                lambda c, s=stream, kw=sampling: chat_text(
+                    c, s, messages=user(prompt), max_tokens=MAX_TOKENS, response_format=response_format, **kw
+                ),
+            )
             body = {"structured_outputs": {"json": schema}} if stream else {"guided_json": schema}
-            yield ("completions", how, stream), lambda c, s=stream, kw=sampling, b=body: completion_text(
-                c, s, prompt=f"{prompt}\n", max_tokens=MAX_TOKENS, extra_body=b, **kw)
+            yield (
+                ("completions", how, stream),
+                lambda c, s=stream, kw=sampling, b=body: completion_text(
+                    c, s, prompt=f"{prompt}\n", max_tokens=MAX_TOKENS, extra_body=b, **kw
+                ),
+            )
 
 
 @pytest.fixture(scope="module")
 def schema_outputs(server) -> dict[str, dict[tuple, tuple[str, str]]]:
     """All the schema requests at once (they batch): schema name -> {how: (text, finish_reason)}."""
+
     async def go():
         async with server.async_client() as client:
             jobs = [(name, how, make(client)) for name in SCHEMAS for how, make in schema_requests(name)]
@@ -142,8 +208,13 @@ def test_every_output_follows_its_json_schema(schema_outputs, name):
 
 
 def test_json_object_and_the_clients_parse(client):
-    out = client.chat.completions.create(model=MODEL, messages=user("Describe a cat as JSON."), max_tokens=MAX_TOKENS,
-                                         temperature=0, response_format={"type": "json_object"})
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=user("Describe a cat as JSON."),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
@@ -151,8 +222,13 @@ def test_json_object_and_the_clients_parse(client):
         name: str = pydantic.Field(max_length=20)
         age: int = pydantic.Field(ge=0, le=120)
 
-    parsed = client.chat.completions.parse(model=MODEL, messages=user("Describe a person as JSON."),
-                                           max_tokens=MAX_TOKENS, temperature=0, response_format=Person)
+    parsed = client.chat.completions.parse(
+        model=MODEL,
+        messages=user("Describe a person as JSON."),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        response_format=Person,
+    )
     assert isinstance(parsed.choices[0].message.parsed, Person)
 
 
@@ -190,35 +266,78 @@ def test_regex_choice_and_grammar_outputs_match(server):
         for body, _ in cases:
             for stream in (False, True):
                 for sampling in (GREEDY, SAMPLED):
-                    jobs.append(completion_text(client, stream, prompt="My phone number, birthday and favorite "
-                                                "color:", max_tokens=40, extra_body=body, **sampling))
-                    jobs.append(chat_text(client, stream, messages=user("What is your favorite color?"),
-                                          max_tokens=40, extra_body=body, **sampling))
+                    jobs.append(
+                        completion_text(
+                            client,
+                            stream,
+                            prompt="My phone number, birthday and favorite color:",
+                            max_tokens=40,
+                            extra_body=body,
+                            **sampling,
+                        )
+                    )
+                    jobs.append(
+                        chat_text(
+                            client,
+                            stream,
+                            messages=user("What is your favorite color?"),
+                            max_tokens=40,
+                            extra_body=body,
+                            **sampling,
+                        )
+                    )
         async with client:
             return await asyncio.gather(*jobs)
 
     results = run(go())
     per_case = len(results) // len(cases)
     for i, (body, pattern) in enumerate(cases):
-        for [(text, finish)] in results[i * per_case:(i + 1) * per_case]:
+        for [(text, finish)] in results[i * per_case : (i + 1) * per_case]:
             assert re.fullmatch(pattern, text) and finish == "stop", (body, text, finish)
     # Greedy: the same language in Lark and GBNF gives the same text.
     lark, gbnf = results[4 * per_case], results[5 * per_case]
     assert lark == gbnf
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": NAME, "unit": {"enum": ["celsius", "fahrenheit"]},
-                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
-SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
-    "type": "object", "properties": {"query": NAME}, "required": ["query"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {
+                "city": NAME,
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": NAME},
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def test_a_named_tool_choice_returns_a_call_whose_arguments_follow_its_schema(client):
-    kw = dict(model=MODEL, messages=user("What's the weather like in Paris this week?"), max_tokens=MAX_TOKENS,
-              tools=[SEARCH, WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kw = dict(
+        model=MODEL,
+        messages=user("What's the weather like in Paris this week?"),
+        max_tokens=MAX_TOKENS,
+        tools=[SEARCH, WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     for sampling in (GREEDY, SAMPLED):
         out = client.chat.completions.create(**kw, **sampling, n=2)
         for choice in out.choices:
@@ -247,15 +366,23 @@ def test_a_named_tool_choice_returns_a_call_whose_arguments_follow_its_schema(cl
 def test_n_samples_and_logprobs_with_a_schema(client):
     prompt, schema = SCHEMAS["enum"]
     response_format = {"type": "json_schema", "json_schema": {"name": "shirt", "schema": schema}}
-    out = client.chat.completions.create(model=MODEL, messages=user(prompt), max_tokens=MAX_TOKENS, n=4,
-                                         response_format=response_format, **SAMPLED)
+    out = client.chat.completions.create(
+        model=MODEL, messages=user(prompt), max_tokens=MAX_TOKENS, n=4, response_format=response_format, **SAMPLED
+    )
     assert len(out.choices) == 4
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), schema)
 
-    out = client.chat.completions.create(model=MODEL, messages=user(prompt), max_tokens=MAX_TOKENS, logprobs=True,
-                                         top_logprobs=3, response_format=response_format, **GREEDY)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=user(prompt),
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=3,
+        response_format=response_format,
+        **GREEDY,
+    )
     choice = out.choices[0]
     jsonschema.validate(json.loads(choice.message.content), schema)
     entries = choice.logprobs.content
@@ -264,8 +391,14 @@ def test_n_samples_and_logprobs_with_a_schema(client):
     for entry in entries:  # the model's own logprobs (jaxserve.sample.sampler: before the grammar's mask)
         assert -math.inf < entry.logprob <= 0 and len(entry.top_logprobs) == 3
 
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=2,
-                                    extra_body={"structured_outputs": {"json": schema}}, **GREEDY)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        logprobs=2,
+        extra_body={"structured_outputs": {"json": schema}},
+        **GREEDY,
+    )
     choice = out.choices[0]
     jsonschema.validate(json.loads(choice.text), schema)
     assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == out.usage.completion_tokens
@@ -280,14 +413,25 @@ def test_constrained_requests_do_not_change_free_ones_batched_with_them(server, 
 
     async def go():
         c = server.async_client()
-        constrained = [completion_text(c, stream, prompt=SCHEMAS[name][0], max_tokens=MAX_TOKENS,
-                                       extra_body={"guided_json": SCHEMAS[name][1]}, **SAMPLED)
-                       for name in ("nested", "array", "refs") for stream in (False, True)]
-        constrained.append(completion_text(c, False, prompt="Phone:", max_tokens=20, extra_body={"guided_regex": PHONE}))
+        constrained = [
+            completion_text(
+                c,
+                stream,
+                prompt=SCHEMAS[name][0],
+                max_tokens=MAX_TOKENS,
+                extra_body={"guided_json": SCHEMAS[name][1]},
+                **SAMPLED,
+            )
+            for name in ("nested", "array", "refs")
+            for stream in (False, True)
+        ]
+        constrained.append(
+            completion_text(c, False, prompt="Phone:", max_tokens=20, extra_body={"guided_regex": PHONE})
+        )
         free_jobs = [c.completions.create(prompt=p, **free) for p in FREE_PROMPTS]
         async with c:
             outs = await asyncio.gather(*constrained[:4], *free_jobs, *constrained[4:])
-        return [o.choices[0].text for o in outs[4:4 + len(FREE_PROMPTS)]], outs[:4] + outs[4 + len(FREE_PROMPTS):]
+        return [o.choices[0].text for o in outs[4 : 4 + len(FREE_PROMPTS)]], outs[:4] + outs[4 + len(FREE_PROMPTS) :]
 
     batched, constrained = run(go())
     assert batched == alone
@@ -298,35 +442,61 @@ def test_constrained_requests_do_not_change_free_ones_batched_with_them(server, 
 BAD_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": {"type": "objekt"}}}
 UNSUPPORTED = {"type": "json_schema", "json_schema": {"name": "thing", "schema": {"not": {"type": "string"}}}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-BAD_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
-                                                                                   "minProperties": "two"}}}
+BAD_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "minProperties": "two"}},
+}
 
 
-@pytest.mark.parametrize("endpoint, body, param, says", [
-    ("chat", {"response_format": BAD_SCHEMA_FORMAT}, "response_format", ["response_format 'thing'", "objekt"]),
-    ("chat", {"response_format": UNSUPPORTED}, "response_format", ["does not support", '["not"]']),
-    ("chat", {"response_format": {"type": "json_schema"}}, "response_format", ["needs a json_schema"]),
-    ("chat", {"response_format": {"type": "xml"}}, "response_format.type", ["json_schema"]),
-    ("completions", {"guided_json": "{not json"}, "guided_json", ["not JSON"]),
-    ("completions", {"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}},
-     "structured_outputs", ["structured_outputs.json", "minimum (5) is greater than maximum (1)"]),
-    ("completions", {"guided_regex": "[a-"}, "guided_regex", ["regular expression", "unclosed character class"]),
-    ("completions", {"structured_outputs": {"regex": "(?<=a)b"}}, "structured_outputs", ["look-around"]),
-    ("completions", {"guided_grammar": "start: foo"}, "guided_grammar", ["grammar", "foo"]),
-    ("completions", {"guided_grammar": "root ::= foo"}, "guided_grammar", ["GBNF", "foo"]),
-    ("completions", {"guided_grammar": "just words"}, "guided_grammar", ["neither Lark", "GBNF"]),
-    ("completions", {"guided_choice": []}, "guided_choice", ["at least 1"]),
-    ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice",
-     ["only one", "guided_regex, guided_choice"]),
-    ("completions", {"structured_outputs": {}}, "structured_outputs", ["exactly one", "none"]),
-    ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
-     ["exactly one", "regex, choice"]),
-    ("completions", {"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", ["Extra inputs"]),
-    ("chat", {"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}},
-     "tool_choice", ["only one", "response_format, tool_choice"]),
-    ("chat", {"tools": [SEARCH], "tool_choice": NAMED}, "tool_choice", ["'get_weather'", "not among the tools"]),
-    ("chat", {"tools": [BAD_TOOL], "tool_choice": NAMED}, "tools[0].function.parameters", ["function 'get_weather'"]),
-])
+@pytest.mark.parametrize(
+    "endpoint, body, param, says",
+    [
+        ("chat", {"response_format": BAD_SCHEMA_FORMAT}, "response_format", ["response_format 'thing'", "objekt"]),
+        ("chat", {"response_format": UNSUPPORTED}, "response_format", ["does not support", '["not"]']),
+        ("chat", {"response_format": {"type": "json_schema"}}, "response_format", ["needs a json_schema"]),
+        ("chat", {"response_format": {"type": "xml"}}, "response_format.type", ["json_schema"]),
+        ("completions", {"guided_json": "{not json"}, "guided_json", ["not JSON"]),
+        (
+            "completions",
+            {"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}},
+            "structured_outputs",
+            ["structured_outputs.json", "minimum (5) is greater than maximum (1)"],
+        ),
+        ("completions", {"guided_regex": "[a-"}, "guided_regex", ["regular expression", "unclosed character class"]),
+        ("completions", {"structured_outputs": {"regex": "(?<=a)b"}}, "structured_outputs", ["look-around"]),
+        ("completions", {"guided_grammar": "start: foo"}, "guided_grammar", ["grammar", "foo"]),
+        ("completions", {"guided_grammar": "root ::= foo"}, "guided_grammar", ["GBNF", "foo"]),
+        ("completions", {"guided_grammar": "just words"}, "guided_grammar", ["neither Lark", "GBNF"]),
+        ("completions", {"guided_choice": []}, "guided_choice", ["at least 1"]),
+        (
+            "completions",
+            {"guided_regex": "a", "guided_choice": ["b"]},
+            "guided_choice",
+            ["only one", "guided_regex, guided_choice"],
+        ),
+        ("completions", {"structured_outputs": {}}, "structured_outputs", ["exactly one", "none"]),
+        (
+            "completions",
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+            ["exactly one", "regex, choice"],
+        ),
+        ("completions", {"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", ["Extra inputs"]),
+        (
+            "chat",
+            {"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+            "tool_choice",
+            ["only one", "response_format, tool_choice"],
+        ),
+        ("chat", {"tools": [SEARCH], "tool_choice": NAMED}, "tool_choice", ["'get_weather'", "not among the tools"]),
+        (
+            "chat",
+            {"tools": [BAD_TOOL], "tool_choice": NAMED},
+            "tools[0].function.parameters",
+            ["function 'get_weather'"],
+        ),
+    ],
+)
 def test_invalid_constraints_are_400s_that_say_what_is_wrong(client, endpoint, body, param, says):
     with pytest.raises(openai.BadRequestError) as e:
         if endpoint == "chat":

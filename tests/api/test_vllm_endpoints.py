@@ -20,8 +20,10 @@ from tests.api.conftest import MODEL, run_server
 NAMES = ["tiny", "tiny-alias"]
 ORIGIN = "http://allowed.example"
 # A template with a branch only chat_template_kwargs reaches (vLLM's enable_thinking).
-THINKING_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-                     "{% if add_generation_prompt %}assistant :{% if enable_thinking %} one two{% endif %}{% endif %}")
+THINKING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% if enable_thinking %} one two{% endif %}{% endif %}"
+)
 MESSAGES = [{"role": "user", "content": "hello world"}]
 
 
@@ -40,12 +42,38 @@ def flagged(tiny_folder, tmp_path_factory):
         shutil.copy(tiny_folder / name, weights / name)
     template = root / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
-    flags = ["--model", str(weights), "--tokenizer", str(tiny_folder), "--served-model-name", *NAMES,
-             "--chat-template", str(template), "--trust-request-chat-template", "--max-logprobs", "3",
-             "--disable-log-requests", "--uvicorn-log-level", "warning", "--root-path", "/proxy",
-             "--allowed-origins", f'["{ORIGIN}"]', "--allowed-methods", '["GET", "POST"]',
-             "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--block-size", "4",
-             "--num-blocks", "64"]
+    flags = [
+        "--model",
+        str(weights),
+        "--tokenizer",
+        str(tiny_folder),
+        "--served-model-name",
+        *NAMES,
+        "--chat-template",
+        str(template),
+        "--trust-request-chat-template",
+        "--max-logprobs",
+        "3",
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "warning",
+        "--root-path",
+        "/proxy",
+        "--allowed-origins",
+        f'["{ORIGIN}"]',
+        "--allowed-methods",
+        '["GET", "POST"]',
+        "--max-model-len",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "64",
+    ]
     with run_server(root, *flags) as server:
         yield server
 
@@ -56,15 +84,23 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 # -- /tokenize, /detokenize, /version --------------------------------------------------------
 
+
 def test_tokenize_a_prompt_as_transformers_does(server, tokenizer):
     prompt = "The capital of France is Paris."
     for add_special in (True, False):
-        got = post(server, "/tokenize", {"model": MODEL, "prompt": prompt, "add_special_tokens": add_special,
-                                         "return_token_strs": True}).json()
+        got = post(
+            server,
+            "/tokenize",
+            {"model": MODEL, "prompt": prompt, "add_special_tokens": add_special, "return_token_strs": True},
+        ).json()
         want = tokenizer(prompt, add_special_tokens=add_special).input_ids
         max_model_len = server.client().models.list().data[0].model_extra["max_model_len"]
-        assert got == {"count": len(want), "max_model_len": max_model_len, "tokens": want,
-                       "token_strs": tokenizer.convert_ids_to_tokens(want)}
+        assert got == {
+            "count": len(want),
+            "max_model_len": max_model_len,
+            "tokens": want,
+            "token_strs": tokenizer.convert_ids_to_tokens(want),
+        }
     assert post(server, "/tokenize", {"prompt": prompt}).json()["token_strs"] is None
 
 
@@ -84,12 +120,15 @@ def test_detokenize_decodes_as_transformers_does(server, tokenizer):
 
 
 def test_tokenize_refusals_name_the_field(server):
-    cases = [({}, "messages"), ({"prompt": "a", "messages": MESSAGES}, "prompt"),
-             ({"prompt": "a", "model": "nope"}, "model")]
+    cases = [
+        ({}, "messages"),
+        ({"prompt": "a", "messages": MESSAGES}, "prompt"),
+        ({"prompt": "a", "model": "nope"}, "model"),
+    ]
     for body, param in cases:
         r = post(server, "/tokenize", body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
-    r = post(server, "/detokenize", {"tokens": [10 ** 9]})
+    r = post(server, "/detokenize", {"tokens": [10**9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
@@ -100,6 +139,7 @@ def test_version(server):
 
 
 # -- --served-model-name, --tokenizer, --chat-template ----------------------------------------
+
 
 def test_every_served_name_works_and_responses_report_the_first(flagged):
     client = flagged.client()
@@ -124,8 +164,13 @@ def test_chat_template_flag_and_chat_template_kwargs(flagged, tiny_tokenizer):
     for thinking in (None, False, True):
         extra = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}
         got = post(flagged, "/tokenize", {"messages": MESSAGES, **extra}).json()["tokens"]
-        want = tiny_tokenizer.apply_chat_template(MESSAGES, chat_template=THINKING_TEMPLATE, add_generation_prompt=True,
-                                                  tokenize=False, **extra.get("chat_template_kwargs", {}))
+        want = tiny_tokenizer.apply_chat_template(
+            MESSAGES,
+            chat_template=THINKING_TEMPLATE,
+            add_generation_prompt=True,
+            tokenize=False,
+            **extra.get("chat_template_kwargs", {}),
+        )
         assert got == tiny_tokenizer(want, add_special_tokens=False).input_ids
         usage = client.chat.completions.create(model=NAMES[0], messages=MESSAGES, max_tokens=1, extra_body=extra).usage
         assert usage.prompt_tokens == len(got)
@@ -139,8 +184,10 @@ def test_a_request_chat_template_needs_the_trust_flag(flagged, server, tiny_toke
     got = post(flagged, "/tokenize", {"messages": MESSAGES, "chat_template": template}).json()["tokens"]
     assert got == tiny_tokenizer("hello world ", add_special_tokens=False).input_ids
     # Not without the flag, nor slipped in as a template variable (which is never allowed).
-    for body, param in (({"chat_template": template}, "chat_template"),
-                        ({"chat_template_kwargs": {"chat_template": template}}, "chat_template_kwargs")):
+    for body, param in (
+        ({"chat_template": template}, "chat_template"),
+        ({"chat_template_kwargs": {"chat_template": template}}, "chat_template_kwargs"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, extra_body=body)
         assert e.value.body["param"] == param
@@ -148,15 +195,21 @@ def test_a_request_chat_template_needs_the_trust_flag(flagged, server, tiny_toke
 
 # -- --max-logprobs, logging, --root-path, CORS ------------------------------------------------
 
+
 def test_max_logprobs_refuses_more(flagged):
     client = flagged.client()
     # Greedy, so the sampled token is among the top 3 (no fourth entry for it).
     out = client.completions.create(model=NAMES[0], prompt="the cat", max_tokens=2, logprobs=3, temperature=0)
     assert [len(top) for top in out.choices[0].logprobs.top_logprobs] == [3, 3]
-    for call, field in ((lambda: client.completions.create(model=NAMES[0], prompt="the cat", max_tokens=1, logprobs=4),
-                         "logprobs"),
-                        (lambda: client.chat.completions.create(model=NAMES[0], messages=MESSAGES, max_tokens=1,
-                                                                logprobs=True, top_logprobs=4), "top_logprobs")):
+    for call, field in (
+        (lambda: client.completions.create(model=NAMES[0], prompt="the cat", max_tokens=1, logprobs=4), "logprobs"),
+        (
+            lambda: client.chat.completions.create(
+                model=NAMES[0], messages=MESSAGES, max_tokens=1, logprobs=True, top_logprobs=4
+            ),
+            "top_logprobs",
+        ),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             call()
         assert e.value.body["param"] == field
@@ -186,8 +239,9 @@ def test_cors_preflight_and_simple_request(flagged):
     ok = httpx.options(f"{flagged.url}/v1/chat/completions", headers={"Origin": ORIGIN, **preflight})
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
     assert {"GET", "POST"} <= {m.strip() for m in ok.headers["access-control-allow-methods"].split(",")}
-    refused = httpx.options(f"{flagged.url}/v1/chat/completions",
-                            headers={"Origin": "http://elsewhere.example", **preflight})
+    refused = httpx.options(
+        f"{flagged.url}/v1/chat/completions", headers={"Origin": "http://elsewhere.example", **preflight}
+    )
     assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
     simple = httpx.get(f"{flagged.url}/v1/models", headers={"Origin": ORIGIN, **flagged.headers})
     assert simple.status_code == 200 and simple.headers["access-control-allow-origin"] == ORIGIN

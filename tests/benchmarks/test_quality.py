@@ -12,7 +12,12 @@ import pytest
 from scipy.special import log_softmax, softmax
 
 from benchmarks.quality import (
-    LogitStats, compare_logits, greedy_agreement, logit_stats, prefix_agreement, text_windows,
+    LogitStats,
+    compare_logits,
+    greedy_agreement,
+    logit_stats,
+    prefix_agreement,
+    text_windows,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,11 +98,32 @@ def test_text_windows_start_with_bos_and_cover_the_text(tiny_llama_tok_dir):
     assert len(windows) == -(-len(ids) // 15)
 
 
+@pytest.mark.slow
 def test_script_smoke_on_tiny_model(tiny_llama_tok_dir, tmp_path):
     out = subprocess.run(
-        [sys.executable, "benchmarks/quality.py", "--model", str(tiny_llama_tok_dir), "--window", "32",
-         "--long-window", "64", "--kv-cache-dtype", "fp8,int8", "--max-windows", "2", "--max-tokens", "4", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "JAXSERVE_CACHE": str(tmp_path)})
+        [
+            sys.executable,
+            "benchmarks/quality.py",
+            "--model",
+            str(tiny_llama_tok_dir),
+            "--window",
+            "32",
+            "--long-window",
+            "64",
+            "--kv-cache-dtype",
+            "fp8,int8",
+            "--max-windows",
+            "2",
+            "--max-tokens",
+            "4",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAXSERVE_CACHE": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["windows"] == 2 and result["tokens"] == 2 * 31 and result["max_tokens"] == 4

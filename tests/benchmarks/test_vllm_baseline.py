@@ -68,8 +68,14 @@ def test_default_mix_is_the_original_workload():
 
 def level(concurrency, out_tok_s, ttft_ms):
     m = {key: 1.0 for _, key, _ in SWEEP_COLUMNS}
-    return {**m, "max_concurrency": concurrency, "output_throughput": out_tok_s, "mean_ttft_ms": ttft_ms,
-            "request_goodput": None, "failed": 0}
+    return {
+        **m,
+        "max_concurrency": concurrency,
+        "output_throughput": out_tok_s,
+        "mean_ttft_ms": ttft_ms,
+        "request_goodput": None,
+        "failed": 0,
+    }
 
 
 def test_speed_up_is_above_one_when_jaxserve_is_better_either_way():
@@ -81,17 +87,25 @@ def test_speed_up_is_above_one_when_jaxserve_is_better_either_way():
 
 
 def test_comparison_table_has_both_engines_and_the_speed_up_per_level():
-    table = format_comparison({"jaxserve": [level(1, 30, 100), level(8, 200, 150)],
-                               "vllm": [level(1, 20, 120), level(8, 100, 300)]})
+    table = format_comparison(
+        {"jaxserve": [level(1, 30, 100), level(8, 200, 150)], "vllm": [level(1, 20, 120), level(8, 100, 300)]}
+    )
     rows = [line.split()[0] for line in table.splitlines()]
     assert rows == ["engine", "jaxserve", "vllm", "speed-up", "jaxserve", "vllm", "speed-up"]
 
 
 def test_runner_takes_the_engine_settings_as_vllm_names_them():
-    args = vllm_runner.parse_args(["throughput", "--model", "m", "--requests", "r.json", "--max-num-seqs", "8",
-                                   "--kv-cache-bytes", str(64 << 20)])
+    args = vllm_runner.parse_args(
+        ["throughput", "--model", "m", "--requests", "r.json", "--max-num-seqs", "8", "--kv-cache-bytes", str(64 << 20)]
+    )
     assert vllm_runner.engine_settings(args) == {
-        "model": "m", "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 512,
-        "kv_cache_memory_bytes": 64 << 20, "seed": 0}
+        "model": "m",
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "kv_cache_memory_bytes": 64 << 20,
+        "seed": 0,
+    }
     with pytest.raises(SystemExit):
         vllm_runner.parse_args(["single", "--model", "m"])  # no --prompts

@@ -8,13 +8,31 @@ import logging
 import pytest
 
 from jaxserve import plan as plan_cli
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
-from jaxserve.model.sizing import GiB, DEVICES, Setup
+from jaxserve.engine import EngineConfig, LLMEngine
+from jaxserve.model.sizing import DEVICES, GiB, Setup
 from jaxserve.weights import load_model
 from tests.tiny_models import make_tiny_model
 
-LLAMA_70B = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8", "--head-dim", "128",
-             "--intermediate", "28672", "--vocab", "128256", "--dtype", "float16", "--device", "h100"]
+LLAMA_70B = [
+    "--layers",
+    "80",
+    "--hidden",
+    "8192",
+    "--heads",
+    "64",
+    "--kv-heads",
+    "8",
+    "--head-dim",
+    "128",
+    "--intermediate",
+    "28672",
+    "--vocab",
+    "128256",
+    "--dtype",
+    "float16",
+    "--device",
+    "h100",
+]
 
 
 def make(argv):
@@ -51,10 +69,34 @@ def test_units_are_explicit(capsys):
 def test_predicted_kv_bytes_are_what_the_engine_allocates(tiny_llama_dir, tiny_llama, kv_dtype, memory):
     """The plan's cache for --kv-cache-memory against the nbytes of the arrays the engine
     allocates for the same flag (null block and whole blocks included)."""
-    p = make(["--model", str(tiny_llama_dir), "--device", "h100", "--dtype", "float32", "--kv-cache-dtype", kv_dtype,
-              "--kv-cache-memory", memory, "--block-size", "8", "--context", "100"])
-    eng = LLMEngine(tiny_llama, EngineConfig(kv_cache_memory=plan_cli.parse_bytes(memory), block_size=8,
-                                             kv_cache_dtype=kv_dtype, max_model_len=100, warm_up=False))
+    p = make(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--device",
+            "h100",
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            kv_dtype,
+            "--kv-cache-memory",
+            memory,
+            "--block-size",
+            "8",
+            "--context",
+            "100",
+        ]
+    )
+    eng = LLMEngine(
+        tiny_llama,
+        EngineConfig(
+            kv_cache_memory=plan_cli.parse_bytes(memory),
+            block_size=8,
+            kv_cache_dtype=kv_dtype,
+            max_model_len=100,
+            warm_up=False,
+        ),
+    )
     assert p["kv"]["memory_bytes"] == eng.runner.kv.nbytes
     assert p["kv"]["num_blocks"] == eng.runner.kv.num_blocks
     assert p["kv"]["max_sequences"] == (eng.runner.kv.num_blocks - 1) // 13  # 100 tokens: 13 blocks of 8
@@ -65,8 +107,9 @@ def test_predicted_kv_bytes_are_what_the_engine_allocates(tiny_llama_dir, tiny_l
 def test_predicted_weight_bytes_are_what_loading_holds(tmp_path, name, quantization):
     make_tiny_model(name, tmp_path)
     p = make(["--model", str(tmp_path), "--device", "h100", "--dtype", "float32", "--quantization", quantization])
-    loaded = load_model(str(tmp_path), use_cache=False, progress=False,
-                        quantization=None if quantization == "none" else quantization)
+    loaded = load_model(
+        str(tmp_path), use_cache=False, progress=False, quantization=None if quantization == "none" else quantization
+    )
     assert p["weights_bytes"] == loaded.weight_bytes
 
 
@@ -81,8 +124,28 @@ def test_a_gguf_file_is_read_for_its_config():
 def test_decode_turns_compute_bound_at_the_data_sheets_ridge():
     """bf16 weights: 2 bytes read and 2 FLOPs per weight per token, so a decode step with
     one token of context turns compute-bound near peak / bandwidth (H100: 989.4 / 3.35 = 295)."""
-    p = make(["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--intermediate", "14336",
-              "--vocab", "128256", "--dtype", "bfloat16", "--device", "h100", "--context", "1"])
+    p = make(
+        [
+            "--layers",
+            "32",
+            "--hidden",
+            "4096",
+            "--heads",
+            "32",
+            "--kv-heads",
+            "8",
+            "--intermediate",
+            "14336",
+            "--vocab",
+            "128256",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "h100",
+            "--context",
+            "1",
+        ]
+    )
     ridge = 989.4 / 3.35
     assert 0.98 * ridge < p["compute_bound_batch"] < 1.02 * ridge
     rows = {r["batch"]: r for r in p["decode"]}
@@ -92,17 +155,22 @@ def test_decode_turns_compute_bound_at_the_data_sheets_ridge():
 def test_int4_helps_at_batch_1_more_than_at_batch_64():
     """The lesson's claim: 4-bit weights cut the bytes a small batch reads; a large batch
     with long contexts reads mostly KV (and computes), which int4 does not shrink."""
-    schemes = {(r["quantization"], r["kv_cache_dtype"]): r
-               for r in make([*LLAMA_70B, "--context", "4096", "--tp", "4"])["schemes"]}
-    gain = {b: schemes["int4", "auto"]["tokens_per_s"][b] / schemes["none", "auto"]["tokens_per_s"][b]
-            for b in (1, 64)}
+    schemes = {
+        (r["quantization"], r["kv_cache_dtype"]): r
+        for r in make([*LLAMA_70B, "--context", "4096", "--tp", "4"])["schemes"]
+    }
+    gain = {b: schemes["int4", "auto"]["tokens_per_s"][b] / schemes["none", "auto"]["tokens_per_s"][b] for b in (1, 64)}
     assert gain[1] > 3 and gain[64] < 0.6 * gain[1]
 
 
 def test_speculative_bound():
     s = Setup(make_plan_cfg(), "bfloat16", kv_dtype="bfloat16")
-    speedup = [s.speculative_speedup(DEVICES["h100"], batch=1, context=512, acceptance_length=a,
-                                     num_speculative_tokens=4, draft_cost=0.0) for a in (1, 2, 3)]
+    speedup = [
+        s.speculative_speedup(
+            DEVICES["h100"], batch=1, context=512, acceptance_length=a, num_speculative_tokens=4, draft_cost=0.0
+        )
+        for a in (1, 2, 3)
+    ]
     assert speedup[0] <= 1.0 and speedup[0] < speedup[1] < speedup[2] <= 3.0
     # batch 1 is memory-bound: verifying 5 tokens costs about what 1 does
     assert speedup[2] > 0.95 * 3
@@ -113,8 +181,20 @@ def make_plan_cfg():
 
 
 def test_cli_writes_json_and_plot(tmp_path, tiny_llama_dir, capsys):
-    plan_cli.main(["--model", str(tiny_llama_dir), "--device", "h200", "--json", str(tmp_path / "p.json"),
-                   "--plot", str(tmp_path / "p.png"), "--batches", "1,4,16"])
+    plan_cli.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--device",
+            "h200",
+            "--json",
+            str(tmp_path / "p.json"),
+            "--plot",
+            str(tmp_path / "p.png"),
+            "--batches",
+            "1,4,16",
+        ]
+    )
     assert (tmp_path / "p.png").stat().st_size > 10_000
     data = json.loads((tmp_path / "p.json").read_text())
     assert [r["batch"] for r in data["decode"]] == [1, 4, 16]
@@ -123,9 +203,25 @@ def test_cli_writes_json_and_plot(tmp_path, tiny_llama_dir, capsys):
 
 def test_measure_sweep_on_this_machine(tmp_path, tiny_llama_dir, capsys):
     """--measure: the engine's decode steps timed beside the bound (on the CPU, its roofs measured)."""
-    plan_cli.main(["--model", str(tiny_llama_dir), "--measure", "--batches", "1,4", "--measure-context", "12",
-                   "--measure-steps", "2", "--context", "64", "--plot", str(tmp_path / "m.png"),
-                   "--json", str(tmp_path / "m.json")])
+    plan_cli.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--measure",
+            "--batches",
+            "1,4",
+            "--measure-context",
+            "12",
+            "--measure-steps",
+            "2",
+            "--context",
+            "64",
+            "--plot",
+            str(tmp_path / "m.png"),
+            "--json",
+            str(tmp_path / "m.json"),
+        ]
+    )
     measured = json.loads((tmp_path / "m.json").read_text())["measured"]
     assert [r["batch"] for r in measured] == [1, 4]
     assert all(r["tokens_per_s"] > 0 and 0 < r["ratio"] for r in measured)
@@ -134,21 +230,23 @@ def test_measure_sweep_on_this_machine(tmp_path, tiny_llama_dir, capsys):
 
 
 def test_bad_flags_are_refused(capsys):
-    for argv, message in [(["--model", "x", "--layers", "2"], "not both"),
-                          (["--layers", "2", "--hidden", "8"], "need"),
-                          (["--batches", "0,2"], "positive"),
-                          (["--measure", "--device", "h100"], "this machine")]:
+    for argv, message in [
+        (["--model", "x", "--layers", "2"], "not both"),
+        (["--layers", "2", "--hidden", "8"], "need"),
+        (["--batches", "0,2"], "positive"),
+        (["--measure", "--device", "h100"], "this machine"),
+    ]:
         with pytest.raises(SystemExit):
             plan_cli.parse_args(argv)
         assert message in capsys.readouterr().err
 
 
 def test_engine_logs_the_plan_and_warns_when_one_sequence_cannot_fit(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="jaxserve.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.builder"):
         LLMEngine(tiny_llama, EngineConfig(num_blocks=33, block_size=4, max_model_len=30, warm_up=False))
     assert "4 sequences of max_model_len 30 fit" in caplog.text  # 8 blocks each, 32 usable
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="jaxserve.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.builder"):
         eng = LLMEngine(tiny_llama, EngineConfig(num_blocks=5, block_size=4, max_model_len=30, warm_up=False))
     assert "cannot hold one sequence of max_model_len 30" in caplog.text
     assert eng.max_model_len == 16

@@ -7,12 +7,15 @@ class record_smem:
 
     def __enter__(self):
         from jax.experimental.mosaic.gpu import core as mosaic_core
+
         self.sizes = []
         self.core, self.original = mosaic_core, getattr(mosaic_core, "_smem_tree_size", None)
         if self.original is not None:
+
             def spy(tree):
                 self.sizes.append(self.original(tree))
                 return self.sizes[-1]
+
             mosaic_core._smem_tree_size = spy
         return self.sizes
 

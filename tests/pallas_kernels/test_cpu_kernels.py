@@ -22,9 +22,9 @@ def built():
 
 
 def run_kernel(case, **kwargs):
-    out = jax.jit(cpu_kernels.ragged_paged_attention, static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap"))(
-        case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, case.query_start_loc, **kwargs)
+    out = jax.jit(cpu_kernels.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))(
+        case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, case.query_start_loc, **kwargs
+    )
     return np.asarray(out, np.float64)
 
 
@@ -36,8 +36,17 @@ def test_mixed_prefill_and_decode(groups, head_dim, window, soft_cap):
     padding sequence."""
     rng = np.random.default_rng(groups * 100 + (window or 0))
     q_lens, kv_lens = [45, 5, 1, 1, 1], [45, 70, 9, 16, 133]
-    case = make_case(rng, q_lens, kv_lens, num_heads=2 * groups, num_kv_heads=2, head_dim=head_dim,
-                     page_size=8, pad_tokens=3, pad_seqs=1)
+    case = make_case(
+        rng,
+        q_lens,
+        kv_lens,
+        num_heads=2 * groups,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=8,
+        pad_tokens=3,
+        pad_seqs=1,
+    )
     kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
     got = run_kernel(case, **kwargs)
     assert np.isfinite(got).all()
@@ -48,8 +57,9 @@ def test_many_decodes_split_over_threads():
     """Enough units (sequences x KV heads) that XLA's thread pool takes some of them."""
     rng = np.random.default_rng(3)
     kv_lens = list(rng.integers(1, 300, 48))
-    case = make_case(rng, [1] * 48, kv_lens, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16,
-                     pad_tokens=16, pad_seqs=16)
+    case = make_case(
+        rng, [1] * 48, kv_lens, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, pad_tokens=16, pad_seqs=16
+    )
     got = run_kernel(case, sm_scale=0.125)
     np.testing.assert_allclose(got, dense_attention(case, sm_scale=0.125), atol=2e-5, rtol=1e-5)
 
@@ -67,12 +77,14 @@ def test_tree_verification_in_a_mixed_batch(window):
     np.testing.assert_allclose(run_kernel(case, tree_mask=mask, **kwargs), want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_dtype,kv_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
-                                              ("bfloat16", "float32")])
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("bfloat16", "float32")]
+)
 def test_bfloat16_equals_the_reference_on_the_same_inputs(q_dtype, kv_dtype):
     rng = np.random.default_rng(5)
-    case = make_case(rng, [20, 1, 1], [20, 50, 77], num_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
-                     pad_tokens=2)
+    case = make_case(
+        rng, [20, 1, 1], [20, 50, 77], num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, pad_tokens=2
+    )
     q, k, v = jnp.asarray(case.q, q_dtype), jnp.asarray(case.k_pages, kv_dtype), jnp.asarray(case.v_pages, kv_dtype)
     args = (q, k, v, case.kv_lens, case.block_tables, case.query_start_loc)
     got = cpu_kernels.ragged_paged_attention(*args, sm_scale=0.125)
@@ -87,8 +99,16 @@ def test_an_8bit_cache_is_refused():
     scales = np.ones((case.k_pages.shape[0], 1, 4), np.float32)
     with pytest.raises(ValueError, match="8-bit cache runs on the reference"):
         cpu_kernels.ragged_paged_attention(
-            case.q, np.zeros(case.k_pages.shape, np.int8), np.zeros(case.v_pages.shape, np.int8), case.kv_lens,
-            case.block_tables, case.query_start_loc, sm_scale=1.0, k_scales=scales, v_scales=scales)
+            case.q,
+            np.zeros(case.k_pages.shape, np.int8),
+            np.zeros(case.v_pages.shape, np.int8),
+            case.kv_lens,
+            case.block_tables,
+            case.query_start_loc,
+            sm_scale=1.0,
+            k_scales=scales,
+            v_scales=scales,
+        )
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
@@ -122,8 +142,10 @@ def test_kernels_called_from_several_threads_at_once_equal_numpy():
     """Helper threads linger after a call and are handed the next one (cpu_kernels.cc,
     `Helpers`): calls from several threads at once, back to back, each get their own result."""
     rng = np.random.default_rng(2)
-    cases = [(rng.standard_normal((m, 96)).astype(np.float32), rng.standard_normal((n, 96)).astype(np.float32))
-             for m, n in [(1, 640), (3, 300), (16, 1000)]]
+    cases = [
+        (rng.standard_normal((m, 96)).astype(np.float32), rng.standard_normal((n, 96)).astype(np.float32))
+        for m, n in [(1, 640), (3, 300), (16, 1000)]
+    ]
     matmul = jax.jit(cpu_kernels.small_matmul, static_argnames="transposed")
 
     def calls(x, w):
@@ -163,12 +185,19 @@ def rms_norm64(x, weight, eps):
 
 def block_case(m, d, a, nk, f, dtype, seed):
     rng = np.random.default_rng(seed)
-    arrays = dict(x=rng.standard_normal((m, d)), norm1=1 + 0.1 * rng.standard_normal(d),
-                  wq=0.1 * rng.standard_normal((d, a)), wk=0.1 * rng.standard_normal((d, nk)),
-                  wv=0.1 * rng.standard_normal((d, nk)), attn=rng.standard_normal((m, a)),
-                  wo=0.1 * rng.standard_normal((a, d)), norm2=1 + 0.1 * rng.standard_normal(d),
-                  wg=0.1 * rng.standard_normal((d, f)), wu=0.1 * rng.standard_normal((d, f)),
-                  wd=0.1 * rng.standard_normal((f, d)))
+    arrays = dict(
+        x=rng.standard_normal((m, d)),
+        norm1=1 + 0.1 * rng.standard_normal(d),
+        wq=0.1 * rng.standard_normal((d, a)),
+        wk=0.1 * rng.standard_normal((d, nk)),
+        wv=0.1 * rng.standard_normal((d, nk)),
+        attn=rng.standard_normal((m, a)),
+        wo=0.1 * rng.standard_normal((a, d)),
+        norm2=1 + 0.1 * rng.standard_normal(d),
+        wg=0.1 * rng.standard_normal((d, f)),
+        wu=0.1 * rng.standard_normal((d, f)),
+        wd=0.1 * rng.standard_normal((f, d)),
+    )
     ins = {k: jnp.asarray(v, dtype) for k, v in arrays.items()}
     return {k: np.asarray(v, np.float64) for k, v in ins.items()}, ins  # the oracle sees the rounded inputs
 
@@ -181,12 +210,14 @@ def test_decoder_layer_blocks_equal_numpy(m, d, a, nk, f):
     eps = 1e-5
     want, ins = block_case(m, d, a, nk, f, jnp.float32, seed=m + d)
     q, k, v = jax.jit(cpu_kernels.norm_qkv, static_argnames="eps")(
-        ins["x"], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps)
+        ins["x"], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps
+    )
     h = rms_norm64(want["x"], want["norm1"], eps)
     for got, w in ((q, "wq"), (k, "wk"), (v, "wv")):
         np.testing.assert_allclose(np.asarray(got), h @ want[w], atol=1e-5 * np.sqrt(d), rtol=1e-5)
     out = jax.jit(cpu_kernels.o_proj_mlp, static_argnames="eps")(
-        ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps)
+        ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps
+    )
     x1 = want["x"] + want["attn"] @ want["wo"]
     h = rms_norm64(x1, want["norm2"], eps)
     gate = h @ want["wg"]
@@ -200,10 +231,12 @@ def test_decoder_layer_blocks_in_bfloat16_and_their_errors():
     want, ins = block_case(2, 64, 64, 16, 128, jnp.bfloat16, seed=0)
     q, k, _ = cpu_kernels.norm_qkv(ins["x"], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=1e-6)
     assert q.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(k, np.float64), rms_norm64(want["x"], want["norm1"], 1e-6) @ want["wk"],
-                               atol=3e-2, rtol=2e-2)
-    out = cpu_kernels.o_proj_mlp(ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"],
-                                 eps=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(k, np.float64), rms_norm64(want["x"], want["norm1"], 1e-6) @ want["wk"], atol=3e-2, rtol=2e-2
+    )
+    out = cpu_kernels.o_proj_mlp(
+        ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=1e-6
+    )
     x1 = want["x"] + want["attn"] @ want["wo"]
     h = rms_norm64(x1, want["norm2"], 1e-6)
     gate = h @ want["wg"]
@@ -212,5 +245,13 @@ def test_decoder_layer_blocks_in_bfloat16_and_their_errors():
     with pytest.raises(ValueError, match="one dtype"):
         cpu_kernels.norm_qkv(ins["x"].astype(jnp.float32), ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=1e-6)
     with pytest.raises(ValueError, match="up to 16 rows"):
-        cpu_kernels.o_proj_mlp(jnp.zeros((17, 64), jnp.bfloat16), jnp.zeros((17, 64), jnp.bfloat16), ins["wo"],
-                               ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=1e-6)
+        cpu_kernels.o_proj_mlp(
+            jnp.zeros((17, 64), jnp.bfloat16),
+            jnp.zeros((17, 64), jnp.bfloat16),
+            ins["wo"],
+            ins["norm2"],
+            ins["wg"],
+            ins["wu"],
+            ins["wd"],
+            eps=1e-6,
+        )

@@ -85,6 +85,7 @@ def check_fp8(x, canonical, config=None):
 TOKENS = [1, 7, 8, 33, 200]
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_int4_token_counts_and_groups(tokens, group):
@@ -93,12 +94,14 @@ def test_int4_token_counts_and_groups(tokens, group):
     check_int4(*int4_case(rng, tokens, 256, 96, group))
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_fp8_token_counts(tokens):
     rng = np.random.default_rng(tokens)
     check_fp8(*fp8_case(rng, tokens, 256, 96))
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("kind,tokens", [("int4", 1), ("int4", 33), ("fp8", 8), ("fp8", 200)])
 def test_warp_specialized_pipeline(kind, tokens):
     """A memory warpgroup issues the TMA copies, the compute warpgroup does the math."""
@@ -110,12 +113,14 @@ def test_warp_specialized_pipeline(kind, tokens):
         check_fp8(*fp8_case(rng, tokens, 256, 96), config=config)
 
 
+@pytest.mark.interpret
 def test_float16_activations():
     rng = np.random.default_rng(16)
     check_int4(*int4_case(rng, 5, 256, 64, 64, jnp.float16))
     check_fp8(*fp8_case(rng, 5, 256, 64, jnp.float16))
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("k_splits", [2, 4])
 def test_k_splits_sum_partial_products(k_splits):
     """K cut into parts whose float32 partial products XLA adds (the decode default)."""
@@ -125,6 +130,7 @@ def test_k_splits_sum_partial_products(k_splits):
     check_fp8(*fp8_case(rng, 3, 512, 64), config=config)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("k,n,group", [(576, 192, 64), (1536, 64, 128)])
 def test_default_model_projections_reduced(k, n, group):
     """SmolLM2-135M's K (hidden 576: group 64, K steps of 64; intermediate 1536) with N
@@ -156,8 +162,8 @@ def test_int4_kernel_layout_decodes_to_the_same_weight():
     rows = np.arange(64) // 32
     kernel_w = (as_f64(w.q.astype(jnp.float32)) * as_f64(w.scales)[rows].T + as_f64(w.offsets)[rows].T).T
     from pallas_kernels.quantized_matmul import dequantize_int4
-    np.testing.assert_allclose(kernel_w[:, :70], as_f64(dequantize_int4(packed, scales, offsets)), rtol=1e-6,
-                               atol=1e-6)
+
+    np.testing.assert_allclose(kernel_w[:, :70], as_f64(dequantize_int4(packed, scales, offsets)), rtol=1e-6, atol=1e-6)
     assert not kernel_w[:, 70:].any()
 
 
@@ -182,8 +188,9 @@ def test_unsupported_inputs_raise_clear_errors():
     bf16_w = mgpu.Fp8KernelWeights(s((64, 128), jnp.bfloat16), s((64,), jnp.float32), 64)
     assert "e4m3" in mgpu.fp8_unsupported_reason(s((2, 128), jnp.bfloat16), bf16_w)
     too_deep = mgpu.TuningConfig(tile_t=128, max_concurrent_steps=8)
-    assert "shared memory" in mgpu.int4_unsupported_reason(s((256, 4096), jnp.bfloat16),
-                                                           _int4_weights(4096, 4096, 128), too_deep)
+    assert "shared memory" in mgpu.int4_unsupported_reason(
+        s((256, 4096), jnp.bfloat16), _int4_weights(4096, 4096, 128), too_deep
+    )
     with pytest.raises(ValueError, match="tile_t"):
         mgpu.TuningConfig(tile_t=12)
     with pytest.raises(ValueError, match="tile_k"):
@@ -209,8 +216,9 @@ LLAMA3_8B = [("qkv", 4096, 6144), ("gate_up", 4096, 14336), ("down", 14336, 4096
 
 def _int4_weights(k, n, group):
     s = jax.ShapeDtypeStruct
-    return mgpu.Int4KernelWeights(s((n, k), jnp.int4), s((k // group, n), jnp.float32),
-                                  s((k // group, n), jnp.float32), n)
+    return mgpu.Int4KernelWeights(
+        s((n, k), jnp.int4), s((k // group, n), jnp.float32), s((k // group, n), jnp.float32), n
+    )
 
 
 def _fp8_weights(k, n):
@@ -256,11 +264,14 @@ def test_lowers_other_group_sizes(group, tokens):
     _check_smem(smem, "int4", config)
 
 
-@pytest.mark.parametrize("config", [
-    mgpu.TuningConfig(tile_t=64, a_via_smem=True, k_splits=1),
-    mgpu.TuningConfig(tile_t=128, max_concurrent_steps=3, k_splits=1),
-    mgpu.TuningConfig(tile_t=8, max_concurrent_steps=6, k_splits=4),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        mgpu.TuningConfig(tile_t=64, a_via_smem=True, k_splits=1),
+        mgpu.TuningConfig(tile_t=128, max_concurrent_steps=3, k_splits=1),
+        mgpu.TuningConfig(tile_t=8, max_concurrent_steps=6, k_splits=4),
+    ],
+)
 def test_lowers_other_configs(config):
     _, smem = lower_for_cuda("int4", 64, 4096, 6144, config=config)
     _check_smem(smem, "int4", config)

@@ -22,25 +22,38 @@ def test_mixed_prefill_and_decode(groups, window, soft_cap):
     # A long prefill, a chunk that continues an earlier prefill, and three decodes; some
     # contexts end mid-page, one sequence is padding, and three tokens are padding.
     q_lens, kv_lens = [13, 5, 1, 1, 1], [13, 21, 9, 16, 33]
-    case = make_case(rng, q_lens, kv_lens, num_heads=2 * groups, num_kv_heads=2, head_dim=16,
-                     page_size=4, pad_tokens=3, pad_seqs=1)
+    case = make_case(
+        rng, q_lens, kv_lens, num_heads=2 * groups, num_kv_heads=2, head_dim=16, page_size=4, pad_tokens=3, pad_seqs=1
+    )
     scale = 16**-0.5
     want = dense_attention(case, sm_scale=scale, sliding_window=window, soft_cap=soft_cap)
     for tile, chunk in [(None, None), (1, 1), (4, 2), (16, 3)]:
-        got = run_reference(case, sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
-                            query_tile=tile, kv_chunk_pages=chunk)
+        got = run_reference(
+            case, sm_scale=scale, sliding_window=window, soft_cap=soft_cap, query_tile=tile, kv_chunk_pages=chunk
+        )
         assert np.isfinite(got).all(), (tile, chunk)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"{tile=} {chunk=}")
 
 
 def test_shared_prefix_page_and_jit():
     rng = np.random.default_rng(7)
-    case = make_case(rng, [3, 1, 6], [10, 7, 6], num_heads=4, num_kv_heads=1, head_dim=8,
-                     page_size=4, share_first_page=True)
+    case = make_case(
+        rng, [3, 1, 6], [10, 7, 6], num_heads=4, num_kv_heads=1, head_dim=8, page_size=4, share_first_page=True
+    )
     want = dense_attention(case, sm_scale=0.3)
     fn = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "query_tile"))
-    got = np.asarray(fn(case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-                        case.query_start_loc, sm_scale=0.3, query_tile=2))
+    got = np.asarray(
+        fn(
+            case.q,
+            case.k_pages,
+            case.v_pages,
+            case.kv_lens,
+            case.block_tables,
+            case.query_start_loc,
+            sm_scale=0.3,
+            query_tile=2,
+        )
+    )
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -49,8 +62,17 @@ def test_8bit_cache_equals_the_dequantized_pages(dtype):
     """With k_scales / v_scales the pages are 8-bit codes; the result is attention over the
     values they stand for (the dense oracle and the reference on dequantized pages)."""
     rng = np.random.default_rng(11)
-    case = make_case(rng, [13, 5, 1, 1], [13, 21, 9, 33], num_heads=6, num_kv_heads=2, head_dim=16,
-                     page_size=4, pad_tokens=3, pad_seqs=1)
+    case = make_case(
+        rng,
+        [13, 5, 1, 1],
+        [13, 21, 9, 33],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        pad_tokens=3,
+        pad_seqs=1,
+    )
     quantized, dequantized = quantize_case(case, dtype, rng)
     for window in (None, 6):
         kwargs = dict(sm_scale=0.25, sliding_window=window)
@@ -76,8 +98,9 @@ def test_tree_verification_in_a_mixed_batch(groups, window, soft_cap):
     cross a page boundary, and one tree starts at position 0."""
     rng = np.random.default_rng(groups * 10 + (window or 0))
     q_lens, kv_lens = [13, 1, len(CHAIN), 1, len(BUSHY)], [20, 9, 22, 16, len(BUSHY)]
-    case = make_case(rng, q_lens, kv_lens, num_heads=2 * groups, num_kv_heads=2, head_dim=16,
-                     page_size=4, pad_tokens=3, pad_seqs=1)
+    case = make_case(
+        rng, q_lens, kv_lens, num_heads=2 * groups, num_kv_heads=2, head_dim=16, page_size=4, pad_tokens=3, pad_seqs=1
+    )
     mask = batch_tree_mask(case, {2: CHAIN, 4: BUSHY})
     kwargs = dict(sm_scale=0.25, sliding_window=window, soft_cap=soft_cap)
     want = dense_attention(case, tree_mask=mask, **kwargs)
@@ -109,8 +132,9 @@ def test_tree_of_32_nodes_and_offsets_past_32():
 
 def test_tree_verification_with_an_8bit_cache():
     rng = np.random.default_rng(12)
-    case = make_case(rng, [5, 1, len(BUSHY)], [21, 9, 30], num_heads=6, num_kv_heads=2, head_dim=16,
-                     page_size=4, pad_tokens=2)
+    case = make_case(
+        rng, [5, 1, len(BUSHY)], [21, 9, 30], num_heads=6, num_kv_heads=2, head_dim=16, page_size=4, pad_tokens=2
+    )
     quantized, dequantized = quantize_case(case, "int8", rng)
     mask = batch_tree_mask(case, {0: CHAIN, 2: BUSHY})
     kwargs = dict(sm_scale=0.25, tree_mask=mask)

@@ -74,6 +74,7 @@ def check(case, *, config, tol=BF16_TOL, dequantized=None, **kwargs):
 # -- 1. interpreted (or, with JAXSERVE_MGPU_ON_GPU=1, compiled) ---------------------
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("groups", [1, 3, 8])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (24, None), (None, 2.0), (40, 3.0)])
 def test_mixed_prefill_and_decode(groups, window, soft_cap):
@@ -81,68 +82,118 @@ def test_mixed_prefill_and_decode(groups, window, soft_cap):
     # A prefill, a chunk continuing an earlier prefill, decodes and a 3-token verification;
     # contexts end mid-page (ps 8), on a block boundary (64) and past several blocks; one
     # padding sequence and three padding tokens.
-    case = make_case(rng, [13, 5, 1, 1, 3], [70, 150, 9, 64, 200], num_heads=2 * groups, num_kv_heads=2,
-                     head_dim=64, page_size=8, pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [13, 5, 1, 1, 3],
+        [70, 150, 9, 64, 200],
+        num_heads=2 * groups,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        pad_tokens=3,
+        pad_seqs=1,
+        dtype=jnp.bfloat16,
+    )
     check(case, config=small_config(query_tile=4), sm_scale=0.125, sliding_window=window, soft_cap=soft_cap)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("kv_lens", [[600], [1000, 17, 130]])
 def test_flash_decoding_splits(kv_lens):
     """Few sequences, more CTAs than tiles: each context is split and the parts combined."""
     rng = np.random.default_rng(len(kv_lens))
-    case = make_case(rng, [1] * len(kv_lens), kv_lens, num_heads=8, num_kv_heads=2, head_dim=64,
-                     page_size=16, pad_tokens=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [1] * len(kv_lens),
+        kv_lens,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        pad_tokens=1,
+        dtype=jnp.bfloat16,
+    )
     config = small_config(num_ctas=8)
-    plan = mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=case.q.shape[0], num_kv_heads=2,
-                          config=config)
+    plan = mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=case.q.shape[0], num_kv_heads=2, config=config)
     items = np.asarray(plan.item_tile)[: int(plan.num_items[0])]
     assert np.bincount(items).max() > 1, "expected a context split over several items"
     check(case, config=config, sm_scale=0.125)
     check(case, config=config, sm_scale=0.125, sliding_window=300)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("groups,query_tile", [(8, 16), (3, 40)])
 def test_two_compute_warpgroups(groups, query_tile):
     """Tiles of 128 and 120 rows: two compute warpgroups share each K/V block."""
     rng = np.random.default_rng(groups)
-    case = make_case(rng, [40, 1, 7], [100, 130, 7], num_heads=2 * groups, num_kv_heads=2, head_dim=64,
-                     page_size=8, share_first_page=True, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [40, 1, 7],
+        [100, 130, 7],
+        num_heads=2 * groups,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        share_first_page=True,
+        dtype=jnp.bfloat16,
+    )
     config = small_config(query_tile=query_tile, num_compute_wgs=2)
     check(case, config=config, sm_scale=0.125)
     check(case, config=config, sm_scale=0.125, sliding_window=33, soft_cap=5.0)
 
 
+@pytest.mark.interpret
 def test_decode_batch_with_padding():
     """One token per sequence (tiles of 1 token, G rows), padding tokens and sequences."""
     rng = np.random.default_rng(3)
     kv_lens = [1, 16, 64, 65, 127, 128, 129, 300]
-    case = make_case(rng, [1] * len(kv_lens), kv_lens, num_heads=8, num_kv_heads=1, head_dim=64,
-                     page_size=16, pad_tokens=5, pad_seqs=2, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [1] * len(kv_lens),
+        kv_lens,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        pad_tokens=5,
+        pad_seqs=2,
+        dtype=jnp.bfloat16,
+    )
     check(case, config=small_config(block_kv=128), sm_scale=0.3)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("page_size,block_kv", [(16, 128), (32, 64), (64, 128)])
 def test_page_sizes_head_dim_128(page_size, block_kv):
     rng = np.random.default_rng(page_size)
-    case = make_case(rng, [9, 1, 2], [9, 200, 131], num_heads=4, num_kv_heads=2, head_dim=128,
-                     page_size=page_size, dtype=jnp.bfloat16)
-    check(case, config=small_config(block_kv=block_kv, query_tile=2, max_concurrent_steps=2),
-          sm_scale=128**-0.5)
+    case = make_case(
+        rng,
+        [9, 1, 2],
+        [9, 200, 131],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=page_size,
+        dtype=jnp.bfloat16,
+    )
+    check(case, config=small_config(block_kv=block_kv, query_tile=2, max_concurrent_steps=2), sm_scale=128**-0.5)
 
 
+@pytest.mark.interpret
 def test_float16_and_default_config():
     rng = np.random.default_rng(5)
-    case = make_case(rng, [6, 1, 1], [50, 77, 3], num_heads=6, num_kv_heads=2, head_dim=64,
-                     page_size=16, dtype=jnp.float16)
+    case = make_case(
+        rng, [6, 1, 1], [50, 77, 3], num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float16
+    )
     config = None if ON_GPU else small_config(query_tile=2)  # the default's 132 CTAs interpret slowly
     check(case, config=config, tol=dict(atol=5e-3, rtol=5e-3), sm_scale=0.125, soft_cap=4.0)
 
 
+@pytest.mark.interpret
 def test_plan_reused_under_jit():
     """A plan is a pytree computed once per step and passed to every layer's call."""
     rng = np.random.default_rng(11)
-    case = make_case(rng, [3, 1], [40, 90], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
-                     dtype=jnp.bfloat16)
+    case = make_case(rng, [3, 1], [40, 90], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8, dtype=jnp.bfloat16)
     config = small_config(query_tile=2)
     interpret = None if ON_GPU else plgpu.InterpretGPUParams()
 
@@ -164,41 +215,73 @@ def test_plan_reused_under_jit():
 KV8 = {"fp8": jnp.uint8, "int8": jnp.int8}
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("kv8,groups,window,soft_cap", [("fp8", 3, 24, None), ("int8", 8, None, 2.0)])
 def test_8bit_cache_mixed_prefill_and_decode(kv8, groups, window, soft_cap):
     """An e4m3 / int8 cache with per-token scales, dequantized inside the kernel. Unused
     slots hold NaN (int8: random bytes) with NaN scales."""
     rng = np.random.default_rng(groups)
-    case = make_case(rng, [13, 5, 1, 1, 3], [70, 150, 9, 64, 200], num_heads=2 * groups, num_kv_heads=2,
-                     head_dim=64, page_size=8, pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [13, 5, 1, 1, 3],
+        [70, 150, 9, 64, 200],
+        num_heads=2 * groups,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        pad_tokens=3,
+        pad_seqs=1,
+        dtype=jnp.bfloat16,
+    )
     quantized, dequantized = quantize_case(case, KV8[kv8], rng)
-    check(quantized, dequantized=dequantized, config=small_config(query_tile=4), sm_scale=0.125,
-          sliding_window=window, soft_cap=soft_cap)
+    check(
+        quantized,
+        dequantized=dequantized,
+        config=small_config(query_tile=4),
+        sm_scale=0.125,
+        sliding_window=window,
+        soft_cap=soft_cap,
+    )
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("kv8", ["fp8", "int8"])
 def test_8bit_cache_flash_decoding_head_dim_128(kv8):
     """Decodes split over several items, a 3-token verification tile, head_dim 128."""
     rng = np.random.default_rng(7)
-    case = make_case(rng, [1, 3, 1], [600, 131, 17], num_heads=4, num_kv_heads=2, head_dim=128,
-                     page_size=16, pad_tokens=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [1, 3, 1],
+        [600, 131, 17],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        pad_tokens=1,
+        dtype=jnp.bfloat16,
+    )
     quantized, dequantized = quantize_case(case, KV8[kv8], rng)
     config = small_config(num_ctas=8, query_tile=2)
-    plan = mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=case.q.shape[0], num_kv_heads=2,
-                          config=config)
+    plan = mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=case.q.shape[0], num_kv_heads=2, config=config)
     items = np.asarray(plan.item_tile)[: int(plan.num_items[0])]
     assert np.bincount(items).max() > 1, "expected a context split over several items"
     check(quantized, dequantized=dequantized, config=config, sm_scale=128**-0.5)
 
 
+@pytest.mark.interpret
 def test_8bit_cache_two_compute_warpgroups():
     """Each compute warpgroup upcasts into its own buffer; float16 queries."""
     rng = np.random.default_rng(8)
-    case = make_case(rng, [40, 1], [100, 70], num_heads=16, num_kv_heads=2, head_dim=64, page_size=8,
-                     dtype=jnp.float16)
+    case = make_case(rng, [40, 1], [100, 70], num_heads=16, num_kv_heads=2, head_dim=64, page_size=8, dtype=jnp.float16)
     quantized, dequantized = quantize_case(case, jnp.float8_e4m3fn, rng)
-    check(quantized, dequantized=dequantized, config=small_config(query_tile=16, num_compute_wgs=2),
-          tol=dict(atol=5e-3, rtol=5e-3), sm_scale=0.125, sliding_window=33)
+    check(
+        quantized,
+        dequantized=dequantized,
+        config=small_config(query_tile=16, num_compute_wgs=2),
+        tol=dict(atol=5e-3, rtol=5e-3),
+        sm_scale=0.125,
+        sliding_window=33,
+    )
 
 
 # Draft trees to verify, in BFS order (each node's parent; the root's is -1): a chain, a
@@ -208,6 +291,7 @@ BUSHY = [-1, 0, 0, 1, 1, 2, 2, 3, 5]
 TERNARY_20 = kary_tree(20, 3)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("window,soft_cap,kv8", [(None, None, None), (40, 3.0, "int8")])
 def test_tree_verification_in_a_mixed_batch(window, soft_cap, kv8):
     """A prefill chunk, decodes and two draft trees (tiles of 4 tokens). The bushy tree's
@@ -215,11 +299,22 @@ def test_tree_verification_in_a_mixed_batch(window, soft_cap, kv8):
     fall in a block wholly before its causal diagonal."""
     rng = np.random.default_rng(21 + (window or 0))
     q_lens, kv_lens = [13, 1, len(CHAIN), 1, len(BUSHY)], [70, 9, 150, 64, 60 + len(BUSHY)]
-    case = make_case(rng, q_lens, kv_lens, num_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
-                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        q_lens,
+        kv_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        pad_tokens=3,
+        pad_seqs=1,
+        dtype=jnp.bfloat16,
+    )
     mask = batch_tree_mask(case, {2: CHAIN, 4: BUSHY})
-    kwargs = dict(config=small_config(query_tile=4), sm_scale=0.125, sliding_window=window, soft_cap=soft_cap,
-                  tree_mask=mask)
+    kwargs = dict(
+        config=small_config(query_tile=4), sm_scale=0.125, sliding_window=window, soft_cap=soft_cap, tree_mask=mask
+    )
     if kv8 is None:
         check(case, **kwargs)
     else:
@@ -227,11 +322,21 @@ def test_tree_verification_in_a_mixed_batch(window, soft_cap, kv8):
         check(quantized, dequantized=dequantized, **kwargs)
 
 
+@pytest.mark.interpret
 def test_tree_verification_two_compute_warpgroups():
     """A 20-node tree in 16-token tiles of 128 rows (GQA 8), beside a prefill chunk and a decode."""
     rng = np.random.default_rng(9)
-    case = make_case(rng, [40, 1, len(TERNARY_20)], [100, 130, 50], num_heads=16, num_kv_heads=2, head_dim=64,
-                     page_size=8, pad_tokens=2, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [40, 1, len(TERNARY_20)],
+        [100, 130, 50],
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        pad_tokens=2,
+        dtype=jnp.bfloat16,
+    )
     mask = batch_tree_mask(case, {2: TERNARY_20})
     check(case, config=small_config(query_tile=16, num_compute_wgs=2), sm_scale=0.125, tree_mask=mask)
 
@@ -244,8 +349,12 @@ def test_plan_covers_every_block_once():
     q_lens, kv_lens = [37, 1, 1, 0, 9], [37, 5000, 300, 0, 40]
     case = make_case(rng, q_lens, kv_lens, num_heads=2, num_kv_heads=1, head_dim=8, page_size=16)
     config = mgpu.TuningConfig(block_kv=128, query_tile=8, num_ctas=16, min_split_blocks=1)
-    plan = jax.tree.map(np.asarray, mgpu.plan_work(case.kv_lens, case.query_start_loc, num_tokens=48 + 2,
-                                                   num_kv_heads=1, config=config, sliding_window=1000))
+    plan = jax.tree.map(
+        np.asarray,
+        mgpu.plan_work(
+            case.kv_lens, case.query_start_loc, num_tokens=48 + 2, num_kv_heads=1, config=config, sliding_window=1000
+        ),
+    )
     work = plan.work[: int(plan.num_items[0])]
     for tile in range(plan.tile_tokens.shape[0]):
         mine = work[plan.item_tile[: len(work)] == tile]
@@ -282,9 +391,19 @@ def test_unsupported_inputs_raise_clear_errors():
     pages = jnp.zeros((4, 16, 2, 64), jnp.float32)
     assert "bf16" in mgpu.unsupported_reason(q, pages)
     with pytest.raises(NotImplementedError, match="bf16"):
-        mgpu.ragged_paged_attention(q, pages, pages, jnp.ones(1, jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                                    jnp.array([0, 1], jnp.int32), sm_scale=1.0)
-    bf = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        mgpu.ragged_paged_attention(
+            q,
+            pages,
+            pages,
+            jnp.ones(1, jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.array([0, 1], jnp.int32),
+            sm_scale=1.0,
+        )
+
+    def bf(shape):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
     assert "head_dim" in mgpu.unsupported_reason(bf((4, 8, 32)), bf((4, 16, 2, 32)))
     assert "page_size" in mgpu.unsupported_reason(bf((4, 8, 64)), bf((4, 12, 2, 64)))
     assert mgpu.is_supported(bf((4, 8, 128)), bf((4, 16, 2, 128)))
@@ -310,19 +429,28 @@ def test_8bit_cache_inputs_are_checked():
         assert mgpu.is_supported(sds(q.shape, jnp.float16), pages, pages, k_scales=scales, v_scales=scales)
         assert "need k_scales" in mgpu.unsupported_reason(q, pages, pages)
         assert "together" in mgpu.unsupported_reason(q, pages, pages, k_scales=scales)
-        assert "q must be bf16" in mgpu.unsupported_reason(sds(q.shape, jnp.float32), pages, pages,
-                                                            k_scales=scales, v_scales=scales)
-    assert "float8_e4m3fn or all int8" in mgpu.unsupported_reason(q, bf_pages, bf_pages, k_scales=scales,
-                                                                  v_scales=scales)
+        assert "q must be bf16" in mgpu.unsupported_reason(
+            sds(q.shape, jnp.float32), pages, pages, k_scales=scales, v_scales=scales
+        )
+    assert "float8_e4m3fn or all int8" in mgpu.unsupported_reason(
+        q, bf_pages, bf_pages, k_scales=scales, v_scales=scales
+    )
     assert "float8_e4m3fn or all int8" in mgpu.unsupported_reason(q, fp8, i8, k_scales=scales, v_scales=scales)
     for bad in (sds((4, 16, 2), jnp.float32), sds((4, 2, 16), jnp.bfloat16), sds((3, 2, 16), jnp.float32)):
-        assert "k_scales must be float32 (4, 2, 16)" in mgpu.unsupported_reason(q, fp8, fp8, k_scales=bad,
-                                                                                v_scales=scales)
+        assert "k_scales must be float32 (4, 2, 16)" in mgpu.unsupported_reason(
+            q, fp8, fp8, k_scales=bad, v_scales=scales
+        )
         assert "v_scales" in mgpu.unsupported_reason(q, fp8, fp8, k_scales=scales, v_scales=bad)
     with pytest.raises(NotImplementedError, match="need k_scales"):
-        mgpu.ragged_paged_attention(jnp.zeros((4, 8, 64), jnp.bfloat16), jnp.zeros((4, 16, 2, 64), jnp.int8),
-                                    jnp.zeros((4, 16, 2, 64), jnp.int8), jnp.ones(1, jnp.int32),
-                                    jnp.zeros((1, 1), jnp.int32), jnp.array([0, 1], jnp.int32), sm_scale=1.0)
+        mgpu.ragged_paged_attention(
+            jnp.zeros((4, 8, 64), jnp.bfloat16),
+            jnp.zeros((4, 16, 2, 64), jnp.int8),
+            jnp.zeros((4, 16, 2, 64), jnp.int8),
+            jnp.ones(1, jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.array([0, 1], jnp.int32),
+            sm_scale=1.0,
+        )
     # The 8-bit ring costs half, the upcast buffers more: the config check knows which.
     deep = mgpu.TuningConfig(block_kv=128, max_concurrent_steps=4)
     assert "shared memory" in mgpu.unsupported_reason(q, bf_pages, config=deep)
@@ -360,26 +488,52 @@ PRODUCTION = [
 ]
 
 
-def lower_for_cuda(num_tokens, num_seqs, context, page_size, head_dim, window, soft_cap, *,
-                   num_heads=32, num_kv_heads=8, config=None, dtype=jnp.bfloat16, kv_dtype=None, tree=False):
+def lower_for_cuda(
+    num_tokens,
+    num_seqs,
+    context,
+    page_size,
+    head_dim,
+    window,
+    soft_cap,
+    *,
+    num_heads=32,
+    num_kv_heads=8,
+    config=None,
+    dtype=jnp.bfloat16,
+    kv_dtype=None,
+    tree=False,
+):
     """jax.export for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated).
 
     `kv_dtype` e4m3 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales);
     `tree` with a tree mask."""
     max_pages = -(-context // page_size)
     num_pages = num_seqs * max_pages + 1
-    config = config or mgpu.default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size,
-                                           kv_dtype=kv_dtype, tree=tree)
+    config = config or mgpu.default_config(
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size, kv_dtype=kv_dtype, tree=tree
+    )
     optional = (("k_scales", "v_scales") if kv_dtype is not None else ()) + (("tree_mask",) if tree else ())
 
     def fn(*args):  # the six arrays, then the optional ones
-        return mgpu.ragged_paged_attention(*args[:6], **dict(zip(optional, args[6:])), sm_scale=head_dim**-0.5,
-                                           sliding_window=window, soft_cap=soft_cap, config=config)
+        return mgpu.ragged_paged_attention(
+            *args[:6],
+            **dict(zip(optional, args[6:])),
+            sm_scale=head_dim**-0.5,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            config=config,
+        )
 
     pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
-    args = (jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype), pages, pages,
-            jax.ShapeDtypeStruct((num_seqs,), jnp.int32), jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
-            jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype),
+        pages,
+        pages,
+        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
+    )
     if kv_dtype is not None:
         args += (jax.ShapeDtypeStruct((num_pages, num_kv_heads, page_size), jnp.float32),) * 2
     if tree:
@@ -389,8 +543,9 @@ def lower_for_cuda(num_tokens, num_seqs, context, page_size, head_dim, window, s
     return exported, config, smem
 
 
-@pytest.mark.parametrize("name,tokens,seqs,context,page_size,head_dim,window,soft_cap", PRODUCTION,
-                         ids=[p[0] for p in PRODUCTION])
+@pytest.mark.parametrize(
+    "name,tokens,seqs,context,page_size,head_dim,window,soft_cap", PRODUCTION, ids=[p[0] for p in PRODUCTION]
+)
 def test_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap):
     exported, config, smem = lower_for_cuda(tokens, seqs, context, page_size, head_dim, window, soft_cap)
     assert exported.platforms == ("cuda",)
@@ -400,17 +555,30 @@ def test_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, win
         assert smem[0] <= mgpu.SMEM_BYTES
 
 
-KV8_PRODUCTION = [p for p in PRODUCTION if p[0] in (
-    "decode_b1_32k", "decode_b64_8k_window_cap", "decode_b64_page64", "mixed_512_tokens_64_seqs",
-    "prefill_8k_tokens_4_seqs", "decode_b1_32k_hd64", "prefill_hd64_page64")]
+KV8_PRODUCTION = [
+    p
+    for p in PRODUCTION
+    if p[0]
+    in (
+        "decode_b1_32k",
+        "decode_b64_8k_window_cap",
+        "decode_b64_page64",
+        "mixed_512_tokens_64_seqs",
+        "prefill_8k_tokens_4_seqs",
+        "decode_b1_32k_hd64",
+        "prefill_hd64_page64",
+    )
+]
 
 
 @pytest.mark.parametrize("kv8", ["fp8", "int8"])
-@pytest.mark.parametrize("name,tokens,seqs,context,page_size,head_dim,window,soft_cap", KV8_PRODUCTION,
-                         ids=[p[0] for p in KV8_PRODUCTION])
+@pytest.mark.parametrize(
+    "name,tokens,seqs,context,page_size,head_dim,window,soft_cap", KV8_PRODUCTION, ids=[p[0] for p in KV8_PRODUCTION]
+)
 def test_8bit_cache_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8):
-    exported, config, smem = lower_for_cuda(tokens, seqs, context, page_size, head_dim, window, soft_cap,
-                                            kv_dtype=KV8[kv8])
+    exported, config, smem = lower_for_cuda(
+        tokens, seqs, context, page_size, head_dim, window, soft_cap, kv_dtype=KV8[kv8]
+    )
     assert "mosaic_gpu" in exported.mlir_module()
     if smem:
         assert smem == [config.smem_bytes(head_dim, 2, 1)], (smem, config)
@@ -428,12 +596,16 @@ TREE_PRODUCTION = [
 ]
 
 
-@pytest.mark.parametrize("name,tokens,seqs,context,page_size,head_dim,window,soft_cap,kv8", TREE_PRODUCTION,
-                         ids=[p[0] for p in TREE_PRODUCTION])
+@pytest.mark.parametrize(
+    "name,tokens,seqs,context,page_size,head_dim,window,soft_cap,kv8",
+    TREE_PRODUCTION,
+    ids=[p[0] for p in TREE_PRODUCTION],
+)
 def test_tree_mask_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8):
     kv_dtype = KV8[kv8] if kv8 else None
-    exported, config, smem = lower_for_cuda(tokens, seqs, context, page_size, head_dim, window, soft_cap,
-                                            kv_dtype=kv_dtype, tree=True)
+    exported, config, smem = lower_for_cuda(
+        tokens, seqs, context, page_size, head_dim, window, soft_cap, kv_dtype=kv_dtype, tree=True
+    )
     assert "mosaic_gpu" in exported.mlir_module()
     if smem:
         assert smem == [config.smem_bytes(head_dim, 2, 1 if kv8 else 2, tree=True)], (smem, config)
@@ -452,8 +624,9 @@ OTHER_MODELS = [
 
 @pytest.mark.parametrize("name,tokens,seqs,heads,kv_heads,head_dim", OTHER_MODELS, ids=[m[0] for m in OTHER_MODELS])
 def test_lowers_other_head_groupings(name, tokens, seqs, heads, kv_heads, head_dim):
-    _, config, smem = lower_for_cuda(tokens, seqs, 8192, 16, head_dim, None, None, num_heads=heads,
-                                     num_kv_heads=kv_heads)
+    _, config, smem = lower_for_cuda(
+        tokens, seqs, 8192, 16, head_dim, None, None, num_heads=heads, num_kv_heads=kv_heads
+    )
     assert config.query_tile * heads // kv_heads <= 64 * config.num_compute_wgs
     if smem:
         assert smem == [config.smem_bytes(head_dim)]
@@ -462,8 +635,13 @@ def test_lowers_other_head_groupings(name, tokens, seqs, heads, kv_heads, head_d
 @pytest.mark.parametrize("p_via_smem", [False, True])
 @pytest.mark.parametrize("block_kv,steps,wgs", [(64, 4, 1), (128, 2, 2), (256, 2, 1)])
 def test_lowers_other_configs(p_via_smem, block_kv, steps, wgs):
-    config = mgpu.TuningConfig(block_kv=block_kv, max_concurrent_steps=steps, num_compute_wgs=wgs,
-                               query_tile=32 if wgs == 2 else 1, p_via_smem=p_via_smem)
+    config = mgpu.TuningConfig(
+        block_kv=block_kv,
+        max_concurrent_steps=steps,
+        num_compute_wgs=wgs,
+        query_tile=32 if wgs == 2 else 1,
+        p_via_smem=p_via_smem,
+    )
     if config.smem_bytes(128) > mgpu.SMEM_BYTES:
         with pytest.raises(NotImplementedError, match="shared memory"):
             lower_for_cuda(64, 4, 4096, 16, 128, None, None, config=config)
@@ -499,8 +677,18 @@ GPU_CASES = [
 def test_8bit_cache_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft_cap, kv8):
     """An 8-bit cache at production shapes vs the reference on the dequantized pages."""
     rng = np.random.default_rng(len(name))
-    case = make_case(rng, q_lens, kv_lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        q_lens,
+        kv_lens,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        pad_tokens=3,
+        pad_seqs=1,
+        dtype=jnp.bfloat16,
+    )
     quantized, dequantized = quantize_case(case, KV8[kv8], rng)
     tokens, seqs = case.q.shape[0], len(case.kv_lens)
     config = mgpu.default_config(tokens, seqs, 32, 8, 128, 16, kv_dtype=KV8[kv8])
@@ -508,7 +696,7 @@ def test_8bit_cache_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft
     got = run_kernel(quantized, config=config, **kwargs)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, run_reference(dequantized, **kwargs), **BF16_TOL)
-    assert not got[case.num_real_tokens:].any()
+    assert not got[case.num_real_tokens :].any()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
@@ -516,15 +704,25 @@ def test_8bit_cache_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft
 @pytest.mark.parametrize("name,q_lens,kv_lens,window,soft_cap", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft_cap, p_via_smem):
     rng = np.random.default_rng(len(name))
-    case = make_case(rng, q_lens, kv_lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        q_lens,
+        kv_lens,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        pad_tokens=3,
+        pad_seqs=1,
+        dtype=jnp.bfloat16,
+    )
     tokens, seqs = case.q.shape[0], len(case.kv_lens)
     config = dataclasses.replace(mgpu.default_config(tokens, seqs, 32, 8, 128, 16), p_via_smem=p_via_smem)
     kwargs = dict(sm_scale=128**-0.5, sliding_window=window, soft_cap=soft_cap)
     got = run_kernel(case, config=config, **kwargs)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, run_reference(case, **kwargs), **BF16_TOL)
-    assert not got[case.num_real_tokens:].any()
+    assert not got[case.num_real_tokens :].any()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
@@ -536,8 +734,18 @@ def test_tree_verification_production_shapes_on_gpu(window, soft_cap):
     q_lens = [512, 1, 1, 1, 1] + [len(t) for t in trees]
     contexts = [0, 63, 1000, 4090, 8000, 20000, 5, 777]  # before each tree's new tokens
     kv_lens = [3000, 100, 4096, 9000, 17] + [c + len(t) for c, t in zip(contexts, trees)]
-    case = make_case(rng, q_lens, kv_lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                     pad_tokens=3, pad_seqs=1, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        q_lens,
+        kv_lens,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        pad_tokens=3,
+        pad_seqs=1,
+        dtype=jnp.bfloat16,
+    )
     mask = batch_tree_mask(case, {5 + i: t for i, t in enumerate(trees)})
     tokens, seqs = case.q.shape[0], len(case.kv_lens)
     config = mgpu.default_config(tokens, seqs, 32, 8, 128, 16, tree=True)
@@ -545,7 +753,7 @@ def test_tree_verification_production_shapes_on_gpu(window, soft_cap):
     got = run_kernel(case, config=config, **kwargs)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, run_reference(case, **kwargs), **BF16_TOL)
-    assert not got[case.num_real_tokens:].any()
+    assert not got[case.num_real_tokens :].any()
 
 
 def test_kernel_runs_per_device_under_tensor_parallelism():
@@ -562,17 +770,29 @@ def test_kernel_runs_per_device_under_tensor_parallelism():
 
     tp, num_heads, num_kv_heads = 2, 8, 2
     rng = np.random.default_rng(7)
-    case = make_case(rng, [9, 1, 1], [40, 70, 9], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
-                     page_size=8, pad_tokens=2, dtype=jnp.bfloat16)
+    case = make_case(
+        rng,
+        [9, 1, 1],
+        [40, 70, 9],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        page_size=8,
+        pad_tokens=2,
+        dtype=jnp.bfloat16,
+    )
     interpret = None if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
     kernel = functools.partial(mgpu.ragged_paged_attention, config=small_config(), interpret=interpret)
     sharded = jax.jit(functools.partial(shard_attention(kernel, make_mesh(1)), sm_scale=0.125))
     want = run_reference(case, sm_scale=0.125)
     heads, kv_heads = num_heads // tp, num_kv_heads // tp
     for d in range(tp):
-        share = dict(q=case.q[:, d * heads:(d + 1) * heads],
-                     k_pages=case.k_pages[:, :, d * kv_heads:(d + 1) * kv_heads],
-                     v_pages=case.v_pages[:, :, d * kv_heads:(d + 1) * kv_heads])
+        share = dict(
+            q=case.q[:, d * heads : (d + 1) * heads],
+            k_pages=case.k_pages[:, :, d * kv_heads : (d + 1) * kv_heads],
+            v_pages=case.v_pages[:, :, d * kv_heads : (d + 1) * kv_heads],
+        )
         got = sharded(*(jnp.asarray(share.get(a, getattr(case, a))) for a in ARGS))
-        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32), np.float64),
-                                   want[:, d * heads:(d + 1) * heads], **BF16_TOL)
+        np.testing.assert_allclose(
+            np.asarray(got.astype(jnp.float32), np.float64), want[:, d * heads : (d + 1) * heads], **BF16_TOL
+        )

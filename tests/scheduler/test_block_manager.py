@@ -9,8 +9,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 
 def make(num_blocks=8, block_size=4, **kw):
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=8,
-                                     max_num_batched_tokens=64, max_model_len=64, **kw))
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            **kw,
+        )
+    )
 
 
 def step(s, token=7):
@@ -188,8 +196,9 @@ def test_pool_too_small_for_the_prompt_is_refused_up_front():
 
 
 def test_priority_then_first_come_first_served():
-    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
-                                  max_model_len=64))
+    s = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    )
     for rid, priority, t in [("late-low", 1, 3.0), ("early-low", 1, 1.0), ("urgent", 0, 5.0), ("early-low-2", 1, 1.0)]:
         s.add_request(Request(rid, [5, 6], GREEDY, priority=priority, arrival_time=t))
     assert s.schedule().request_ids == ["urgent", "early-low"]  # two slots: priority first, then arrival

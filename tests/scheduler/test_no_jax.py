@@ -5,6 +5,7 @@ import sys
 
 
 def test_importing_scheduler_loads_no_jax():
-    code = "import sys, scheduler; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch', 'flax')))"
+    heavy = "('jax', 'jaxlib', 'torch', 'flax')"
+    code = f"import sys, scheduler; print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -145,13 +145,16 @@ def test_eviction_keeps_a_prompts_leading_blocks():
     assert router.pick([1, 2, 3, 4], [0]).matched_blocks == 2
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_replicas=0, block_size=4, load_bound=0),
-    dict(num_replicas=1, block_size=0, load_bound=0),
-    dict(num_replicas=1, block_size=4, load_bound=-1),
-    dict(num_replicas=1, block_size=4, load_bound=0, max_digests=0),
-    dict(num_replicas=1, block_size=4, load_bound=0, max_prefix_blocks=0),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_replicas=0, block_size=4, load_bound=0),
+        dict(num_replicas=1, block_size=0, load_bound=0),
+        dict(num_replicas=1, block_size=4, load_bound=-1),
+        dict(num_replicas=1, block_size=4, load_bound=0, max_digests=0),
+        dict(num_replicas=1, block_size=4, load_bound=0, max_prefix_blocks=0),
+    ],
+)
 def test_bad_arguments_are_rejected(kwargs):
     with pytest.raises(ValueError):
         PrefixRouter(**kwargs)
@@ -168,8 +171,12 @@ loads_st = st.lists(st.one_of(st.none(), st.integers(0, 6)), min_size=3, max_siz
 
 
 @settings(max_examples=300, deadline=None)
-@given(steps=st.lists(st.tuples(prompts, loads_st, st.sampled_from([None, "s"])), min_size=1, max_size=30),
-       block_size=st.integers(1, 3), load_bound=st.integers(0, 3), max_digests=st.integers(1, 6))
+@given(
+    steps=st.lists(st.tuples(prompts, loads_st, st.sampled_from([None, "s"])), min_size=1, max_size=30),
+    block_size=st.integers(1, 3),
+    load_bound=st.integers(0, 3),
+    max_digests=st.integers(1, 6),
+)
 def test_routes_respect_liveness_and_the_load_bound(steps, block_size, load_bound, max_digests):
     router = PrefixRouter(3, block_size, load_bound, max_digests=max_digests, max_prefix_blocks=3)
     for prompt_ids, loads, salt in steps:

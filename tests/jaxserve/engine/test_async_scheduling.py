@@ -10,12 +10,11 @@ stop strings, aborts, preemption under a small KV cache, prefix hits, n > 1 and 
 import numpy as np
 import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from scheduler import SamplingParams
 from tests.tiny_models import WORDS
 
-CONFIG = dict(max_num_seqs=6, max_num_batched_tokens=32, token_buckets=(8, 16, 32), block_size=4,
-              max_model_len=96)
+CONFIG = dict(max_num_seqs=6, max_num_batched_tokens=32, token_buckets=(8, 16, 32), block_size=4, max_model_len=96)
 
 
 def workload(seed: int):
@@ -50,7 +49,7 @@ def run(loaded, requests, **config) -> dict:
     queue = list(enumerate(requests))
     for i, (prompt, params, _) in queue[: len(queue) // 2]:
         engine.add_request(str(i), prompt, params)
-    queue = queue[len(queue) // 2:]
+    queue = queue[len(queue) // 2 :]
     while engine.has_unfinished() or queue:
         outputs = engine.step()
         if outputs and queue:
@@ -84,8 +83,9 @@ def assert_same(serial: dict, overlapped: dict):
         for a, b in zip(serial[rid]["logprobs"], overlapped[rid]["logprobs"]):
             if a is not None:
                 assert [sorted(x) for x in a] == [sorted(x) for x in b], rid
-                np.testing.assert_allclose([v for x in a for v in x.values()], [v for x in b for v in x.values()],
-                                           atol=1e-5)
+                np.testing.assert_allclose(
+                    [v for x in a for v in x.values()], [v for x in b for v in x.values()], atol=1e-5
+                )
 
 
 @pytest.mark.parametrize("seed,num_blocks", [(0, 256), (1, 256), (2, 40)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.weights.params import _hf_name
 from scheduler import SamplingParams
 
@@ -51,32 +51,50 @@ def test_gguf_weights_equal_transformers_reading(default_model, hf_default_model
 def test_greedy_continuations_equal_transformers_generate(default_model, hf_default_model, tp):
     """On one device, and split over three (its 9 heads and 3 KV heads, 3 per device)."""
     tok = default_model.tokenizer
-    engine = LLMEngine(default_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                                                   kv_cache_memory=64 << 20, tensor_parallel_size=tp))
+    engine = LLMEngine(
+        default_model,
+        EngineConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=128,
+            kv_cache_memory=64 << 20,
+            tensor_parallel_size=tp,
+        ),
+    )
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=32))
     ours = {o.request_id: o.outputs[0].token_ids for o in engine.generate_all()}
     for i, p in enumerate(PROMPTS):
         ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
         with torch.no_grad():
-            want = hf_default_model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+            want = hf_default_model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
         assert ours[str(i)] == want, f"prompt {p!r}: {tok.decode(ours[str(i)])!r} != {tok.decode(want)!r}"
     assert tok.decode(ours["0"]).startswith(" Paris.")
 
 
+@pytest.mark.default_model
 def test_generate_cli_prints_paris_without_torch(tmp_path):
     """The whole path, first start included (GGUF conversion, tokenizer, engine, CLI), with
     torch made unimportable: the engine must never need it."""
-    code = ("import sys; sys.modules['torch'] = None; from jaxserve.generate import main; "
-            f"sys.exit(main(['The capital of France is', '--max-tokens', '3', '--cache-dir', {str(tmp_path)!r}]))")
+    code = (
+        "import sys; sys.modules['torch'] = None; from jaxserve.generate import main; "
+        f"sys.exit(main(['The capital of France is', '--max-tokens', '3', '--cache-dir', {str(tmp_path)!r}]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(" Paris."), out.stdout
     assert "prompt tokens: 5, generated tokens: 3" in out.stderr
 
 
-@pytest.mark.parametrize("text", ["The capital of France is", "Hello, world! How's it going?\n\tIndented.",
-                                  "naïve café — déjà vu 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The capital of France is",
+        "Hello, world! How's it going?\n\tIndented.",
+        "naïve café — déjà vu 日本語 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+    ],
+)
 def test_gguf_tokenizer_matches_transformers(default_model, text):
     """On text without digits our GGUF tokenizer agrees with transformers' GGUF reader."""
     from transformers import AutoTokenizer
@@ -102,8 +120,22 @@ def test_gguf_tokenizer_splits_digits_like_llama_cpp(default_model):
 def test_generate_cli_runs_a_prompts_file_as_one_batch(weights_cache, default_model, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\n\nThe three primary colors are\n")
-    out = subprocess.run([sys.executable, "-m", "jaxserve.generate", "--prompts-file", str(prompts), "--max-tokens",
-                          "8", "--cache-dir", str(weights_cache)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxserve.generate",
+            "--prompts-file",
+            str(prompts),
+            "--max-tokens",
+            "8",
+            "--cache-dir",
+            str(weights_cache),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     blocks = out.stdout.split("--- [")[1:]
     assert sorted(b.split("]")[0] for b in blocks) == ["0", "1"]  # the blank line is skipped

@@ -97,8 +97,9 @@ def test_streamed_text_is_the_decode_of_random_ids(default_model, skip_special_t
     rng = random.Random(17)
     for _ in range(150):
         ids = random_ids(tok, rng)
-        detok = IncrementalDetokenizer(tok if decode_stream else PythonOnly(tok), prompt,
-                                       skip_special_tokens=skip_special_tokens)
+        detok = IncrementalDetokenizer(
+            tok if decode_stream else PythonOnly(tok), prompt, skip_special_tokens=skip_special_tokens
+        )
         assert detok.uses_decode_stream == decode_stream
         pieces = [detok.push(t) for t in ids]
         pieces.append(detok.finish())
@@ -121,8 +122,12 @@ def test_special_tokens_are_shown_unless_skipped(default_model, decode_stream):
     ids = tok.encode("héllo 🙂<|im_end|>\n<|im_start|>assistant", add_special_tokens=False)
     assert tok.convert_tokens_to_ids("<|im_end|>") in ids
     for skip, spaces in [(True, True), (False, True), (False, False), (True, False)]:
-        detok = IncrementalDetokenizer(tok if decode_stream else PythonOnly(tok), [], skip_special_tokens=skip,
-                                       spaces_between_special_tokens=spaces)
+        detok = IncrementalDetokenizer(
+            tok if decode_stream else PythonOnly(tok),
+            [],
+            skip_special_tokens=skip,
+            spaces_between_special_tokens=spaces,
+        )
         text = run(detok, ids)
         assert text == tok.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
         assert ("<|im_end|>" in text) == (not skip)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from scheduler import Request, SamplingParams
 
 VOCAB = 97  # tests/tiny_models.py
@@ -85,8 +85,9 @@ def test_prefix_caching_equals_alone(tiny_llama):
 
 def test_seeded_sampling_is_batch_independent(tiny_llama):
     prompts, _ = workload(seed=2, count=10)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=i, max_tokens=12, ignore_eos=True)
-              for i in range(10)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=i, max_tokens=12, ignore_eos=True) for i in range(10)
+    ]
     want = run_alone(engine(tiny_llama), prompts, params)
     got = run_batched(engine(tiny_llama, max_num_seqs=4), prompts, params)
     assert got == want
@@ -144,16 +145,19 @@ def test_prompts_sharing_only_a_later_block_each_equal_their_solo_run(tiny_llama
     assert cached[2] == (16 if digest == "real" else 4)
 
 
-@pytest.mark.parametrize("prompt,params,message", [
-    ([5] * 200, {}, "context is 128 tokens"),
-    ([5, 6], {"max_tokens": 0}, "max_tokens must be >= 1"),
-    ([5, 6], {"temperature": -0.5}, "temperature must be >= 0"),
-    ([5, 6], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ([5, 6], {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ([5, 6], {"best_of": 2}, "unknown sampling parameter"),
-    ([5, 500], {}, r"prompt token ids must be in \[0, 97\)"),
-    ("text", {}, "no tokenizer"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ([5] * 200, {}, "context is 128 tokens"),
+        ([5, 6], {"max_tokens": 0}, "max_tokens must be >= 1"),
+        ([5, 6], {"temperature": -0.5}, "temperature must be >= 0"),
+        ([5, 6], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ([5, 6], {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ([5, 6], {"best_of": 2}, "unknown sampling parameter"),
+        ([5, 500], {}, r"prompt token ids must be in \[0, 97\)"),
+        ("text", {}, "no tokenizer"),
+    ],
+)
 def test_bad_input_is_refused_and_others_keep_going(tiny_llama, prompt, params, message):
     eng = engine(tiny_llama, warm_up=False)
     eng.add_request("good", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))

@@ -15,8 +15,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxserve import LLM
-from jaxserve.weights.dtype import checkpoint_dtype, choose_dtype, config_dtype
 from jaxserve.weights.default_model import default_model_path
+from jaxserve.weights.dtype import checkpoint_dtype, choose_dtype, config_dtype
 from scheduler import SamplingParams
 from tests.tiny_models import make_tiny_model
 
@@ -26,8 +26,15 @@ CHAT = [{"role": "system", "content": "you are a big cat"}, {"role": "user", "co
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_tok_dir, weights_cache):
-    return LLM(str(tiny_llama_tok_dir), cache_dir=weights_cache, max_num_seqs=4, max_num_batched_tokens=32,
-               token_buckets=(32,), max_model_len=96, num_blocks=64)
+    return LLM(
+        str(tiny_llama_tok_dir),
+        cache_dir=weights_cache,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(32,),
+        max_model_len=96,
+        num_blocks=64,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +65,9 @@ def test_chat_equals_generate_on_the_template_rendered_by_transformers(llm, hf_t
 def test_chat_takes_a_list_of_conversations(llm, hf_tokenizer):
     other = [{"role": "user", "content": "one two three"}]
     outs = llm.chat([CHAT, other], GREEDY, use_tqdm=False)
-    assert [o.prompt_token_ids for o in outs] == [hf_chat_ids(hf_tokenizer, c, add_generation_prompt=True)
-                                                  for c in (CHAT, other)]
+    assert [o.prompt_token_ids for o in outs] == [
+        hf_chat_ids(hf_tokenizer, c, add_generation_prompt=True) for c in (CHAT, other)
+    ]
     assert tokens(outs) == tokens(llm.generate([o.prompt_token_ids for o in outs], GREEDY, use_tqdm=False))
 
 
@@ -107,14 +115,17 @@ def test_a_prompt_dict_with_other_keys_is_refused(llm, prompt):
 # -- dtype="auto" -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("requested,checkpoint,backend,expected", [
-    ("auto", "bfloat16", "gpu", "bfloat16"),
-    ("auto", "float16", "gpu", "float16"),
-    ("auto", "bfloat16", "tpu", "bfloat16"),
-    ("auto", "bfloat16", "cpu", "float32"),
-    ("float16", "bfloat16", "cpu", "float16"),
-    ("float32", "bfloat16", "gpu", "float32"),
-])
+@pytest.mark.parametrize(
+    "requested,checkpoint,backend,expected",
+    [
+        ("auto", "bfloat16", "gpu", "bfloat16"),
+        ("auto", "float16", "gpu", "float16"),
+        ("auto", "bfloat16", "tpu", "bfloat16"),
+        ("auto", "bfloat16", "cpu", "float32"),
+        ("float16", "bfloat16", "cpu", "float16"),
+        ("float32", "bfloat16", "gpu", "float32"),
+    ],
+)
 def test_auto_dtype_choice(requested, checkpoint, backend, expected):
     assert choose_dtype(requested, checkpoint, backend) == expected
 
@@ -138,15 +149,21 @@ def test_auto_is_the_default_and_runs_float32_on_the_cpu(llm):
 
 # -- XLA flags --------------------------------------------------------------------------
 
-FLAG_NAMES = ["xla_cpu_enable_fast_math", "xla_cpu_fast_math_honor_infs", "xla_cpu_fast_math_honor_nans",
-              "xla_cpu_fast_math_honor_division", "xla_cpu_fast_math_honor_functions"]
+FLAG_NAMES = [
+    "xla_cpu_enable_fast_math",
+    "xla_cpu_fast_math_honor_infs",
+    "xla_cpu_fast_math_honor_nans",
+    "xla_cpu_fast_math_honor_division",
+    "xla_cpu_fast_math_honor_functions",
+]
 
 
 def xla_flags_after_import(**env) -> str | None:
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXSERVE_NO_XLA_FLAGS")}
     code = "import jaxserve, os; print(repr(os.environ.get('XLA_FLAGS')))"
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     return ast.literal_eval(out)
 
 
@@ -157,7 +174,9 @@ def test_xla_flags_are_appended_only_where_the_user_set_none():
     assert flags[:2] == mine.split()
     assert sorted(flags[2:]) == sorted(f"--{n}=true" for n in FLAG_NAMES if n != "xla_cpu_fast_math_honor_nans")
     assert xla_flags_after_import(XLA_FLAGS="--xla_cpu_enable_fast_math=false").split() == [
-        "--xla_cpu_enable_fast_math=false", *[f"--{n}=true" for n in FLAG_NAMES[1:]]]
+        "--xla_cpu_enable_fast_math=false",
+        *[f"--{n}=true" for n in FLAG_NAMES[1:]],
+    ]
 
 
 def test_no_xla_flags_when_asked():

@@ -14,9 +14,8 @@ import sys
 import jax
 import pytest
 
-from jaxserve.engine import llm_engine as engine_module
+from jaxserve.engine import EngineConfig, LLMEngine, builder
 from jaxserve.model.config import ModelConfig
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from jaxserve.model.kv_cache import kv_bytes_per_token
 from jaxserve.model.sizing import kv_budget_for_utilization, plan_kv
 from scheduler import SamplingParams
@@ -32,8 +31,17 @@ def test_budget_is_utilization_of_total_less_the_peak():
     assert budget == 69 * GiB
     # A Llama-style config: 16 layers, 8 KV heads of 64 in bf16: K and V are
     # 2 * 16 * 8 * 64 * 2 = 32 KiB a token, 512 KiB a 16-token block: 69 GiB is 141312 blocks.
-    cfg = ModelConfig("LlamaForCausalLM", vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                      num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=4096)
+    cfg = ModelConfig(
+        "LlamaForCausalLM",
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
     plan = plan_kv(cfg, "bfloat16", context=4096, block_size=16, memory_bytes=budget)
     assert plan.num_blocks == 69 * 2048 == 141312
     assert plan.max_sequences == (141312 - 1) // 256
@@ -62,8 +70,13 @@ def test_the_cpu_refuses_it_before_loading_weights():
 
 
 def test_the_server_refuses_it_on_the_cpu():
-    proc = subprocess.run([sys.executable, "-m", "api", "--gpu-memory-utilization", "0.5", "--port", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "api", "--gpu-memory-utilization", "0.5", "--port", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--kv-cache-memory" in proc.stderr and "gpu_memory_utilization" in proc.stderr
 
@@ -88,9 +101,15 @@ def test_engine_measures_after_warm_up_and_before_allocating(tiny_llama, monkeyp
     seen = {}
     total = 2 * (sum(a.nbytes for a in jax.live_arrays()) + 8 * MiB)
     probes_before = caches().count(probe_shape)
-    monkeypatch.setattr(engine_module, "device_memory_stats", device_stats)
-    limits = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), max_model_len=64, block_size=block,
-                  enable_prefix_caching=False)
+    monkeypatch.setattr(builder, "device_memory_stats", device_stats)
+    limits = dict(
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        token_buckets=(16,),
+        max_model_len=64,
+        block_size=block,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(tiny_llama, EngineConfig(gpu_memory_utilization=0.5, **limits))
 
     budget = total // 2 - (seen["live"] - probe_kv)

@@ -7,7 +7,7 @@ profiler's step count must equal the steps the engine ran. No timing is asserted
 
 import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.engine.profiling import PARTS, StepProfiler, device_breakdown, device_report, op_parts
 from scheduler import SamplingParams
 

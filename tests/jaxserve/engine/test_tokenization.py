@@ -10,14 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.engine.tokenization import PromptError, encode_chat, encode_prompt
 from jaxserve.weights import load_model
 from scheduler import SamplingParams
 
 PROMPT = "the cat sat on the mat and the dog ran to the house"
-SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=4, num_blocks=64,
-             max_model_len=64)
+SMALL = dict(
+    max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=4, num_blocks=64, max_model_len=64
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def hf(bos_folder):
 def hf_greedy(model, ids: list[int], max_new_tokens: int, **kw) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **kw)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def test_text_prompt_gets_bos_and_continues_like_transformers(loaded, hf):
@@ -114,14 +115,29 @@ def test_generation_config_eos_ids_stop_at_either(bos_folder, loaded, hf, tmp_pa
 
 
 def test_generation_config_sampling_defaults(bos_folder, tmp_path):
-    folder = folder_with_generation_config(bos_folder, tmp_path / "defaults", {
-        "eos_token_id": 2, "temperature": 0.6, "top_k": 7, "top_p": 0.8, "repetition_penalty": 1.1,
-        "max_new_tokens": 5, "do_sample": True})
+    folder = folder_with_generation_config(
+        bos_folder,
+        tmp_path / "defaults",
+        {
+            "eos_token_id": 2,
+            "temperature": 0.6,
+            "top_k": 7,
+            "top_p": 0.8,
+            "repetition_penalty": 1.1,
+            "max_new_tokens": 5,
+            "do_sample": True,
+        },
+    )
     loaded = load_model(str(folder), use_cache=False, progress=False)
     auto = LLMEngine(loaded, EngineConfig(**SMALL, warm_up=False))
     params = auto.default_sampling_params()
-    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.max_tokens) == \
-        (0.6, 7, 0.8, 1.1, 5)
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.max_tokens) == (
+        0.6,
+        7,
+        0.8,
+        1.1,
+        5,
+    )
     assert auto.default_sampling_params(temperature=0).temperature == 0  # a request's own value wins
     ignored = LLMEngine(loaded, EngineConfig(**SMALL, warm_up=False, generation_config="vllm"))
     assert ignored.default_sampling_params() == SamplingParams()

@@ -7,10 +7,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.model.config import ModelConfig
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from jaxserve.model.kv_cache import (
-    allocate_kv_cache, copy_blocks, kv_bytes_per_token, num_blocks_for_memory, resolve_kv_cache_dtype,
+    allocate_kv_cache,
+    copy_blocks,
+    kv_bytes_per_token,
+    num_blocks_for_memory,
+    resolve_kv_cache_dtype,
     write_kv,
 )
 from pallas_kernels.quantized_kv import codes_to_float, dequantize_kv, quantize_kv
@@ -56,9 +60,20 @@ def test_fp8_codes_are_e4m3_bit_patterns():
 
 
 def tiny_config(**kw):
-    return ModelConfig(**{"architecture": "LlamaForCausalLM", "vocab_size": 64, "hidden_size": 32,
-                          "intermediate_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                          "head_dim": 16, "max_position_embeddings": 128, **kw})
+    return ModelConfig(
+        **{
+            "architecture": "LlamaForCausalLM",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 128,
+            **kw,
+        }
+    )
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
@@ -77,8 +92,9 @@ def test_write_then_read_back(name):
         # The scales sit at [layer, block, head, offset]; every other slot's is still zero.
         s = np.asarray(scales)[1]
         for slot, row in zip(slots, want):
-            np.testing.assert_allclose(s[slot // 4, :, slot % 4], np.abs(row).max(-1) / (127 if name == "int8" else 448),
-                                       rtol=1e-6)
+            np.testing.assert_allclose(
+                s[slot // 4, :, slot % 4], np.abs(row).max(-1) / (127 if name == "int8" else 448), rtol=1e-6
+            )
         assert np.count_nonzero(scales) == len(slots) * 2
 
 
@@ -116,8 +132,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def run(loaded, prompts, params=GREEDY, **kw):
-    config = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4, num_blocks=64,
-                  kv_cache_dtype="fp8", warm_up=False)
+    config = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        block_size=4,
+        num_blocks=64,
+        kv_cache_dtype="fp8",
+        warm_up=False,
+    )
     engine = LLMEngine(loaded, EngineConfig(**{**config, **kw}))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -135,8 +158,10 @@ def test_batched_equals_alone_and_the_ways_of_running(tiny_llama, kv_cache_dtype
         return  # the rest is the same code path for both
     # Chunked prefill (8-token steps), no prefix caching, and a cache so small that
     # sequences are preempted and recomputed: the same tokens.
-    assert run(tiny_llama, PROMPTS, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=8,
-               token_buckets=(8,))[0] == batched
+    assert (
+        run(tiny_llama, PROMPTS, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=8, token_buckets=(8,))[0]
+        == batched
+    )
     assert run(tiny_llama, PROMPTS, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)[0] == batched
     preempted, small = run(tiny_llama, PROMPTS, kv_cache_dtype=kv_cache_dtype, num_blocks=10)
     assert small.scheduler.stats().num_preemptions > 0
@@ -153,13 +178,12 @@ def test_prefix_cache_hits_and_forks_keep_their_scales(tiny_llama):
     assert engine.scheduler.stats().prefix_cache_hits >= 16
     assert again == first[0][0]
     # n=2 greedy samples fork one sequence (copy-on-write of its last, partial block).
-    forked, _ = run(tiny_llama, [shared + [40, 41]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                                      n=2))
+    forked, _ = run(tiny_llama, [shared + [40, 41]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2))
     assert forked[0] == [first[0][0], first[0][0]]
 
 
 def test_cache_config_in_the_start_up_log(tiny_llama, caplog):
-    with caplog.at_level("INFO", logger="jaxserve.engine.llm_engine"):
+    with caplog.at_level("INFO", logger="jaxserve.engine.builder"):
         _, engine = run(tiny_llama, [[5, 6]], kv_cache_dtype="int8", num_blocks=None, kv_cache_memory=1 << 20)
     full = num_blocks_for_memory(tiny_llama.config, 1 << 20, 4, tiny_llama.model.dtype)
     assert engine.runner.kv.num_blocks > 2 * full  # a float32 model: 4 D / (D + 4) times the blocks
@@ -171,8 +195,9 @@ def test_cache_config_in_the_start_up_log(tiny_llama, caplog):
 def test_scales_dtype_is_ml_dtypes_compatible():
     # The fp8 bit patterns read as ml_dtypes' e4m3 on the host too (what a debugger sees).
     bits, _ = quantize_kv(jnp.asarray([[1.0, -2.0, 0.5, 448.0]]), jnp.uint8)
-    np.testing.assert_array_equal(np.asarray(bits).view(ml_dtypes.float8_e4m3fn).astype(np.float32),
-                                  [[1.0, -2.0, 0.5, 448.0]])
+    np.testing.assert_array_equal(
+        np.asarray(bits).view(ml_dtypes.float8_e4m3fn).astype(np.float32), [[1.0, -2.0, 0.5, 448.0]]
+    )
 
 
 # -- quality on the default model ---------------------------------------------------------
@@ -200,7 +225,16 @@ def test_default_model_with_8bit_caches_agrees_with_the_full_cache(default_model
     assert got["int8"]["mean_kl"] < got["fp8"]["mean_kl"]  # 7 bits of uniform precision vs e4m3's 3 mantissa bits
 
     # And the engine, greedy, with an fp8 cache: the smoke-test answer is unchanged.
-    engine = LLMEngine(default_model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, kv_cache_dtype="fp8",
-                                                   kv_cache_memory=16 << 20, max_model_len=256, warm_up=False))
+    engine = LLMEngine(
+        default_model,
+        EngineConfig(
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            kv_cache_dtype="fp8",
+            kv_cache_memory=16 << 20,
+            max_model_len=256,
+            warm_up=False,
+        ),
+    )
     engine.add_request("a", "The capital of France is", SamplingParams(temperature=0, max_tokens=2))
     assert engine.generate_all()[0].outputs[0].text == " Paris."

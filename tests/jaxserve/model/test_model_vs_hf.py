@@ -7,8 +7,8 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxserve.runner.kernels import select_matmul
 from jaxserve.model.kv_cache import allocate_kv_cache
+from jaxserve.runner.kernels import select_matmul
 from jaxserve.weights import load_model
 from pallas_kernels import cpu_kernels
 from tests.paged import PagedSequences
@@ -64,7 +64,7 @@ def test_prefill_then_decode_matches_hf(tiny):
         # shapes stay fixed; re-running a token rewrites the same K/V into the same slot.
         spans = [(d, d + 1) if d < n else (n - 1, n) for d, n in zip(done, PROMPT_LENS)]
         logits, kv = step(state, kv, seqs.step(prompts, spans, pad_to=8))
-        for s, (start, end) in enumerate(spans):
+        for s, (start, _end) in enumerate(spans):
             err = np.abs(np.asarray(logits[s], np.float64) - want[s][start]).max()
             assert err <= 1e-4, f"sequence {s} position {start}: max abs error {err:.2e}"
         done = [min(d + 1, n) for d, n in zip(done, PROMPT_LENS)]
@@ -86,7 +86,7 @@ def test_decode_on_the_cpu_layer_kernels_matches_hf(tiny):
             spans = [(d, d + 1) if d < n else (n - 1, n) for d, n in zip(done, lens)]
             inputs = seqs.step(prompts, spans, pad_to=rows)
             logits, kv = step(state, kv, inputs)
-            for s, (start, end) in enumerate(spans):
+            for s, (start, _end) in enumerate(spans):
                 err = np.abs(np.asarray(logits[s], np.float64) - want[s][start]).max()
                 assert err <= 1e-4, f"sequence {s} position {start}: max abs error {err:.2e}"
             done = [min(d + 1, n) for d, n in zip(done, lens)]

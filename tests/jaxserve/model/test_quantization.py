@@ -12,14 +12,14 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize_fp8, quantize_int4
 from jaxserve.weights import load_model
 from pallas_kernels.quantized_matmul import dequantize_int4, fp8_matmul_reference, int4_matmul_reference
 from scheduler import SamplingParams
-from tests.jaxserve.test_engine import run_alone, run_batched, workload
-from tests.jaxserve.test_model_vs_hf import jitted_step
+from tests.jaxserve.engine.test_engine import run_alone, run_batched, workload
+from tests.jaxserve.model.test_model_vs_hf import jitted_step
 from tests.paged import PagedSequences
 from tests.tiny_models import make_tiny_model
 
@@ -88,8 +88,12 @@ def test_int4_matmul_equals_the_numpy_product_with_the_dequantized_weight(m):
     got = int4_matmul_reference(jnp.asarray(x), *(jnp.asarray(q[k]) for k in ("packed", "scales", "offsets")))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
     # float32 `scale * q + offset` (XLA may fuse it into one FMA): equal up to one float32 rounding
-    np.testing.assert_allclose(np.asarray(dequantize_int4(*(jnp.asarray(q[k]) for k in ("packed", "scales", "offsets")))),
-                               numpy_int4_weight(q["packed"], q["scales"], q["offsets"]), rtol=2**-23, atol=2**-22)
+    np.testing.assert_allclose(
+        np.asarray(dequantize_int4(*(jnp.asarray(q[k]) for k in ("packed", "scales", "offsets")))),
+        numpy_int4_weight(q["packed"], q["scales"], q["offsets"]),
+        rtol=2**-23,
+        atol=2**-22,
+    )
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -132,8 +136,10 @@ def hf_logits_with_weights_of(hf_model, loaded, prompts):
     """transformers' logits with every projection set to the weight our quantized layer stands for."""
     with torch.no_grad():
         for i, layer in enumerate(loaded.model.layers):
-            for block, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                 ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+            for block, names in (
+                ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                ("mlp", ("gate_proj", "up_proj", "down_proj")),
+            ):
                 for name in names:
                     ours = getattr(getattr(layer, block), name)
                     hf = getattr(getattr(hf_model.model.layers[i], block), name)
@@ -153,8 +159,9 @@ def test_int4_model_equals_transformers_on_the_dequantized_weights(tiny_folder):
     for got, w in zip(model_logits(loaded.model, prompts), want):
         assert np.abs(got - w).max() <= 1e-4
     float_logits = model_logits(load_model(str(folder), use_cache=False, progress=False).model, prompts)
-    assert max(np.abs(g - f).max() for g, f in zip(model_logits(loaded.model, prompts), float_logits)) > 1e-3, \
+    assert max(np.abs(g - f).max() for g, f in zip(model_logits(loaded.model, prompts), float_logits)) > 1e-3, (
         "int4 should change the logits (else the comparison above checked the float model)"
+    )
 
 
 def fake_quantize_e4m3_per_token(module, args):
@@ -172,8 +179,11 @@ def test_fp8_model_equals_transformers_with_e4m3_activations(tiny_folder):
     assert loaded.model.layers[1].self_attn.k_proj.weight.dtype == jnp.float8_e4m3fn
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, 97, n)) for n in PROMPT_LENS]
-    hooks = [m.register_forward_pre_hook(fake_quantize_e4m3_per_token) for name, m in hf_model.named_modules()
-             if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    hooks = [
+        m.register_forward_pre_hook(fake_quantize_e4m3_per_token)
+        for name, m in hf_model.named_modules()
+        if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    ]
     try:
         want = np.concatenate(hf_logits_with_weights_of(hf_model, loaded, prompts))
     finally:
@@ -216,8 +226,15 @@ def test_loading_quantizes_tensor_by_tensor(tmp_path):
     """Host memory while loading stays near the quantized model plus one float tensor."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     float_bytes = 4 * 4 * (4 * 512 * 512 + 3 * 512 * 1536)  # the projections alone: 4 layers, float32
     tracemalloc.start()
@@ -225,7 +242,9 @@ def test_loading_quantizes_tensor_by_tensor(tmp_path):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     largest = 4 * 512 * 1536
-    assert peak < float_bytes / 8 + 4 * largest, f"peak {peak / 2**20:.1f} MiB for {float_bytes / 2**20:.1f} MiB of floats"
+    assert peak < float_bytes / 8 + 4 * largest, (
+        f"peak {peak / 2**20:.1f} MiB for {float_bytes / 2**20:.1f} MiB of floats"
+    )
 
 
 def test_gguf_method_needs_a_gguf_file(tiny_llama_dir):
@@ -244,8 +263,15 @@ def gguf_model(weights_cache):
 @pytest.mark.slow
 def test_gguf_blocks_are_exactly_the_files_values(default_model, gguf_model):
     for ours, floats in zip(gguf_model.model.layers, default_model.model.layers):
-        for block, name in [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-                            ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")]:
+        for block, name in [
+            ("self_attn", "q_proj"),
+            ("self_attn", "k_proj"),
+            ("self_attn", "v_proj"),
+            ("self_attn", "o_proj"),
+            ("mlp", "gate_proj"),
+            ("mlp", "up_proj"),
+            ("mlp", "down_proj"),
+        ]:
             q = getattr(getattr(ours, block), name)
             assert q.scales.shape[0] == q.packed.shape[0] * 2 // 32  # the file's own group of 32
             want = np.asarray(getattr(getattr(floats, block), name).kernel[...])

@@ -11,13 +11,14 @@ hits show it used the handed KV and did not compute the prompt again.
 import numpy as np
 import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from scheduler import SamplingParams
 
 PROMPT = [1, *range(20, 61)]  # 41 tokens: five full blocks of 8 (the last token is always computed)
 OTHER = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
-CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=8, max_model_len=128, token_buckets=(8, 64),
-              warm_up=False)
+CONFIG = dict(
+    max_num_seqs=4, max_num_batched_tokens=64, block_size=8, max_model_len=128, token_buckets=(8, 64), warm_up=False
+)
 
 
 def engine(loaded, **kwargs) -> LLMEngine:
@@ -54,8 +55,9 @@ def handed_over(loaded, decode_kwargs, prefill_kwargs=None):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_decode_engine_continues_the_handed_prompt_exactly_as_one_engine(tiny_llama, kv_cache_dtype):
     want, _ = greedy(engine(tiny_llama, kv_cache_dtype=kv_cache_dtype), PROMPT)
-    got, written, hits = handed_over(tiny_llama, dict(kv_cache_dtype=kv_cache_dtype),
-                                     dict(kv_cache_dtype=kv_cache_dtype))
+    got, written, hits = handed_over(
+        tiny_llama, dict(kv_cache_dtype=kv_cache_dtype), dict(kv_cache_dtype=kv_cache_dtype)
+    )
     assert written == 40 and hits == 40
     assert got == want
 
@@ -65,8 +67,9 @@ def test_prefill_and_decode_split_differently(tiny_llama, prefill_tp, decode_tp)
     """At TP 4 an engine holds each of the model's 2 KV heads twice: the handed blocks are
     repeated or thinned to match."""
     want, margins = greedy(engine(tiny_llama), PROMPT)
-    got, written, hits = handed_over(tiny_llama, dict(tensor_parallel_size=decode_tp),
-                                     dict(tensor_parallel_size=prefill_tp))
+    got, written, hits = handed_over(
+        tiny_llama, dict(tensor_parallel_size=decode_tp), dict(tensor_parallel_size=prefill_tp)
+    )
     assert written == 40 and hits == 40
     clear = next((i for i, m in enumerate(margins) if m < 1e-3), len(margins))
     assert got[: clear + 1] == want[: clear + 1]
@@ -97,8 +100,9 @@ def test_add_request_takes_the_handoff_and_an_aborted_export_is_dropped(tiny_lla
     (done,) = prefill.generate_all()
     assert done.request_id == "p" and not prefill._exports
     decode = engine(tiny_llama)
-    decode.add_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                       kv_handoff=done.kv_handoff)
+    decode.add_request(
+        "d", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), kv_handoff=done.kv_handoff
+    )
     (out,) = decode.generate_all()
     assert out.num_cached_tokens == 40
     assert out.outputs[0].token_ids == greedy(engine(tiny_llama), PROMPT, max_tokens=4)[0]

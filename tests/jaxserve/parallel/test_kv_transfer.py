@@ -27,8 +27,10 @@ def handoff(quantized: bool) -> KVHandoff:
 @pytest.fixture(scope="module")
 def ends():
     devices = jax.devices()
-    return (KVTransfer(devices[0], pull_timeout=2, secret="shared"),
-            KVTransfer(devices[1], pull_timeout=2, secret="shared"))
+    return (
+        KVTransfer(devices[0], pull_timeout=2, secret="shared"),
+        KVTransfer(devices[1], pull_timeout=2, secret="shared"),
+    )
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -72,5 +74,12 @@ def test_unsigned_forged_or_malformed_params_are_a_value_error(ends):
     with pytest.raises(ValueError, match="not an offer"):
         decode.pull({"do_remote_prefill": True})
     with pytest.raises(ValueError, match="must name k and v"):
-        decode.pull({"remote_address": "x", "transfer_id": "1", "num_blocks": 1, "expires_at": 0,
-                     "arrays": {"q": [[1], "float32"]}})
+        decode.pull(
+            {
+                "remote_address": "x",
+                "transfer_id": "1",
+                "num_blocks": 1,
+                "expires_at": 0,
+                "arrays": {"q": [[1], "float32"]},
+            }
+        )

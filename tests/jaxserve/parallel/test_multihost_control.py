@@ -61,4 +61,3 @@ def test_a_peer_without_the_key_is_refused_and_the_follower_still_joins():
     engine = Recorder()
     results["follower"].follow(engine)  # replays the step, then returns on the leader's stop
     assert engine.calls == ["step"]
-

@@ -6,11 +6,18 @@ Oracle: the leader engine's own outputs, step by step. (Across real processes an
 tests/api/test_multihost.py.)
 """
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from scheduler import SamplingParams
 
-CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, num_blocks=64, block_size=8, max_model_len=128,
-                      token_buckets=(8, 32), warm_up=False)
+CONFIG = EngineConfig(
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    num_blocks=64,
+    block_size=8,
+    max_model_len=128,
+    token_buckets=(8, 32),
+    warm_up=False,
+)
 
 
 class Recorder:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh
 from jaxserve.weights import load_model
 from scheduler import SamplingParams
@@ -23,8 +23,14 @@ LATE_PROMPT = [1, *range(30, 70)]  # a prefill chunk next to the decode rows
 
 
 def engine(loaded, tp: int, **kwargs) -> LLMEngine:
-    config = dict(max_num_seqs=4, max_num_batched_tokens=32, num_blocks=64, block_size=8, max_model_len=128,
-                  tensor_parallel_size=tp)
+    config = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_blocks=64,
+        block_size=8,
+        max_model_len=128,
+        tensor_parallel_size=tp,
+    )
     return LLMEngine(loaded, EngineConfig(**{**config, **kwargs}))
 
 

@@ -5,8 +5,8 @@ import logging
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.runner.kernels import select_attention
 from jaxserve.model.config import ModelConfig
+from jaxserve.runner.kernels import select_attention
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 

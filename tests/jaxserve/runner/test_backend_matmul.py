@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.runner.kernels import select_matmul
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLM, FewRowKernels
-from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize, quantized_layers, use_kernel_layout
 from jaxserve.model.kv_cache import allocate_kv_cache
+from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize, quantized_layers, use_kernel_layout
+from jaxserve.runner.kernels import select_matmul
 from pallas_kernels import cpu_kernels
 from tests.paged import PagedSequences
 
@@ -162,8 +162,10 @@ def randomly_quantized_model(method, dtype, seed=0):
     model = quantized_model(method, dtype)
     quant = model.quantization
     for _, layer in quantized_layers(model):
-        per_layer = [quantize(0.2 * rng.standard_normal((layer.din, layer.dout)).astype(np.float32), quant)
-                     for _ in range(CFG.num_layers)]
+        per_layer = [
+            quantize(0.2 * rng.standard_normal((layer.din, layer.dout)).astype(np.float32), quant)
+            for _ in range(CFG.num_layers)
+        ]
         for name in per_layer[0]:
             getattr(layer, name)[...] = jnp.stack([jnp.asarray(p[name]) for p in per_layer])
     return model

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.weights import load_model
 from scheduler import SamplingParams
 from tests.tiny_models import make_tiny_model
@@ -34,21 +34,41 @@ def cache_shaped_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("model,tp,num_blocks,kv_cache_dtype", [
-    ("tiny_llama", 1, 64, "auto"), ("tiny_llama", 1, 4096, "auto"), ("tiny_llama", 1, 4096, "fp8"),
-    ("tiny_mqa", 1, 4096, "auto"), ("tiny_mqa", 1, 4096, "int8"), ("tiny_llama", 2, 4096, "auto"),
-])
+@pytest.mark.parametrize(
+    "model,tp,num_blocks,kv_cache_dtype",
+    [
+        ("tiny_llama", 1, 64, "auto"),
+        ("tiny_llama", 1, 4096, "auto"),
+        ("tiny_llama", 1, 4096, "fp8"),
+        ("tiny_mqa", 1, 4096, "auto"),
+        ("tiny_mqa", 1, 4096, "int8"),
+        ("tiny_llama", 2, 4096, "auto"),
+    ],
+)
 def test_steps_update_the_cache_in_place(request, model, tp, num_blocks, kv_cache_dtype):
-    engine = LLMEngine(request.getfixturevalue(model), EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(8, 16), block_size=4, num_blocks=num_blocks,
-        max_model_len=64, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp))
+    engine = LLMEngine(
+        request.getfixturevalue(model),
+        EngineConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            token_buckets=(8, 16),
+            block_size=4,
+            num_blocks=num_blocks,
+            max_model_len=64,
+            kv_cache_dtype=kv_cache_dtype,
+            tensor_parallel_size=tp,
+        ),
+    )
     runner = engine.runner
-    buffers = lambda: [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.kv)  # noqa: E731
-                       for s in x.addressable_shards]
+
+    def buffers():
+        return [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.kv) for s in x.addressable_shards]
+
     pointers = buffers()
     assert len(pointers) == (2 if kv_cache_dtype == "auto" else 4) * tp
-    engine.add_request("a", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=6, n=2, seed=1,
-                                                               ignore_eos=True))
+    engine.add_request(
+        "a", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=6, n=2, seed=1, ignore_eos=True)
+    )
     batches = []
     dispatch = runner.dispatch
     runner.dispatch = lambda batch, *rest: (batches.append(batch), dispatch(batch, *rest))[1]

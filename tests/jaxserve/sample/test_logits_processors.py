@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.sample.sampler import adjust_logits, sample
 from jaxserve.spec_decode.proposers import decoding
 from scheduler import SamplingParams
@@ -31,8 +31,11 @@ def with_bias(m, bias, history_width=4):
     """`m` in the token-bias variant: `bias` [S, V], no history (penalties off)."""
     rows = bias.shape[0]
     m.token_bias = np.asarray(bias, np.float32)
-    m.history, m.history_lens, m.prompt_lens = (np.zeros((rows, history_width), np.int32),
-                                                np.zeros(rows, np.int32), np.zeros(rows, np.int32))
+    m.history, m.history_lens, m.prompt_lens = (
+        np.zeros((rows, history_width), np.int32),
+        np.zeros(rows, np.int32),
+        np.zeros(rows, np.int32),
+    )
     return m
 
 
@@ -115,8 +118,14 @@ def test_draws_over_allowed_ids_follow_the_renormalized_softmax():
 
 
 def make_engine(loaded, **kw):
-    cfg = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=256, max_model_len=128,
-               token_buckets=(4, 16, 64))
+    cfg = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_blocks=256,
+        max_model_len=128,
+        token_buckets=(4, 16, 64),
+    )
     return LLMEngine(loaded, EngineConfig(**{**cfg, **kw}))
 
 
@@ -153,8 +162,13 @@ def test_a_large_bias_makes_greedy_emit_the_token(eng):
 
 def test_sampled_tokens_stay_in_allowed_token_ids(eng):
     allowed = [4, 9, 23, 50, 77]
-    outs = generate(eng, [(PROMPT, SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True,
-                                                  allowed_token_ids=allowed)) for s in range(6)])
+    outs = generate(
+        eng,
+        [
+            (PROMPT, SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed))
+            for s in range(6)
+        ],
+    )
     assert all(set(out) <= set(allowed) for out in outs)
     assert len({t for out in outs for t in out}) > 1  # really sampled, not one forced token
 
@@ -180,9 +194,14 @@ def test_free_requests_batched_with_constrained_ones_are_unchanged(eng):
     free = [greedy(max_tokens=10), SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True)] * 3
     alone = [generate(eng, [(p, sp)])[0] for p, sp in zip(prompts, free)]
     word = eng.tokenizer.decode([alone[0][3]])
-    constrained = [greedy(logit_bias={10: 50.0}), greedy(allowed_token_ids=[6, 7, 8]), greedy(bad_words=[word]),
-                   SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logit_bias={"11": -5},
-                                  repetition_penalty=1.3)]
+    constrained = [
+        greedy(logit_bias={10: 50.0}),
+        greedy(allowed_token_ids=[6, 7, 8]),
+        greedy(bad_words=[word]),
+        SamplingParams(
+            temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logit_bias={"11": -5}, repetition_penalty=1.3
+        ),
+    ]
     compiles = eng.compilations
     outs = generate(eng, [(p, sp) for p, sp in zip(prompts, free)] + [(prompts[0], sp) for sp in constrained])
     assert outs[: len(free)] == alone
@@ -191,8 +210,10 @@ def test_free_requests_batched_with_constrained_ones_are_unchanged(eng):
 
 
 def test_out_of_vocabulary_ids_are_refused(eng):
-    for fields, name in [(dict(logit_bias={VOCAB: 1.0}), "logit_bias"),
-                         (dict(allowed_token_ids=[3, VOCAB + 5]), "allowed_token_ids")]:
+    for fields, name in [
+        (dict(logit_bias={VOCAB: 1.0}), "logit_bias"),
+        (dict(allowed_token_ids=[3, VOCAB + 5]), "allowed_token_ids"),
+    ]:
         with pytest.raises(ValueError, match=f"^{name} must"):
             eng.add_request("bad", PROMPT, greedy(**fields))
     assert not eng.has_unfinished()
@@ -222,18 +243,31 @@ class FreeProposer:
 def test_speculative_decoding_keeps_the_constraints(tiny_llama_tok, eng):
     """Verifying drafts applies the same bias to the target (bad words also counting the
     drafts before each position): outputs equal those without speculation."""
-    spec = make_engine(tiny_llama_tok, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(4, 16),
-                       speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                           "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    spec = make_engine(
+        tiny_llama_tok,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        token_buckets=(4, 16),
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    )
     (free,) = generate(eng, [(PROMPT, greedy(max_tokens=16))])
     spec.proposer = proposer = FreeProposer(spec.config.speculative_config, free)
     words = [eng.tokenizer.decode(free[2:4]), eng.tokenizer.decode(free[8:10])]
-    requests = [(PROMPT, greedy(max_tokens=16, bad_words=words)),
-                (PROMPT, greedy(max_tokens=16, logit_bias={free[5]: -100, 30: 4.0})),
-                (PROMPT, greedy(max_tokens=16, allowed_token_ids=sorted(set(free[1:]))))]
+    requests = [
+        (PROMPT, greedy(max_tokens=16, bad_words=words)),
+        (PROMPT, greedy(max_tokens=16, logit_bias={free[5]: -100, 30: 4.0})),
+        (PROMPT, greedy(max_tokens=16, allowed_token_ids=sorted(set(free[1:])))),
+    ]
     assert generate(spec, requests) == [generate(eng, [r])[0] for r in requests]
     # Sampled, the tokens differ from a run without drafts (other draws), but not the rule.
-    sampled = [(PROMPT, SamplingParams(temperature=0.5, seed=s, max_tokens=16, ignore_eos=True, bad_words=words))
-               for s in range(4)]
+    sampled = [
+        (PROMPT, SamplingParams(temperature=0.5, seed=s, max_tokens=16, ignore_eos=True, bad_words=words))
+        for s in range(4)
+    ]
     assert not any(contains(out, free[2:4]) or contains(out, free[8:10]) for out in generate(spec, sampled))
     assert proposer.proposed > 0

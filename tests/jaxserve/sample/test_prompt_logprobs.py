@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.engine.outputs import Logprob
 from scheduler import SamplingParams
 
@@ -21,8 +21,7 @@ PROMPTS = [np.random.default_rng(s).integers(3, VOCAB, n).tolist() for s, n in (
 
 def engine(loaded, **kw):
     # No warm-up: only the programs these few steps use are compiled.
-    cfg = dict(max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_blocks=128, max_model_len=96,
-               warm_up=False)
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_blocks=128, max_model_len=96, warm_up=False)
     return LLMEngine(loaded, EngineConfig(**{**cfg, **kw}))
 
 
@@ -33,8 +32,7 @@ def hf_logprobs(tiny_llama_dir):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        return {tuple(p): torch.log_softmax(model(torch.tensor([p])).logits[0].double(), -1).numpy()
-                for p in PROMPTS}
+        return {tuple(p): torch.log_softmax(model(torch.tensor([p])).logits[0].double(), -1).numpy() for p in PROMPTS}
 
 
 def run(eng, requests):
@@ -111,7 +109,7 @@ def test_preemption_does_not_repeat_positions(tiny_llama, hf_logprobs):
     requests = [(p, params(2, max_tokens=24)) for p in PROMPTS]
     outs = run(eng, requests)
     assert eng.scheduler.num_preemptions > 0
-    for out, (prompt, p) in zip(outs, requests):
+    for out, (prompt, _p) in zip(outs, requests):
         check_against_hf(prompt, out.prompt_logprobs, 2, hf_logprobs[tuple(prompt)])
 
 

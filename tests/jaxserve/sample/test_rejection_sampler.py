@@ -26,11 +26,27 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sample.sampler import MAX_LOGPROBS, SamplingMetadata, sample
 from jaxserve.sample.rejection_sampler import verify
+from jaxserve.sample.sampler import MAX_LOGPROBS, SamplingMetadata, sample
 from tests.sampling_oracle import (
-    DRAFT, IGNORED_POSITION, LENGTH, PROMPT, SETTINGS, STOP, TARGET, V, Fit, Setting, draw, goodness_of_fit,
-    log_softmax, meta, penalized, seed_words, softmax, table_rows,
+    DRAFT,
+    IGNORED_POSITION,
+    LENGTH,
+    PROMPT,
+    SETTINGS,
+    STOP,
+    TARGET,
+    Fit,
+    Setting,
+    V,
+    draw,
+    goodness_of_fit,
+    log_softmax,
+    meta,
+    penalized,
+    seed_words,
+    softmax,
+    table_rows,
 )
 
 verify_jit = jax.jit(verify)
@@ -88,23 +104,40 @@ def generate(setting: Setting, drafts: str, told: str, verify_fn=verify_jit, see
             logits[:, j] = table_rows(TARGET, tokens, count + offset[:, j])
             logits[j > num_drafts, j] = IGNORED_POSITION
         output_index = (count[:, None] + offset).reshape(-1)
-        fields = dict(temperature=setting.temperature, top_k=setting.top_k,
-                      seeds=np.repeat(seeds, K + 1, axis=0), sample_index=np.repeat(sample_index, K + 1),
-                      output_index=output_index, ban=output_index < setting.min_tokens,
-                      banned_token_ids=np.full((n * (K + 1), 4), STOP))
+        fields = dict(
+            temperature=setting.temperature,
+            top_k=setting.top_k,
+            seeds=np.repeat(seeds, K + 1, axis=0),
+            sample_index=np.repeat(sample_index, K + 1),
+            output_index=output_index,
+            ban=output_index < setting.min_tokens,
+            banned_token_ids=np.full((n * (K + 1), 4), STOP),
+        )
         if setting.penalties:
             history = np.concatenate([np.tile(PROMPT, (n, 1)), tokens], axis=1)
-            fields.update(presence_penalty=setting.presence, frequency_penalty=setting.frequency,
-                          repetition_penalty=setting.repetition, history=np.repeat(history, K + 1, axis=0),
-                          history_lens=len(PROMPT) + output_index, prompt_lens=np.full(n * (K + 1), len(PROMPT)))
+            fields.update(
+                presence_penalty=setting.presence,
+                frequency_penalty=setting.frequency,
+                repetition_penalty=setting.repetition,
+                history=np.repeat(history, K + 1, axis=0),
+                history_lens=len(PROMPT) + output_index,
+                prompt_lens=np.full(n * (K + 1), len(PROMPT)),
+            )
         claimed = dict(q=draft_probs, nothing=None, uniform=np.full_like(draft_probs, 1 / V))[told]
-        out = verify_fn(logits.reshape(n * (K + 1), V), metadata(n * (K + 1), **fields),
-                        draft_ids.astype(np.int32), num_drafts.astype(np.int32), claimed)
+        out = verify_fn(
+            logits.reshape(n * (K + 1), V),
+            metadata(n * (K + 1), **fields),
+            draft_ids.astype(np.int32),
+            num_drafts.astype(np.int32),
+            claimed,
+        )
         emitted, num = np.asarray(out.token_ids), np.asarray(out.num_tokens)
         assert ((1 <= num) & (num <= num_drafts + 1)).all()
-        np.testing.assert_array_equal(np.where(np.arange(K)[None, :] < num[:, None] - 1, emitted[:, :K], 0),
-                                      np.where(np.arange(K)[None, :] < num[:, None] - 1, draft_ids, 0),
-                                      "the tokens before the last must be the accepted drafts")
+        np.testing.assert_array_equal(
+            np.where(np.arange(K)[None, :] < num[:, None] - 1, emitted[:, :K], 0),
+            np.where(np.arange(K)[None, :] < num[:, None] - 1, draft_ids, 0),
+            "the tokens before the last must be the accepted drafts",
+        )
         for j in range(K + 1):
             writes = (count < LENGTH) & (j < num)
             tokens[rows[writes], count[writes] + j] = emitted[writes, j]
@@ -174,8 +207,9 @@ S = R * (K_ + 1)  # sampling rows
 
 def rows_metadata(**fields) -> SamplingMetadata:
     """S rows; a penalty history (empty unless given), which penalties left off ignore."""
-    history = dict(history=np.zeros((S, W_), np.int32), history_lens=np.zeros(S, np.int32),
-                   prompt_lens=np.zeros(S, np.int32))
+    history = dict(
+        history=np.zeros((S, W_), np.int32), history_lens=np.zeros(S, np.int32), prompt_lens=np.zeros(S, np.int32)
+    )
     return metadata(S, **{**history, **fields})
 
 
@@ -251,8 +285,9 @@ def test_greedy_rows_accept_the_longest_prefix_equal_to_the_argmax(with_draft_pr
     want = greedy_oracle(logits, draft_ids, num_drafts)
     lengths = np.array([len(w) for w in want])
     assert set(lengths) == set(range(1, K_ + 2)), "every acceptance length occurs"
-    assert ((lengths == num_drafts + 1) & (num_drafts < K_) & (draft_ids[:, -1] == best[:, K_ - 1])).any(), \
+    assert ((lengths == num_drafts + 1) & (num_drafts < K_) & (draft_ids[:, -1] == best[:, K_ - 1])).any(), (
         "some rows ran out of drafts before K, with an acceptable draft after them"
+    )
 
     all_greedy = rows_metadata(temperature=0.0)
     check_rows(verify_jit(logits, all_greedy, draft_ids, num_drafts, draft_probs), want, range(R))
@@ -261,8 +296,10 @@ def test_greedy_rows_accept_the_longest_prefix_equal_to_the_argmax(with_draft_pr
     mixed = rows_metadata(temperature=per_position(np.arange(R) % 2), output_index=np.tile(np.arange(K_ + 1), R))
     out = verify_jit(logits, mixed, draft_ids, num_drafts, draft_probs)
     check_rows(out, want, range(0, R, 2))
-    sampled = [w != t[:n].tolist() for w, t, n in zip(want[1::2], np.asarray(out.token_ids)[1::2],
-                                                     np.asarray(out.num_tokens)[1::2])]
+    sampled = [
+        w != t[:n].tolist()
+        for w, t, n in zip(want[1::2], np.asarray(out.token_ids)[1::2], np.asarray(out.num_tokens)[1::2])
+    ]
     assert np.mean(sampled) > 0.2, "the sampled rows were not sampled"
 
 
@@ -281,15 +318,22 @@ def test_rows_without_drafts_draw_what_the_sampler_draws():
     kind = per_position(np.arange(R) % 5)  # per request: greedy, plain, top-k, top-p, min-p + top-k
     penalties = per_position(np.arange(R) % 3 == 0)  # on for a third of the requests
     meta = rows_metadata(
-        temperature=np.array([0.0, 1.0, 0.8, 1.3, 0.6])[kind], top_k=np.array([0, 0, 3, 0, 5])[kind],
-        top_p=np.array([1, 1, 1, 0.7, 1])[kind], min_p=np.array([0, 0, 0, 0, 0.1])[kind],
-        presence_penalty=0.6 * penalties, frequency_penalty=0.3 * penalties, repetition_penalty=1 + 0.4 * penalties,
+        temperature=np.array([0.0, 1.0, 0.8, 1.3, 0.6])[kind],
+        top_k=np.array([0, 0, 3, 0, 5])[kind],
+        top_p=np.array([1, 1, 1, 0.7, 1])[kind],
+        min_p=np.array([0, 0, 0, 0, 0.1])[kind],
+        presence_penalty=0.6 * penalties,
+        frequency_penalty=0.3 * penalties,
+        repetition_penalty=1 + 0.4 * penalties,
         history=per_position(history_for(rng, num_prompt, num_output, draft_ids)),
         history_lens=(num_prompt[:, None] + num_output[:, None] + offset).reshape(-1),
         prompt_lens=per_position(num_prompt),
-        seeds=per_position(seed_words(rng.integers(0, 2**63, R))), sample_index=per_position(rng.integers(0, 4, R)),
+        seeds=per_position(seed_words(rng.integers(0, 2**63, R))),
+        sample_index=per_position(rng.integers(0, 4, R)),
         output_index=(num_output[:, None] + offset).reshape(-1),
-        ban=per_position(rng.random(R) < 0.3), banned_token_ids=np.tile([1, 2, 1, 1], (S, 1)))
+        ban=per_position(rng.random(R) < 0.3),
+        banned_token_ids=np.tile([1, 2, 1, 1], (S, 1)),
+    )
     out = verify_jit(logits, meta, draft_ids, num_drafts)
     tokens, num = np.asarray(out.token_ids), np.asarray(out.num_tokens)
     plain = np.asarray(sample_jit(logits, meta).token_ids).reshape(R, K_ + 1)
@@ -313,13 +357,19 @@ def test_logprobs_are_those_of_the_raw_model_output():
     draft_ids = np.where(rng.random((R, K_)) < 0.7, best[:, :K_], rng.integers(0, V_, (R, K_))).astype(np.int32)
     num_drafts = rng.integers(0, K_ + 1, R).astype(np.int32)
     offset, num_prompt, num_output = verify_layout(rng, num_drafts)
-    fields = dict(temperature=per_position(np.array([0.0, 0.5, 1.0])[np.arange(R) % 3]), top_k=8,
-                  presence_penalty=0.5, repetition_penalty=1.2,
-                  history=per_position(history_for(rng, num_prompt, num_output, draft_ids)),
-                  history_lens=(num_prompt[:, None] + num_output[:, None] + offset).reshape(-1),
-                  prompt_lens=per_position(num_prompt), ban=per_position(np.arange(R) % 4 == 0),
-                  banned_token_ids=np.tile([5, 7, 5, 5], (S, 1)),
-                  seeds=seed_words(rng.integers(0, 2**63, S)), output_index=np.tile(np.arange(K_ + 1), R))
+    fields = dict(
+        temperature=per_position(np.array([0.0, 0.5, 1.0])[np.arange(R) % 3]),
+        top_k=8,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+        history=per_position(history_for(rng, num_prompt, num_output, draft_ids)),
+        history_lens=(num_prompt[:, None] + num_output[:, None] + offset).reshape(-1),
+        prompt_lens=per_position(num_prompt),
+        ban=per_position(np.arange(R) % 4 == 0),
+        banned_token_ids=np.tile([5, 7, 5, 5], (S, 1)),
+        seeds=seed_words(rng.integers(0, 2**63, S)),
+        output_index=np.tile(np.arange(K_ + 1), R),
+    )
     out = verify_jit(logits, rows_metadata(want_logprobs=np.bool_(True), **fields), draft_ids, num_drafts)
     raw = log_softmax(logits).reshape(R, K_ + 1, V_)
     tokens, num = np.asarray(out.token_ids), np.asarray(out.num_tokens)
@@ -378,14 +428,21 @@ def test_banned_tokens_are_never_emitted_where_banned(mode):
     for r in range(R):
         history[r, : len(known[r])] = known[r]
     meta = rows_metadata(
-        temperature=0.0 if mode == "greedy" else 1.0, ban=banned.reshape(-1),
+        temperature=0.0 if mode == "greedy" else 1.0,
+        ban=banned.reshape(-1),
         banned_token_ids=np.tile([stop, other_stop, stop, stop], (S, 1)),  # as the batch builder pads
-        seeds=seed_words(rng.integers(0, 2**63, S)), output_index=output_index.reshape(-1),
-        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-        history=per_position(history), history_lens=(num_prompt[:, None] + output_index).reshape(-1),
-        prompt_lens=per_position(num_prompt))
-    out = verify_jit(logits.reshape(S, V_), meta, draft_ids, num_drafts,
-                     draft_probs if mode == "model-drafts" else None)
+        seeds=seed_words(rng.integers(0, 2**63, S)),
+        output_index=output_index.reshape(-1),
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        history=per_position(history),
+        history_lens=(num_prompt[:, None] + output_index).reshape(-1),
+        prompt_lens=per_position(num_prompt),
+    )
+    out = verify_jit(
+        logits.reshape(S, V_), meta, draft_ids, num_drafts, draft_probs if mode == "model-drafts" else None
+    )
     tokens, num = np.asarray(out.token_ids), np.asarray(out.num_tokens)
     emitted = np.arange(K_ + 1)[None, :] < num[:, None]
     assert (emitted & banned)[:, 1:].sum() > 50, "banned positions past the first are checked"

@@ -29,8 +29,9 @@ def target_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
 sample_jit = jax.jit(sample)
 
 
-@pytest.mark.parametrize("filters", [dict(), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.2),
-                                     dict(top_k=5, top_p=0.8, min_p=0.05)])
+@pytest.mark.parametrize(
+    "filters", [dict(), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.2), dict(top_k=5, top_p=0.8, min_p=0.05)]
+)
 def test_draws_follow_the_target_distribution(filters):
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 1.5, V).astype(np.float32)
@@ -75,13 +76,20 @@ def test_penalties_match_their_definition():
     logits = rng.normal(size=(2, V)).astype(np.float32)
     history = np.array([[1, 2, 2, 4, 4, 4, 0], [5, 5, 6, 0, 0, 0, 0]], np.int32)
     lens, prompt_lens = np.array([6, 3]), np.array([2, 1])  # row 0: prompt [1, 2], output [2, 4, 4, 4]
-    m = meta(2, presence_penalty=[0.5, 1.0], frequency_penalty=[0.3, 0.1], repetition_penalty=[1.5, 2.0],
-             history=history, history_lens=lens, prompt_lens=prompt_lens)
+    m = meta(
+        2,
+        presence_penalty=[0.5, 1.0],
+        frequency_penalty=[0.3, 0.1],
+        repetition_penalty=[1.5, 2.0],
+        history=history,
+        history_lens=lens,
+        prompt_lens=prompt_lens,
+    )
     got = np.asarray(apply_penalties(logits, m))
     want = logits.astype(np.float64).copy()
     for r in range(2):
         tokens = history[r, : lens[r]]
-        output = tokens[prompt_lens[r]:]
+        output = tokens[prompt_lens[r] :]
         rep = m.repetition_penalty[r]
         for t in set(tokens.tolist()):  # repetition: prompt and output
             want[r, t] = want[r, t] / rep if want[r, t] > 0 else want[r, t] * rep
@@ -114,8 +122,9 @@ def test_filters_on_a_large_vocabulary_equal_the_numpy_statement(kind):
     scale = 6.0 if kind == "peaked" else 0.05
     logits = (rng.normal(size=(4, vocab)) * scale).astype(np.float32)
     settings = [dict(top_p=0.9), dict(top_k=50, top_p=0.7), dict(top_k=1000), dict(top_k=400, top_p=0.95)]
-    m = meta(4, temperature=1.0, top_p=[s.get("top_p", 1.0) for s in settings],
-             top_k=[s.get("top_k", 0) for s in settings])
+    m = meta(
+        4, temperature=1.0, top_p=[s.get("top_p", 1.0) for s in settings], top_k=[s.get("top_k", 0) for s in settings]
+    )
     got = np.isfinite(np.asarray(jax.jit(_filter)(logits, m)))
     for row, s in enumerate(settings):
         z = logits[row].astype(np.float64)
@@ -158,8 +167,9 @@ def test_samples_of_one_seed_are_not_other_seeds_samples():
     assert len(set(keys.values())) == len(keys)
     # Below 2**32 the seed's words are those of jax.random.key(seed) itself.
     want = jax.random.fold_in(jax.random.fold_in(jax.random.key(7), 2), 5)
-    np.testing.assert_array_equal(jax.random.key_data(sample_key(seed_words(7), np.int32(2), np.int32(5))),
-                                  jax.random.key_data(want))
+    np.testing.assert_array_equal(
+        jax.random.key_data(sample_key(seed_words(7), np.int32(2), np.int32(5))), jax.random.key_data(want)
+    )
     # The full 64 bits count: seeds that differ only in the high word draw differently.
     hi = sample_key(seed_words(7 + (1 << 40)), np.int32(2), np.int32(5))
     assert not np.array_equal(jax.random.key_data(hi), jax.random.key_data(want))
@@ -175,9 +185,19 @@ def test_filters_keep_exactly_the_documented_set_when_logits_tie(dtype):
 
     vocab = 3000
     rng = np.random.default_rng(7)
-    settings = [dict(top_k=1), dict(top_k=5), dict(top_k=256), dict(top_k=700), dict(top_p=0.3), dict(top_p=0.9),
-                dict(top_k=40, top_p=0.5), dict(top_k=256, top_p=0.97), dict(min_p=0.3), dict(top_k=30, min_p=0.1),
-                dict(top_p=0.999)]
+    settings = [
+        dict(top_k=1),
+        dict(top_k=5),
+        dict(top_k=256),
+        dict(top_k=700),
+        dict(top_p=0.3),
+        dict(top_p=0.9),
+        dict(top_k=40, top_p=0.5),
+        dict(top_k=256, top_p=0.97),
+        dict(min_p=0.3),
+        dict(top_k=30, min_p=0.1),
+        dict(top_p=0.999),
+    ]
     rows = []
     for i in range(len(settings)):
         x = rng.normal(size=vocab) * (3.0 if i % 2 else 0.7)
@@ -190,8 +210,12 @@ def test_filters_keep_exactly_the_documented_set_when_logits_tie(dtype):
             x[order[k]] = x[order[k - 1]]
         rows.append(x)
     logits = np.stack(rows)
-    m = meta(len(settings), top_k=[s.get("top_k", 0) for s in settings],
-             top_p=[s.get("top_p", 1.0) for s in settings], min_p=[s.get("min_p", 0.0) for s in settings])
+    m = meta(
+        len(settings),
+        top_k=[s.get("top_k", 0) for s in settings],
+        top_p=[s.get("top_p", 1.0) for s in settings],
+        min_p=[s.get("min_p", 0.0) for s in settings],
+    )
     got = np.isfinite(np.asarray(jax.jit(_filter)(logits, m)))
     for row, s in enumerate(settings):
         want = kept_by_documentation(logits[row], s.get("top_k", 0), s.get("top_p", 1.0), s.get("min_p", 0.0))

@@ -13,7 +13,7 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from scheduler import SamplingParams
 from tests.sampling_oracle import target_distribution
 
@@ -24,8 +24,17 @@ NUM_SAMPLES = 20_000
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     # One token bucket: every step is padded to 512 tokens, but only one program compiles.
-    return LLMEngine(tiny_llama, EngineConfig(max_num_seqs=256, max_num_batched_tokens=512, token_buckets=(512,),
-                                              block_size=4, num_blocks=1024, max_model_len=32))
+    return LLMEngine(
+        tiny_llama,
+        EngineConfig(
+            max_num_seqs=256,
+            max_num_batched_tokens=512,
+            token_buckets=(512,),
+            block_size=4,
+            num_blocks=1024,
+            max_model_len=32,
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +45,9 @@ def hf_logits(tiny_llama_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("filters", [dict(), dict(top_p=0.8), dict(top_k=10), dict(min_p=0.05),
-                                     dict(top_k=30, top_p=0.9, min_p=0.02)])
+@pytest.mark.parametrize(
+    "filters", [dict(), dict(top_p=0.8), dict(top_k=10), dict(min_p=0.05), dict(top_k=30, top_p=0.9, min_p=0.02)]
+)
 def test_first_tokens_follow_the_softmax(engine, hf_logits, filters):
     params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, **filters)
     for i in range(NUM_SAMPLES):

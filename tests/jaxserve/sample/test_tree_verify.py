@@ -20,14 +20,27 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sample.sampler import MAX_LOGPROBS, sample
 from jaxserve.sample import tree_verify
 from jaxserve.sample.rejection_sampler import verify
-from scheduler.draft_tree import DraftTree
+from jaxserve.sample.sampler import MAX_LOGPROBS, sample
 from jaxserve.sample.tree_verify import verify_tree
+from scheduler.draft_tree import DraftTree
 from tests.sampling_oracle import (
-    DRAFT, IGNORED_POSITION, LENGTH, PROMPT, SETTINGS, STOP, TARGET, V, Setting, draw, goodness_of_fit,
-    log_softmax, meta, seed_words, table_rows,
+    DRAFT,
+    IGNORED_POSITION,
+    LENGTH,
+    PROMPT,
+    SETTINGS,
+    STOP,
+    TARGET,
+    Setting,
+    V,
+    draw,
+    goodness_of_fit,
+    log_softmax,
+    meta,
+    seed_words,
+    table_rows,
 )
 
 verify_tree_jit = jax.jit(verify_tree, static_argnames="tree")
@@ -40,6 +53,7 @@ TREE = DraftTree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1)]
 # --------------------------------------------------------------------------------------
 # The static tree
 # --------------------------------------------------------------------------------------
+
 
 def test_positions_parents_depths_and_masks_by_hand():
     """            0
@@ -65,20 +79,23 @@ def test_positions_parents_depths_and_masks_by_hand():
     assert chain.ancestor_mask[-1] == -1 and chain.ancestor_mask[3] == 0b1111
 
 
-@pytest.mark.parametrize("choices, message", [
-    ([], "at least one node"),
-    ([(0,), (0,)], "duplicate"),
-    ([(0,), (0, 1, 0)], "no parent"),
-    ([(1,)], "ranks"),
-    ([(0,), (2,)], "ranks"),
-    ([(0,), (-1,)], "ranks"),
-    ([(0,) * d for d in range(1, 33)], "at most 31"),
-    ([(0.0,)], "int"),
-    ([("0",)], "int"),
-    ([(True,)], "int"),
-    ([0, 1], "int"),
-    ([(), (0,)], "root"),
-])
+@pytest.mark.parametrize(
+    "choices, message",
+    [
+        ([], "at least one node"),
+        ([(0,), (0,)], "duplicate"),
+        ([(0,), (0, 1, 0)], "no parent"),
+        ([(1,)], "ranks"),
+        ([(0,), (2,)], "ranks"),
+        ([(0,), (-1,)], "ranks"),
+        ([(0,) * d for d in range(1, 33)], "at most 31"),
+        ([(0.0,)], "int"),
+        ([("0",)], "int"),
+        ([(True,)], "int"),
+        ([0, 1], "int"),
+        ([(), (0,)], "root"),
+    ],
+)
 def test_malformed_trees_are_refused(choices, message):
     with pytest.raises(ValueError, match=message):
         DraftTree.from_choices(choices)
@@ -161,20 +178,37 @@ def generate(setting: Setting, drafts: str, told: str, verify_fn=verify_tree_jit
         context, lengths, draft_ids, draft_probs = propose(tree, tokens, count, drafts, rng)
         logits = np.zeros((n, positions, V), np.float32)
         for i in range(positions):
-            logits[:, i] = np.where(valid[:, i, None], table_rows(TARGET, context[:, i], lengths[:, i]),
-                                    IGNORED_POSITION)
+            logits[:, i] = np.where(
+                valid[:, i, None], table_rows(TARGET, context[:, i], lengths[:, i]), IGNORED_POSITION
+            )
         output_index = lengths.reshape(-1)
-        fields = dict(temperature=setting.temperature, top_k=setting.top_k,
-                      seeds=np.repeat(seeds, positions, axis=0), sample_index=np.repeat(sample_index, positions),
-                      output_index=output_index, ban=output_index < setting.min_tokens,
-                      banned_token_ids=np.full((n * positions, 4), STOP))
+        fields = dict(
+            temperature=setting.temperature,
+            top_k=setting.top_k,
+            seeds=np.repeat(seeds, positions, axis=0),
+            sample_index=np.repeat(sample_index, positions),
+            output_index=output_index,
+            ban=output_index < setting.min_tokens,
+            banned_token_ids=np.full((n * positions, 4), STOP),
+        )
         if setting.penalties:
             history = np.concatenate([np.tile(PROMPT, (n * positions, 1)), context.reshape(n * positions, -1)], 1)
-            fields.update(presence_penalty=setting.presence, frequency_penalty=setting.frequency,
-                          repetition_penalty=setting.repetition, history=history,
-                          history_lens=len(PROMPT) + output_index, prompt_lens=np.full(n * positions, len(PROMPT)))
-        out = verify_fn(logits.reshape(n * positions, V), meta(n * positions, **fields), tree,
-                        draft_ids.astype(np.int32), valid, draft_probs if told == "q" else None)
+            fields.update(
+                presence_penalty=setting.presence,
+                frequency_penalty=setting.frequency,
+                repetition_penalty=setting.repetition,
+                history=history,
+                history_lens=len(PROMPT) + output_index,
+                prompt_lens=np.full(n * positions, len(PROMPT)),
+            )
+        out = verify_fn(
+            logits.reshape(n * positions, V),
+            meta(n * positions, **fields),
+            tree,
+            draft_ids.astype(np.int32),
+            valid,
+            draft_probs if told == "q" else None,
+        )
         check_path(tree, out, draft_ids, valid)
         emitted, num = np.asarray(out.token_ids), np.asarray(out.num_tokens)
         for j in range(tree.max_depth + 1):
@@ -213,8 +247,9 @@ def drawing_from_p_after_a_rejection(logits, meta, tree, draft_ids, valid, draft
     rows = jax.numpy.arange(draft_ids.shape[0])
     last = from_p[rows, out.path[:, -1]]
     steps = jax.numpy.arange(tree.max_depth + 1)[None, :]
-    return dataclasses.replace(out, token_ids=jax.numpy.where(steps < out.num_tokens[:, None] - 1,
-                                                              out.token_ids, last[:, None]))
+    return dataclasses.replace(
+        out, token_ids=jax.numpy.where(steps < out.num_tokens[:, None] - 1, out.token_ids, last[:, None])
+    )
 
 
 def keeping_rejected_siblings_in_q(monkeypatch):
@@ -245,8 +280,26 @@ def test_the_distribution_test_fails_wrong_rules(wrong, monkeypatch):
 # --------------------------------------------------------------------------------------
 
 R, V_ = 2000, 24
-WIDE = DraftTree.from_choices([(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
-                               (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1)])
+WIDE = DraftTree.from_choices(
+    [
+        (0,),
+        (1,),
+        (2,),
+        (3,),
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (1, 0, 0),
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+    ]
+)
 
 
 def random_case(tree: DraftTree, seed: int, keep: float = 0.85):
@@ -302,8 +355,9 @@ def test_greedy_rows_accept_the_longest_path_of_argmaxes(tree):
 
     check(verify_tree_jit(logits, greedy, tree, draft_ids, valid), range(R))
     # Mixed with sampled rows (every other request): the greedy rows' result is unchanged.
-    mixed = meta(R * (tree.num_nodes + 1), temperature=per_position(np.arange(R) % 2, tree),
-                 output_index=np.tile(tree.depth, R))
+    mixed = meta(
+        R * (tree.num_nodes + 1), temperature=per_position(np.arange(R) % 2, tree), output_index=np.tile(tree.depth, R)
+    )
     out = verify_tree_jit(logits, mixed, tree, draft_ids, valid)
     check(out, range(0, R, 2))
     differs = [np.asarray(out.path)[r, : len(paths[r])].tolist() != paths[r] for r in range(1, R, 2)]
@@ -326,8 +380,9 @@ def test_a_chain_verifies_as_verify_does():
     for name in ("token_ids", "top_logprob_ids"):
         np.testing.assert_array_equal(np.asarray(getattr(out, name))[emitted], np.asarray(getattr(want, name))[emitted])
     for name in ("logprobs", "top_logprobs"):
-        np.testing.assert_allclose(np.asarray(getattr(out, name))[emitted], np.asarray(getattr(want, name))[emitted],
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(getattr(out, name))[emitted], np.asarray(getattr(want, name))[emitted], atol=1e-6
+        )
 
 
 def test_draws_without_a_rejection_are_the_samplers_and_logprobs_are_raw():
@@ -338,9 +393,14 @@ def test_draws_without_a_rejection_are_the_samplers_and_logprobs_are_raw():
     positions = tree.num_nodes + 1
     rng, logits, draft_ids, valid = random_case(tree, seed=6, keep=0.6)
     kind = per_position(np.arange(R) % 4, tree)  # greedy, plain, top-k, top-p
-    fields = dict(temperature=np.array([0.0, 1.0, 0.8, 1.3])[kind], top_k=np.array([0, 0, 3, 0])[kind],
-                  top_p=np.array([1, 1, 1, 0.7])[kind], seeds=per_position(seed_words(rng.integers(0, 2**63, R)), tree),
-                  sample_index=per_position(rng.integers(0, 4, R), tree), output_index=np.tile(tree.depth, R) + 5)
+    fields = dict(
+        temperature=np.array([0.0, 1.0, 0.8, 1.3])[kind],
+        top_k=np.array([0, 0, 3, 0])[kind],
+        top_p=np.array([1, 1, 1, 0.7])[kind],
+        seeds=per_position(seed_words(rng.integers(0, 2**63, R)), tree),
+        sample_index=per_position(rng.integers(0, 4, R), tree),
+        output_index=np.tile(tree.depth, R) + 5,
+    )
     out = verify_tree_jit(logits, meta(R * positions, want_logprobs=np.bool_(True), **fields), tree, draft_ids, valid)
     check_path(tree, out, draft_ids, valid)
     tokens, num, path = np.asarray(out.token_ids), np.asarray(out.num_tokens), np.asarray(out.path)

@@ -13,8 +13,15 @@ import pytest
 from flax import nnx
 
 from jaxserve import train_draft as td
-from jaxserve.spec_decode.heads import (EagleHead, MedusaHeads, load_heads, make_heads, prefill_inputs, save_heads,
-                                         trainable_attention)
+from jaxserve.spec_decode.heads import (
+    EagleHead,
+    MedusaHeads,
+    load_heads,
+    make_heads,
+    prefill_inputs,
+    save_heads,
+    trainable_attention,
+)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 K = 3
@@ -38,8 +45,9 @@ def _params(module) -> list[np.ndarray]:
 def trained(request, tiny_llama, corpus):
     train, _ = corpus
     before = _params(tiny_llama.model)
-    settings = td.Settings(method=request.param, num_heads=K, steps=60, batch=64, lr=1e-2 if request.param == "medusa"
-                           else 3e-3)
+    settings = td.Settings(
+        method=request.param, num_heads=K, steps=60, batch=64, lr=1e-2 if request.param == "medusa" else 3e-3
+    )
     heads = make_heads(request.param, tiny_llama.config, K)
     losses = td.train_heads(heads, tiny_llama.model, train, settings)
     return heads, losses, before
@@ -65,8 +73,13 @@ def test_heads_beat_ngram_where_there_is_nothing_to_copy(trained, tiny_llama, co
 
 def test_save_load_round_trips_bitwise(trained, tiny_llama, tmp_path):
     heads, _, _ = trained
-    info = {"method": "medusa" if isinstance(heads, MedusaHeads) else "eagle", "num_heads": K,
-            "target_source": "tiny", "target_config": dataclasses.asdict(tiny_llama.config), "settings": {}}
+    info = {
+        "method": "medusa" if isinstance(heads, MedusaHeads) else "eagle",
+        "num_heads": K,
+        "target_source": "tiny",
+        "target_config": dataclasses.asdict(tiny_llama.config),
+        "settings": {},
+    }
     save_heads(tmp_path / "heads", heads, info)
     loaded, loaded_info = load_heads(tmp_path / "heads", tiny_llama.config)
     assert type(loaded) is type(heads) and loaded_info["num_heads"] == K
@@ -88,8 +101,17 @@ def test_trainable_attention_matches_the_serving_reference(tiny_llama, corpus):
     rows, length = 2, train.tokens.shape[1]
     batch = td.eagle_batch(train.subset(slice(0, rows)))
     inputs = prefill_inputs([length] * rows, length)
-    outs = [head(tiny_llama.model, batch["features"], batch["next_ids"], inputs, head.allocate_kv(1 + rows * length, 1),
-                 attention)[0] for attention in (trainable_attention, ragged_paged_attention_reference)]
+    outs = [
+        head(
+            tiny_llama.model,
+            batch["features"],
+            batch["next_ids"],
+            inputs,
+            head.allocate_kv(1 + rows * length, 1),
+            attention,
+        )[0]
+        for attention in (trainable_attention, ragged_paged_attention_reference)
+    ]
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
@@ -101,22 +123,30 @@ def test_eagle_chains_match_a_fresh_prefill_of_each_chain(tiny_llama, corpus):
     drafts = td.head_drafts(head, tiny_llama.model, one, K)[0]
     model, h, x = tiny_llama.model, one.features[0], one.tokens[0]
     for t in (int(one.starts[0]), int(one.lengths[0]) - 4):
-        feats, ids = list(h[:t + 1]), list(x[1:t + 2])
+        feats, ids = list(h[: t + 1]), list(x[1 : t + 2])
         for s in range(K):
             n = len(ids)
-            f, _ = head(model, jnp.asarray(np.stack(feats)), jnp.asarray(ids), prefill_inputs([n], n),
-                        head.allocate_kv(1 + n, 1))
+            f, _ = head(
+                model,
+                jnp.asarray(np.stack(feats)),
+                jnp.asarray(ids),
+                prefill_inputs([n], n),
+                head.allocate_kv(1 + n, 1),
+            )
             token = int(jnp.argmax(model.logits(f[-1:]), -1)[0])
             assert token == drafts[t, s], (t, s)
             feats.append(np.asarray(f[-1]))
             ids.append(token)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "lookahead"], "invalid choice"),
-    (["--method", "medusa", "--steps", "0"], "--steps must be positive"),
-    (["--method", "eagle", "--prompts", "/nonexistent.jsonl"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "lookahead"], "invalid choice"),
+        (["--method", "medusa", "--steps", "0"], "--steps must be positive"),
+        (["--method", "eagle", "--prompts", "/nonexistent.jsonl"], "no such file"),
+    ],
+)
 def test_bad_flags_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         td.parse_args(argv)

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.spec_decode import SpeculativeConfig
 from jaxserve.spec_decode.proposers import decoding
 from scheduler import SamplingParams
@@ -38,8 +38,14 @@ def workload(seed=0, count=24, shared_prefix=(), **overrides):
 
 
 def engine(loaded, spec=None, **kw):
-    cfg = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=256, max_model_len=128,
-               token_buckets=(4, 16, 64))  # few programs to compile
+    cfg = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_blocks=256,
+        max_model_len=128,
+        token_buckets=(4, 16, 64),
+    )  # few programs to compile
     return LLMEngine(loaded, EngineConfig(**{**cfg, **kw}, speculative_config=spec))
 
 
@@ -84,7 +90,7 @@ class OracleProposer:
             self.calls += 1
             done = req.num_output_tokens
             room = req.sampling_params.max_tokens - done - 1
-            drafts = list(self.truth[tuple(req.prompt_token_ids)][done: done + min(K, room)])
+            drafts = list(self.truth[tuple(req.prompt_token_ids)][done : done + min(K, room)])
             bad = (done * 7 + len(req.prompt_token_ids)) % (K + 2)  # K or K+1: nothing corrupted
             if bad < len(drafts):
                 drafts[bad] = (drafts[bad] + 1) % VOCAB
@@ -112,8 +118,11 @@ def plain(tiny_llama):
 
 @pytest.mark.parametrize("setting", ["batched", "chunked", "preempted"])
 def test_greedy_with_oracle_drafts_equals_plain(tiny_llama, plain, setting):
-    kw = {"batched": {}, "chunked": dict(long_prefill_token_threshold=5, max_num_batched_tokens=16),
-          "preempted": dict(num_blocks=30)}[setting]
+    kw = {
+        "batched": {},
+        "chunked": dict(long_prefill_token_threshold=5, max_num_batched_tokens=16),
+        "preempted": dict(num_blocks=30),
+    }[setting]
     prompts, params = workload()
     eng = engine(tiny_llama, NGRAM, **kw)
     oracle = with_oracle(eng, prompts, plain)
@@ -149,13 +158,17 @@ def test_prefix_cached_with_drafts_equals_plain(tiny_llama):
     assert eng.scheduler.prefix_cache_hits > 5 * 4 * 12
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(stop_token_ids=[40, 41, 42, 43, 44, 45]),  # stops in the middle of accepted runs
-    dict(min_tokens=8, stop_token_ids=[40, 41, 42, 43, 44, 45]),
-    dict(logprobs=3),
-    dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
-    dict(n=3),
-], ids=["stop-tokens", "min-tokens", "logprobs", "penalties", "n3"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(stop_token_ids=[40, 41, 42, 43, 44, 45]),  # stops in the middle of accepted runs
+        dict(min_tokens=8, stop_token_ids=[40, 41, 42, 43, 44, 45]),
+        dict(logprobs=3),
+        dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
+        dict(n=3),
+    ],
+    ids=["stop-tokens", "min-tokens", "logprobs", "penalties", "n3"],
+)
 def test_sampling_parameters_with_drafts_equal_plain(tiny_llama, overrides):
     prompts, params = workload(seed=3, count=12, **overrides)
     want = run(engine(tiny_llama), prompts, params)
@@ -195,13 +208,23 @@ def test_stop_strings_with_drafts_equal_plain(tiny_llama_tok):
 
 def test_greedy_default_model_with_ngram_equals_plain(default_model):
     """The real n-gram proposer on the real model, on text it copies."""
-    prompt = ("Repeat the sentence exactly. Sentence: The quick brown fox jumps over the lazy dog near the old "
-              "river bank. Repeat:")
+    prompt = (
+        "Repeat the sentence exactly. Sentence: The quick brown fox jumps over the lazy dog near the old "
+        "river bank. Repeat:"
+    )
     params = SamplingParams(temperature=0, max_tokens=48)
     outs = {}
     for spec in (None, NGRAM):
-        eng = LLMEngine(default_model, EngineConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
-                                                    token_buckets=(1, 8, 64), speculative_config=spec))
+        eng = LLMEngine(
+            default_model,
+            EngineConfig(
+                max_num_seqs=4,
+                max_model_len=256,
+                max_num_batched_tokens=64,
+                token_buckets=(1, 8, 64),
+                speculative_config=spec,
+            ),
+        )
         eng.add_request("r", prompt, params)
         (out,) = eng.generate_all()
         outs[json.dumps(spec)] = (out.outputs[0].token_ids, eng.scheduler.spec_stats)
@@ -210,19 +233,22 @@ def test_greedy_default_model_with_ngram_equals_plain(default_model):
     assert stats.num_accepted_tokens >= 8
 
 
-@pytest.mark.parametrize("value, message", [
-    ('{"method": "lookahead"}', "method must be one of"),
-    ('{"method": "medusa"}', "method medusa needs model"),
-    ('{"method": "ngram", "model": "x"}', "method ngram takes no model"),
-    ('{"method": "ngram", "speculative_token_tree": "[(0,), (1,)]"}', "proposes one chain"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
-    ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_max"),
-    ('{"method": "ngram", "speculative_tokens": 3}', "unknown speculative config key"),
-    ('{"num_speculative_tokens": 3}', "needs a method"),
-    ('{"method": "ngram"', "not valid JSON"),
-    ('[1, 2]', "must be a JSON object"),
-    ('{"method": "ngram", "draft_num_layers": 2}', "for method draft_model"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ('{"method": "lookahead"}', "method must be one of"),
+        ('{"method": "medusa"}', "method medusa needs model"),
+        ('{"method": "ngram", "model": "x"}', "method ngram takes no model"),
+        ('{"method": "ngram", "speculative_token_tree": "[(0,), (1,)]"}', "proposes one chain"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_max"),
+        ('{"method": "ngram", "speculative_tokens": 3}', "unknown speculative config key"),
+        ('{"num_speculative_tokens": 3}', "needs a method"),
+        ('{"method": "ngram"', "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"method": "ngram", "draft_num_layers": 2}', "for method draft_model"),
+    ],
+)
 def test_bad_speculative_config_is_refused(value, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(value)

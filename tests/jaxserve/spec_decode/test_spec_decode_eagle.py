@@ -18,7 +18,7 @@ from jaxserve import train_draft as td
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.spec_decode.heads import load_heads, make_heads, prefill_inputs, save_heads
 from scheduler import SamplingParams
-from tests.jaxserve.test_spec_decode import engine, run, tokens, workload
+from tests.jaxserve.spec_decode.test_spec_decode import engine, run, tokens, workload
 
 K = 3
 
@@ -34,9 +34,16 @@ def head_dir(tiny_llama, tmp_path_factory):
     head = make_heads("eagle", tiny_llama.config, K, seed=3)
     td.train_heads(head, tiny_llama.model, corpus, td.Settings(method="eagle", steps=60, batch=64, lr=3e-3))
     folder = tmp_path_factory.mktemp("eagle")
-    save_heads(folder / "heads", head, {"method": "eagle", "num_heads": K, "target_config": {
-        "hidden_size": tiny_llama.config.hidden_size, "vocab_size": tiny_llama.config.vocab_size},
-        "target_source": "tiny llama"})
+    save_heads(
+        folder / "heads",
+        head,
+        {
+            "method": "eagle",
+            "num_heads": K,
+            "target_config": {"hidden_size": tiny_llama.config.hidden_size, "vocab_size": tiny_llama.config.vocab_size},
+            "target_source": "tiny llama",
+        },
+    )
     return str(folder)  # train_draft's layout: <out>/heads
 
 
@@ -44,8 +51,11 @@ def spec(head_dir):
     return {"method": "eagle", "model": head_dir, "num_speculative_tokens": K}
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16, "token_buckets": (4, 16)},
-                                {"enable_prefix_caching": True}], ids=["batched", "chunked", "prefix-cached"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_num_batched_tokens": 16, "token_buckets": (4, 16)}, {"enable_prefix_caching": True}],
+    ids=["batched", "chunked", "prefix-cached"],
+)
 def test_greedy_with_eagle_equals_plain(tiny_llama, head_dir, kw):
     prompts, params = workload(seed=7, count=12, shared_prefix=[9, 4, 71, 30, 5, 66, 12] if kw else ())
     plain = run(engine(tiny_llama, **kw), prompts, params)
@@ -67,14 +77,16 @@ def head_chain(loaded, head, context: list[int]) -> list[int]:
     feats, ids, chain = list(np.asarray(hidden)), list(context[1:]), []
     for _ in range(K):
         m = len(ids)
-        f, _ = head(model, jnp.asarray(np.stack(feats)), jnp.asarray(ids), prefill_inputs([m], m),
-                    head.allocate_kv(1 + m, 1))
+        f, _ = head(
+            model, jnp.asarray(np.stack(feats)), jnp.asarray(ids), prefill_inputs([m], m), head.allocate_kv(1 + m, 1)
+        )
         chain.append(int(jnp.argmax(model.logits(f[-1:]), -1)[0]))
         feats.append(np.asarray(f[-1]))
         ids.append(chain[-1])
     return chain
 
 
+@pytest.mark.slow
 def test_every_chain_equals_the_head_run_from_scratch(tiny_llama, head_dir):
     """Record each proposal with its context (chunked prefill, verify steps), then check it."""
     eng = engine(tiny_llama, spec(head_dir), max_num_batched_tokens=16, token_buckets=(4, 16))
@@ -109,8 +121,15 @@ def test_eagle_config_is_validated(head_dir, tmp_path):
 
 def test_medusa_heads_are_refused_as_eagle(tiny_llama, tmp_path):
     heads = make_heads("medusa", tiny_llama.config, K)
-    save_heads(tmp_path, heads, {"method": "medusa", "num_heads": K, "target_config": {
-        "hidden_size": tiny_llama.config.hidden_size, "vocab_size": tiny_llama.config.vocab_size},
-        "target_source": "tiny llama"})
+    save_heads(
+        tmp_path,
+        heads,
+        {
+            "method": "medusa",
+            "num_heads": K,
+            "target_config": {"hidden_size": tiny_llama.config.hidden_size, "vocab_size": tiny_llama.config.vocab_size},
+            "target_source": "tiny llama",
+        },
+    )
     with pytest.raises(ValueError, match="not eagle ones"):
         engine(tiny_llama, {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": K})

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxserve.spec_decode.heads import make_heads, save_heads
-from tests.jaxserve.test_spec_decode import engine, run, tokens, workload
+from tests.jaxserve.spec_decode.test_spec_decode import engine, run, tokens, workload
 
 K = 3
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
@@ -25,9 +25,16 @@ def heads_dir(tiny_llama, tmp_path_factory):
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(state))))
     nnx.update(heads, jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), state))
     folder = tmp_path_factory.mktemp("medusa")
-    save_heads(folder, heads, {"method": "medusa", "num_heads": K, "target_config": {
-        "hidden_size": tiny_llama.config.hidden_size, "vocab_size": tiny_llama.config.vocab_size},
-        "target_source": "tiny llama"})
+    save_heads(
+        folder,
+        heads,
+        {
+            "method": "medusa",
+            "num_heads": K,
+            "target_config": {"hidden_size": tiny_llama.config.hidden_size, "vocab_size": tiny_llama.config.vocab_size},
+            "target_source": "tiny llama",
+        },
+    )
     return str(folder)
 
 
@@ -59,17 +66,25 @@ def test_drafts_are_the_heads_top_tokens(tiny_llama, heads_dir):
     from scheduler import SamplingParams
 
     prompt = [5, 17, 33, 8, 61, 20]
-    eng = engine(tiny_llama, {"method": "medusa", "model": heads_dir, "num_speculative_tokens": K,
-                              "speculative_token_tree": TREE})
+    eng = engine(
+        tiny_llama,
+        {"method": "medusa", "model": heads_dir, "num_speculative_tokens": K, "speculative_token_tree": TREE},
+    )
     eng.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     eng.step()  # the prefill: its last hidden state is kept
     req = eng.scheduler.requests["a"]
     eng.proposer.propose(eng.scheduler.running)
 
     n = len(prompt)
-    inputs = ModelInputs.from_numpy(input_ids=prompt, positions=np.arange(n), slot_mapping=np.arange(n) + 4,
-                                    query_start_loc=[0, n], seq_lens=[n], block_tables=[[1, 2]],
-                                    logits_indices=[n - 1])
+    inputs = ModelInputs.from_numpy(
+        input_ids=prompt,
+        positions=np.arange(n),
+        slot_mapping=np.arange(n) + 4,
+        query_start_loc=[0, n],
+        seq_lens=[n],
+        block_tables=[[1, 2]],
+        logits_indices=[n - 1],
+    )
     kv = allocate_kv_cache(tiny_llama.config, 4, 4, tiny_llama.model.dtype)
     hidden, _ = tiny_llama.model.hidden_states(inputs, kv)
     heads, _ = load_heads(heads_dir, tiny_llama.config)

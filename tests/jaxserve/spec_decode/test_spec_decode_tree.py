@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.spec_decode.proposers import decoding
 from scheduler.draft_tree import DraftTree
-from tests.jaxserve.test_spec_decode import VOCAB, OracleProposer, engine, run, tokens, workload
+from tests.jaxserve.spec_decode.test_spec_decode import VOCAB, OracleProposer, engine, run, tokens, workload
 
 CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)]
 TREE = DraftTree.from_choices(CHOICES)
@@ -63,18 +63,22 @@ def plain(tiny_llama):
 def tree_engine(loaded, monkeypatch, prompts, plain_outs, **kw):
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain_outs)}
     oracle = TreeOracleProposer(truth)
+
     def make_proposer(spec, eng):
         oracle.config = spec
         return oracle
 
-    monkeypatch.setattr("jaxserve.engine.llm_engine.make_proposer", make_proposer)
+    monkeypatch.setattr("jaxserve.engine.builder.make_proposer", make_proposer)
     return engine(loaded, SPEC, **kw), oracle
 
 
 @pytest.mark.parametrize("setting", ["batched", "chunked", "preempted"])
 def test_greedy_with_a_draft_tree_equals_plain(tiny_llama, plain, monkeypatch, setting):
-    kw = {"batched": dict(max_num_seqs=6), "chunked": dict(long_prefill_token_threshold=5, max_num_batched_tokens=16),
-          "preempted": dict(num_blocks=30)}[setting]
+    kw = {
+        "batched": dict(max_num_seqs=6),
+        "chunked": dict(long_prefill_token_threshold=5, max_num_batched_tokens=16),
+        "preempted": dict(num_blocks=30),
+    }[setting]
     prompts, params = workload()
     eng, oracle = tree_engine(tiny_llama, monkeypatch, prompts, plain, **kw)
     compiles = eng.compilations
@@ -94,21 +98,26 @@ def test_tree_config_is_validated():
 
     spec = SpeculativeConfig.parse(SPEC)
     assert spec.num_speculative_tokens == TREE.max_depth and spec.num_draft_tokens == TREE.num_nodes
-    for bad, message in [({"speculative_token_tree": "[(1,)]"}, "ranks"),
-                         ({"speculative_token_tree": "nonsense"}, "not a list of paths"),
-                         ({"speculative_token_tree": str(CHOICES), "num_speculative_tokens": 2}, "depth")]:
+    for bad, message in [
+        ({"speculative_token_tree": "[(1,)]"}, "ranks"),
+        ({"speculative_token_tree": "nonsense"}, "not a list of paths"),
+        ({"speculative_token_tree": str(CHOICES), "num_speculative_tokens": 2}, "depth"),
+    ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse({**SPEC, **bad})
 
 
-@pytest.mark.parametrize("overrides, engine_kw", [
-    (dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3), {}),  # history along the path
-    (dict(min_tokens=8, stop_token_ids=[40, 41, 42, 43, 44, 45]), {}),
-    (dict(logprobs=3), {}),
-    ({}, dict(kv_cache_dtype="int8")),  # the accepted path's scales move with its K/V
-], ids=["penalties", "min-and-stop-tokens", "logprobs", "int8-kv"])
-def test_sampling_parameters_and_8bit_kv_with_a_draft_tree_equal_plain(tiny_llama, monkeypatch, overrides,
-                                                                         engine_kw):
+@pytest.mark.parametrize(
+    "overrides, engine_kw",
+    [
+        (dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3), {}),  # history along the path
+        (dict(min_tokens=8, stop_token_ids=[40, 41, 42, 43, 44, 45]), {}),
+        (dict(logprobs=3), {}),
+        ({}, dict(kv_cache_dtype="int8")),  # the accepted path's scales move with its K/V
+    ],
+    ids=["penalties", "min-and-stop-tokens", "logprobs", "int8-kv"],
+)
+def test_sampling_parameters_and_8bit_kv_with_a_draft_tree_equal_plain(tiny_llama, monkeypatch, overrides, engine_kw):
     prompts, params = workload(seed=3, count=12, **overrides)
     want = run(engine(tiny_llama, **engine_kw), prompts, params)
     eng, _ = tree_engine(tiny_llama, monkeypatch, prompts, want, **engine_kw)

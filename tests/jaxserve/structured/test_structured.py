@@ -17,13 +17,13 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.sample.sampler import unpack_bitmask
 from jaxserve.structured import GrammarError
 from scheduler import SamplingParams, StructuredOutputsParams
-from tests.jaxserve.test_spec_decode import OracleProposer
-from tests.jaxserve.test_spec_decode_tree import SPEC as TREE_SPEC
-from tests.jaxserve.test_spec_decode_tree import TreeOracleProposer
+from tests.jaxserve.spec_decode.test_spec_decode import OracleProposer
+from tests.jaxserve.spec_decode.test_spec_decode_tree import SPEC as TREE_SPEC
+from tests.jaxserve.spec_decode.test_spec_decode_tree import TreeOracleProposer
 
 PERSON = {
     "type": "object",
@@ -38,12 +38,22 @@ PERSON = {
     "additionalProperties": False,
 }
 POINTS = {
-    "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                      "y": {"type": "integer", "minimum": 0, "maximum": 9}},
-                     "required": ["x", "y"], "additionalProperties": False}},
+    "$defs": {
+        "pt": {
+            "type": "object",
+            "properties": {
+                "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                "y": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        }
+    },
     "type": "object",
-    "properties": {"a": {"$ref": "#/$defs/pt"}, "path": {"type": "array", "items": {"$ref": "#/$defs/pt"},
-                                                         "minItems": 1, "maxItems": 2}},
+    "properties": {
+        "a": {"$ref": "#/$defs/pt"},
+        "path": {"type": "array", "items": {"$ref": "#/$defs/pt"}, "minItems": 1, "maxItems": 2},
+    },
     "required": ["a", "path"],
     "additionalProperties": False,
 }
@@ -71,8 +81,14 @@ def tiny_chars(tiny_llama_chars):
 
 
 def engine(loaded, **kw):
-    cfg = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=512, max_model_len=200,
-               token_buckets=(8, 64))  # few programs to compile
+    cfg = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_blocks=512,
+        max_model_len=200,
+        token_buckets=(8, 64),
+    )  # few programs to compile
     return LLMEngine(loaded, EngineConfig(**{**cfg, **kw}))
 
 
@@ -98,8 +114,12 @@ def run(eng, prompts, params):
 def workload(count=12, rng_seed=0, **overrides):
     rng = np.random.default_rng(rng_seed)
     prompts = [rng.integers(3, 97, rng.integers(2, 20)).tolist() for _ in range(count)]
-    params = [SamplingParams(**{"temperature": 0, "max_tokens": 120, "structured_outputs": SPECS[i % len(SPECS)],
-                                **overrides}) for i in range(count)]
+    params = [
+        SamplingParams(
+            **{"temperature": 0, "max_tokens": 120, "structured_outputs": SPECS[i % len(SPECS)], **overrides}
+        )
+        for i in range(count)
+    ]
     return prompts, params
 
 
@@ -109,7 +129,7 @@ def texts(outs):
 
 def test_unpack_bitmask_is_numpys_little_endian_bits():
     rng = np.random.default_rng(0)
-    words = rng.integers(-2**31, 2**31, (3, 4), dtype=np.int64).astype(np.int32)
+    words = rng.integers(-(2**31), 2**31, (3, 4), dtype=np.int64).astype(np.int32)
     vocab = 4 * 32 - 5  # the last word only partly used
     expected = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
     np.testing.assert_array_equal(np.asarray(unpack_bitmask(words, vocab)), expected)
@@ -133,14 +153,17 @@ def test_every_output_follows_its_grammar(tiny_chars, temperature):
 def test_a_lark_grammar_and_json_object(tiny_chars):
     grammar = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[1-9][0-9]?/'
     prompts, _ = workload(count=4)
-    params = [SamplingParams(temperature=1, seed=i, max_tokens=60, structured_outputs={"grammar": grammar})
-              for i in range(2)]
-    params += [SamplingParams(temperature=0, max_tokens=150, structured_outputs={"json_object": True})
-               for _ in range(2)]
+    params = [
+        SamplingParams(temperature=1, seed=i, max_tokens=60, structured_outputs={"grammar": grammar}) for i in range(2)
+    ]
+    params += [
+        SamplingParams(temperature=0, max_tokens=150, structured_outputs={"json_object": True}) for _ in range(2)
+    ]
     outs = run(engine(tiny_chars), prompts, params)
     for out in outs[:2]:
         assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", out.outputs[0].text) or (
-            out.outputs[0].finish_reason == "length"), out.outputs[0].text
+            out.outputs[0].finish_reason == "length"
+        ), out.outputs[0].text
     for out in outs[2:]:
         if out.outputs[0].finish_reason == "stop":
             assert isinstance(json.loads(out.outputs[0].text), dict)
@@ -159,8 +182,10 @@ def test_free_and_constrained_requests_are_unchanged_by_each_other(tiny_chars):
 def test_preemption_and_chunked_prefill_keep_the_grammar_in_step(tiny_chars, setting):
     prompts, params = workload()
     roomy = run(engine(tiny_chars), prompts, params)
-    kw = {"preempted": dict(num_blocks=40),
-          "chunked": dict(long_prefill_token_threshold=3, max_num_batched_tokens=16, token_buckets=(8, 16))}[setting]
+    kw = {
+        "preempted": dict(num_blocks=40),
+        "chunked": dict(long_prefill_token_threshold=3, max_num_batched_tokens=16, token_buckets=(8, 16)),
+    }[setting]
     eng = engine(tiny_chars, **kw)
     assert texts(run(eng, prompts, params)) == texts(roomy)
     if setting == "preempted":
@@ -185,7 +210,7 @@ def test_speculative_drafts_are_checked_against_the_grammar(tiny_chars, monkeypa
         oracle.config = config
         return oracle
 
-    monkeypatch.setattr("jaxserve.engine.llm_engine.make_proposer", make_proposer)
+    monkeypatch.setattr("jaxserve.engine.builder.make_proposer", make_proposer)
     eng = engine(tiny_chars, speculative_config=spec)
     assert texts(run(eng, prompts, params)) == texts(plain)
     stats = eng.scheduler.spec_stats
@@ -196,8 +221,9 @@ def test_sampled_drafts_from_a_draft_model_keep_outputs_valid(tiny_chars):
     """Rejection sampling against the masked target: a draft the grammar forbids has target
     probability zero, so it is never accepted, whatever the draft model thought of it."""
     prompts, params = workload(temperature=1, seed=3)
-    eng = engine(tiny_chars, speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
-                                                 "draft_num_layers": 1})
+    eng = engine(
+        tiny_chars, speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 1}
+    )
     for out, p in zip(run(eng, prompts, params), params):
         spec = {p.structured_outputs.kind: getattr(p.structured_outputs, p.structured_outputs.kind)}
         assert out.outputs[0].finish_reason == "stop" and follows(spec, out.outputs[0].text), out.outputs[0].text
@@ -224,14 +250,17 @@ def test_stop_strings_end_a_constrained_output(tiny_chars):
         assert c.finish_reason == "stop" and c.stop_reason == '"age"' and c.text.startswith('{"name":"')
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"json": {"type": "nonsense"}}, "Invalid type"),
-    ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
-    ({"json": {"$ref": "#/$defs/missing"}}, "does not exist"),
-    ({"json": "{not json"}, "not JSON"),
-    ({"regex": "[a-z"}, "unclosed character class"),
-    ({"grammar": "start: foo"}, "unknown name"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"json": {"type": "nonsense"}}, "Invalid type"),
+        ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+        ({"json": {"$ref": "#/$defs/missing"}}, "does not exist"),
+        ({"json": "{not json"}, "not JSON"),
+        ({"regex": "[a-z"}, "unclosed character class"),
+        ({"grammar": "start: foo"}, "unknown name"),
+    ],
+)
 def test_an_invalid_spec_is_refused_and_nothing_is_queued(tiny_chars, spec, message):
     eng = engine(tiny_chars, warm_up=False)
     with pytest.raises(GrammarError, match=message):
@@ -243,9 +272,14 @@ def test_a_gbnf_grammar_means_the_same_as_lark(tiny_chars):
     prompts, _ = workload(count=2)
     gbnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     lark = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[1-9][0-9]?/'
-    out = [run(engine(tiny_chars), prompts, [SamplingParams(temperature=1, seed=i, max_tokens=60,
-                                                            structured_outputs={"grammar": g}) for i in range(2)])
-           for g in (gbnf, lark)]
+    out = [
+        run(
+            engine(tiny_chars),
+            prompts,
+            [SamplingParams(temperature=1, seed=i, max_tokens=60, structured_outputs={"grammar": g}) for i in range(2)],
+        )
+        for g in (gbnf, lark)
+    ]
     assert texts(out[0]) == texts(out[1])
 
 
@@ -295,13 +329,16 @@ def test_a_spec_compiles_once(tiny_chars):
     assert eng.compile_grammar(StructuredOutputsParams(regex="(")) is bad  # refused again without recompiling
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({}, "exactly one"),
-    ({"regex": "a", "choice": ["a"]}, "exactly one"),
-    ({"choice": []}, "non-empty"),
-    ({"json": 3}, "JSON schema"),
-    ({"jsn": {}}, "unknown structured_outputs field"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"choice": []}, "non-empty"),
+        ({"json": 3}, "JSON schema"),
+        ({"jsn": {}}, "unknown structured_outputs field"),
+    ],
+)
 def test_structured_outputs_params_are_validated(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(structured_outputs=fields)

@@ -18,11 +18,15 @@ import pytest
 import torch
 from compressed_tensors.compressors import BaseCompressor, ModelCompressor
 from compressed_tensors.quantization import (
-    QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config)
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    apply_quantization_config,
+)
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 
-from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.weights import load_model
 from jaxserve.weights.compressed_tensors import checkpoint_quant_config
@@ -32,8 +36,15 @@ from scheduler import SamplingParams
 from tests.paged import PagedSequences
 from tests.tiny_models import make_tiny_model
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 PROMPT = [5, 17, 42, 8, 63, 29, 71, 11, 36, 90, 4]
 
 
@@ -43,8 +54,9 @@ def int4(symmetric):
 
 def fp8(strategy, dynamic_activations):
     weights = QuantizationArgs(num_bits=8, type="float", strategy=strategy)
-    acts = QuantizationArgs(num_bits=8, type="float", strategy="token" if dynamic_activations else "tensor",
-                            dynamic=dynamic_activations)
+    acts = QuantizationArgs(
+        num_bits=8, type="float", strategy="token" if dynamic_activations else "tensor", dynamic=dynamic_activations
+    )
     return weights, acts
 
 
@@ -114,8 +126,9 @@ def write_float_copy(folder, tensors, dest):
     config = json.loads((folder / "config.json").read_text())
     del config["quantization_config"]
     (dest / "config.json").write_text(json.dumps(config))
-    save_file({name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in tensors.items()},
-              dest / "model.safetensors")
+    save_file(
+        {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in tensors.items()}, dest / "model.safetensors"
+    )
     return dest
 
 
@@ -155,7 +168,9 @@ def test_unpacked_weights_equal_the_packages_decompression(case):
             if name.startswith("fp8"):  # e4m3 -> f32 is exact, then one f32 product in both
                 np.testing.assert_array_equal(ours, theirs)
             else:  # scale * nibble + offset against scale * (q - zp): float32 rounding only
-                np.testing.assert_allclose(ours, theirs, rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(theirs).max())
+                np.testing.assert_allclose(
+                    ours, theirs, rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(theirs).max()
+                )
 
 
 def forward_logits(loaded, tokens):
@@ -186,8 +201,12 @@ def test_engine_serves_the_quantized_checkpoint(case):
     """Greedy generation through the engine; its first step's log-probabilities are the
     float twin's (int4: float32 noise; fp8: measured up to 0.24 over all positions, bound 0.4)."""
     name, _, loaded, _, twin = case
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
-                                           kv_cache_memory=8 << 20, warm_up=False))
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, kv_cache_memory=8 << 20, warm_up=False
+        ),
+    )
     engine.add_request("q", PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
     (out,) = [o for o in engine.generate_all() if o.request_id == "q"]
     completion = out.outputs[0]
@@ -246,6 +265,7 @@ def test_asking_for_another_scheme_is_a_value_error(int4_folder):
 def test_group_size_that_does_not_divide_k_is_named(tmp_path, int4_folder):
     """compressed-tensors itself cannot group K=96 (down_proj) by 64, so such a config can
     only be a damaged or hand-edited one; the error names the layer, K and the group."""
+
     def group64(spec):
         spec["config_groups"]["group_0"]["weights"]["group_size"] = 64
 
@@ -258,8 +278,9 @@ def test_a_projection_left_in_float_is_refused(tmp_path):
     """One layer's down_proj left in float: the package writes its exact name into the
     ignore list, which the config check refuses; written as a regex that layer 0's names
     cannot judge, reading the tensors finds it unquantized."""
-    folder = write_checkpoint(tmp_path / "mixed", *SCHEMES["int4-g32-sym"],
-                              ignore=("lm_head", r"re:model\.layers\.2\.mlp\.down_proj$"))
+    folder = write_checkpoint(
+        tmp_path / "mixed", *SCHEMES["int4-g32-sym"], ignore=("lm_head", r"re:model\.layers\.2\.mlp\.down_proj$")
+    )
     with pytest.raises(WeightError, match=r"ignore entry 'model\.layers\.2\.mlp\.down_proj' leaves mlp\.down_proj"):
         load_model(str(folder), use_cache=False, progress=False)
 
@@ -288,20 +309,26 @@ def changed(spec, path, value):
 W = ("config_groups", "group_0", "weights")
 
 
-@pytest.mark.parametrize("path, value, message", [
-    (("quant_method",), "awq", "quant_method 'awq' is not supported"),
-    (("quant_method",), "fp8", "quant_method 'fp8' is not supported"),
-    (("config_groups", "group_0", "format"), "nvfp4-pack-quantized", "'nvfp4-pack-quantized'"),
-    (W + ("strategy",), "channel", "int4 weights \\(strategy 'channel'\\)"),
-    (W + ("num_bits",), 8, "int8 weights"),
-    (W + ("actorder",), "group", "actorder 'group'"),
-    (("config_groups", "group_0", "input_activations"),
-     {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}, "int8 activations"),
-    (("ignore",), ["lm_head", "model.layers.1.self_attn.k_proj"], "leaves self_attn.k_proj unquantized"),
-    (("ignore",), [], "quantizes lm_head"),
-    (("config_groups", "group_0", "targets"), ["re:.*self_attn.*"], "leave mlp.gate_proj unquantized"),
-    (("sparsity_config",), {"format": "sparse-24-bitmask"}, "sparsity"),
-])
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (("quant_method",), "awq", "quant_method 'awq' is not supported"),
+        (("quant_method",), "fp8", "quant_method 'fp8' is not supported"),
+        (("config_groups", "group_0", "format"), "nvfp4-pack-quantized", "'nvfp4-pack-quantized'"),
+        (W + ("strategy",), "channel", "int4 weights \\(strategy 'channel'\\)"),
+        (W + ("num_bits",), 8, "int8 weights"),
+        (W + ("actorder",), "group", "actorder 'group'"),
+        (
+            ("config_groups", "group_0", "input_activations"),
+            {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True},
+            "int8 activations",
+        ),
+        (("ignore",), ["lm_head", "model.layers.1.self_attn.k_proj"], "leaves self_attn.k_proj unquantized"),
+        (("ignore",), [], "quantizes lm_head"),
+        (("config_groups", "group_0", "targets"), ["re:.*self_attn.*"], "leave mlp.gate_proj unquantized"),
+        (("sparsity_config",), {"format": "sparse-24-bitmask"}, "sparsity"),
+    ],
+)
 def test_unsupported_configs_are_named(int4_folder, path, value, message):
     with pytest.raises(WeightError, match=message):
         checkpoint_quant_config(changed(spec_of(int4_folder), path, value))
@@ -310,9 +337,15 @@ def test_unsupported_configs_are_named(int4_folder, path, value, message):
 def test_mixed_schemes_are_refused(int4_folder):
     spec = spec_of(int4_folder)
     attention = copy.deepcopy(spec["config_groups"]["group_0"])
-    attention.update(targets=["re:.*self_attn.*"], format="float-quantized",
-                     weights={"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-                     input_activations={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True})
-    spec["config_groups"] = {"attention": attention, "mlp": {**spec["config_groups"]["group_0"], "targets": ["re:.*mlp.*"]}}
+    attention.update(
+        targets=["re:.*self_attn.*"],
+        format="float-quantized",
+        weights={"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+        input_activations={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+    )
+    spec["config_groups"] = {
+        "attention": attention,
+        "mlp": {**spec["config_groups"]["group_0"], "targets": ["re:.*mlp.*"]},
+    }
     with pytest.raises(WeightError, match="different schemes"):
         checkpoint_quant_config(spec)

@@ -21,11 +21,14 @@ CORPUS = [
     "Héllo wörld — naïve café, déjà vu, über straße, niño, façade, crème brûlée.",
     "Привет, мир! Как дела? Москва, спасибо, хорошо. Мир и дружба.",
     "日本語のテキストです。中文文本，你好世界。東京と北京。",
-    "def main():\n    return 42\n\tx = [1, 2, 3]\n", "1234567890 3.14159 2024-01-01 I'm you're we'll",
+    "def main():\n    return 42\n\tx = [1, 2, 3]\n",
+    "1234567890 3.14159 2024-01-01 I'm you're we'll",
 ]
 # Several scripts, emoji the vocabularies lack, runs of spaces, tabs and newlines, digits.
-TEXT = ("Héllo wörld — naïve café!  日本語のテキスト 中文，你好 Привет, мир 🙂🚀👍🏽 tabs\t\tand\n\n\nnew   lines "
-        "12345 3.14159 I'm crème brûlée   ")
+TEXT = (
+    "Héllo wörld — naïve café!  日本語のテキスト 中文，你好 Привет, мир 🙂🚀👍🏽 tabs\t\tand\n\n\nnew   lines "
+    "12345 3.14159 I'm crème brûlée   "
+)
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 
@@ -66,14 +69,26 @@ def byte_level_fields(pre: str) -> dict:
 
     from jaxserve.weights.gguf_tokenizer import _REGEX_SPLIT
 
-    splitter = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_REGEX_SPLIT[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    trained = train_bpe(splitter, vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                        special_tokens=[BOS, EOS])
+    splitter = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_REGEX_SPLIT[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trained = train_bpe(
+        splitter, vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[BOS, EOS]
+    )
     tokens = trained["vocab"]
-    return dict(tokenizer_model="gpt2", tokenizer_pre=pre, token_list=tokens, token_merges=trained["merges"],
-                token_types=[3 if t in (BOS, EOS) else 1 for t in tokens], bos_token_id=tokens.index(BOS),
-                eos_token_id=tokens.index(EOS), add_bos_token=True)
+    return dict(
+        tokenizer_model="gpt2",
+        tokenizer_pre=pre,
+        token_list=tokens,
+        token_merges=trained["merges"],
+        token_types=[3 if t in (BOS, EOS) else 1 for t in tokens],
+        bos_token_id=tokens.index(BOS),
+        eos_token_id=tokens.index(EOS),
+        add_bos_token=True,
+    )
 
 
 def sentencepiece_fields() -> dict:
@@ -81,16 +96,25 @@ def sentencepiece_fields() -> dict:
     256 byte pieces, pieces in merge order (score -rank), then single characters; no merges."""
     from tokenizers import pre_tokenizers
 
-    trained = train_bpe(pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
-                        vocab_size=420, limit_alphabet=120)
+    trained = train_bpe(
+        pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
+        vocab_size=420,
+        limit_alphabet=120,
+    )
     merged = list(dict.fromkeys(m.replace(" ", "") for m in trained["merges"]))
     # Control characters (\t, \n) are left to byte fallback, as in Llama 2's vocabulary.
     chars = [t for t in trained["vocab"] if len(t) == 1 and t.isprintable()]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + merged + chars
     scores = [0.0] * 259 + [-float(i) for i in range(len(merged))] + [-1e4 - i for i in range(len(chars))]
-    return dict(tokenizer_model="llama", token_list=tokens, token_scores=scores,
-                token_types=[2, 3, 3] + [6] * 256 + [1] * (len(merged) + len(chars)),
-                bos_token_id=1, eos_token_id=2, unk_token_id=0)
+    return dict(
+        tokenizer_model="llama",
+        token_list=tokens,
+        token_scores=scores,
+        token_types=[2, 3, 3] + [6] * 256 + [1] * (len(merged) + len(chars)),
+        bos_token_id=1,
+        eos_token_id=2,
+        unk_token_id=0,
+    )
 
 
 @pytest.fixture(scope="module", params=["llama-bpe", "qwen2", "sentencepiece"])
@@ -99,8 +123,9 @@ def both(request, tmp_path_factory):
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp(request.param) / "tokenizer.gguf"
-    write_tokenizer_gguf(path, sentencepiece_fields() if request.param == "sentencepiece"
-                         else byte_level_fields(request.param))
+    write_tokenizer_gguf(
+        path, sentencepiece_fields() if request.param == "sentencepiece" else byte_level_fields(request.param)
+    )
     theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return tokenizer_from_gguf(GGUFFile(path).field), theirs, request.param
 
@@ -111,8 +136,9 @@ def sentencepiece(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("sp") / "tokenizer.gguf"
     write_tokenizer_gguf(path, sentencepiece_fields())
-    return tokenizer_from_gguf(GGUFFile(path).field), AutoTokenizer.from_pretrained(str(path.parent),
-                                                                                  gguf_file=path.name)
+    return tokenizer_from_gguf(GGUFFile(path).field), AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name
+    )
 
 
 @pytest.mark.parametrize("text", [TEXT, "The dog sleeps.", "x", "", "Москва\n\n東京 2024"])
@@ -176,7 +202,10 @@ def test_logprob_token_strings_of_sentencepiece_pieces(sentencepiece, which):
     assert b"".join(bytes(shown.bytes(i)) for i in ids) == (" " + tok.decode(ids)).encode()
     assert "".join(shown.text(i) for i in ids).startswith(" Héllo wörld — naïve caf")
     by_piece = {p: i for i, p in enumerate(tok.convert_ids_to_tokens(list(range(len(tok)))))}
-    assert (shown.text(by_piece["\u2581wörld"]), shown.bytes(by_piece["\u2581wörld"])) == (" wörld", list(b" w\xc3\xb6rld"))
+    assert (shown.text(by_piece["\u2581wörld"]), shown.bytes(by_piece["\u2581wörld"])) == (
+        " wörld",
+        list(b" w\xc3\xb6rld"),
+    )
     assert (shown.text(by_piece["<0xE2>"]), shown.bytes(by_piece["<0xE2>"])) == ("\\xe2", [0xE2])
     assert (shown.text(by_piece["<0x0A>"]), shown.bytes(by_piece["<0x0A>"])) == ("\n", [10])
     assert shown.text(by_piece["\u2581"]) == " "
@@ -192,6 +221,7 @@ def test_sentencepiece_tokenizer_survives_the_weight_cache(sentencepiece, tmp_pa
     back = _fast_tokenizer(tmp_path)
     for text in (TEXT, " leading space", "<s>hi</s> there"):
         assert back.encode(text) == ours.encode(text)
-        assert back.decode(back.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text),
-                                                                                        skip_special_tokens=True)
+        assert back.decode(back.encode(text), skip_special_tokens=True) == ours.decode(
+            ours.encode(text), skip_special_tokens=True
+        )
     assert TokenText(back).sentencepiece

@@ -15,7 +15,7 @@ import torch
 
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.weights import load_model
-from tests.jaxserve.test_model_vs_hf import jitted_step
+from tests.jaxserve.model.test_model_vs_hf import jitted_step
 from tests.paged import PagedSequences
 
 # Row lengths (the hidden size, the MLP width, heads x head_dim) are multiples of 256, the
@@ -36,11 +36,17 @@ def small_vocabulary() -> dict:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
-    pairs = [(a, b) for a in "etaoinsh" for b in "rdlucmfw"][:VOCAB - 256 - 2]
+    pairs = [(a, b) for a in "etaoinsh" for b in "rdlucmfw"][: VOCAB - 256 - 2]
     tokens = alphabet + [a + b for a, b in pairs] + ["<|bos|>", "<|eos|>"]
-    return dict(tokenizer_model="gpt2", tokenizer_pre="default", token_list=tokens,
-                token_merges=[f"{a} {b}" for a, b in pairs], token_types=[1] * (VOCAB - 2) + [3, 3],
-                bos_token_id=VOCAB - 2, eos_token_id=VOCAB - 1)
+    return dict(
+        tokenizer_model="gpt2",
+        tokenizer_pre="default",
+        token_list=tokens,
+        token_merges=[f"{a} {b}" for a, b in pairs],
+        token_types=[1] * (VOCAB - 2) + [3, 3],
+        bos_token_id=VOCAB - 2,
+        eos_token_id=VOCAB - 1,
+    )
 
 
 def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
@@ -164,8 +170,10 @@ def test_weights_equal_transformers_torch_dequantizer(tmp_path, qtype):
     path = tmp_path / f"tiny-qwen3-{qtype}.gguf"
     write_tiny_gguf(path, "qwen3", qtype)
     loaded = load_model(str(path), use_cache=False, progress=False)
-    ours = {_hf_name(p): np.asarray(v).T if p[-1] == "kernel" else np.asarray(v)
-            for p, v in _flatten(nnx.to_pure_dict(nnx.state(loaded.model)))}
+    ours = {
+        _hf_name(p): np.asarray(v).T if p[-1] == "kernel" else np.asarray(v)
+        for p, v in _flatten(nnx.to_pure_dict(nnx.state(loaded.model)))
+    }
     checked = set()
     for t in GGUFReader(str(path)).tensors:
         shape = tuple(int(n) for n in reversed(t.shape))
@@ -188,12 +196,18 @@ def test_a_sentencepiece_gguf_serves_like_transformers(tmp_path):
 
     from jaxserve.engine.llm import LLM
     from scheduler import SamplingParams
-    from tests.jaxserve.test_gguf_tokenizer import sentencepiece_fields
+    from tests.jaxserve.weights.test_gguf_tokenizer import sentencepiece_fields
 
     path = tmp_path / "tiny-llama-sentencepiece.gguf"
     write_tiny_gguf(path, "llama", "Q8_0", vocabulary=sentencepiece_fields())
-    llm = LLM(str(path), cache_dir=tmp_path / "cache", max_num_seqs=1, max_num_batched_tokens=32, max_model_len=48,
-              num_blocks=16)
+    llm = LLM(
+        str(path),
+        cache_dir=tmp_path / "cache",
+        max_num_seqs=1,
+        max_num_batched_tokens=32,
+        max_model_len=48,
+        num_blocks=16,
+    )
     prompt = "Привет, мир! The dog 🙂 sleeps"
     # NOTE: 12 tokens stop short of a byte run (<0x15><0x3D><0x43><0xC7>) that `tokenizers`'
     # ByteFallback decodes as four U+FFFD in one piece but as "\x15=C" + U+FFFD token by token.
@@ -203,7 +217,7 @@ def test_a_sentencepiece_gguf_serves_like_transformers(tmp_path):
     ids, gen = tok.encode(prompt), out.outputs[0].token_ids
     assert out.prompt_token_ids == ids and ids[0] == tok.bos_token_id
     with torch.no_grad():
-        logits = theirs(torch.tensor([ids + gen])).logits[0, len(ids) - 1:-1].double().numpy()
+        logits = theirs(torch.tensor([ids + gen])).logits[0, len(ids) - 1 : -1].double().numpy()
     for step, (token, row) in enumerate(zip(gen, logits)):
         assert row[token] >= row.max() - 1e-4, f"step {step}: {token} is not transformers' greedy token"
     assert len(gen) == 12 and {"<0x98>", "\u2581The"} <= set(tok.convert_ids_to_tokens(gen))

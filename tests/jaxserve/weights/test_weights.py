@@ -11,8 +11,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.model.config import ModelConfig, UnsupportedModelError
-from jaxserve.weights.default_model import DefaultModelMissing, default_model_path
 from jaxserve.weights import load_model
+from jaxserve.weights.default_model import DefaultModelMissing, default_model_path
 from jaxserve.weights.params import WeightError
 from tests.tiny_models import make_tiny_model
 
@@ -53,8 +53,8 @@ def test_damaged_cache_is_rebuilt(tmp_path, tiny_llama_dir):
 
 
 def test_bfloat16_logits_track_float32(tiny_llama_dir):
-    from tests.paged import PagedSequences
     from jaxserve.model.kv_cache import allocate_kv_cache
+    from tests.paged import PagedSequences
 
     logits = {}
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -121,16 +121,26 @@ def test_missing_and_unknown_tensors(tmp_path, tiny_llama_dir):
         load_model(str(folder), use_cache=False, progress=False)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
-    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
-    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+    ],
+)
 def test_unsupported_configs_are_named(change, message):
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf_dict({**base, **change})
 
