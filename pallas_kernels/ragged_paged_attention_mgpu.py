@@ -102,6 +102,11 @@ SMEM_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 _REDUCTION_SCRATCH = 0
 _SWIZZLE = 128
 _LOG2E = math.log2(math.e)
+# Registers per thread with two compute warpgroups (warp specialization moves them from the
+# memory warpgroup, which only issues copies): 2 x 240 + 32 fill the SM's 64K. 232 + 40
+# left the 8-bit prefill spilling 4 bytes per thread; the memory warpgroup does not spill at 32.
+COMPUTE_WG_REGISTERS = 240
+MEMORY_WG_REGISTERS = 32
 _NEG_BIG = -1e30  # finite "no key yet" running max: exp2(m_old - m_new) stays NaN-free
 
 # Columns of the int32 [max_items, _META] work list the kernel reads.
@@ -213,8 +218,10 @@ def default_config(
 
     Decode-heavy buckets get one-token tiles and one compute warpgroup; prefill-heavy
     ones get 128-row tiles (two warpgroups) so each K/V block feeds more queries. The
-    K/V ring is as deep as shared memory allows, up to 4 steps. `kv_dtype` is the
-    pages' dtype when it is 8-bit (the ring then costs half, the upcast buffers more);
+    K/V ring is as deep as shared memory allows, up to 4 steps. 8-bit caches, and tree
+    masks with two compute warpgroups, take 64-key blocks (fewer live registers: no spills
+    on sm_90a). `kv_dtype` is the pages' dtype when it is 8-bit (the ring then costs half,
+    the upcast buffers more);
     `tree` is for calls with a tree mask.
     """
     kv_itemsize = jnp.dtype(kv_dtype).itemsize if kv_dtype is not None else 2
@@ -224,6 +231,12 @@ def default_config(
 
     cfg = TuningConfig(block_kv=max(128, page_size), num_ctas=num_ctas or device_sm_count(), p_via_smem=p_via_smem)
     cfg = cfg.with_query_tile(query_tile or default_query_tile(num_tokens, num_seqs), num_heads // num_kv_heads)
+    if kv_itemsize == 1 or (tree and cfg.num_compute_wgs == 2):
+        # The upcast of an 8-bit block, and the tree words beside two warpgroups' rows, keep
+        # more registers live next to the [64, block_kv] float32 scores: at 128 keys ptxas
+        # spilled 8-136 bytes per thread in the inner loop; at 64 none
+        # (benchmarks/gpu_compile.py, sm_90a).
+        cfg = dataclasses.replace(cfg, block_kv=max(64, page_size))
     while smem(cfg) > SMEM_BYTES and cfg.block_kv > max(64, page_size):
         cfg = dataclasses.replace(cfg, block_kv=cfg.block_kv // 2)
     while cfg.max_concurrent_steps < 4:
@@ -856,8 +869,8 @@ def _build_kernel(
 
         @pl.when(wg < nwg)
         def _():
-            if nwg == 2:  # 2 x 232 + 40 registers per thread fill the SM's 64K
-                plgpu.set_max_registers(232, action="increase")
+            if nwg == 2:
+                plgpu.set_max_registers(COMPUTE_WG_REGISTERS, action="increase")
             compute_wg(
                 work_ref,
                 num_items_ref,
@@ -885,7 +898,7 @@ def _build_kernel(
         @pl.when(wg == nwg)
         def _():
             if nwg == 2:
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(MEMORY_WG_REGISTERS, action="decrease")
             memory_wg(
                 work_ref,
                 num_items_ref,

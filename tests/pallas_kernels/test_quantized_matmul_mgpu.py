@@ -20,7 +20,6 @@ float32 additions; the output is then rounded to bf16 / f16 once. So results may
 by one rounding step of the output dtype: rtol = 2 ulp, plus an atol for sums that cancel.
 """
 
-import functools
 import os
 
 import jax
@@ -28,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.mosaic_lowering import LLAMA3_8B_PROJECTIONS, int4_weight_shapes, lower_matmul
 from jaxserve.model.quantization import quantize_fp8, quantize_int4
 from pallas_kernels import quantized_matmul_mgpu as mgpu
 from pallas_kernels.quantized_matmul import fp8_matmul_reference, int4_matmul_reference
-from tests.pallas_kernels.smem import record_smem
 
 ON_GPU = os.environ.get("JAXSERVE_MGPU_ON_GPU") == "1"
 if ON_GPU and jax.devices()[0].platform != "gpu":
@@ -189,7 +188,7 @@ def test_unsupported_inputs_raise_clear_errors():
     assert "e4m3" in mgpu.fp8_unsupported_reason(s((2, 128), jnp.bfloat16), bf16_w)
     too_deep = mgpu.TuningConfig(tile_t=128, max_concurrent_steps=8)
     assert "shared memory" in mgpu.int4_unsupported_reason(
-        s((256, 4096), jnp.bfloat16), _int4_weights(4096, 4096, 128), too_deep
+        s((256, 4096), jnp.bfloat16), int4_weight_shapes(4096, 4096, 128), too_deep
     )
     with pytest.raises(ValueError, match="tile_t"):
         mgpu.TuningConfig(tile_t=12)
@@ -209,33 +208,7 @@ def test_default_config_splits_k_to_fill_the_sms():
 
 
 # -- 2. lowered for an H100 / H200 at production shapes ----------------------------
-
-# (name, K, N): Llama-3-8B's fused QKV, gate/up and down projections.
-LLAMA3_8B = [("qkv", 4096, 6144), ("gate_up", 4096, 14336), ("down", 14336, 4096)]
-
-
-def _int4_weights(k, n, group):
-    s = jax.ShapeDtypeStruct
-    return mgpu.Int4KernelWeights(
-        s((n, k), jnp.int4), s((k // group, n), jnp.float32), s((k // group, n), jnp.float32), n
-    )
-
-
-def _fp8_weights(k, n):
-    s = jax.ShapeDtypeStruct
-    return mgpu.Fp8KernelWeights(s((n, k), jnp.float8_e4m3fn), s((n,), jnp.float32), n)
-
-
-def lower_for_cuda(kind, tokens, k, n, *, group=128, config=None, dtype=jnp.bfloat16):
-    """jax.export for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated)."""
-    x = jax.ShapeDtypeStruct((tokens, k), dtype)
-    if kind == "int4":
-        fn, weights = functools.partial(mgpu.int4_matmul, config=config), _int4_weights(k, n, group)
-    else:
-        fn, weights = functools.partial(mgpu.fp8_matmul, config=config), _fp8_weights(k, n)
-    with record_smem() as smem:
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(x, weights)
-    return exported, smem
+# (the shapes live in benchmarks/mosaic_lowering.py: the sm_90a compile report uses them too)
 
 
 def _check_smem(smem, kind, config):
@@ -247,10 +220,10 @@ def _check_smem(smem, kind, config):
 @pytest.mark.parametrize("warp_specialized", [False, True], ids=["pipelined", "warp_specialized"])
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 16, 256])
-@pytest.mark.parametrize("name,k,n", LLAMA3_8B, ids=[s[0] for s in LLAMA3_8B])
+@pytest.mark.parametrize("name,k,n", LLAMA3_8B_PROJECTIONS, ids=[s[0] for s in LLAMA3_8B_PROJECTIONS])
 def test_lowers_for_hopper(name, k, n, tokens, kind, warp_specialized):
     config = mgpu.TuningConfig(warp_specialized=warp_specialized)
-    exported, smem = lower_for_cuda(kind, tokens, k, n, config=config)
+    exported, smem = lower_matmul(kind, tokens, k, n, config=config)
     assert exported.platforms == ("cuda",)
     assert "mosaic_gpu" in exported.mlir_module()
     _check_smem(smem, kind, mgpu._finish_config(mgpu.default_config(tokens, n, k), tokens, n, k))
@@ -259,7 +232,7 @@ def test_lowers_for_hopper(name, k, n, tokens, kind, warp_specialized):
 @pytest.mark.parametrize("group,tokens", [(32, 8), (64, 128)])
 def test_lowers_other_group_sizes(group, tokens):
     """GGUF's Q4 blocks (group 32) and the 64 fallback: K steps of the group size."""
-    exported, smem = lower_for_cuda("int4", tokens, 4096, 4096, group=group)
+    exported, smem = lower_matmul("int4", tokens, 4096, 4096, group=group)
     config = mgpu._finish_config(mgpu.default_config(tokens, 4096, 4096, tile_k=group), tokens, 4096, 4096)
     _check_smem(smem, "int4", config)
 
@@ -273,17 +246,17 @@ def test_lowers_other_group_sizes(group, tokens):
     ],
 )
 def test_lowers_other_configs(config):
-    _, smem = lower_for_cuda("int4", 64, 4096, 6144, config=config)
+    _, smem = lower_matmul("int4", 64, 4096, 6144, config=config)
     _check_smem(smem, "int4", config)
-    _, smem = lower_for_cuda("fp8", 64, 4096, 6144, config=config)
+    _, smem = lower_matmul("fp8", 64, 4096, 6144, config=config)
     _check_smem(smem, "fp8", config)
 
 
 def test_lowers_default_model_and_float16():
     """SmolLM2-135M (hidden 576, intermediate 1536) in f16: K steps of 64 for K = 576."""
     for k, n in [(576, 576), (576, 192), (576, 1536), (1536, 576)]:
-        lower_for_cuda("int4", 8, k, n, group=64 if k == 576 else 128, dtype=jnp.float16)
-        lower_for_cuda("fp8", 8, k, n, dtype=jnp.float16)
+        lower_matmul("int4", 8, k, n, group=64 if k == 576 else 128, dtype=jnp.float16)
+        lower_matmul("fp8", 8, k, n, dtype=jnp.float16)
 
 
 def test_shared_memory_overflow_is_caught_when_lowering(monkeypatch):
@@ -292,7 +265,7 @@ def test_shared_memory_overflow_is_caught_when_lowering(monkeypatch):
     assert mgpu.smem_bytes("int4", config, 2) > mgpu.SMEM_BYTES
     monkeypatch.setattr(mgpu, "int4_unsupported_reason", lambda *args, **kwargs: None)
     with pytest.raises(Exception, match="shared memory"):
-        lower_for_cuda("int4", 128, 4096, 4096, config=config)
+        lower_matmul("int4", 128, 4096, 4096, config=config)
 
 
 # -- production shapes on a real GPU (JAXSERVE_MGPU_ON_GPU=1) ------------------------
@@ -300,7 +273,7 @@ def test_shared_memory_overflow_is_caught_when_lowering(monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
 @pytest.mark.parametrize("tokens", [1, 16, 256])
-@pytest.mark.parametrize("name,k,n", LLAMA3_8B, ids=[s[0] for s in LLAMA3_8B])
+@pytest.mark.parametrize("name,k,n", LLAMA3_8B_PROJECTIONS, ids=[s[0] for s in LLAMA3_8B_PROJECTIONS])
 @pytest.mark.parametrize("warp_specialized", [False, True], ids=["pipelined", "warp_specialized"])
 def test_production_shapes_on_gpu(name, k, n, tokens, warp_specialized):
     rng = np.random.default_rng(tokens)

@@ -28,10 +28,17 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from benchmarks.mosaic_lowering import (
+    ATTENTION_PRODUCTION,
+    KV8,
+    KV8_PRODUCTION,
+    OTHER_HEAD_GROUPINGS,
+    TREE_PRODUCTION,
+    lower_attention,
+)
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from tests.attention_cases import batch_tree_mask, dense_attention, kary_tree, make_case, quantize_case
-from tests.pallas_kernels.smem import record_smem
 
 ON_GPU = os.environ.get("JAXSERVE_MGPU_ON_GPU") == "1"
 if ON_GPU and jax.devices()[0].platform != "gpu":
@@ -212,9 +219,6 @@ def test_plan_reused_under_jit():
 
 # "fp8" is stored as the engine stores it, e4m3 bit patterns in uint8 (test_8bit_cache_two_compute_warpgroups
 # passes float8_e4m3fn pages).
-KV8 = {"fp8": jnp.uint8, "int8": jnp.int8}
-
-
 @pytest.mark.interpret
 @pytest.mark.parametrize("kv8,groups,window,soft_cap", [("fp8", 3, 24, None), ("int8", 8, None, 2.0)])
 def test_8bit_cache_mixed_prefill_and_decode(kv8, groups, window, soft_cap):
@@ -469,85 +473,16 @@ def test_tree_mask_input_is_checked():
 
 
 # -- 2. lowered for an H100 / H200 at production shapes ----------------------------
-
-# (name, tokens, seqs, context, page_size, head_dim, window, soft_cap); 32 query / 8 KV heads
-PRODUCTION = [
-    ("decode_b1_32k", 1, 1, 32768, 16, 128, None, None),
-    ("decode_b8_32k", 8, 8, 32768, 16, 128, None, None),
-    ("decode_b64_8k", 64, 64, 8192, 16, 128, None, None),
-    ("decode_b256_4k", 256, 256, 4096, 16, 128, None, None),
-    ("decode_b64_8k_window_cap", 64, 64, 8192, 16, 128, 4096, 30.0),
-    ("decode_b64_page32", 64, 64, 8192, 32, 128, None, None),
-    ("decode_b64_page64", 64, 64, 8192, 64, 128, None, None),
-    ("verify_b64_k4", 256, 64, 8192, 16, 128, None, None),
-    ("mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0),
-    ("prefill_8k_tokens_4_seqs", 8192, 4, 32768, 16, 128, None, None),
-    ("prefill_window_cap", 2048, 2, 16384, 16, 128, 1024, 30.0),
-    ("decode_b1_32k_hd64", 1, 1, 32768, 16, 64, None, None),
-    ("prefill_hd64_page64", 4096, 2, 8192, 64, 64, 512, None),
-]
-
-
-def lower_for_cuda(
-    num_tokens,
-    num_seqs,
-    context,
-    page_size,
-    head_dim,
-    window,
-    soft_cap,
-    *,
-    num_heads=32,
-    num_kv_heads=8,
-    config=None,
-    dtype=jnp.bfloat16,
-    kv_dtype=None,
-    tree=False,
-):
-    """jax.export for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated).
-
-    `kv_dtype` e4m3 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales);
-    `tree` with a tree mask."""
-    max_pages = -(-context // page_size)
-    num_pages = num_seqs * max_pages + 1
-    config = config or mgpu.default_config(
-        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size, kv_dtype=kv_dtype, tree=tree
-    )
-    optional = (("k_scales", "v_scales") if kv_dtype is not None else ()) + (("tree_mask",) if tree else ())
-
-    def fn(*args):  # the six arrays, then the optional ones
-        return mgpu.ragged_paged_attention(
-            *args[:6],
-            **dict(zip(optional, args[6:])),
-            sm_scale=head_dim**-0.5,
-            sliding_window=window,
-            soft_cap=soft_cap,
-            config=config,
-        )
-
-    pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
-    args = (
-        jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype),
-        pages,
-        pages,
-        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
-    )
-    if kv_dtype is not None:
-        args += (jax.ShapeDtypeStruct((num_pages, num_kv_heads, page_size), jnp.float32),) * 2
-    if tree:
-        args += (jax.ShapeDtypeStruct((num_tokens,), jnp.int32),)
-    with record_smem() as smem:
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
-    return exported, config, smem
+# (the shapes live in benchmarks/mosaic_lowering.py: the sm_90a compile report uses them too)
 
 
 @pytest.mark.parametrize(
-    "name,tokens,seqs,context,page_size,head_dim,window,soft_cap", PRODUCTION, ids=[p[0] for p in PRODUCTION]
+    "name,tokens,seqs,context,page_size,head_dim,window,soft_cap",
+    ATTENTION_PRODUCTION,
+    ids=[p[0] for p in ATTENTION_PRODUCTION],
 )
 def test_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap):
-    exported, config, smem = lower_for_cuda(tokens, seqs, context, page_size, head_dim, window, soft_cap)
+    exported, config, smem = lower_attention(tokens, seqs, context, page_size, head_dim, window, soft_cap)
     assert exported.platforms == ("cuda",)
     assert "mosaic_gpu" in exported.mlir_module()
     if smem:  # the hook exists in jax 0.11.2 and 0.12
@@ -555,45 +490,18 @@ def test_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, win
         assert smem[0] <= mgpu.SMEM_BYTES
 
 
-KV8_PRODUCTION = [
-    p
-    for p in PRODUCTION
-    if p[0]
-    in (
-        "decode_b1_32k",
-        "decode_b64_8k_window_cap",
-        "decode_b64_page64",
-        "mixed_512_tokens_64_seqs",
-        "prefill_8k_tokens_4_seqs",
-        "decode_b1_32k_hd64",
-        "prefill_hd64_page64",
-    )
-]
-
-
 @pytest.mark.parametrize("kv8", ["fp8", "int8"])
 @pytest.mark.parametrize(
     "name,tokens,seqs,context,page_size,head_dim,window,soft_cap", KV8_PRODUCTION, ids=[p[0] for p in KV8_PRODUCTION]
 )
 def test_8bit_cache_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8):
-    exported, config, smem = lower_for_cuda(
+    exported, config, smem = lower_attention(
         tokens, seqs, context, page_size, head_dim, window, soft_cap, kv_dtype=KV8[kv8]
     )
     assert "mosaic_gpu" in exported.mlir_module()
     if smem:
         assert smem == [config.smem_bytes(head_dim, 2, 1)], (smem, config)
         assert smem[0] <= mgpu.SMEM_BYTES
-
-
-# Tree verification: 64 or 8 sequences of a 16-node (or 32-node) tree each beside decodes,
-# and a mixed batch; bf16 and 8-bit caches, one and two compute warpgroups.
-TREE_PRODUCTION = [
-    ("tree_b64_n16", 1024, 64, 8192, 16, 128, None, None, None),
-    ("tree_b8_n32_window_cap", 256, 8, 32768, 16, 128, 4096, 30.0, None),
-    ("tree_mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0, None),
-    ("tree_b64_n16_fp8", 1024, 64, 8192, 16, 128, None, None, "fp8"),
-    ("tree_decode_b64_int8_hd64", 64, 64, 8192, 16, 64, None, None, "int8"),
-]
 
 
 @pytest.mark.parametrize(
@@ -603,7 +511,7 @@ TREE_PRODUCTION = [
 )
 def test_tree_mask_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8):
     kv_dtype = KV8[kv8] if kv8 else None
-    exported, config, smem = lower_for_cuda(
+    exported, config, smem = lower_attention(
         tokens, seqs, context, page_size, head_dim, window, soft_cap, kv_dtype=kv_dtype, tree=True
     )
     assert "mosaic_gpu" in exported.mlir_module()
@@ -612,19 +520,11 @@ def test_tree_mask_lowers_for_hopper(name, tokens, seqs, context, page_size, hea
         assert smem[0] <= mgpu.SMEM_BYTES
 
 
-# (name, tokens, seqs, query heads, KV heads, head_dim): the default model (SmolLM2-135M:
-# 9 / 3 heads, head_dim 64) and MQA, decode and prefill buckets.
-OTHER_MODELS = [
-    ("smollm2_decode", 64, 64, 9, 3, 64),
-    ("smollm2_prefill", 2048, 8, 9, 3, 64),
-    ("mqa_decode", 32, 32, 32, 1, 128),
-    ("mqa_prefill", 1024, 2, 32, 1, 128),
-]
-
-
-@pytest.mark.parametrize("name,tokens,seqs,heads,kv_heads,head_dim", OTHER_MODELS, ids=[m[0] for m in OTHER_MODELS])
+@pytest.mark.parametrize(
+    "name,tokens,seqs,heads,kv_heads,head_dim", OTHER_HEAD_GROUPINGS, ids=[m[0] for m in OTHER_HEAD_GROUPINGS]
+)
 def test_lowers_other_head_groupings(name, tokens, seqs, heads, kv_heads, head_dim):
-    _, config, smem = lower_for_cuda(
+    _, config, smem = lower_attention(
         tokens, seqs, 8192, 16, head_dim, None, None, num_heads=heads, num_kv_heads=kv_heads
     )
     assert config.query_tile * heads // kv_heads <= 64 * config.num_compute_wgs
@@ -644,9 +544,9 @@ def test_lowers_other_configs(p_via_smem, block_kv, steps, wgs):
     )
     if config.smem_bytes(128) > mgpu.SMEM_BYTES:
         with pytest.raises(NotImplementedError, match="shared memory"):
-            lower_for_cuda(64, 4, 4096, 16, 128, None, None, config=config)
+            lower_attention(64, 4, 4096, 16, 128, None, None, config=config)
         return
-    _, _, smem = lower_for_cuda(64, 4, 4096, 16, 128, 512, 20.0, config=config)
+    _, _, smem = lower_attention(64, 4, 4096, 16, 128, 512, 20.0, config=config)
     if smem:
         assert smem == [config.smem_bytes(128)]
 
@@ -657,7 +557,7 @@ def test_shared_memory_overflow_is_caught_when_lowering(monkeypatch):
     assert config.smem_bytes(128) > mgpu.SMEM_BYTES
     monkeypatch.setattr(mgpu, "unsupported_reason", lambda *args, **kwargs: None)
     with pytest.raises(Exception, match="shared memory"):
-        lower_for_cuda(8, 8, 4096, 16, 128, None, None, config=config)
+        lower_attention(8, 8, 4096, 16, 128, None, None, config=config)
 
 
 # -- production shapes on a real GPU (JAXSERVE_MGPU_ON_GPU=1) ------------------------

@@ -1,0 +1,182 @@
+"""Our Mosaic GPU kernels exported for CUDA (`jax.export`, no GPU needed) at given shapes,
+and the production shapes they are checked at.
+
+Shared by the lowering tests (tests/pallas_kernels/test_*_mgpu.py) and the sm_90a compile
+report (benchmarks/gpu_compile.py), so both look at the same cases.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import quantized_matmul_mgpu as matmul_mgpu
+from pallas_kernels import ragged_paged_attention_mgpu as attention_mgpu
+
+KV8 = {"fp8": jnp.uint8, "int8": jnp.int8}  # an 8-bit cache's page dtype (fp8 pages are e4m3 bits)
+
+# -- attention -------------------------------------------------------------------------
+
+# (name, tokens, seqs, context, page_size, head_dim, window, soft_cap); 32 query / 8 KV heads
+ATTENTION_PRODUCTION = [
+    ("decode_b1_32k", 1, 1, 32768, 16, 128, None, None),
+    ("decode_b8_32k", 8, 8, 32768, 16, 128, None, None),
+    ("decode_b64_8k", 64, 64, 8192, 16, 128, None, None),
+    ("decode_b256_4k", 256, 256, 4096, 16, 128, None, None),
+    ("decode_b64_8k_window_cap", 64, 64, 8192, 16, 128, 4096, 30.0),
+    ("decode_b64_page32", 64, 64, 8192, 32, 128, None, None),
+    ("decode_b64_page64", 64, 64, 8192, 64, 128, None, None),
+    ("verify_b64_k4", 256, 64, 8192, 16, 128, None, None),
+    ("mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0),
+    ("prefill_8k_tokens_4_seqs", 8192, 4, 32768, 16, 128, None, None),
+    ("prefill_window_cap", 2048, 2, 16384, 16, 128, 1024, 30.0),
+    ("decode_b1_32k_hd64", 1, 1, 32768, 16, 64, None, None),
+    ("prefill_hd64_page64", 4096, 2, 8192, 64, 64, 512, None),
+]
+
+# The cases above that are also checked with an 8-bit cache.
+KV8_PRODUCTION = [
+    p
+    for p in ATTENTION_PRODUCTION
+    if p[0]
+    in (
+        "decode_b1_32k",
+        "decode_b64_8k_window_cap",
+        "decode_b64_page64",
+        "mixed_512_tokens_64_seqs",
+        "prefill_8k_tokens_4_seqs",
+        "decode_b1_32k_hd64",
+        "prefill_hd64_page64",
+    )
+]
+
+# Tree verification: 64 or 8 sequences of a 16-node (or 32-node) tree each beside decodes,
+# and a mixed batch; bf16 and 8-bit caches, one and two compute warpgroups.
+# (name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8)
+TREE_PRODUCTION = [
+    ("tree_b64_n16", 1024, 64, 8192, 16, 128, None, None, None),
+    ("tree_b8_n32_window_cap", 256, 8, 32768, 16, 128, 4096, 30.0, None),
+    ("tree_mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0, None),
+    ("tree_b64_n16_fp8", 1024, 64, 8192, 16, 128, None, None, "fp8"),
+    ("tree_decode_b64_int8_hd64", 64, 64, 8192, 16, 64, None, None, "int8"),
+]
+
+# (name, tokens, seqs, query heads, KV heads, head_dim): the default model (SmolLM2-135M:
+# 9 / 3 heads, head_dim 64) and MQA, decode and prefill buckets.
+OTHER_HEAD_GROUPINGS = [
+    ("smollm2_decode", 64, 64, 9, 3, 64),
+    ("smollm2_prefill", 2048, 8, 9, 3, 64),
+    ("mqa_decode", 32, 32, 32, 1, 128),
+    ("mqa_prefill", 1024, 2, 32, 1, 128),
+]
+
+
+def lower_attention(
+    num_tokens,
+    num_seqs,
+    context,
+    page_size,
+    head_dim,
+    window,
+    soft_cap,
+    *,
+    num_heads=32,
+    num_kv_heads=8,
+    config=None,
+    dtype=jnp.bfloat16,
+    kv_dtype=None,
+    tree=False,
+):
+    """jax.export of the attention kernel for CUDA; returns (exported, config, shared-memory
+    bytes Mosaic GPU allocated). `config` None is what the engine picks for this bucket;
+    `kv_dtype` uint8 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales);
+    `tree` with a tree mask."""
+    max_pages = -(-context // page_size)
+    num_pages = num_seqs * max_pages + 1
+    config = config or attention_mgpu.default_config(
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size, kv_dtype=kv_dtype, tree=tree
+    )
+    optional = (("k_scales", "v_scales") if kv_dtype is not None else ()) + (("tree_mask",) if tree else ())
+
+    def fn(*args):  # the six arrays, then the optional ones
+        return attention_mgpu.ragged_paged_attention(
+            *args[:6],
+            **dict(zip(optional, args[6:])),
+            sm_scale=head_dim**-0.5,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            config=config,
+        )
+
+    pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
+    args = (
+        jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype),
+        pages,
+        pages,
+        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
+    )
+    if kv_dtype is not None:
+        args += (jax.ShapeDtypeStruct((num_pages, num_kv_heads, page_size), jnp.float32),) * 2
+    if tree:
+        args += (jax.ShapeDtypeStruct((num_tokens,), jnp.int32),)
+    with record_smem() as smem:
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    return exported, config, smem
+
+
+# -- quantized matmuls -----------------------------------------------------------------
+
+# (name, K, N): Llama-3-8B's fused QKV, gate/up and down projections.
+LLAMA3_8B_PROJECTIONS = [("qkv", 4096, 6144), ("gate_up", 4096, 14336), ("down", 14336, 4096)]
+
+
+def int4_weight_shapes(k, n, group):
+    s = jax.ShapeDtypeStruct
+    return matmul_mgpu.Int4KernelWeights(
+        s((n, k), jnp.int4), s((k // group, n), jnp.float32), s((k // group, n), jnp.float32), n
+    )
+
+
+def fp8_weight_shapes(k, n):
+    s = jax.ShapeDtypeStruct
+    return matmul_mgpu.Fp8KernelWeights(s((n, k), jnp.float8_e4m3fn), s((n,), jnp.float32), n)
+
+
+def lower_matmul(kind, tokens, k, n, *, group=128, config=None, dtype=jnp.bfloat16):
+    """jax.export of the int4 or fp8 matmul kernel for CUDA; returns (exported, shared-memory
+    bytes Mosaic GPU allocated). `config` None is what the engine picks for this many tokens."""
+    x = jax.ShapeDtypeStruct((tokens, k), dtype)
+    if kind == "int4":
+        fn, weights = functools.partial(matmul_mgpu.int4_matmul, config=config), int4_weight_shapes(k, n, group)
+    else:
+        fn, weights = functools.partial(matmul_mgpu.fp8_matmul, config=config), fp8_weight_shapes(k, n)
+    with record_smem() as smem:
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(x, weights)
+    return exported, smem
+
+
+class record_smem:
+    """Records the shared memory Mosaic GPU allocates while lowering (a private hook; if
+    a jax version lacks it, nothing is recorded and the tests' budget checks are skipped)."""
+
+    def __enter__(self):
+        from jax.experimental.mosaic.gpu import core as mosaic_core
+
+        self.sizes = []
+        self.core, self.original = mosaic_core, getattr(mosaic_core, "_smem_tree_size", None)
+        if self.original is not None:
+
+            def spy(tree):
+                self.sizes.append(self.original(tree))
+                return self.sizes[-1]
+
+            mosaic_core._smem_tree_size = spy
+        return self.sizes
+
+    def __exit__(self, *exc):
+        if self.original is not None:
+            self.core._smem_tree_size = self.original
