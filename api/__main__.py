@@ -161,6 +161,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="no log line per generation request (its id, prompt size and sampling parameters)",
     )
     p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens found in the prefix cache "
+        "(off by default, as in vLLM: the count tells a caller whether others sent the same prefix)",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's own log level (default: --log-level)",
@@ -260,6 +266,7 @@ def main(argv=None) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             max_logprobs=args.max_logprobs,
             log_requests=not args.disable_log_requests,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             cors=cors,
             router_load_bound=args.router_load_bound,
             disagg=disagg,

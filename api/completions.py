@@ -41,9 +41,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True
         prompts, prompt_texts = await state.off_loop(
-            _encode_prompts, state, requested, add_special, body.echo, param="prompt"
+            _encode_prompts, state, requested, add_special, body.echo, body.truncate_prompt_tokens, param="prompt"
         )
-        prompts = [state.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
         max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
         params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults, structured_outputs)
         call_id, created = new_id("cmpl"), int(time.time())
@@ -95,16 +94,23 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 
 def _encode_prompts(
-    state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool, echo: bool
+    state: ServerState,
+    prompts: list[str | list[int]],
+    add_special_tokens: bool,
+    echo: bool,
+    truncate_prompt_tokens: int | None,
 ) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each prompt, and its text for `echo` (runs in the tokenizer thread)."""
+    """Token ids of each prompt as truncated, and their text for `echo` (runs in the tokenizer
+    thread). Echo shows what the model saw: a truncated prompt's kept tokens, not the text sent."""
     ids, texts = [], []
     for prompt in prompts:
-        ids.append(encode_prompt(state.tokenizer, prompt, state.vocab_size, add_special_tokens=add_special_tokens))
-        if isinstance(prompt, str):
+        encoded = encode_prompt(state.tokenizer, prompt, state.vocab_size, add_special_tokens=add_special_tokens)
+        kept = state.truncate_prompt(encoded, truncate_prompt_tokens)
+        ids.append(kept)
+        if isinstance(prompt, str) and len(kept) == len(encoded):
             texts.append(prompt)
         else:
-            texts.append(state.tokenizer.decode(prompt) if echo and state.tokenizer else "")
+            texts.append(state.tokenizer.decode(kept) if echo and state.tokenizer else "")
     return ids, texts
 
 

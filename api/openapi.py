@@ -26,6 +26,10 @@ TOKEN_ID = "x-token-id"  # below the vocabulary size
 OUTPUT_TOKENS = "x-output-tokens"  # a count of generated tokens: below the context length,
 # since a prompt has at least one token (the server refuses more with context_length_exceeded)
 CONTEXT_TOKENS = "x-context-tokens"  # a count of prompt tokens: at most the context length
+# ... and for bounds a float cannot hold, restated exactly: FastAPI's document model keeps
+# bounds as floats, which would serve 2**63 - 1 as 9.223372036854776e18 (2**63).
+SEED = "x-seed"  # vLLM's range of seeds (a torch long)
+SEED_RANGE = (-(2**63), 2**63 - 1)
 REQUEST_CHAT_TEMPLATE = "x-request-chat-template"  # null only, unless the server trusts request templates
 # ... and for objects keyed by token ids written as decimal strings (logit_bias): their key pattern.
 TOKEN_ID_KEYS = "x-token-id-keys"
@@ -57,7 +61,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None  # only with --enable-prompt-tokens-details
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -259,7 +263,13 @@ def install_openapi(
             _drop_validation_errors(schema)
             _add_stream_chunks(schema)
             _bound_per_model(
-                schema, {TOKEN_ID: vocab_size - 1, OUTPUT_TOKENS: max_model_len - 1, CONTEXT_TOKENS: max_model_len}
+                schema,
+                {
+                    TOKEN_ID: {"maximum": vocab_size - 1},
+                    OUTPUT_TOKENS: {"maximum": max_model_len - 1},
+                    CONTEXT_TOKENS: {"maximum": max_model_len},
+                    SEED: {"minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
+                },
             )
             if api_key:
                 _require_bearer_on_v1(schema)
@@ -293,19 +303,20 @@ def _add_stream_chunks(schema: dict) -> None:
     schema["components"]["schemas"].update(defs["$defs"])
 
 
-def _bound_per_model(node, maximum: dict[str, int]) -> None:
+def _bound_per_model(node, bounds: dict[str, dict[str, int]]) -> None:
+    """Give each node with a mark its bounds (mark -> {"maximum": n, ...})."""
     if isinstance(node, dict):
-        for mark, bound in maximum.items():
+        for mark, keywords in bounds.items():
             if node.get(mark):
-                node["maximum"] = bound
+                node.update(keywords)
         if node.get(TOKEN_ID_KEYS):  # the values' schema stays; the keys get the vocabulary's bound
             (values,) = node["patternProperties"].values()
-            node["patternProperties"] = {decimal_up_to(maximum[TOKEN_ID]): values}
+            node["patternProperties"] = {decimal_up_to(bounds[TOKEN_ID]["maximum"]): values}
         for value in node.values():
-            _bound_per_model(value, maximum)
+            _bound_per_model(value, bounds)
     elif isinstance(node, list):
         for value in node:
-            _bound_per_model(value, maximum)
+            _bound_per_model(value, bounds)
 
 
 def decimal_up_to(n: int) -> str:

@@ -3,8 +3,9 @@
 Types and value ranges are checked here (a wrong one is a 400 naming the parameter); the
 ranges are `SamplingParams`' own, written as Field constraints so that the OpenAPI schema
 states them and a request that fits the schema is accepted (`SamplingParams` still checks
-them, and whatever a schema cannot state: min_tokens <= max_tokens, ...). Only `n` has an
-API cap of its own. Fields the server does not know are ignored, as vLLM does, and logged;
+them, and whatever a schema cannot state: min_tokens <= max_tokens, ...). Only `n` and
+`seed` (vLLM's range) have API caps of their own. Every field's text must be valid Unicode
+(`check_unicode`). Fields the server does not know are ignored, as vLLM does, and logged;
 fields it knows but cannot honour (suffix, tool_choice "auto", ...) are refused with a 400
 rather than silently dropped, and the schema says which values they may take.
 """
@@ -14,10 +15,19 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from api.errors import APIError, bad_request, from_value_error
-from api.openapi import CONTEXT_TOKENS, OUTPUT_TOKENS, REQUEST_CHAT_TEMPLATE, TOKEN_ID, TOKEN_ID_KEYS
+from api.openapi import (
+    CONTEXT_TOKENS,
+    OUTPUT_TOKENS,
+    REQUEST_CHAT_TEMPLATE,
+    SEED,
+    SEED_RANGE,
+    TOKEN_ID,
+    TOKEN_ID_KEYS,
+)
 from scheduler import SamplingParams
 from scheduler.sampling_params import StructuredOutputsParams
 
@@ -40,6 +50,9 @@ Int = Annotated[int, INTEGRAL]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID: True}), INTEGRAL]
 OutputTokens = Annotated[int, Field(ge=1, json_schema_extra={OUTPUT_TOKENS: True}), INTEGRAL]
 StopString = Annotated[str, Field(min_length=1)]
+# vLLM's range (a torch long). The engine keeps a seed mod 2**64, which maps this range one to
+# one; a larger seed would silently wrap onto another (2**64 onto 0).
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1], json_schema_extra={SEED: True}), INTEGRAL]
 # logit_bias: {"token id": bias}, the ids as decimal strings (OpenAI's); the served schema
 # bounds them by the vocabulary (`TOKEN_ID_KEYS`).
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
@@ -73,9 +86,43 @@ _logged_unknown_fields: set[str] = set()
 _MAX_LOGGED_UNKNOWN_FIELDS = 1000
 
 
+def check_unicode(value, path: str = "") -> None:
+    """Refuse text that is not valid Unicode anywhere in `value` (a field's JSON value): a lone
+    surrogate such as "\\ud800", which Python's JSON parser accepts but the tokenizer cannot
+    encode (a TypeError, so a 500) and no response could echo back."""
+    if isinstance(value, str):
+        if value.isascii():
+            return
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            where = f" (at {path})" if path else ""
+            reason = (
+                f"not valid Unicode text{where}: a lone surrogate U+{ord(value[e.start]):04X} at character {e.start}"
+            )
+            # The message goes through a context value: a template would read braces in `path`.
+            raise PydanticCustomError("invalid_unicode", "{reason}", {"reason": reason}) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path)  # before `key` may appear in a message
+            check_unicode(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if isinstance(item, (str, dict, list)):  # a long list of token ids costs no call per id
+                check_unicode(item, f"{path}[{index}]")
+
+
 class _Body(BaseModel):
     # strict: "16" is not a number and true is not 1, as in the OpenAI API.
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value):
+        # Every field's text, nested bodies included (they check their own fields), so a 400
+        # names the field: prompt, messages[0].content.
+        check_unicode(value)
+        return value
 
     def warn_ignored(self) -> list[str]:
         """The unknown fields this request carried (the server answers them in the
@@ -224,7 +271,7 @@ class _SamplingBody(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: Int | None = None
+    seed: Seed | None = None
     stop: str | list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -7,8 +7,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}
 POST /tokenize, POST /detokenize and GET /version (api.tokenize_routes),
 GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
 (Prometheus text), GET /openapi.json (their schema: api.openapi). With an API key, every /v1
-request needs `Authorization: Bearer <key>`; /health and /metrics stay open, as in vLLM, so
-probes and scrapers need no secret.
+request needs `Authorization: Bearer <key>`, checked before its body is read; the routes outside
+/v1 stay open, as in vLLM: /health and /metrics, so probes and scrapers need no secret, and
+/tokenize, /detokenize and /version.
 
 Limits on what one request may ask: a body of at most `max_request_body_bytes` (413), at
 most `max_request_sequences` prompts x n (400), and, with `max_waiting`, a 503 on arrival
@@ -62,6 +63,7 @@ def create_app(
     trust_request_chat_template: bool = False,
     max_logprobs: int = SamplingParams.MAX_LOGPROBS,
     log_requests: bool = True,
+    enable_prompt_tokens_details: bool = False,
     cors: dict | None = None,
     router_load_bound: int | None = None,
     disagg: DisaggRole | None = None,
@@ -70,7 +72,8 @@ def create_app(
     replicas (built from one LoadedModel). The engine threads start with the app's lifespan.
 
     `model_name`: the name clients pass as `model`, or several (the first is the one
-    responses report); `chat_template` replaces the tokenizer's; `cors`: CORSMiddleware's
+    responses report); `chat_template` replaces the tokenizer's; `enable_prompt_tokens_details`:
+    report usage.prompt_tokens_details.cached_tokens (the prefix cache's hits); `cors`: CORSMiddleware's
     arguments (allow_origins, ...), None for no CORS headers; `router_load_bound`: with
     replicas, how much busier than the least loaded one (in sequences) a replica that saw the
     prompt's prefix may be and still get it (default api.replicas.default_load_bound);
@@ -119,6 +122,7 @@ def create_app(
         trust_request_chat_template=trust_request_chat_template,
         max_logprobs=max_logprobs,
         log_requests=log_requests,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
         disagg=disagg,
     )
     install_error_handlers(app)
@@ -129,11 +133,11 @@ def create_app(
         api_key=bool(api_key),
         trust_request_chat_template=trust_request_chat_template,
     )
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(IgnoredFieldsHeader)
     # Added late, so outside: an oversized body is refused before anything else reads it.
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if api_key:  # outside the body limit, which reads the body: a request without the key is refused unread
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if cors is not None:  # outermost, so that refusals (401, 413) carry CORS headers a browser can read
         app.add_middleware(CORSMiddleware, **cors)
     app.include_router(completions.router)
@@ -191,8 +195,9 @@ def _model_card(state: ServerState, name: str) -> dict:
 
 
 class APIKeyMiddleware:
-    """Refuses /v1 requests without `Authorization: Bearer <api_key>` (a pure ASGI middleware,
-    so streamed responses pass through untouched)."""
+    """Refuses /v1 requests without `Authorization: Bearer <api_key>` from the headers alone,
+    before anything reads the body (a pure ASGI middleware, so streamed responses pass through
+    untouched)."""
 
     def __init__(self, app, api_key: str):
         self.app = app

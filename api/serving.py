@@ -58,6 +58,9 @@ class ServerState:
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     max_logprobs: int = SamplingParams.MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask for
     log_requests: bool = True  # one log line per generation call
+    # usage.prompt_tokens_details (cached_tokens): off by default, as vLLM, since the count tells
+    # a caller whether others sent the same prefix (unless their cache_salt differs).
+    enable_prompt_tokens_details: bool = False
     disagg: DisaggRole | None = None  # --role prefill|decode: KV handed between servers
     # NOTE: one thread, so the tokenizer is never used by two requests at once (transformers'
     # fast tokenizers set truncation state on encode); the engine thread only decodes.
@@ -167,6 +170,25 @@ class ServerState:
         return wanted
 
 
+# Clients choose how long a stop list, a logit_bias, allowed_token_ids or a JSON schema is:
+# each field of a request's log line shows this many characters at most.
+MAX_LOGGED_FIELD_CHARS = 200
+
+
+def loggable_params(params: SamplingParams) -> str:
+    """`params` as its repr would show it, each field cut to MAX_LOGGED_FIELD_CHARS with a
+    note of how much was cut (whole, one request's line could run to megabytes)."""
+    fields = []
+    for field in dataclasses.fields(params):
+        if not field.repr:
+            continue
+        value = repr(getattr(params, field.name))
+        if len(value) > MAX_LOGGED_FIELD_CHARS:
+            value = f"{value[:MAX_LOGGED_FIELD_CHARS]}...[{len(value) - MAX_LOGGED_FIELD_CHARS} more chars]"
+        fields.append(f"{field.name}={value}")
+    return f"{type(params).__name__}({', '.join(fields)})"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -201,7 +223,10 @@ async def start_generation(
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
     if state.log_requests:  # the sizes and settings, never the prompt text
         logger.info(
-            "request %s: %s prompt token(s), params %s", call_id, "+".join(str(len(p)) for p in prompts), params
+            "request %s: %s prompt token(s), params %s",
+            call_id,
+            "+".join(str(len(p)) for p in prompts),
+            loggable_params(params),
         )
     generation = state.engine_loop.generation(ids)
     try:
@@ -222,7 +247,8 @@ async def start_generation(
         if isinstance(e, EngineDeadError):
             raise APIError(503, str(e), type=SERVER_ERROR, code="engine_dead") from None
         raise
-    return generation, Tally(generation.request_ids, params.n, [len(p) for p in prompts])
+    prompt_lens = [len(p) for p in prompts]
+    return generation, Tally(generation.request_ids, params.n, prompt_lens, state.enable_prompt_tokens_details)
 
 
 @dataclasses.dataclass
@@ -238,10 +264,12 @@ class Choice:
 
 
 class Tally:
-    """Follows a call's StepDeltas: per-choice progress and the usage totals."""
+    """Follows a call's StepDeltas: per-choice progress and the usage totals (with the prefix
+    cache's hits in them when `prompt_tokens_details`)."""
 
-    def __init__(self, request_ids: list[str], n: int, prompt_lens: list[int]):
+    def __init__(self, request_ids: list[str], n: int, prompt_lens: list[int], prompt_tokens_details: bool):
         self.n = n
+        self.prompt_tokens_details = prompt_tokens_details
         self.prompt_index = {rid: p for p, rid in enumerate(request_ids)}
         self.prompt_lens = prompt_lens
         self.choices = [Choice() for _ in range(len(request_ids) * n)]
@@ -275,11 +303,12 @@ class Tally:
     def usage(self) -> dict:
         prompt = sum(self.prompt_lens)
         completion = sum(len(c.token_ids) for c in self.choices)
+        details = {"cached_tokens": sum(self.cached_tokens.values())} if self.prompt_tokens_details else None
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+            "prompt_tokens_details": details,
         }
 
 

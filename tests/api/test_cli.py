@@ -29,6 +29,8 @@ def test_defaults_and_flags(monkeypatch):
     assert args.kv_cache_memory == 1 << 30
     assert (args.kv_cache_dtype, args.attention_backend, args.matmul_backend) == ("auto", None, None)
     assert (args.max_request_sequences, args.max_request_body_bytes) == (256, 32 << 20)
+    assert not args.enable_prompt_tokens_details  # off, as in vLLM: cached_tokens reveals others' prefixes
+    assert parse_args(["--enable-prompt-tokens-details"]).enable_prompt_tokens_details
     args = parse_args(["--max-request-sequences", "8", "--max-request-body-bytes", "1MiB"])
     assert (args.max_request_sequences, args.max_request_body_bytes) == (8, 1 << 20)
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")

@@ -90,6 +90,24 @@ def test_streamed_echo_equals_whole(client, answers):
     assert values[0] is None and values[1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-6)
 
 
+def test_echo_of_a_truncated_prompt_is_the_text_the_model_saw(client, tokenizer):
+    """With truncate_prompt_tokens k, echo shows the last k prompt tokens' text, the same tokens
+    the echoed logprobs cover, whole and streamed, for a text and a token-id prompt."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    k = 4
+    kept = tokenizer.decode(prompt_ids[-k:])
+    assert len(prompt_ids) > k and kept != PROMPT
+    kw = dict(model=MODEL, max_tokens=2, temperature=0, echo=True, logprobs=1, extra_body={"truncate_prompt_tokens": k})
+    plain = client.completions.create(model=MODEL, prompt=prompt_ids[-k:], max_tokens=2, temperature=0)
+    for prompt in (PROMPT, prompt_ids):
+        choice = client.completions.create(prompt=prompt, **kw).choices[0]
+        assert choice.text == kept + plain.choices[0].text
+        assert "".join(choice.logprobs.tokens[:k]) == kept  # ASCII text: token strings are exact pieces
+        assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == k + 2
+        streamed = client.completions.create(prompt=prompt, stream=True, **kw)
+        assert "".join(c.text for chunk in streamed for c in chunk.choices) == choice.text
+
+
 def test_echo_without_logprobs(client, answers):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     assert out.choices[0].text == answers[0].choices[0].text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import httpx
@@ -56,6 +57,13 @@ COMPLETION_CASES = [
     ({"prompt": [49152]}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({}, "prompt"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),  # vLLM's range, [-2**63, 2**63 - 1]: not wrapped onto 0
+    ({"prompt": "hi", "seed": 2**63}, "seed"),
+    ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+    # A lone surrogate, which Python's JSON parser accepts, as raw JSON (a client would not encode it).
+    (r'{"prompt": "a\ud800b"}', "prompt"),
+    (r'{"prompt": ["fine", "a\udc00"]}', "prompt"),
+    (r'{"prompt": "hi", "stop": ["\ud800"]}', "stop"),
 ]
 
 
@@ -78,12 +86,46 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
+    (r'{"messages": [{"role": "user", "content": "a\ud800b"}]}', "messages[0].content"),
+    (
+        r'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\udfff"}]}',
+        "messages[1].content",
+    ),
+    (r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]}', "messages[0].content"),
+    (
+        r'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": "\ud800"}}',
+        "chat_template_kwargs",
+    ),
 ]
 
 
 @pytest.mark.parametrize("body,param", CHAT_CASES, ids=[str(b)[:60] for b, _ in CHAT_CASES])
 def test_bad_chat_parameters_are_400(server, body, param):
     assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
+
+
+def test_text_that_is_not_unicode_is_400_naming_the_field(server, client):
+    """A lone surrogate ("\\ud800" in the JSON) is a 400 on every route that takes text, not the
+    tokenizer's TypeError (a 500); its message escapes it, and the server serves on."""
+    error = assert_error(post(server, "/v1/completions", r'{"prompt": "a\ud800b"}'), 400, param="prompt")
+    assert "lone surrogate U+D800" in error["message"]
+    assert_error(post(server, "/tokenize", r'{"prompt": "a\ud800b"}'), 400, param="prompt")
+    chat = r'{"messages": [{"role": "user", "content": "a\ud800b"}]}'
+    assert_error(post(server, "/tokenize", chat), 400, param="messages[0].content")
+    assert_error(post(server, "/v1/completions", r'{"model": "\ud800", "prompt": "hi"}'), 400, param="model")
+    # A surrogate pair is a valid character.
+    assert post(server, "/tokenize", r'{"prompt": "a\ud83d\ude00b"}').json()["count"] > 0
+    assert client.completions.create(model=MODEL, prompt="a\U0001f600b", max_tokens=1).choices[0].finish_reason
+
+
+def test_seeds_at_the_ends_of_the_range_run(client):
+    for seed in (-(2**63), 2**63 - 1):
+        out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, seed=seed)
+        assert out.usage.completion_tokens >= 1
+        messages = [{"role": "user", "content": "hi"}]
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, seed=seed)
+        assert out.usage.completion_tokens >= 1
 
 
 def test_bad_json_and_bodies_are_400(server):
@@ -159,6 +201,28 @@ def test_api_key_is_required_on_v1(server):
     # Probes and scrapers need no key.
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_a_request_without_the_key_is_refused_before_its_body_is_read(server):
+    """The key is checked on the headers: a keyless upload of 31 MiB (under the body limit)
+    gets its 401 while the client has sent a few bytes of it (were the body read first, the
+    server would wait for the rest and this read would time out)."""
+    url = httpx.URL(server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {31 << 20}\r\n\r\n"
+    )
+    with socket.create_connection((url.host, url.port), timeout=60) as sock:
+        sock.sendall(head.encode() + b'{"prompt": "')
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            data = sock.recv(65536)
+            assert data, f"the server closed the connection without an answer: {answer!r}"
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+    # With the key, the same route serves.
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers).status_code == 200
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(server, client):

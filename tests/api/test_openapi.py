@@ -86,6 +86,14 @@ def test_schema_bounds_are_sampling_params_bounds(schema, body):
     assert checked >= 11
 
 
+@pytest.mark.parametrize("body", ["CompletionRequest", "ChatCompletionRequest"])
+def test_the_seed_range_is_vllms_in_exact_integers(schema, body):
+    """FastAPI's own document would round 2**63 - 1 to a float, 2**63, which the server refuses."""
+    spec = number_schema(schema["components"]["schemas"][body]["properties"]["seed"])
+    assert (spec["minimum"], spec["maximum"]) == (-(2**63), 2**63 - 1)
+    assert type(spec["minimum"]) is type(spec["maximum"]) is int
+
+
 def test_schema_has_only_json_schema_keywords_and_the_vocabulary_bound(schema):
     token_ids = []
 

@@ -1,7 +1,8 @@
 """The request fields that shape a prompt and its sampling, through the real `openai` client
 (`extra_body` for the fields OpenAI does not have), against servers on the tiny model whose
 tokenizer adds BOS: BOS exactly as transformers adds it (add_special_tokens), one BOS in a
-chat (the template's), include_stop_str_in_output, cache_salt, and the defaults a model's
+chat (the template's), include_stop_str_in_output, cache_salt and the cached_tokens that
+only --enable-prompt-tokens-details reports, and the defaults a model's
 generation_config.json gives to fields a request leaves unset (--generation-config).
 
 Oracles: transformers' own tokenizer and chat template on the same folder; the server's
@@ -50,9 +51,17 @@ def folder(tiny_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(folder, tmp_path_factory):
-    """`--generation-config vllm`: the folder's sampling defaults are ignored."""
+    """`--generation-config vllm`: the folder's sampling defaults are ignored; usage reports
+    the prefix cache's hits (`--enable-prompt-tokens-details`)."""
     with run_server(
-        tmp_path_factory.mktemp("plain"), "--model", str(folder), "--generation-config", "vllm", *TINY, api_key=None
+        tmp_path_factory.mktemp("plain"),
+        "--model",
+        str(folder),
+        "--generation-config",
+        "vllm",
+        "--enable-prompt-tokens-details",
+        *TINY,
+        api_key=None,
     ) as server:
         yield server
 
@@ -150,6 +159,34 @@ def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(plain):
     assert cached() == 0  # nor with unsalted requests
     assert cached(cache_salt="alice") >= 8  # the same salt: its full blocks are hits
     plain.wait_idle()
+
+
+def every_usage(client) -> list:
+    """The usage of a completion and a chat completion, whole and streamed, each run twice
+    (the second finds the first's blocks in the prefix cache)."""
+    prompt = "one two three four five six seven eight nine ten sun moon star tree"
+    messages = [{"role": "user", "content": prompt}]
+    usages = []
+    for _ in range(2):
+        usages.append(usage_of(client, prompt=prompt))
+        usages.append(client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage)
+        stream = dict(max_tokens=1, stream=True, stream_options={"include_usage": True})
+        usages.append(list(client.completions.create(model=NAME, prompt=prompt, **stream))[-1].usage)
+        usages.append(list(client.chat.completions.create(model=NAME, messages=messages, **stream))[-1].usage)
+    return usages
+
+
+def test_cached_tokens_are_reported_only_with_the_flag(plain, folder, tmp_path_factory):
+    """cached_tokens would tell any caller whether others sent its prefix: as in vLLM, usage has
+    prompt_tokens_details only with --enable-prompt-tokens-details (which `plain` has)."""
+    usages = every_usage(plain.client())
+    assert all(u.prompt_tokens_details is not None for u in usages)
+    assert all(u.prompt_tokens_details.cached_tokens >= 8 for u in usages[4:])  # the second round hits
+    plain.wait_idle()
+    args = ("--model", str(folder), "--generation-config", "vllm", *TINY)
+    with run_server(tmp_path_factory.mktemp("no-details"), *args, api_key=None) as server:
+        usages = every_usage(server.client())
+        assert all(u.prompt_tokens_details is None and u.prompt_tokens > 0 for u in usages)
 
 
 def sample_texts(client, n: int, extra: dict | None = None, **kw) -> list[str]:

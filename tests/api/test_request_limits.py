@@ -1,17 +1,20 @@
 """What one request may ask for: a body over the size limit is a 413 (declared or chunked),
 a call that fans out to more than max_request_sequences (prompts x n) is a 400; both are
-OpenAI-shaped, cost the engine nothing, and the server serves normally afterwards.
+OpenAI-shaped, cost the engine nothing, and the server serves normally afterwards. However
+much text a call carries, its log line stays short.
 The app runs in-process (uvicorn on loopback) on the tiny model, with small limits."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import openai
 import pytest
 
 from api.server import create_app
+from api.serving import MAX_LOGGED_FIELD_CHARS
 from tests.api.conftest import parse_metrics, serve_in_thread
 from tests.api.test_errors import assert_error
 
@@ -102,4 +105,27 @@ def test_a_call_at_the_sequence_limit_runs(url):
     )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.usage.completion_tokens == MAX_SEQUENCES * 3
+    assert_idle_and_serving(url)
+
+
+def test_the_request_log_line_cuts_long_fields(url, caplog):
+    """The one log line per call (its id, prompt sizes and sampling parameters) shows each
+    field's first MAX_LOGGED_FIELD_CHARS characters and how many more there were, whatever the
+    call carries; the prompt is never in it."""
+    body = {
+        "prompt": "the cat sat " * 2000,
+        "truncate_prompt_tokens": 8,
+        "max_tokens": 1,
+        "stop": ["the dog ran " * 60] * 20,
+        "logit_bias": {str(i): 0.5 for i in range(97)},
+        "allowed_token_ids": list(range(3, 97)),
+    }
+    with caplog.at_level(logging.INFO):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    lines = [record.getMessage() for record in caplog.records]
+    (line,) = [line for line in lines if "prompt token(s)" in line]
+    assert "stop=('the dog ran" in line and "more chars]" in line and "the cat" not in line
+    # Three fields cut, about 20 short ones; whole, the stop strings alone would be 14,000 characters.
+    assert max(len(line) for line in lines) < 12 * MAX_LOGGED_FIELD_CHARS
     assert_idle_and_serving(url)
