@@ -214,12 +214,14 @@ class StructuredOutputs(_Body):
     # JSON never has free whitespace); those that would change the output are refused.
     disable_fallback: bool | None = None
     disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool | None = Field(None, **refused_unless(enum=[False, None]))
+    # None or true: an object schema without additionalProperties takes no other keys (vLLM's
+    # xgrammar); false: JSON Schema's default, any other key too.
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = Field(None, **refused_unless(enum=[None]))
     structural_tag: str | None = Field(None, **refused_unless(enum=[None]))
 
     def constraint(self) -> Constraint:
-        for name in ("disable_additional_properties", "whitespace_pattern", "structural_tag"):
+        for name in ("whitespace_pattern", "structural_tag"):
             if getattr(self, name):
                 raise bad_request(f"structured_outputs.{name} is not supported by this server", "structured_outputs")
         fields = {
@@ -237,6 +239,8 @@ class StructuredOutputs(_Body):
                 "structured_outputs",
             )
         (kind,) = fields
+        if self.disable_additional_properties is not None:
+            fields["disable_additional_properties"] = self.disable_additional_properties
         return Constraint("structured_outputs", fields, "structured_outputs", f"structured_outputs.{kind}")
 
 

@@ -16,6 +16,11 @@ class StructuredOutputsParams:
     json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
     regular expression the whole output matches; choice: one of these strings exactly;
     grammar: a Lark grammar (llguidance's dialect; `start` is the start rule).
+
+    disable_additional_properties (a JSON schema's option, vLLM's name): True (the default,
+    as vLLM's xgrammar backend) reads an object schema that does not say
+    `additionalProperties` as `additionalProperties: false`; False keeps JSON Schema's own
+    default, where any other key may appear.
     """
 
     json: dict[str, Any] | str | None = None
@@ -23,6 +28,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    disable_additional_properties: bool = True
 
     KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -61,6 +67,11 @@ class StructuredOutputsParams:
                 self.grammar is None or isinstance(self.grammar, str),
                 f"structured_outputs.grammar must be a string, got {self.grammar!r}",
             ),
+            (
+                isinstance(self.disable_additional_properties, bool),
+                "structured_outputs.disable_additional_properties must be a bool, "
+                f"got {self.disable_additional_properties!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -70,12 +81,12 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, Any]:
+    def key(self) -> tuple[str, Any, bool]:
         """Hashable, the same for equal constraints (a schema dict by its canonical JSON)."""
         value = getattr(self, self.kind)
         if isinstance(value, dict):
             value = json_module.dumps(value, sort_keys=True, separators=(",", ":"))
-        return (self.kind, value)
+        return (self.kind, value, self.disable_additional_properties)
 
     def __hash__(self) -> int:
         return hash(self.key())

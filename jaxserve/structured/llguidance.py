@@ -37,6 +37,52 @@ class GrammarBackend(Protocol):
 # Compact JSON (no free whitespace): outputs stay short, and a model cannot pad forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
+# llguidance's parser holds at most 2,000 items in a row (its `max_items_in_row`); a choice
+# list puts one item per choice, and one for the start rule, in its first row. A longer list
+# compiles but fails at the first token, so it is refused at compile time, with this number.
+MAX_CHOICES = 1999
+
+# The keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_additional_properties(schema: Any, *, closed: bool = True) -> Any:
+    """`schema` with `additionalProperties: false` in every object schema (one with
+    `properties` or `patternProperties`) that does not say otherwise, as vLLM's xgrammar
+    reads it. A copy: the caller's schema (also the compile cache's key) is left alone. Only
+    schema keywords are walked, so an `enum`, `const` or `default` value stays as given.
+    The members of an `allOf` stay open (`closed=False`), what is inside them is closed:
+    each member closed would refuse the keys the others list."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for name in _SUBSCHEMA:
+        if isinstance(out.get(name), dict):
+            out[name] = without_additional_properties(out[name])
+    for name in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(name), list):
+            out[name] = [without_additional_properties(s, closed=name != "allOf") for s in out[name]]
+    for name in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(name), dict):
+            out[name] = {key: without_additional_properties(s) for key, s in out[name].items()}
+    if closed and ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
 
 def llguidance_grammar(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar for a spec. A grammar may be Lark (llguidance's dialect) or
@@ -54,6 +100,8 @@ def llguidance_grammar(spec: StructuredOutputsParams) -> str:
                 raise GrammarError(kind, f"the schema is not JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(kind, f"a schema is an object, got {type(schema).__name__}")
+        if spec.disable_additional_properties:
+            schema = without_additional_properties(schema)
         try:
             return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
@@ -61,6 +109,8 @@ def llguidance_grammar(spec: StructuredOutputsParams) -> str:
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":
+        if len(spec.choice) > MAX_CHOICES:
+            raise GrammarError(kind, f"at most {MAX_CHOICES} choices are supported, got {len(spec.choice)}")
         # Lark string literals (JSON's escapes), so no choice is read as a pattern.
         return LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
@@ -78,6 +128,7 @@ class LLGuidanceBackend:
     def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...], model_vocab_size: int):
         import llguidance.hf
 
+        self.eos_token_ids = frozenset(eos_token_ids)
         # A model's vocab may be padded past the tokenizer's: llguidance's vocab covers
         # both, so the padding ids are simply never allowed.
         n_vocab = max(model_vocab_size, len(hf_tokenizer))
@@ -94,8 +145,14 @@ class LLGuidanceBackend:
             raise GrammarError(spec.kind, error_of(matcher))
         # The first mask here, in the pool: llguidance builds its lexer lazily, so some
         # errors show only now, and the copies reuse what it built.
+        # And the first token: the parser builds its first row only then, so a row too long
+        # to hold (a grammar of thousands of alternatives) shows there, not while generating.
         probe = matcher.deep_copy()
-        probe.compute_bitmask()
+        mask = np.frombuffer(probe.compute_bitmask(), np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little"))
+        first = next((int(t) for t in allowed if t not in self.eos_token_ids), None)
+        if first is not None:
+            probe.consume_tokens([first])
         if probe.is_error():
             raise GrammarError(spec.kind, error_of(probe))
         return matcher  # the prototype: each sequence gets a copy in its start state

@@ -507,3 +507,52 @@ def test_invalid_constraints_are_400s_that_say_what_is_wrong(client, endpoint, b
     assert error["param"] == param, error
     for words in says:
         assert words in error["message"], error
+
+
+class Town(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    population: int = pydantic.Field(ge=0, le=999)
+
+
+def test_a_pydantic_schema_takes_no_other_keys_unless_the_request_allows_them(client):
+    """Pydantic's schemas do not say additionalProperties: as vLLM's xgrammar, no other key is
+    allowed, so the output is complete (not cut by max_tokens) and has exactly the model's
+    keys; `structured_outputs.disable_additional_properties: false` lets other keys in."""
+    schema = Town.model_json_schema()
+    for options in ({}, {"disable_additional_properties": True}):
+        out = client.completions.create(
+            model=MODEL,
+            prompt="A small town as JSON:",
+            max_tokens=60,
+            temperature=0,
+            extra_body={"structured_outputs": {"json": schema, **options}},
+        )
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+        assert finish == "stop" and Town.model_validate_json(text, strict=True), text
+        jsonschema.validate(json.loads(text), {**schema, "additionalProperties": False})
+    lenient = client.completions.create(
+        model=MODEL,
+        prompt="A small town as JSON:",
+        max_tokens=8,
+        extra_body={"structured_outputs": {"json": schema, "disable_additional_properties": False}},
+    )
+    assert lenient.choices[0].text.startswith("{")
+
+
+def test_a_choice_list_too_long_to_hold_is_a_400_and_the_server_goes_on(client):
+    """The grammar engine holds at most 1999 choices: 50,000 were compiled, then ended
+    "abort" at the first token; now they are a 400 naming the field, before generation."""
+    many = [f"option-{i}" for i in range(50_000)]
+    for body, param, field in [
+        ({"structured_outputs": {"choice": many}}, "structured_outputs", "structured_outputs.choice"),
+        ({"guided_choice": many}, "guided_choice", "guided_choice"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=8, extra_body=body)
+        error = e.value.body
+        assert error["param"] == param and field in error["message"], error
+        assert "at most 1999 choices are supported, got 50000" in error["message"], error
+    some = [f"option-{i}" for i in range(100)]
+    for body in ({"guided_choice": some}, {"structured_outputs": {"choice": some}}):
+        out = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=20, extra_body=body)
+        assert out.choices[0].text in some and out.choices[0].finish_reason == "stop", out

@@ -259,6 +259,7 @@ def test_stop_strings_end_a_constrained_output(tiny_chars):
         ({"json": "{not json"}, "not JSON"),
         ({"regex": "[a-z"}, "unclosed character class"),
         ({"grammar": "start: foo"}, "unknown name"),
+        ({"regex": "(a{1000}){1000}"}, "too many expressions"),  # its lexer outgrows the limits at the first token
     ],
 )
 def test_an_invalid_spec_is_refused_and_nothing_is_queued(tiny_chars, spec, message):
@@ -284,12 +285,13 @@ def test_a_gbnf_grammar_means_the_same_as_lark(tiny_chars):
 
 
 def test_a_grammar_the_engine_gives_up_on_ends_its_request(tiny_chars):
-    """A regex whose lexer outgrows llguidance's limits fails on the way, not at compile
-    time: the request ends ("abort") instead of going on unconstrained; others are unharmed."""
+    """A regex whose lexer outgrows llguidance's limits after its first token (compiling tries
+    only that one) fails on the way: the request ends ("abort") instead of going on
+    unconstrained; others are unharmed."""
     prompts, params = workload(count=2)
-    params[0] = SamplingParams(temperature=0, max_tokens=100, structured_outputs={"regex": "(a{1000}){1000}"})
+    params[0] = SamplingParams(temperature=0, max_tokens=100, structured_outputs={"regex": "[ab](a{1000}){1000}"})
     outs = run(engine(tiny_chars), prompts, params)
-    assert outs[0].outputs[0].finish_reason == "abort" and set(outs[0].outputs[0].text) <= {"a"}
+    assert outs[0].outputs[0].finish_reason == "abort" and set(outs[0].outputs[0].text) <= {"a", "b"}
     assert follows(SPECS[1], outs[1].outputs[0].text)
 
 
