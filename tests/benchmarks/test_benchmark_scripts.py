@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,13 +35,166 @@ def test_scheduler_overhead_json():
 @pytest.mark.slow
 def test_kernel_benchmark_smoke_on_cpu(tmp_path):
     run("benchmarks/kernels.py", "--smoke", "--runs", "2", "--json", str(tmp_path / "k.json"))
-    assert json.loads((tmp_path / "k.json").read_text())
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert len(result["cases"]) == 5 and len(result["matmul_cases"]) == 2
+    assert all("ref_us" in r and "error" not in r for r in result["cases"])
+
+
+def test_kernels_rows_are_written_as_they_finish_and_a_mismatch_does_not_stop_the_run(tmp_path, monkeypatch, capsys):
+    """The interpreted matmul kernels against a reference made wrong for one token count:
+    that row is marked, the next case still runs, and the exit status says so. The JSON file
+    holds each finished row before the next case starts."""
+    from benchmarks import kernels
+    from pallas_kernels.quantized_matmul import fp8_matmul_reference
+
+    def wrong_for_one_token(x, weight, scales):
+        return fp8_matmul_reference(x, weight, scales) * (2.0 if x.shape[0] == 1 else 1.0)
+
+    monkeypatch.setitem(kernels.REFERENCES, "fp8", wrong_for_one_token)
+    path, rows_seen = tmp_path / "k.json", []
+    real_case = kernels.run_matmul_case
+
+    def spy(*args, **kwargs):
+        rows_seen.append(len(json.loads(path.read_text()).get("matmul_cases", [])))
+        return real_case(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "run_matmul_case", spy)
+    status = kernels.main(["--smoke", "--interpret", "--only", "matmul", "--runs", "1", "--json", str(path)])
+    assert status == 1
+    assert rows_seen == [0, 1]
+    first, second = json.loads(path.read_text())["matmul_cases"]
+    assert (first["tokens"], first["ok"], first["mismatched"]) == (1, False, ["fp8", "fp8_ws"])
+    assert first["int4_rel_err"] == 0 and first["fp8_rel_err"] > 0.4
+    assert (second["tokens"], second["ok"]) == (8, True) and "fp8_ws_us" in second
+    out = capsys.readouterr().out
+    assert "MISMATCH fp8,fp8_ws" in out
+    assert "1 case(s) MISMATCHED their reference or failed: small 256x192 t=1" in out
+
+
+def test_kernels_error_is_recorded_and_an_interrupt_keeps_the_rows(tmp_path, monkeypatch, capsys):
+    """A case that raises is a row with its error, and the run goes on; an interrupt (the
+    SIGINT of gpu_check.sh's time limit) ends it with the finished rows on disk."""
+    from benchmarks import kernels
+
+    real_case, calls, interrupt = kernels.run_case, [], [True]
+
+    def flaky(case, *args, **kwargs):
+        calls.append(case.name)
+        if len(calls) == 2:
+            raise RuntimeError("kernel fell over")
+        if len(calls) == 4 and interrupt:
+            raise KeyboardInterrupt
+        return real_case(case, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "run_case", flaky)
+    path = tmp_path / "k.json"
+    assert kernels.main(["--smoke", "--only", "attention", "--runs", "1", "--json", str(path)]) == 130
+    rows = json.loads(path.read_text())["cases"]
+    assert [r["case"] for r in rows] == calls[:3]
+    assert rows[1] == {
+        "case": calls[1],
+        "ok": False,
+        "error": "RuntimeError: kernel fell over",
+        "seconds": rows[1]["seconds"],
+    }
+    assert "ref_us" in rows[0] and "ref_us" in rows[2]
+    out = capsys.readouterr().out
+    assert f"{calls[1]:34} ERROR RuntimeError: kernel fell over" in out and "interrupted" in out
+
+    calls.clear()
+    interrupt.clear()
+    assert kernels.main(["--smoke", "--only", "attention", "--runs", "1", "--json", str(path)]) == 1  # no interrupt
+    assert len(json.loads(path.read_text())["cases"]) == 5
+
+
+def test_gpu_e2e_smoke_on_a_random_model(tmp_path):
+    path = tmp_path / "e2e.json"
+    stdout = run("benchmarks/gpu_e2e.py", "--smoke", "--variants", "none,int4,fp8,kv-fp8", "--json", str(path))
+    for variant in ("none", "int4", "fp8", "kv-fp8"):
+        assert f"| {variant:<8} | reference  |" in stdout
+    assert "Pallas backends not run: it needs a Hopper GPU" in stdout
+    result = json.loads(path.read_text())
+    assert result["model"] == "random tiny-shaped model, 2 layers"
+    rows = result["variants"]["int4"]["rows"]
+    assert len(rows) == 1 and [len(g) for g in rows[0]["greedy"]] == [4] * 8
 
 
 def test_gpu_e2e_smoke_runs_the_reference_on_cpu(weights_cache, default_model):
-    stdout = run("benchmarks/gpu_e2e.py", "--smoke", "--dtype", "float32", env={"JAXSERVE_CACHE": str(weights_cache)})
+    stdout = run(
+        "benchmarks/gpu_e2e.py",
+        "--model",
+        "default",
+        "--smoke",
+        "--dtype",
+        "float32",
+        env={"JAXSERVE_CACHE": str(weights_cache)},
+    )
     assert "| kv-fp8   | reference  |" in stdout
     assert "Pallas backends not run: it needs a Hopper GPU" in stdout
+
+
+def greedy_run(tokens: list[list[int]], logprobs: list[list[dict]]) -> dict:
+    return {"greedy": tokens, "logprobs": [[{str(t): lp for t, lp in d.items()} for d in lps] for lps in logprobs]}
+
+
+def test_gpu_e2e_compare_tells_near_ties_from_mismatches():
+    ref = greedy_run(
+        [[5, 6, 7], [5, 6, 7], [5, 6, 7]],
+        [[{5: -0.1, 9: -3}, {6: -0.7, 8: -0.75}, {7: -0.2, 1: -2}]] * 3,
+    )
+    ker = greedy_run(
+        [[5, 6, 7], [5, 8, 7], [5, 9, 7]],  # identical; parts at a near tie; parts where 6 led by a lot
+        [
+            [{5: -0.1, 9: -3}, {6: -0.7, 8: -0.75}, {7: -0.2, 1: -2}],
+            [{5: -0.12, 9: -3}, {8: -0.7, 6: -0.72}, {7: -0.2, 1: -2}],
+            [{5: -0.1, 9: -3}, {9: -0.5, 6: -0.9}, {7: -0.2, 1: -2}],
+        ],
+    )
+    check = gpu_e2e.compare(ref, ker)
+    assert (check["identical"], check["near_ties"], check["ok"]) == (1, 1, False)
+    assert check["mismatches"] == [dict(prompt=2, position=1, reference=[6, 7], kernel=[9, 7], margin=float("inf"))]
+    assert check["max_logprob_diff"] == pytest.approx(0.02)
+
+    drift = greedy_run([[5, 6, 7]], [[{5: -0.1}, {6: -1.5}, {7: -0.2}]])
+    check = gpu_e2e.compare(greedy_run([[5, 6, 7]], [[{5: -0.1}, {6: -0.7}, {7: -0.2}]]), drift)
+    assert (check["identical"], check["ok"]) == (1, False)  # the same tokens, but logprobs 0.8 apart
+
+
+def run_gpu_check(tmp_path, *args):
+    return subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable},
+    )
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    """The default run's every step in its CPU form: what a lent GPU would run exists and parses."""
+    out = run_gpu_check(tmp_path, "--dry-run")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "the steps' time limits add up to 540s (at most 540s" in out.stdout
+    summary = (tmp_path / "dry-run" / "summary.txt").read_text().splitlines()
+    names = [line.split()[0] for line in summary]
+    assert names[:3] == ["versions", "compile", "numerics_attention_production"]
+    assert names[-3:] == ["speed_attention", "speed_matmul", "e2e"]
+    assert all(line.split()[1] == "ok" for line in summary), summary
+    for name in ("speed_attention.json", "speed_matmul.json", "e2e.json"):
+        assert json.loads((tmp_path / "dry-run" / name).read_text())
+
+
+def test_gpu_check_dry_run_refuses_limits_past_one_call(tmp_path):
+    out = run_gpu_check(tmp_path, "--dry-run", "--only", "plan", "--only", "structured", "--only", "memory")
+    assert out.returncode == 1
+    assert "add up to 630s" in out.stdout and "run the sections apart with --only" in out.stderr
+    assert [line.split()[:2] for line in (tmp_path / "dry-run" / "summary.txt").read_text().splitlines()] == [
+        ["plan", "ok"],
+        ["memory", "ok"],
+        ["structured", "ok"],
+    ]
 
 
 def test_spec_decode_smoke(weights_cache, default_model):
