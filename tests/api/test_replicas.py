@@ -13,6 +13,7 @@ One two-replica server serves the module; the test that kills a replica runs las
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -184,9 +185,18 @@ def test_a_failed_replica_leaves_the_rotation(replicated, monkeypatch):
     def fail():
         raise RuntimeError("replica 1 failed on purpose")
 
-    monkeypatch.setattr(replicas.replicas[1].engine, "step", fail)
     # Two concurrent distinct calls go to different replicas (the first one's load counts at
     # once), so one of them is on replica 1 when it fails; one streams, the other does not.
+    # That needs both replicas idle and no prefix pulling a call to one of them: the earlier
+    # tests sent words(70, 5) too, to whichever replica timing chose (both calls then met
+    # replica 1 in one CI run).
+    deadline = time.monotonic() + 60
+    while any(r.load for r in replicas.replicas):  # earlier calls still finishing on a busy machine
+        assert time.monotonic() < deadline, f"load never returned to 0: {[r.load for r in replicas.replicas]}"
+        time.sleep(0.05)
+    for i in range(NUM_REPLICAS):
+        replicas.router.forget(i)
+    monkeypatch.setattr(replicas.replicas[1].engine, "step", fail)
     first = asyncio.run(complete_all(url, [words(70, 5), words(77, 5)], max_tokens=4, streamed=(True, False)))
     failed = [r for r in first if isinstance(r, BaseException)]
     assert len(failed) == 1, first
