@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 
-from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES
+from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, DEFAULT_TOKENIZER_POOL_SIZE
 from jaxserve.flags import add_model_flags, model_engine_kwargs, parse_bytes, start_devices
 from scheduler import SamplingParams
 
@@ -167,6 +167,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(off by default, as in vLLM: the count tells a caller whether others sent the same prefix)",
     )
     p.add_argument(
+        "--tokenizer-pool-size",
+        type=int,
+        default=DEFAULT_TOKENIZER_POOL_SIZE,
+        help=f"threads that tokenize prompts, so a huge one does not hold up small ones (default "
+        f"{DEFAULT_TOKENIZER_POOL_SIZE})",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's own log level (default: --log-level)",
@@ -267,6 +274,7 @@ def main(argv=None) -> int:
             max_logprobs=args.max_logprobs,
             log_requests=not args.disable_log_requests,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            tokenizer_pool_size=args.tokenizer_pool_size,
             cors=cors,
             router_load_bound=args.router_load_bound,
             disagg=disagg,

@@ -12,7 +12,7 @@ from api import openapi
 from api.engine_loop import SampleDelta
 from api.errors import bad_request
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
-from api.protocol import ChatCompletionRequest, ChatTemplateFields
+from api.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateFields
 from api.serving import (
     EventStream,
     ServerState,
@@ -92,9 +92,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             generation,
             tally,
             chunk_header,
-            body.include_usage,
+            body,
             _chunk_choice(body, state, top_logprobs, tool is not None),
             opening,
+            {"prompt_token_ids": prompt} if body.return_token_ids else None,  # vLLM's: with each role chunk
         )
         return EventStream(events, on_close=generation.close)
     if await unless_disconnected(request, collect(generation, tally)) is None:
@@ -119,6 +120,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                 "logprobs": logprobs,
                 "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason,
+                **({"token_ids": choice.token_ids} if body.return_token_ids else {}),
             }
         )
     prompt_logprobs = vllm_prompt_logprobs(
@@ -130,6 +132,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             "choices": choices,
             "usage": tally.usage(),
             "prompt_logprobs": prompt_logprobs,
+            **({"prompt_token_ids": prompt} if body.return_token_ids else {}),
             **state.kv_transfer_fields(tally),
         }
     )
@@ -151,6 +154,7 @@ def check_template(state: ServerState, body: ChatTemplateFields) -> None:
 async def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
     """The token ids of `body`'s messages rendered by the chat template (in the tokenizer
     thread), truncated as it asks (chat completions and /tokenize)."""
+    state.check_prompt_bytes(message_texts(body.messages), "messages")
     add_special = body.add_special_tokens if body.add_special_tokens is not None else False
     kwargs = body.template_kwargs()
     if state.chat_template and "chat_template" not in kwargs:
@@ -164,7 +168,20 @@ async def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]
         param="messages",
         **kwargs,
     )
-    return state.truncate_prompt(prompt, getattr(body, "truncate_prompt_tokens", None))
+    return state.truncate_prompt(
+        prompt, getattr(body, "truncate_prompt_tokens", None), getattr(body, "truncation_side", None)
+    )
+
+
+def message_texts(messages: list[ChatMessage]) -> list[str]:
+    """The text of each message's content (what the byte limit counts; the template adds little)."""
+    texts = []
+    for message in messages:
+        if isinstance(message.content, str):
+            texts.append(message.content)
+        elif isinstance(message.content, list):
+            texts += [part["text"] for part in message.content if isinstance(part.get("text"), str)]
+    return texts
 
 
 def tool_call(name: str) -> dict:
@@ -180,8 +197,11 @@ def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs:
                 "content": chat_logprobs(sample.new_token_ids, sample.new_logprobs, state.token_text, top_logprobs),
                 "refusal": None,
             }
-        if not sample.new_text and logprobs is None and sample.finish_reason is None:
-            return None  # the detokenizer held this token's text back (a partial character)
+        token_ids = {"token_ids": sample.new_token_ids} if body.return_token_ids else {}
+        if not (sample.new_text or logprobs or sample.finish_reason or (token_ids and sample.new_token_ids)):
+            # The detokenizer held this token's text back (a partial character); with
+            # return_token_ids its id still goes out, as vLLM sends every token's.
+            return None
         delta = {}
         if sample.new_text:
             delta = (
@@ -195,6 +215,7 @@ def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs:
             "logprobs": logprobs,
             "finish_reason": sample.finish_reason,
             "stop_reason": sample.stop_reason,
+            **token_ids,
         }
 
     return choice

@@ -37,11 +37,19 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_request(request, body, body.logprobs, "logprobs")
     requested = body.prompts()
+    state.check_prompt_bytes([p for p in requested if isinstance(p, str)], "prompt")
     structured_outputs = await state.structured_outputs(body)
     with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True
         prompts, prompt_texts = await state.off_loop(
-            _encode_prompts, state, requested, add_special, body.echo, body.truncate_prompt_tokens, param="prompt"
+            _encode_prompts,
+            state,
+            requested,
+            add_special,
+            body.echo,
+            body.truncate_prompt_tokens,
+            body.truncation_side,
+            param="prompt",
         )
         max_tokens = min(state.max_tokens_for(len(p), body.max_tokens, "prompt") for p in prompts)
         params = body.sampling_params(max_tokens, body.logprobs, {}, state.sampling_defaults, structured_outputs)
@@ -63,9 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
 
     if body.stream:
-        events = stream_events(
-            generation, tally, header, body.include_usage, _chunk_choice(tally, body, state, echo, prompts)
-        )
+        events = stream_events(generation, tally, header, body, _chunk_choice(tally, body, state, echo, prompts))
         return EventStream(events, on_close=generation.close)
     if await unless_disconnected(request, collect(generation, tally)) is None:
         return disconnected_response()
@@ -88,6 +94,8 @@ async def create_completion(body: CompletionRequest, request: Request):
                 "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason,
                 "prompt_logprobs": vllm_prompt_logprobs(prompt, prompt_logprobs, prompt_k, state.token_text),
+                # vLLM's, per choice here (a call may have several prompts).
+                **({"prompt_token_ids": prompt, "token_ids": choice.token_ids} if body.return_token_ids else {}),
             }
         )
     return JSONResponse({**header, "choices": choices, "usage": tally.usage(), **state.kv_transfer_fields(tally)})
@@ -99,13 +107,14 @@ def _encode_prompts(
     add_special_tokens: bool,
     echo: bool,
     truncate_prompt_tokens: int | None,
+    truncation_side: str | None,
 ) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt as truncated, and their text for `echo` (runs in the tokenizer
     thread). Echo shows what the model saw: a truncated prompt's kept tokens, not the text sent."""
     ids, texts = [], []
     for prompt in prompts:
         encoded = encode_prompt(state.tokenizer, prompt, state.vocab_size, add_special_tokens=add_special_tokens)
-        kept = state.truncate_prompt(encoded, truncate_prompt_tokens)
+        kept = state.truncate_prompt(encoded, truncate_prompt_tokens, truncation_side)
         ids.append(kept)
         if isinstance(prompt, str) and len(kept) == len(encoded):
             texts.append(prompt)
@@ -133,8 +142,14 @@ def _chunk_choice(
                 entries = echo_entries(prompt, tally.prompt_logprobs[index // body.n], body.logprobs) + entries
             logprobs = completion_logprobs(token_ids, entries, state.token_text, offsets[index])
             offsets[index] += sum(len(t) for t in logprobs["tokens"])
-        if not text and logprobs is None and sample.finish_reason is None:
-            return None  # the detokenizer held this token's text back (a partial character)
+        token_ids = {}
+        if body.return_token_ids:  # as vLLM: the prompt's ids with the choice's first chunk, then each chunk's
+            first = {} if tally.choices[index].started else {"prompt_token_ids": prompts[index // body.n]}
+            token_ids = {**first, "token_ids": sample.new_token_ids}
+        if not (text or logprobs or sample.finish_reason or (token_ids and sample.new_token_ids)):
+            # The detokenizer held this token's text back (a partial character); with
+            # return_token_ids its id still goes out, as vLLM sends every token's.
+            return None
         tally.choices[index].started = True
         return {
             "index": index,
@@ -142,6 +157,7 @@ def _chunk_choice(
             "logprobs": logprobs,
             "finish_reason": sample.finish_reason,
             "stop_reason": sample.stop_reason,
+            **token_ids,
         }
 
     return choice

@@ -1,6 +1,6 @@
 """Limits on one request. The body size: a pure ASGI middleware that answers 413 before the
 app parses anything. (The other limit, prompts x n, is checked with the queue on arrival:
-`ServerState.admit`.)
+`ServerState.admit`; the size of prompt text, before it is tokenized: api.prompt_size.)
 
 A declared `Content-Length` over the limit is refused without reading a byte; a chunked
 body (no Content-Length) is counted as it arrives and refused once it passes the limit, so
@@ -15,6 +15,10 @@ from api.errors import APIError
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 # Engine sequences (prompts x n) one call may start: OpenAI's own cap on n is 128.
 DEFAULT_MAX_REQUEST_SEQUENCES = 256
+# Threads that tokenize (--tokenizer-pool-size): enough that a small request finds one free
+# while big prompts are encoded, whatever the number of cores (the pool is for latency, and
+# the Rust tokenizer releases the GIL). Prompt text has a cap of its own: api.prompt_size.
+DEFAULT_TOKENIZER_POOL_SIZE = 4
 
 
 class BodySizeLimit:

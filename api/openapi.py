@@ -76,6 +76,10 @@ class CompletionChoice(BaseModel):
     # vLLM's, with prompt_logprobs (or echo with logprobs): per prompt token null (the first) or
     # {token_id: {logprob, rank, decoded_token}}; not in streamed chunks.
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # vLLM's, with return_token_ids: the choice's prompt (in a stream, with its first chunk) and
+    # the tokens it generated (in a stream, the chunk's).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(BaseModel):
@@ -89,7 +93,8 @@ class Completion(BaseModel):
 
 class CompletionChunk(BaseModel):
     """One server-sent event of a streamed completion; with stream_options.include_usage,
-    `usage` is null but on the last chunk (which has no choices)."""
+    `usage` is null but on the last chunk (which has no choices), or with
+    continuous_usage_stats too, on every chunk its choice's usage so far."""
 
     id: str
     object: Literal["text_completion"]
@@ -122,6 +127,7 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: FinishReason | None
     stop_reason: int | str | None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletion(BaseModel):
@@ -133,6 +139,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, as in CompletionChoice
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class FunctionCallDelta(BaseModel):
@@ -159,6 +166,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: FinishReason | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the chunk's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -171,6 +179,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: on each choice's first chunk
 
 
 class ModelCard(BaseModel):

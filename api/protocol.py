@@ -5,15 +5,16 @@ ranges are `SamplingParams`' own, written as Field constraints so that the OpenA
 states them and a request that fits the schema is accepted (`SamplingParams` still checks
 them, and whatever a schema cannot state: min_tokens <= max_tokens, ...). Only `n` and
 `seed` (vLLM's range) have API caps of their own. Every field's text must be valid Unicode
-(`check_unicode`). Fields the server does not know are ignored, as vLLM does, and logged;
-fields it knows but cannot honour (suffix, tool_choice "auto", ...) are refused with a 400
-rather than silently dropped, and the schema says which values they may take.
+(`check_unicode`). Fields the server does not know are ignored, as vLLM does, logged, and
+named in the `x-ignored-fields` header (nested ones too: stream_options.x); vLLM's fields
+that it cannot honour (api.vllm_fields: beam search, suffix, ...) are refused with a 400
+rather than silently dropped, and the schema says which values declared ones may take.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -28,6 +29,7 @@ from api.openapi import (
     TOKEN_ID,
     TOKEN_ID_KEYS,
 )
+from api.vllm_fields import refused_fields
 from scheduler import SamplingParams
 from scheduler.sampling_params import StructuredOutputsParams
 
@@ -69,19 +71,6 @@ def refused_unless(**schema) -> dict:
     return {"json_schema_extra": schema}
 
 
-# vLLM fields that would change the output, which this server cannot honour yet: a value
-# other than the harmless one (None: any value) is a 400 naming the field; dropping it
-# silently would return different text than vLLM does.
-UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
-    **dict.fromkeys(("structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")),
-    "use_beam_search": False,
-    "length_penalty": 1.0,
-    "logits_processors": None,
-    "documents": None,
-    "return_tokens_as_token_ids": False,
-    # Declared by completions only, so an extra field of chat (the last message before the reply).
-    "echo": False,
-}
 _logged_unknown_fields: set[str] = set()
 _MAX_LOGGED_UNKNOWN_FIELDS = 1000
 
@@ -124,10 +113,26 @@ class _Body(BaseModel):
         check_unicode(value)
         return value
 
+    # True where extra fields are passed on rather than ignored (a message's go to the template).
+    takes_extra_fields: ClassVar[bool] = False
+
+    def unknown_fields(self, path: str = "") -> list[str]:
+        """The names of the fields this request carried that no model declares, nested ones
+        as their path (stream_options.x, response_format.json_schema.y, tools[0].z)."""
+        names = [] if self.takes_extra_fields else [f"{path}{name}" for name in self.model_extra or ()]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for index, item in items:
+                if isinstance(item, _Body):
+                    where = f"{path}{name}" if index is None else f"{path}{name}[{index}]"
+                    names += item.unknown_fields(f"{where}.")
+        return names
+
     def warn_ignored(self) -> list[str]:
-        """The unknown fields this request carried (the server answers them in the
-        `x-ignored-fields` header); each name is logged once per process, as vLLM does."""
-        names = sorted(self.model_extra or ())
+        """The unknown fields this request carried, nested ones too (the server answers them
+        in the `x-ignored-fields` header); each name is logged once per process, as vLLM does."""
+        names = sorted(self.unknown_fields())
         fresh = [name for name in names if name not in _logged_unknown_fields]
         if fresh and len(_logged_unknown_fields) < _MAX_LOGGED_UNKNOWN_FIELDS:  # a bound: clients choose the names
             _logged_unknown_fields.update(fresh)
@@ -138,6 +143,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # With include_usage, every chunk carries its choice's usage so far (vLLM's).
+    continuous_usage_stats: bool = False
 
 
 # -- structured output: the fields that constrain the text (vLLM's shapes) ----------------
@@ -269,6 +276,8 @@ def structured_spec(constraints: list[Constraint]) -> tuple[StructuredOutputsPar
 class _SamplingBody(_Body):
     """The fields both endpoints share (ranges: SamplingParams')."""
 
+    endpoint: ClassVar[str]  # its table in api.vllm_fields
+
     model: str | None = None  # None: the served model
     n: Annotated[int, Field(ge=1, le=128), INTEGRAL] = 1
     temperature: float | None = Field(None, ge=0)
@@ -303,10 +312,14 @@ class _SamplingBody(_Body):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: each prompt token's logprob and this many top alternatives (-1, the whole vocabulary: a 400).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
-    # Keep only the last k prompt tokens (-1: the model's context length), as vLLM.
+    # Keep only k prompt tokens (-1: the model's context length), as vLLM: the last ones, or the
+    # first ones with truncation_side "right".
     truncate_prompt_tokens: (
         Annotated[int, Field(ge=1, json_schema_extra={CONTEXT_TOKENS: True}), INTEGRAL] | Literal[-1] | None
     ) = None
+    truncation_side: Literal["left", "right"] | None = None  # None: "left"
+    # vLLM's: the response carries the prompt's and each choice's token ids.
+    return_token_ids: bool | None = None
     # Structured output: at most one of these (a schema, a regex, a choice, a grammar).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -317,12 +330,19 @@ class _SamplingBody(_Body):
 
     def check_common(self) -> None:
         self.warn_ignored()
-        for name, harmless in UNSUPPORTED_VLLM_FIELDS.items():
-            value = (self.model_extra or {}).get(name)
-            if value is not None and value != harmless:
-                raise bad_request(f"{name} is not supported by this server", name)
+        self.check_refused_fields()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def check_refused_fields(self) -> None:
+        """A 400 for a vLLM field this server cannot honour (api.vllm_fields), unless its value
+        is a harmless one: dropping it would answer with other output than vLLM's."""
+        extra = self.model_extra or {}
+        for name, use in refused_fields(self.endpoint).items():
+            value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
+            if not any(value == harmless for harmless in use.harmless):
+                why = f" ({use.reason})" if use.reason else ""
+                raise bad_request(f"{name} is not supported by this server{why}", name)
 
     def constraints(self) -> list[Constraint]:
         """Each field's constraint on the output (a 400 for more than one comes later)."""
@@ -348,6 +368,11 @@ class _SamplingBody(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: as vLLM, only together with include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(
         self,
@@ -398,6 +423,7 @@ class _SamplingBody(_Body):
 class CompletionRequest(_SamplingBody):
     """POST /v1/completions."""
 
+    endpoint = "completions"
     prompt: (
         str
         | Annotated[list[str], Field(min_length=1)]
@@ -412,8 +438,6 @@ class CompletionRequest(_SamplingBody):
 
     def check(self) -> None:
         self.check_common()
-        if self.suffix:
-            raise bad_request("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must equal n (this server returns every sample)", "best_of")
 
@@ -439,6 +463,7 @@ class CompletionRequest(_SamplingBody):
 class ChatMessage(_Body):
     """One message; extra fields (tool_calls, tool_call_id, ...) go to the chat template as they are."""
 
+    takes_extra_fields = True
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = Field(
         None,
@@ -571,6 +596,7 @@ class NamedToolChoice(_Body):
 class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
+    endpoint = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's older name; max_completion_tokens wins when both are set, so this one states
     # no context bound (a request may carry a max_tokens that is never used).

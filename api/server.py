@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,9 +37,15 @@ from api.disagg import DisaggRole
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
 from api.ignored_fields import IgnoredFieldsHeader
-from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, BodySizeLimit
+from api.limits import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_REQUEST_SEQUENCES,
+    DEFAULT_TOKENIZER_POOL_SIZE,
+    BodySizeLimit,
+)
 from api.logprobs import TokenText
 from api.metrics import Metrics
+from api.prompt_size import max_prompt_bytes
 from api.replicas import ReplicaSet
 from api.serving import ServerState
 from scheduler import SamplingParams
@@ -64,6 +71,7 @@ def create_app(
     max_logprobs: int = SamplingParams.MAX_LOGPROBS,
     log_requests: bool = True,
     enable_prompt_tokens_details: bool = False,
+    tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE,
     cors: dict | None = None,
     router_load_bound: int | None = None,
     disagg: DisaggRole | None = None,
@@ -85,6 +93,8 @@ def create_app(
     engine = engines[0]  # the replicas share its tokenizer, model config and limits
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
+    if tokenizer_pool_size < 1:
+        raise ValueError(f"tokenizer_pool_size must be >= 1, got {tokenizer_pool_size}")
     if not 0 <= max_logprobs <= SamplingParams.MAX_LOGPROBS:  # the sampler computes that many at most
         raise ValueError(f"max_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {max_logprobs}")
     if chat_template is not None and engine.tokenizer is None:
@@ -124,6 +134,8 @@ def create_app(
         log_requests=log_requests,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         disagg=disagg,
+        max_prompt_bytes=max_prompt_bytes(engine.tokenizer, engine.max_model_len),
+        tokenizer_pool=ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="tokenizer"),
     )
     install_error_handlers(app)
     openapi.install_openapi(

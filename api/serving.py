@@ -27,7 +27,9 @@ from api.disagg import DisaggRole, check_colocated
 from api.engine_loop import EngineLoop, Generation, SampleDelta, StepDelta
 from api.errors import SERVER_ERROR, APIError, bad_request, error_body, from_value_error, model_not_found
 from api.ignored_fields import note_ignored_fields
+from api.limits import DEFAULT_TOKENIZER_POOL_SIZE
 from api.logprobs import TokenText
+from api.prompt_size import check_prompt_bytes
 from api.protocol import invalid_constraint
 from api.replicas import ReplicaSet
 from jaxserve.engine.tokenization import PromptError
@@ -62,10 +64,15 @@ class ServerState:
     # a caller whether others sent the same prefix (unless their cache_salt differs).
     enable_prompt_tokens_details: bool = False
     disagg: DisaggRole | None = None  # --role prefill|decode: KV handed between servers
-    # NOTE: one thread, so the tokenizer is never used by two requests at once (transformers'
-    # fast tokenizers set truncation state on encode); the engine thread only decodes.
+    # Prompt text longer than this many UTF-8 bytes is a 400 before it is tokenized (None: no
+    # limit): api.prompt_size.
+    max_prompt_bytes: int | None = None
+    # Several threads, so that one huge prompt does not hold up the small ones behind it (the
+    # Rust tokenizer releases the GIL while it encodes). NOTE: requests share the tokenizer;
+    # that is safe because nothing here asks it for truncation or padding, the only encode
+    # arguments that make transformers change the Rust tokenizer's state.
     tokenizer_pool: ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        default_factory=lambda: ThreadPoolExecutor(DEFAULT_TOKENIZER_POOL_SIZE, thread_name_prefix="tokenizer")
     )
 
     def kv_transfer_fields(self, tally: Tally) -> dict:
@@ -76,8 +83,9 @@ class ServerState:
         if model is not None and model != self.model_name and model not in self.aliases:
             raise model_not_found(model)
 
-    def truncate_prompt(self, prompt: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: the context length)."""
+    def truncate_prompt(self, prompt: list[int], keep: int | None, side: str | None = None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: `keep` tokens (-1: the context length), the last ones
+        or, with truncation_side "right", the first ones."""
         if keep is None:
             return prompt
         if keep > self.max_model_len:
@@ -87,7 +95,15 @@ class ServerState:
                 "truncate_prompt_tokens",
             )
         keep = self.max_model_len if keep == -1 else keep
-        return prompt[-keep:] if len(prompt) > keep else prompt
+        if len(prompt) <= keep:
+            return prompt
+        return prompt[:keep] if side == "right" else prompt[-keep:]
+
+    def check_prompt_bytes(self, texts: list[str], param: str) -> None:
+        """A 400 naming `param` for prompt text too long to fit the context, before any of it
+        is tokenized (api.prompt_size)."""
+        if self.max_prompt_bytes is not None:
+            check_prompt_bytes(texts, self.max_prompt_bytes, self.max_model_len, param)
 
     def check_request(self, request: Request, body, logprobs: int | None, logprobs_param: str) -> None:
         """What every generation endpoint checks first, in this order: the model name, the
@@ -300,6 +316,16 @@ class Tally:
             changed.append((index, sample))
         return changed
 
+    def choice_usage(self, index: int) -> dict:
+        """One choice's usage so far (vLLM's continuous_usage_stats): its prompt and its tokens."""
+        prompt, completion = self.prompt_lens[index // self.n], len(self.choices[index].token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": None,  # the cache's hits: in the last usage chunk
+        }
+
     def usage(self) -> dict:
         prompt = sum(self.prompt_lens)
         completion = sum(len(c.token_ids) for c in self.choices)
@@ -316,22 +342,31 @@ async def stream_events(
     generation: Generation,
     tally: Tally,
     header: dict,
-    include_usage: bool,
+    body,
     chunk_choice: Callable[[int, SampleDelta], dict | None],
     opening: list[dict] = (),
+    opening_fields: dict | None = None,
 ) -> AsyncIterator[str]:
-    """The body of a streamed call: the `opening` choices, then one chunk per sample that
-    changed (`chunk_choice(index, sample)` is its choice, or None for nothing to send), the
-    usage chunk if asked for, and [DONE]. An error on the way becomes an error event."""
-    usage_field = {"usage": None} if include_usage else {}
+    """The body of a streamed call: the `opening` choices (their chunks with `opening_fields`
+    too), then one chunk per sample that changed (`chunk_choice(index, sample)` is its choice,
+    or None for nothing to send), the usage chunk if `body` asks for it, and [DONE]. With
+    continuous usage stats each chunk carries its choice's usage so far, else usage is null.
+    An error on the way becomes an error event."""
+    include_usage, continuous = body.include_usage, body.continuous_usage
+
+    def usage_field(index: int) -> dict:
+        if not include_usage:
+            return {}
+        return {"usage": tally.choice_usage(index) if continuous else None}
+
     try:
         for choice in opening:
-            yield sse({**header, "choices": [choice], **usage_field})
+            yield sse({**header, "choices": [choice], **(opening_fields or {}), **usage_field(choice["index"])})
         async for delta in generation:
             for index, sample in tally.update(delta):
                 choice = chunk_choice(index, sample)
                 if choice is not None:
-                    yield sse({**header, "choices": [choice], **usage_field})
+                    yield sse({**header, "choices": [choice], **usage_field(index)})
         if include_usage:
             yield sse({**header, "choices": [], "usage": tally.usage()})
     except Exception as e:
