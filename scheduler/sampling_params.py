@@ -21,6 +21,11 @@ class StructuredOutputsParams:
     as vLLM's xgrammar backend) reads an object schema that does not say
     `additionalProperties` as `additionalProperties: false`; False keeps JSON Schema's own
     default, where any other key may appear.
+
+    after_token_id: the grammar holds only after this token (a reasoning model's `</think>`,
+    as vLLM constrains the answer, never the thinking): until the token is generated every
+    token is allowed and none is fed to the grammar, the token itself included. None: from
+    the first output token. Not part of `key()`: the same grammar compiles once either way.
     """
 
     json: dict[str, Any] | str | None = None
@@ -29,6 +34,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_additional_properties: bool = True
+    after_token_id: int | None = None
 
     KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -72,6 +78,10 @@ class StructuredOutputsParams:
                 "structured_outputs.disable_additional_properties must be a bool, "
                 f"got {self.disable_additional_properties!r}",
             ),
+            (
+                self.after_token_id is None or (_is_int(self.after_token_id) and self.after_token_id >= 0),
+                f"structured_outputs.after_token_id must be a token id, got {self.after_token_id!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -82,14 +92,15 @@ class StructuredOutputsParams:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, Any, bool]:
-        """Hashable, the same for equal constraints (a schema dict by its canonical JSON)."""
+        """The compiled grammar's identity: hashable, the same for specs that compile to the
+        same grammar (a schema dict by its canonical JSON; where the grammar starts aside)."""
         value = getattr(self, self.kind)
         if isinstance(value, dict):
             value = json_module.dumps(value, sort_keys=True, separators=(",", ":"))
         return (self.kind, value, self.disable_additional_properties)
 
     def __hash__(self) -> int:
-        return hash(self.key())
+        return hash((self.key(), self.after_token_id))
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
@@ -283,7 +294,16 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """The token ids these parameters name must lie in the vocabulary."""
-        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+        after = (
+            self.structured_outputs.after_token_id
+            if isinstance(self.structured_outputs, StructuredOutputsParams)
+            else None
+        )
+        for name, ids in (
+            ("logit_bias", self.logit_bias or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("structured_outputs.after_token_id", () if after is None else (after,)),
+        ):
             outside = sorted(t for t in ids if t >= vocab_size)
             if outside:
                 raise ValueError(

@@ -195,7 +195,11 @@ class LLMEngine:
         for req in samples:  # validate all before queueing any
             self.scheduler.check_request(req)
         for req in samples:  # each sample follows its own output
-            req.grammar = self.grammars.request_grammar(grammar) if grammar is not None else None
+            req.grammar = (
+                self.grammars.request_grammar(grammar, params.structured_outputs.after_token_id)
+                if grammar is not None
+                else None
+            )
         if any(r.request_id in self.outputs.groups for r in samples):
             raise ValueError(f"request id {request_id!r} is already in use")
         if kv_handoff is not None:

@@ -1,11 +1,11 @@
 """Grammar compilation off the step loop: a thread pool, one compile per distinct spec.
 
 `compile(spec)` returns at once with a Future; equal specs (a schema by its canonical
-JSON) share one, so a cached grammar costs nothing and a slow one blocks only the
-requests that wait for it. Failures are cached too: the same invalid schema is refused
-again without recompiling. The backend (its tokenizer tables take a moment to build) is
-made on the first compile, in the pool, so an engine that never sees a constraint never
-pays for it.
+JSON; `after_token_id` aside: it only says where the matcher starts) share one, so a
+cached grammar costs nothing and a slow one blocks only the requests that wait for it.
+Failures are cached too: the same invalid schema is refused again without recompiling.
+The backend (its tokenizer tables take a moment to build) is made on the first compile,
+in the pool, so an engine that never sees a constraint never pays for it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return future
 
-    def request_grammar(self, compiled) -> RequestGrammar:
-        """A new sequence's matcher for a compiled grammar, at its start."""
+    def request_grammar(self, compiled, after_token_id: int | None = None) -> RequestGrammar:
+        """A new sequence's matcher for a compiled grammar, at its start; with `after_token_id`
+        (the spec's), the grammar starts after that token."""
         backend = self.backend
-        return RequestGrammar(backend.new_matcher(compiled), backend.bitmask_words)
+        return RequestGrammar(backend.new_matcher(compiled), backend.bitmask_words, after_token_id=after_token_id)

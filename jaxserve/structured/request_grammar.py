@@ -5,6 +5,9 @@ from jaxserve): `fill_bitmask` for each row it samples, `accept` for each token 
 arrives. The matcher follows the output tokens, not the KV cache, so preemption (which
 keeps the output and recomputes its KV) needs nothing; draft tokens are looked ahead
 through and rolled back, never kept.
+
+With `after_token_id` (a reasoning model's `</think>`) the grammar waits for that token:
+the thinking before it is free and never reaches the matcher, nor does the token itself.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class RequestGrammar:
-    def __init__(self, matcher: Matcher, bitmask_words: int):
+    def __init__(self, matcher: Matcher, bitmask_words: int, *, after_token_id: int | None = None):
         self.matcher = matcher
         self.bitmask_words = bitmask_words
+        self.after_token_id = after_token_id
+        self.started = after_token_id is None  # the output has reached the grammar's part
         # Why the matcher gave up (e.g. a regex whose lexer outgrew the engine's limits), or
         # None. The scheduler then ends the request (finish_reason "abort") rather than let
         # it go on unconstrained.
@@ -31,7 +36,13 @@ class RequestGrammar:
     def fill_bitmask(self, row: np.ndarray, ahead: Sequence[int] = ()) -> None:
         """The tokens allowed after the output so far and then `ahead` (draft tokens before
         the row's position), packed into `row`. After a draft the grammar forbids, the row
-        cannot be reached (verification rejects that draft): it gets the last valid state's mask."""
+        cannot be reached (verification rejects that draft): it gets the last valid state's mask.
+        Before the grammar starts every token is allowed, unless a draft in `ahead` starts it."""
+        if not self.started:
+            if self.after_token_id not in ahead:
+                row.fill(-1)
+                return
+            ahead = ahead[list(ahead).index(self.after_token_id) + 1 :]  # the grammar's part of the drafts
         valid = self.matcher.num_valid_prefix(list(ahead)) if ahead else 0
         if valid:
             self.matcher.accept_tokens(list(ahead[:valid]))
@@ -43,6 +54,9 @@ class RequestGrammar:
     def accept(self, token_id: int) -> None:
         """The sequence's next output token. After the grammar is complete only EOS can come
         (the mask allows nothing else): nothing to follow."""
+        if not self.started:
+            self.started = token_id == self.after_token_id
+            return
         if self.error is None and not self.matcher.is_terminated():
             self.matcher.accept_tokens([token_id])
             self._check()
