@@ -174,6 +174,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         f"{DEFAULT_TOKENIZER_POOL_SIZE})",
     )
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default when a request has tools): the model decides whether to call '
+        "a tool, and --tool-call-parser reads the calls out of its text",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral, pythonic, "
+        "or one a --tool-parser-plugin registers (default with --enable-auto-tool-choice: the one the chat "
+        "template shows)",
+    )
+    p.add_argument(
+        "--tool-parser-plugin",
+        metavar="FILE",
+        help="a Python file that registers tool-call parsers (api.tool_parsers.register_tool_parser)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="split the model's thinking into reasoning_content: deepseek_r1 or qwen3",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's own log level (default: --log-level)",
@@ -201,6 +224,7 @@ def main(argv=None) -> int:
             raise ValueError("--role does not combine with --nnodes yet")
         if args.role and args.no_prefix_caching:
             raise ValueError("--role hands KV over through the prefix cache: drop --no-prefix-caching")
+        check_reply_parsers(args)  # before the model loads: a misspelt name fails at once
         node = start_devices(args, args.data_parallel_size * args.tensor_parallel_size)  # before jax starts
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -278,6 +302,9 @@ def main(argv=None) -> int:
             cors=cors,
             router_load_bound=args.router_load_bound,
             disagg=disagg,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -309,6 +336,19 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def check_reply_parsers(args: argparse.Namespace) -> None:
+    """Load --tool-parser-plugin and check the parser names (a ValueError names the known ones)."""
+    from api.reasoning import get_reasoning_parser
+    from api.tool_parsers import get_tool_parser, load_tool_parser_plugin
+
+    if args.tool_parser_plugin:
+        load_tool_parser_plugin(args.tool_parser_plugin)
+    if args.tool_call_parser:
+        get_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        get_reasoning_parser(args.reasoning_parser)
 
 
 if __name__ == "__main__":

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from api import openapi
-from api.engine_loop import SampleDelta
+from api.chat_reply import ReplyParser, ReplyStream, merge_deltas
+from api.engine_loop import Generation, SampleDelta
 from api.errors import bad_request
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateFields
+from api.reasoning import ReasoningParser
 from api.serving import (
     EventStream,
     ServerState,
+    Tally,
     collect,
     disconnected_response,
     new_id,
@@ -24,6 +27,7 @@ from api.serving import (
     unless_disconnected,
 )
 from jaxserve.engine.tokenization import encode_chat
+from scheduler.sampling_params import StructuredOutputsParams
 
 router = APIRouter()
 
@@ -37,19 +41,102 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
     state.check_request(request, body, body.top_logprobs if body.logprobs else None, "top_logprobs")
+    run = await start_chat(state, body, new_id("chatcmpl"), arrival)
+    tally = run.tally
+    top_logprobs = body.top_logprobs or 0
+    header = {
+        "id": run.call_id,
+        "object": "chat.completion",
+        "created": run.created,
+        "model": state.model_name,
+        "system_fingerprint": None,
+    }
+
+    if body.stream:
+        chunk_header = {**header, "object": "chat.completion.chunk"}
+        streams = [run.reply.stream() for _ in tally.choices]
+        opening = [
+            {"index": index, "logprobs": None, "finish_reason": None, "delta": stream.opening()}
+            for index, stream in enumerate(streams)
+        ]
+        events = stream_events(
+            run.generation,
+            tally,
+            chunk_header,
+            body,
+            _chunk_choice(body, state, top_logprobs, streams),
+            opening,
+            {"prompt_token_ids": run.prompt} if body.return_token_ids else None,  # vLLM's: with each role chunk
+        )
+        return EventStream(events, on_close=run.generation.close)
+    if await unless_disconnected(request, collect(run.generation, tally)) is None:
+        return disconnected_response()
+    choices = []
+    for index, choice in enumerate(tally.choices):
+        logprobs = None
+        if body.logprobs:
+            logprobs = {
+                "content": chat_logprobs(choice.token_ids, choice.logprobs, state.token_text, top_logprobs),
+                "refusal": None,
+            }
+        message, finish_reason = run.reply.message(choice.text, choice.finish_reason)
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason,
+                **({"token_ids": choice.token_ids} if body.return_token_ids else {}),
+            }
+        )
+    prompt_logprobs = vllm_prompt_logprobs(
+        run.prompt, tally.prompt_logprobs[0], body.prompt_logprobs or 0, state.token_text
+    )  # vLLM's: beside the choices
+    return JSONResponse(
+        {
+            **header,
+            "choices": choices,
+            "usage": tally.usage(),
+            "prompt_logprobs": prompt_logprobs,
+            **({"prompt_token_ids": run.prompt} if body.return_token_ids else {}),
+            **state.kv_transfer_fields(tally),
+        }
+    )
+
+
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request under way in the engine, and how its output becomes the reply."""
+
+    call_id: str
+    created: int
+    prompt: list[int]
+    generation: Generation
+    tally: Tally
+    reply: ReplyParser
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, call_id: str, arrival: float) -> ChatRun:
+    """Render, admit and start a checked chat request (chat completions and /v1/responses)."""
     check_template(state, body)
-    structured_outputs = await state.structured_outputs(body)  # a named tool's arguments: its schema
-    tool = body.called_tool()
+    reply = reply_parser(state, body)
+    structured_outputs = await state.structured_outputs(body)  # "required" or a named tool: the tools' schemas
     with state.admit(1, body.n) as reservation:  # a 503 comes now, before the template renders
         prompt = await chat_prompt(state, body)
         requested, max_param = body.requested_max_tokens
         max_tokens = state.max_tokens_for(len(prompt), requested, "messages")
-        top_logprobs = body.top_logprobs or 0
         names = {"max_tokens": max_param, "logprobs": "top_logprobs"}
         params = body.sampling_params(
-            max_tokens, top_logprobs if body.logprobs else None, names, state.sampling_defaults, structured_outputs
+            max_tokens,
+            (body.top_logprobs or 0) if body.logprobs else None,
+            names,
+            state.sampling_defaults,
+            after_reasoning(reply.reasoning_parser, structured_outputs, prompt),
         )
-        call_id, created = new_id("chatcmpl"), int(time.time())
+        if reply.tool_parser is not None and not reply.tool_parser.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # its call markers are special tokens
+        created = int(time.time())
         generation, tally = await start_generation(
             state,
             call_id,
@@ -64,78 +151,44 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             kv_transfer_params=body.kv_transfer_params,
             stream=body.stream,
         )
-    header = {
-        "id": call_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": state.model_name,
-        "system_fingerprint": None,
-    }
+    return ChatRun(call_id, created, prompt, generation, tally, reply)
 
-    if body.stream:
-        chunk_header = {**header, "object": "chat.completion.chunk"}
-        # OpenAI's first chunk of each choice carries the role and empty content.
-        # A named tool's call opens with its id and name; its arguments follow as they come.
-        tool_calls = [tool_call(tool.function.name) for _ in tally.choices] if tool else None
-        opening = [
-            {
-                "index": index,
-                "logprobs": None,
-                "finish_reason": None,
-                "delta": {"role": "assistant", "content": ""}
-                if tool is None
-                else {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **tool_calls[index]}]},
-            }
-            for index in range(len(tally.choices))
-        ]
-        events = stream_events(
-            generation,
-            tally,
-            chunk_header,
-            body,
-            _chunk_choice(body, state, top_logprobs, tool is not None),
-            opening,
-            {"prompt_token_ids": prompt} if body.return_token_ids else None,  # vLLM's: with each role chunk
+
+def reply_parser(state: ServerState, body: ChatCompletionRequest) -> ReplyParser:
+    """How this request's output becomes the reply; a 400 for tool_choice "auto" on a server
+    that cannot read calls out of text."""
+    mode = body.tool_mode
+    if mode == "auto" and not (state.enable_auto_tool_choice and state.tool_parser is not None):
+        raise bad_request(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice"
         )
-        return EventStream(events, on_close=generation.close)
-    if await unless_disconnected(request, collect(generation, tally)) is None:
-        return disconnected_response()
-    choices = []
-    for index, choice in enumerate(tally.choices):
-        logprobs = None
-        if body.logprobs:
-            logprobs = {
-                "content": chat_logprobs(choice.token_ids, choice.logprobs, state.token_text, top_logprobs),
-                "refusal": None,
-            }
-        message = {"role": "assistant", "content": choice.text}
-        if tool is not None:  # as vLLM: the text is the arguments of a call to the named function
-            call = tool_call(tool.function.name)
-            call["function"]["arguments"] = choice.text
-            message = {"role": "assistant", "content": None, "tool_calls": [call]}
-        choices.append(
-            {
-                "index": index,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
-                **({"token_ids": choice.token_ids} if body.return_token_ids else {}),
-            }
-        )
-    prompt_logprobs = vllm_prompt_logprobs(
-        prompt, tally.prompt_logprobs[0], body.prompt_logprobs or 0, state.token_text
-    )  # vLLM's: beside the choices
-    return JSONResponse(
-        {
-            **header,
-            "choices": choices,
-            "usage": tally.usage(),
-            "prompt_logprobs": prompt_logprobs,
-            **({"prompt_token_ids": prompt} if body.return_token_ids else {}),
-            **state.kv_transfer_fields(tally),
-        }
+    named = body.called_tool()
+    reasoning = state.reasoning_parser
+    return ReplyParser(
+        tool_mode=mode,
+        tool_parser=state.tool_parser if mode == "auto" else None,
+        named_tool=named.function.name if named is not None else None,
+        # Per request: Qwen3's enable_thinking false means no thinking to split off.
+        reasoning_parser=reasoning.for_request(body.chat_template_kwargs) if reasoning else None,
+        include_reasoning=body.include_reasoning,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
     )
+
+
+def after_reasoning(
+    parser: ReasoningParser | None, spec: StructuredOutputsParams | None, prompt: list[int]
+) -> StructuredOutputsParams | None:
+    """With a reasoning parser, the constraint holds the answer only, from the end of the
+    thinking on (as vLLM): unless the prompt already closed the thinking (Qwen3 with
+    enable_thinking false renders an empty one)."""
+    if spec is None or parser is None or parser.end_token_id is None or not parser.starts_in_reasoning():
+        return spec
+    for token in reversed(prompt):  # the prompt's last thinking marker
+        if token == parser.end_token_id:
+            return spec
+        if token == parser.start_token_id:
+            break
+    return dataclasses.replace(spec, after_token_id=parser.end_token_id)
 
 
 def check_template(state: ServerState, body: ChatTemplateFields) -> None:
@@ -184,12 +237,7 @@ def message_texts(messages: list[ChatMessage]) -> list[str]:
     return texts
 
 
-def tool_call(name: str) -> dict:
-    """A call of the function `name`, its arguments still empty."""
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": ""}}
-
-
-def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs: int, tool_call_arguments: bool):
+def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs: int, streams: list[ReplyStream]):
     def choice(index: int, sample: SampleDelta) -> dict | None:
         logprobs = None
         if body.logprobs and sample.new_token_ids:
@@ -198,22 +246,20 @@ def _chunk_choice(body: ChatCompletionRequest, state: ServerState, top_logprobs:
                 "refusal": None,
             }
         token_ids = {"token_ids": sample.new_token_ids} if body.return_token_ids else {}
-        if not (sample.new_text or logprobs or sample.finish_reason or (token_ids and sample.new_token_ids)):
-            # The detokenizer held this token's text back (a partial character); with
-            # return_token_ids its id still goes out, as vLLM sends every token's.
+        delta = streams[index].feed(sample.new_text) if sample.new_text else {}
+        finish_reason = sample.finish_reason
+        if finish_reason is not None:
+            last, finish_reason = streams[index].finish(finish_reason)
+            delta = merge_deltas(delta, last)
+        if not (delta or logprobs or finish_reason or (token_ids and sample.new_token_ids)):
+            # Held back: a partial character, or text that may open a tool call; with
+            # return_token_ids the token's id still goes out, as vLLM sends every token's.
             return None
-        delta = {}
-        if sample.new_text:
-            delta = (
-                {"tool_calls": [{"index": 0, "function": {"arguments": sample.new_text}}]}
-                if tool_call_arguments
-                else {"content": sample.new_text}
-            )
         return {
             "index": index,
             "delta": delta,
             "logprobs": logprobs,
-            "finish_reason": sample.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": sample.stop_reason,
             **token_ids,
         }

@@ -65,6 +65,7 @@ class Usage(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]  # tool_calls: the reply called tools
 
 
 class CompletionChoice(BaseModel):
@@ -117,15 +118,18 @@ class ToolCall(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str | None  # null when the reply is a call of the function tool_choice names
+    content: str | None  # null when the reply is only tool calls
     tool_calls: list[ToolCall] | None = None
+    # With --reasoning-parser: the thinking (vLLM's older and newer names, the same text).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
@@ -157,14 +161,16 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # on each choice's first chunk
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None  # with a named tool_choice, instead of content
+    tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: dict[str, Any] | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the chunk's
 

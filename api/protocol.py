@@ -13,12 +13,14 @@ rather than silently dropped, and the schema says which values declared ones may
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from api.chat_reply import required_schema
 from api.errors import APIError, bad_request, from_value_error
 from api.openapi import (
     CONTEXT_TOKENS,
@@ -479,6 +481,9 @@ class ChatMessage(_Body):
 
     def for_template(self, index: int) -> dict:
         message = self.model_dump(exclude_none=True)
+        # As vLLM: no content (an assistant turn of tool calls) is empty text, which templates
+        # that add or test message.content can read.
+        message.setdefault("content", "")
         if self.role == "developer":  # OpenAI's newer name for the system role
             message["role"] = "system"
         if isinstance(self.content, list):
@@ -491,6 +496,14 @@ class ChatMessage(_Body):
                     )
                 texts.append(part["text"])
             message["content"] = "\n".join(texts)
+        for call in message.get("tool_calls") or ():
+            # As vLLM: templates get a call's arguments as an object (OpenAI sends JSON text).
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # not JSON: the template gets the text as it came
         return message
 
 
@@ -520,6 +533,21 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatTemplateFields(_Body):
     """vLLM's chat-template fields (chat completions and /tokenize). add_generation_prompt
     None: true unless continue_final_message."""
@@ -541,6 +569,7 @@ class ChatTemplateFields(_Body):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}}
     )  # extra variables for the template
+    tools: list[Tool] | None = None  # described to the model by the template
 
     def template_messages(self) -> list[dict]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
@@ -566,22 +595,9 @@ class ChatTemplateFields(_Body):
         }
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
+        if self.tools:  # as vLLM: the template may describe them to the model
+            kwargs["tools"] = [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools]
         return kwargs
-
-
-class FunctionDefinition(_Body):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None
-
-    def arguments_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-
-
-class Tool(_Body):
-    type: Literal["function"]
-    function: FunctionDefinition
 
 
 class FunctionName(_Body):
@@ -604,28 +620,34 @@ class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     max_completion_tokens: OutputTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None  # needs logprobs
-    tools: list[Tool] | None = None  # rendered by the chat template
-    # "none" (the default without tools) or a named function; "auto" (the default with tools)
-    # and "required" need a tool-call parser, which this server lacks: a 400.
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, **refused_unless(**{"not": {"const": "required"}})
-    )
+    # None: "auto" with tools, else "none" (vLLM's defaults). "auto" needs the server's tool-call
+    # parser (--enable-auto-tool-choice); "required" and a named function are held to the
+    # tools' schemas by a grammar.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true; false keeps the first call only
     functions: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
+    # With --reasoning-parser: false leaves the thinking out of the reply.
+    include_reasoning: bool = True
+    # A template variable (gpt-oss's templates read it), unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def check(self) -> None:
         self.check_common()
         self.check_template_fields()
-        if self.functions:
-            raise bad_request("functions is not supported by this server (use tools)", "functions")
-        if self.tool_choice == "required" or (self.tools and self.tool_choice in (None, "auto")):
-            raise bad_request(
-                f"tool_choice {self.tool_choice or 'auto'!r} is not supported by this server (it "
-                f'needs a tool-call parser); give tool_choice "none" or a named function',
-                "tool_choice",
-            )
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
         self.called_tool_index()  # a 400 unless the named function is among the tools
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named (api.chat_reply reads the output by it)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
 
     def called_tool_index(self) -> int | None:
         """The index in tools of the function that tool_choice names (its arguments are the output), or None."""
@@ -642,24 +664,28 @@ class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
         return None if index is None else self.tools[index]
 
     def constraints(self) -> list[Constraint]:
-        index = self.called_tool_index()
-        if index is None:
-            return super().constraints()
-        function = self.tools[index].function
-        return [
-            *super().constraints(),
-            Constraint(
+        mode = self.tool_mode
+        if mode == "named":
+            index = self.called_tool_index()
+            function = self.tools[index].function
+            constraint = Constraint(
                 "tool_choice",
                 {"json": function.arguments_schema()},
                 f"tools[{index}].function.parameters",
                 f"function {function.name!r}",
-            ),
-        ]
+            )
+        elif mode == "required":
+            functions = [{"name": t.function.name, "parameters": t.function.arguments_schema()} for t in self.tools]
+            schema = required_schema(functions, self.parallel_tool_calls is not False)
+            constraint = Constraint("tool_choice", {"json": schema}, "tools", "the tools")
+        else:
+            return super().constraints()
+        return [*super().constraints(), constraint]
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = super().template_kwargs()
-        if self.tools:  # as vLLM: the template may describe them to the model
-            kwargs["tools"] = [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools]
+        if self.reasoning_effort is not None:
+            kwargs["template_vars"] = {"reasoning_effort": self.reasoning_effort, **kwargs["template_vars"]}
         return kwargs
 
     @property

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from api import chat, completions, openapi, tokenize_routes
+from api import chat, completions, openapi, responses, tokenize_routes
 from api.disagg import DisaggRole
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
@@ -46,9 +47,13 @@ from api.limits import (
 from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.prompt_size import max_prompt_bytes
+from api.reasoning import get_reasoning_parser
 from api.replicas import ReplicaSet
 from api.serving import ServerState
+from api.tool_parsers import TOOL_PARSERS, get_tool_parser, parser_for_template
 from scheduler import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def default_model_name(engine) -> str:
@@ -75,6 +80,9 @@ def create_app(
     cors: dict | None = None,
     router_load_bound: int | None = None,
     disagg: DisaggRole | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` (an LLMEngine), or a list of engines as data-parallel
     replicas (built from one LoadedModel). The engine threads start with the app's lifespan.
@@ -85,7 +93,9 @@ def create_app(
     arguments (allow_origins, ...), None for no CORS headers; `router_load_bound`: with
     replicas, how much busier than the least loaded one (in sequences) a replica that saw the
     prompt's prefix may be and still get it (default api.replicas.default_load_bound);
-    `disagg`: the server's part in prefill/decode disaggregation (api.disagg).
+    `disagg`: the server's part in prefill/decode disaggregation (api.disagg);
+    `enable_auto_tool_choice`: serve tool_choice "auto" with the `tool_call_parser` (by default
+    the one the chat template implies); `reasoning_parser`: split the thinking off replies.
     """
     engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
     if not engines:
@@ -99,6 +109,9 @@ def create_app(
         raise ValueError(f"max_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {max_logprobs}")
     if chat_template is not None and engine.tokenizer is None:
         raise ValueError("a chat template needs a tokenizer; this model has none (see --tokenizer)")
+    tools, reasoning = _reply_parsers(
+        engine.tokenizer, chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser
+    )
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
     if len(engines) == 1:
@@ -136,6 +149,9 @@ def create_app(
         disagg=disagg,
         max_prompt_bytes=max_prompt_bytes(engine.tokenizer, engine.max_model_len),
         tokenizer_pool=ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="tokenizer"),
+        tool_parser=tools,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=reasoning,
     )
     install_error_handlers(app)
     openapi.install_openapi(
@@ -154,6 +170,8 @@ def create_app(
         app.add_middleware(CORSMiddleware, **cors)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
+    app.state.responses = responses.ResponseStore()  # for previous_response_id
     app.include_router(tokenize_routes.router)
 
     @app.get(
@@ -194,6 +212,23 @@ def create_app(
         return _model_card(state, model)
 
     return app
+
+
+def _reply_parsers(tokenizer, chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser):
+    """The server's tool-call and reasoning parsers (None where not asked for); a ValueError
+    for an unknown name, or auto tool choice with no parser named or implied by the template."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        tool_call_parser = parser_for_template(template if isinstance(template, str) else None)
+        if tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser: this model's chat template does not show "
+                f"which format its tool calls take (one of {', '.join(sorted(TOOL_PARSERS))})"
+            )
+        logger.info("tool calls: the %s parser (the chat template's format)", tool_call_parser)
+    tools = get_tool_parser(tool_call_parser)(tokenizer) if tool_call_parser else None
+    reasoning = get_reasoning_parser(reasoning_parser)(tokenizer) if reasoning_parser else None
+    return tools, reasoning
 
 
 def _model_card(state: ServerState, name: str) -> dict:

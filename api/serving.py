@@ -31,7 +31,9 @@ from api.limits import DEFAULT_TOKENIZER_POOL_SIZE
 from api.logprobs import TokenText
 from api.prompt_size import check_prompt_bytes
 from api.protocol import invalid_constraint
+from api.reasoning import ReasoningParser
 from api.replicas import ReplicaSet
+from api.tool_parsers import ToolParser
 from jaxserve.engine.tokenization import PromptError
 from jaxserve.structured import GrammarError
 from scheduler import SamplingParams
@@ -64,6 +66,9 @@ class ServerState:
     # a caller whether others sent the same prefix (unless their cache_salt differs).
     enable_prompt_tokens_details: bool = False
     disagg: DisaggRole | None = None  # --role prefill|decode: KV handed between servers
+    tool_parser: ToolParser | None = None  # --tool-call-parser: reads calls out of the text
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is served
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: splits the thinking off
     # Prompt text longer than this many UTF-8 bytes is a 400 before it is tokenized (None: no
     # limit): api.prompt_size.
     max_prompt_bytes: int | None = None

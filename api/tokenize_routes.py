@@ -11,7 +11,7 @@ so /tokenize shows the prompt a chat request would run.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -21,7 +21,7 @@ from api import openapi
 from api.chat import chat_prompt, check_template
 from api.errors import bad_request
 from api.ignored_fields import note_ignored_fields
-from api.protocol import ChatMessage, ChatTemplateFields, TokenId, _Body, refused_unless
+from api.protocol import ChatMessage, ChatTemplateFields, TokenId, _Body
 from api.serving import ServerState
 from jaxserve.engine.tokenization import encode_prompt
 
@@ -49,7 +49,6 @@ class TokenizeRequest(ChatTemplateFields):
     # None: as the generation endpoints (a prompt gets the tokenizer's special tokens, a chat does not).
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
 
 
 class DetokenizeRequest(_Body):
@@ -80,8 +79,6 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages", "prompt" if body.prompt is not None else "messages")
     if body.messages is not None:
-        if body.tools:
-            raise bad_request("tools are not supported by this server", "tools")
         body.check_template_fields()
         check_template(state, body)
         tokens = await chat_prompt(state, body)

@@ -3,8 +3,7 @@ server does with it: data, not code. `benchmarks/check_vllm_fields.py` compares 
 with an installed vLLM's request models (run it where vLLM is installed; a drift exits
 non-zero), and tests/api/test_vllm_fields.py checks the server against this table.
 
-- honoured: a field of the request models in api/protocol.py, which does what vLLM does
-  (the tools and reasoning fields are being built elsewhere and counted here already);
+- honoured: a field of the request models in api/protocol.py, which does what vLLM does;
 - refused: a 400 naming the field unless its value is one of `harmless` (vLLM's default):
   dropping it would return other output than vLLM would;
 - ignored: accepted and named in the `x-ignored-fields` header, for fields that cannot
@@ -44,7 +43,7 @@ _HONOURED_BOTH = (
     "top_k min_p repetition_penalty ignore_eos min_tokens stop_token_ids include_stop_str_in_output "
     "allowed_token_ids bad_words skip_special_tokens spaces_between_special_tokens priority add_special_tokens "
     "cache_salt kv_transfer_params prompt_logprobs truncate_prompt_tokens truncation_side return_token_ids "
-    "response_format structured_outputs max_tokens logprobs thinking_token_budget"
+    "response_format structured_outputs max_tokens logprobs"
 ).split()
 
 _SHARED: dict[str, FieldUse] = {
@@ -66,6 +65,7 @@ _SHARED: dict[str, FieldUse] = {
     "return_tokens_as_token_ids": refused(False),
     "vllm_xargs": refused({}, reason="this server has no extensions to take them"),
     "repetition_detection": refused(reason="it would end a repetitive output early"),
+    "thinking_token_budget": refused(reason="the thinking is not cut short; use max_tokens"),
     # Fields of older vLLM releases, which a client may still send.
     "logits_processors": refused(in_vllm=False),
     "guided_decoding_backend": refused(in_vllm=False),

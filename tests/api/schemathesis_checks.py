@@ -22,8 +22,11 @@ import schemathesis
 #                grammar the grammar engine cannot compile, or more than one of them at once
 #                (or with a named tool_choice); structured_outputs with no constraint in it,
 #                response_format json_schema without its json_schema
-#   tool_choice  "auto" (the default with tools) needs a tool-call parser; a named function
-#                must be among the tools
+#   tool_choice  "auto" (the default with tools) needs --enable-auto-tool-choice; any choice
+#                but "none" needs tools; a named function must be among the tools
+#   /v1/responses: input (items of a type this server cannot read, or a conversation the
+#                template refuses), and its tools, tool_choice, text.format and
+#                structured_outputs by chat's rules above
 # plus code context_length_exceeded (the prompt and max_tokens do not fit in the context).
 # NOTE: the three rules between fields could be written into the schema (if/then), but then
 # schemathesis' coverage phase makes one valid request per operation instead of about 120
@@ -41,9 +44,15 @@ RUNTIME_RULES = {
         *STRUCTURED,
     },
     "/tokenize": {"messages"},
+    # input: items of a type this server cannot read, or a conversation the template refuses;
+    # tool_choice and text.format as chat's tool_choice and response_format.
+    "/v1/responses": {"input", "tool_choice", "text.format", "tools", "structured_outputs"},
 }
 # ... and parameters with an index, as regular expressions.
-RUNTIME_RULE_PATTERNS = {"/v1/chat/completions": [re.compile(r"tools\[\d+\]\.function\.parameters")]}
+RUNTIME_RULE_PATTERNS = {
+    "/v1/chat/completions": [re.compile(r"tools\[\d+\]\.function\.parameters")],
+    "/v1/responses": [re.compile(r"tools\[\d+\]\.parameters"), re.compile(r"input\[\d+\].*")],
+}
 
 
 @schemathesis.check

@@ -1,7 +1,7 @@
 """vLLM's request fields around the prompt, on the session server through the real `openai`
 client (`extra_body` for vLLM's): add_generation_prompt, continue_final_message,
 truncate_prompt_tokens, the `x-ignored-fields` header for unknown fields, and the 400s for
-fields the server cannot honour (tool_choice "auto" and "required", functions, beam search,
+fields the server cannot honour (tool_choice "auto" without --enable-auto-tool-choice, functions, beam search,
 structural tags, ...). What it does honour of structured output: test_structured_output.py.
 
 Oracles: transformers' tokenizer and chat template (read from the same GGUF), and the same
@@ -131,9 +131,8 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"tools": TOOLS}, "tool_choice"),  # tool_choice "auto" (the default with tools) needs a tool-call parser
+        ({"tools": TOOLS}, "tool_choice"),  # "auto" (the default with tools) needs --enable-auto-tool-choice
         ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
@@ -144,6 +143,21 @@ def test_fields_the_server_cannot_honour_are_400s_naming_them(client, fields, pa
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body=fields)
     assert e.value.body["param"] == param
+
+
+def test_the_sdks_tool_call_message_goes_back_in_the_next_turn(client):
+    """The assistant message the SDK hands back (content null, tool_calls) and a tool
+    message render through the default model's own template (which reads every content)."""
+    color = {"type": "object", "properties": {"name": {"enum": ["red", "blue"]}}, "required": ["name"]}
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": color}}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=30, tools=tools, tool_choice="required", parallel_tool_calls=False
+    ).choices[0]
+    assert first.message.content is None and first.message.tool_calls and first.finish_reason == "tool_calls"
+    call = first.message.tool_calls[0]
+    turn = [*QUESTION, first.message, {"role": "tool", "tool_call_id": call.id, "content": "blue"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=2, tools=tools, tool_choice="none")
+    assert second.choices[0].message.tool_calls is None and second.usage.completion_tokens >= 1
 
 
 def test_tools_with_tool_choice_none_go_to_the_template_and_the_reply_is_text(client):
