@@ -27,7 +27,7 @@ from api.serving import (
     unless_disconnected,
 )
 from jaxserve.engine.tokenization import encode_chat
-from scheduler.sampling_params import StructuredOutputsParams
+from scheduler import SamplingParams
 
 router = APIRouter()
 
@@ -132,8 +132,9 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, call_id: s
             (body.top_logprobs or 0) if body.logprobs else None,
             names,
             state.sampling_defaults,
-            after_reasoning(reply.reasoning_parser, structured_outputs, prompt),
+            structured_outputs,
         )
+        params = with_reasoning(params, body, reply.reasoning_parser, prompt)
         if reply.tool_parser is not None and not reply.tool_parser.skip_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)  # its call markers are special tokens
         created = int(time.time())
@@ -175,20 +176,40 @@ def reply_parser(state: ServerState, body: ChatCompletionRequest) -> ReplyParser
     )
 
 
-def after_reasoning(
-    parser: ReasoningParser | None, spec: StructuredOutputsParams | None, prompt: list[int]
-) -> StructuredOutputsParams | None:
-    """With a reasoning parser, the constraint holds the answer only, from the end of the
-    thinking on (as vLLM): unless the prompt already closed the thinking (Qwen3 with
-    enable_thinking false renders an empty one)."""
-    if spec is None or parser is None or parser.end_token_id is None or not parser.starts_in_reasoning():
-        return spec
+def thinking_open(parser: ReasoningParser | None, prompt: list[int]) -> bool:
+    """Whether the reply starts inside a thinking that ends with the parser's end token: a
+    reasoning parser whose end is one token, and a prompt that has not closed the thinking
+    already (Qwen3 with enable_thinking false renders an empty one)."""
+    if parser is None or parser.end_token_id is None or not parser.starts_in_reasoning():
+        return False
     for token in reversed(prompt):  # the prompt's last thinking marker
         if token == parser.end_token_id:
-            return spec
+            return False
         if token == parser.start_token_id:
             break
-    return dataclasses.replace(spec, after_token_id=parser.end_token_id)
+    return True
+
+
+def with_reasoning(params: SamplingParams, body: ChatCompletionRequest, parser: ReasoningParser | None, prompt):
+    """`params` as the thinking asks (as vLLM): a constraint holds the answer only, from the
+    end of the thinking on, and thinking_token_budget forces that end after so many tokens."""
+    budget = body.thinking_token_budget
+    if budget is not None and (parser is None or parser.end_token_id is None):
+        raise bad_request(
+            "thinking_token_budget needs a --reasoning-parser whose end of thinking is one token of this "
+            "model's vocabulary",
+            "thinking_token_budget",
+        )
+    if not thinking_open(parser, prompt):
+        return params  # no thinking to hold back or to cut short
+    changes = {}
+    if params.structured_outputs is not None:
+        changes["structured_outputs"] = dataclasses.replace(
+            params.structured_outputs, after_token_id=parser.end_token_id
+        )
+    if budget is not None:
+        changes.update(thinking_token_budget=budget, thinking_end_token_id=parser.end_token_id)
+    return dataclasses.replace(params, **changes)
 
 
 def check_template(state: ServerState, body: ChatTemplateFields) -> None:

@@ -628,6 +628,8 @@ class ChatCompletionRequest(_SamplingBody, ChatTemplateFields):
     functions: list[dict[str, Any]] | None = Field(None, **refused_unless(maxItems=0))
     # With --reasoning-parser: false leaves the thinking out of the reply.
     include_reasoning: bool = True
+    # With --reasoning-parser: the thinking may run this many tokens, then its end is forced (vLLM's).
+    thinking_token_budget: Annotated[int, Field(ge=0), INTEGRAL] | None = None
     # A template variable (gpt-oss's templates read it), unless chat_template_kwargs sets it.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 

@@ -65,7 +65,6 @@ _SHARED: dict[str, FieldUse] = {
     "return_tokens_as_token_ids": refused(False),
     "vllm_xargs": refused({}, reason="this server has no extensions to take them"),
     "repetition_detection": refused(reason="it would end a repetitive output early"),
-    "thinking_token_budget": refused(reason="the thinking is not cut short; use max_tokens"),
     # Fields of older vLLM releases, which a client may still send.
     "logits_processors": refused(in_vllm=False),
     "guided_decoding_backend": refused(in_vllm=False),
@@ -79,6 +78,7 @@ COMPLETIONS: dict[str, FieldUse] = {
     "echo": honoured(),
     "best_of": honoured(in_vllm=False),  # must equal n
     "suffix": refused(""),
+    "thinking_token_budget": refused(reason="a completion has no reasoning parser's thinking to cut short"),
     "prompt_embeds": refused(reason="prompts are text or token ids here"),
 }
 
@@ -88,7 +88,8 @@ CHAT: dict[str, FieldUse] = {
         name: honoured()
         for name in (
             "messages max_completion_tokens top_logprobs add_generation_prompt continue_final_message chat_template "
-            "chat_template_kwargs tools tool_choice parallel_tool_calls reasoning_effort include_reasoning"
+            "chat_template_kwargs tools tool_choice parallel_tool_calls reasoning_effort include_reasoning "
+            "thinking_token_budget"
         ).split()
     },
     "functions": refused([], reason="use tools", in_vllm=False),  # OpenAI's older name

@@ -155,6 +155,10 @@ class SamplingParams:
     # A constraint on the output's text (JSON schema, regex, choice, grammar): the sampler
     # masks every token the grammar does not allow. A dict becomes StructuredOutputsParams.
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    # vLLM's thinking_token_budget: a reasoning model may think this many tokens at most, then
+    # its end-of-thinking token (`thinking_end_token_id`, e.g. `</think>`) is forced.
+    thinking_token_budget: int | None = None
+    thinking_end_token_id: int | None = None
     # bad_words as token sequences (`with_bad_words_tokenized`; the engine fills it in).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = dataclasses.field(
         default=(), init=False, repr=False, compare=False
@@ -209,6 +213,17 @@ class SamplingParams:
             ),
             (self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}"),
+            (
+                self.thinking_token_budget is None
+                or (_is_int(self.thinking_token_budget) and self.thinking_token_budget >= 0),
+                f"thinking_token_budget must be an integer >= 0, got {self.thinking_token_budget!r}",
+            ),
+            (
+                self.thinking_token_budget is None
+                or (_is_int(self.thinking_end_token_id) and int(self.thinking_end_token_id or 0) >= 0),
+                "thinking_token_budget needs thinking_end_token_id, the token that ends the thinking, got "
+                f"{self.thinking_end_token_id!r}",
+            ),
             (
                 _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}",
@@ -303,6 +318,7 @@ class SamplingParams:
             ("logit_bias", self.logit_bias or ()),
             ("allowed_token_ids", self.allowed_token_ids or ()),
             ("structured_outputs.after_token_id", () if after is None else (after,)),
+            ("thinking_end_token_id", () if self.thinking_end_token_id is None else (self.thinking_end_token_id,)),
         ):
             outside = sorted(t for t in ids if t >= vocab_size)
             if outside:

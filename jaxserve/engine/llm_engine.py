@@ -194,12 +194,12 @@ class LLMEngine:
             )
         for req in samples:  # validate all before queueing any
             self.scheduler.check_request(req)
+        budget = params.thinking_token_budget
         for req in samples:  # each sample follows its own output
-            req.grammar = (
-                self.grammars.request_grammar(grammar, params.structured_outputs.after_token_id)
-                if grammar is not None
-                else None
-            )
+            if budget is not None:  # the end of the thinking is forced past the budget
+                req.grammar = self.grammars.request_grammar(grammar, params.thinking_end_token_id, budget)
+            elif grammar is not None:
+                req.grammar = self.grammars.request_grammar(grammar, params.structured_outputs.after_token_id)
         if any(r.request_id in self.outputs.groups for r in samples):
             raise ValueError(f"request id {request_id!r} is already in use")
         if kv_handoff is not None:

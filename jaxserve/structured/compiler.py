@@ -66,8 +66,14 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return future
 
-    def request_grammar(self, compiled, after_token_id: int | None = None) -> RequestGrammar:
-        """A new sequence's matcher for a compiled grammar, at its start; with `after_token_id`
-        (the spec's), the grammar starts after that token."""
+    def request_grammar(
+        self, compiled, after_token_id: int | None = None, thinking_budget: int | None = None
+    ) -> RequestGrammar:
+        """A new sequence's matcher for a compiled grammar (None: no constraint), at its start;
+        with `after_token_id` (the spec's), the grammar starts after that token, which is
+        forced once the thinking before it has run `thinking_budget` tokens."""
         backend = self.backend
-        return RequestGrammar(backend.new_matcher(compiled), backend.bitmask_words, after_token_id=after_token_id)
+        matcher = backend.new_matcher(compiled) if compiled is not None else None
+        return RequestGrammar(
+            matcher, backend.bitmask_words, after_token_id=after_token_id, thinking_budget=thinking_budget
+        )

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from api.__main__ import parse_args
-from api.server import default_model_name
+from api.__main__ import main, parse_args
+from api.server import _reply_parsers, default_model_name
 from jaxserve.flags import parse_bytes
 
 
@@ -46,3 +46,24 @@ def test_model_names(tmp_path):
     folder.mkdir()
     assert default_model_name(SimpleNamespace(loaded=SimpleNamespace(source=str(gguf)))) == "SmolLM2-135M-Instruct"
     assert default_model_name(SimpleNamespace(loaded=SimpleNamespace(source=str(folder)))) == "Qwen3-0.6B"
+
+
+def test_parser_names_are_checked_before_the_model_loads(capsys):
+    for flags, named in (
+        (["--tool-call-parser", "nope"], "hermes"),
+        (["--reasoning-parser", "nope"], "qwen3"),
+        (["--tool-parser-plugin", "/no/such/plugin.py"], "not a file"),
+    ):
+        assert main([*flags, "--model", "/no/such/model"]) == 2  # the model path is never reached
+        assert named in capsys.readouterr().err
+
+
+def test_auto_tool_choice_takes_the_parser_the_template_shows():
+    hermes = "{% for m in messages %}<tool_call>{{ m }}</tool_call>{% endfor %}"
+    tools, reasoning = _reply_parsers(None, hermes, True, None, None)
+    assert tools.name == "hermes" and reasoning is None
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        _reply_parsers(None, plain, True, None, None)
+    tools, reasoning = _reply_parsers(None, plain, True, "pythonic", "deepseek_r1")
+    assert (tools.name, reasoning.name) == ("pythonic", "deepseek_r1")

@@ -7,6 +7,7 @@ Oracle: the text the regex forced, and the unstreamed reply for the streamed one
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.api.conftest import MODEL, SMALL_ENGINE, run_server
@@ -93,3 +94,13 @@ def test_responses_carry_the_thinking_as_a_reasoning_item(client):
     assert (
         "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == final.output[0].content[0].text
     )
+
+
+def test_a_thinking_budget_needs_an_end_of_thinking_token(client):
+    """SmolLM2's vocabulary has no `</think>` token, so nothing could be forced: a 400 naming
+    the field (tests/jaxserve/structured/test_after_token.py runs the budget on a model that has one)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=4, extra_body={"thinking_token_budget": 2}
+        )
+    assert e.value.body["param"] == "thinking_token_budget" and "--reasoning-parser" in e.value.body["message"]

@@ -11,6 +11,7 @@ apply_chat_template on the same messages, and the unstreamed reply for the strea
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Literal
@@ -195,10 +196,13 @@ def test_a_two_turn_tool_loop_as_the_sdk_hands_messages_back(client, server, tok
     assert second.usage.prompt_tokens == len(r.json()["tokens"])
 
 
-def test_an_openai_agents_tool_loop_over_chat_completions_and_responses(server):
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_an_openai_agents_tool_loop(server, api, streamed):
     """openai-agents as its users run it: the first turn must call the tool (a named
     tool_choice), the SDK runs it and, its tool_choice reset to "auto", asks again with the
-    result; SmolLM2 then answers in text. Over both of the SDK's model classes."""
+    result; SmolLM2 then answers in text. Over both of the SDK's model classes, whole
+    (Runner.run) and streamed (Runner.run_streamed, the SDK reading our stream events)."""
     import agents
 
     agents.set_tracing_disabled(True)
@@ -210,19 +214,29 @@ def test_an_openai_agents_tool_loop_over_chat_completions_and_responses(server):
         calls.append(city)
         return f"18 C and sunny in {city}"
 
-    client = server.async_client()
-    settings = agents.ModelSettings(tool_choice="get_weather", max_tokens=120, temperature=0.0)
-    for model in (
-        agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-        agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-    ):
-        calls.clear()
-        agent = agents.Agent(name="weather", tools=[get_weather], model=model, model_settings=settings)
-        result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
-        assert len(calls) == 1 and isinstance(calls[0], str)
-        assert isinstance(result.final_output, str) and result.final_output
-        kinds = [item.type for item in result.new_items]
-        assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    async def loop():
+        client = server.async_client()
+        model_class = agents.OpenAIChatCompletionsModel if api == "chat_completions" else agents.OpenAIResponsesModel
+        settings = agents.ModelSettings(tool_choice="get_weather", max_tokens=120, temperature=0.0)
+        agent = agents.Agent(
+            name="weather",
+            tools=[get_weather],
+            model=model_class(model=MODEL, openai_client=client),
+            model_settings=settings,
+        )
+        question = "What is the weather in Paris?"
+        if not streamed:
+            return await agents.Runner.run(agent, question, max_turns=4)
+        result = agents.Runner.run_streamed(agent, question, max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(loop())
+    assert len(calls) == 1 and isinstance(calls[0], str)  # called once, with the argument its schema asks
+    assert isinstance(result.final_output, str) and result.final_output
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
 
 
 def test_a_pydantic_ai_agent_with_structured_output(server):

@@ -190,3 +190,75 @@ def test_the_engine_constrains_only_the_answer(tiny_llama_chars):
         answer = tokenizer.decode(got.token_ids[k + 1 :], skip_special_tokens=True)
         assert re.fullmatch(REGEX, answer), (thinking, answer)
         assert got.finish_reason == "stop"
+
+
+# -- thinking_token_budget: the end of the thinking forced after so many tokens ----------
+
+
+def budget_grammar(backend, end, budget, constrained=True) -> RequestGrammar:
+    compiled = backend.compile(StructuredOutputsParams(regex=REGEX)) if constrained else None
+    matcher = backend.new_matcher(compiled) if compiled is not None else None
+    return RequestGrammar(matcher, backend.bitmask_words, after_token_id=end, thinking_budget=budget)
+
+
+def test_the_budget_allows_everything_then_the_end_token_alone(backend, tokenizer, end):
+    vocab = len(tokenizer)
+    for constrained in (False, True):
+        g = budget_grammar(backend, end, 3, constrained)
+        for token in ids(tokenizer, "ab"):
+            assert allowed(mask(g), vocab) == set(range(vocab))
+            g.accept(token)
+        assert allowed(mask(g), vocab) == set(range(vocab))  # the third token is still free
+        assert allowed(mask(g, ahead=ids(tokenizer, "c")), vocab) == {end}  # a draft spends the budget too
+        g.accept(ids(tokenizer, "c")[0])
+        assert allowed(mask(g), vocab) == {end}
+        g.accept(end)
+        after = allowed(mask(g), vocab)
+        want = allowed(grammar_alone_after(backend, []), vocab) if constrained else set(range(vocab))
+        assert after == want
+
+
+def test_a_budget_of_zero_ends_the_thinking_at_once(backend, tokenizer, end):
+    assert allowed(mask(budget_grammar(backend, end, 0, constrained=False)), len(tokenizer)) == {end}
+
+
+def test_the_budget_needs_its_end_token():
+    with pytest.raises(ValueError, match="thinking_token_budget needs thinking_end_token_id"):
+        SamplingParams(thinking_token_budget=4)
+    with pytest.raises(ValueError, match="thinking_token_budget must be an integer >= 0"):
+        SamplingParams(thinking_token_budget=-1, thinking_end_token_id=3)
+    with pytest.raises(ValueError, match="thinking_end_token_id must name token ids below"):
+        SamplingParams(thinking_token_budget=1, thinking_end_token_id=97).check_token_ids(97)
+
+
+def test_the_engine_ends_the_thinking_at_the_budget(tiny_llama_chars):
+    """The thinking runs as the free run does for `budget` tokens, then the end token comes
+    whether the model would have written it or not; after it the answer is free, or follows
+    the regex when there is one."""
+    prompts = [[5, 17, 33, 60, 8], [40, 41, 42]]
+    budget = 4
+    free = run(engine(tiny_llama_chars), prompts, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2)
+    ends = []
+    for out in free:  # an end token the free run does not write within the budget (a forced end)
+        tokens = out.outputs[0].token_ids
+        ends.append(next(t for t in range(3, 97) if t not in tokens[: budget + 1]))
+    for regex in (None, REGEX):
+        params = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=20,
+                ignore_eos=regex is None,
+                thinking_token_budget=budget,
+                thinking_end_token_id=end,
+                structured_outputs={"regex": regex, "after_token_id": end} if regex else None,
+            )
+            for end in ends
+        ]
+        outs = run(engine(tiny_llama_chars), prompts, params)
+        for free_out, out, end in zip(free, outs, ends):
+            got = out.outputs[0].token_ids
+            assert got[:budget] == free_out.outputs[0].token_ids[:budget]
+            assert got[budget] == end
+            if regex is not None:
+                answer = tiny_llama_chars.tokenizer.decode(got[budget + 1 :], skip_special_tokens=True)
+                assert re.fullmatch(REGEX, answer), answer
