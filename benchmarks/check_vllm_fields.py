@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from api import vllm_fields  # noqa: E402
+# benchmarks/ holds modules whose names vLLM's own imports would meet first (kernels.py).
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# The table by its path: importing the `api` package would start the server's imports (jax),
+# which vLLM's venv lacks. The table itself imports nothing of ours.
+_TABLE = Path(__file__).resolve().parents[1] / "api" / "vllm_fields.py"
+_spec = importlib.util.spec_from_file_location("vllm_fields", _TABLE)
+vllm_fields = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vllm_fields)
 
 # Where each model lives, newest layout first (vLLM moved them out of one protocol module).
 MODELS = {
