@@ -228,7 +228,8 @@ def check_template(state: ServerState, body: ChatTemplateFields) -> None:
 async def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
     """The token ids of `body`'s messages rendered by the chat template (in the tokenizer
     thread), truncated as it asks (chat completions and /tokenize)."""
-    state.check_prompt_bytes(message_texts(body.messages), "messages")
+    truncating = getattr(body, "truncate_prompt_tokens", None) is not None
+    state.check_prompt_bytes(message_texts(body.messages), "messages", truncating)
     add_special = body.add_special_tokens if body.add_special_tokens is not None else False
     kwargs = body.template_kwargs()
     if state.chat_template and "chat_template" not in kwargs:

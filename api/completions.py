@@ -37,7 +37,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_request(request, body, body.logprobs, "logprobs")
     requested = body.prompts()
-    state.check_prompt_bytes([p for p in requested if isinstance(p, str)], "prompt")
+    texts = [p for p in requested if isinstance(p, str)]
+    state.check_prompt_bytes(texts, "prompt", truncating=body.truncate_prompt_tokens is not None)
     structured_outputs = await state.structured_outputs(body)
     with state.admit(len(requested), body.n) as reservation:  # a 503 comes now, before any tokenizing
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True

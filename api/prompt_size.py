@@ -11,8 +11,9 @@ that many bytes of text. (The vocabulary is measured as its token strings are st
 byte-level BPE writes a space as "Ġ", two bytes, so the cap is up to twice as generous as
 it must be; safe, and still far below a body limit of megabytes.) NOTE: a tokenizer whose
 normalizer deletes characters could in principle fit more text; none of the supported
-model families has one. A prompt with truncate_prompt_tokens may be longer than the
-context in vLLM; here it must be within this cap too (a client may cut its text first).
+model families has one. A request with truncate_prompt_tokens is not capped: it asks for
+a longer text to be cut after tokenizing, as vLLM does (the body limit and the tokenizer
+pool still bound what it costs others).
 """
 
 from __future__ import annotations

@@ -104,10 +104,11 @@ class ServerState:
             return prompt
         return prompt[:keep] if side == "right" else prompt[-keep:]
 
-    def check_prompt_bytes(self, texts: list[str], param: str) -> None:
+    def check_prompt_bytes(self, texts: list[str], param: str, truncating: bool = False) -> None:
         """A 400 naming `param` for prompt text too long to fit the context, before any of it
-        is tokenized (api.prompt_size)."""
-        if self.max_prompt_bytes is not None:
+        is tokenized (api.prompt_size); not when the request asks for it to be cut
+        (`truncating`: truncate_prompt_tokens)."""
+        if self.max_prompt_bytes is not None and not truncating:
             check_prompt_bytes(texts, self.max_prompt_bytes, self.max_model_len, param)
 
     def check_request(self, request: Request, body, logprobs: int | None, logprobs_param: str) -> None:

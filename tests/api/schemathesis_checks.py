@@ -24,6 +24,7 @@ import schemathesis
 #                response_format json_schema without its json_schema
 #   tool_choice  "auto" (the default with tools) needs --enable-auto-tool-choice; any choice
 #                but "none" needs tools; a named function must be among the tools
+#   thinking_token_budget: needs a --reasoning-parser whose end of thinking is one token
 #   /v1/responses: input (items of a type this server cannot read, or a conversation the
 #                template refuses), and its tools, tool_choice, text.format and
 #                structured_outputs by chat's rules above
@@ -41,6 +42,7 @@ RUNTIME_RULES = {
         "stream_options",
         "top_logprobs",
         "tool_choice",
+        "thinking_token_budget",
         *STRUCTURED,
     },
     "/tokenize": {"messages"},

@@ -68,8 +68,14 @@ def test_prompt_text_over_the_byte_limit_is_a_400_and_never_tokenized(tiny_engin
                 continue
             assert r.status_code == 400, (path, r.text)
             assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "context_length_exceeded"
-    # Only the chat within the limit reached the tokenizer (its render, then its encode).
-    assert len(recorder.texts) == 2 and not any("é" in text for text in recorder.texts)
+        # Only the chat within the limit reached the tokenizer (its render, then its encode).
+        assert len(recorder.texts) == 2 and not any("é" in text for text in recorder.texts)
+        # Asking for the text to be cut (as vLLM): tokenized whole, then truncated, not refused.
+        words = "w1 " * (limit // 2)  # over the limit, in words of the tiny vocabulary
+        cut = {"prompt": words, "max_tokens": 1, "truncate_prompt_tokens": 8}
+        r = httpx.post(f"{url}/v1/completions", json=cut, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 8 and recorder.texts[-1] == words
 
 
 def hex_text(size: int, seed: int) -> str:
