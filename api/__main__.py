@@ -234,10 +234,12 @@ def main(argv=None) -> int:
     from api.disagg import DisaggRole
     from api.server import create_app
     from jaxserve.engine import LLMEngine
+    from jaxserve.engine.builder import node_fingerprint
     from jaxserve.engine.tokenization import read_chat_template
+    from jaxserve.parallel import multihost
     from jaxserve.parallel.kv_transfer import KVTransfer
-    from jaxserve.parallel.multihost import Follower
     from jaxserve.parallel.sharding import replica_device_ids
+    from jaxserve.runner.model_runner import PLAN_TYPES
     from jaxserve.weights.default_model import DefaultModelMissing
 
     engine_kwargs = dict(
@@ -255,6 +257,11 @@ def main(argv=None) -> int:
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         devices = replica_device_ids(args.tensor_parallel_size, args.data_parallel_size)
         engine_kwargs["device_ids"] = devices[0]
+        if node is not None:  # before the weights load: nodes that do not match stop at once
+            fingerprint = node_fingerprint(
+                args.model, dtype=args.dtype, quantization=args.quantization, **engine_kwargs
+            )
+            node = multihost.connect(node, fingerprint)
         engine = LLMEngine.from_model(
             args.model,
             dtype=args.dtype,
@@ -264,11 +271,12 @@ def main(argv=None) -> int:
             tokenizer=args.tokenizer,
             **engine_kwargs,
         )
-        if isinstance(node, Follower):
+        if isinstance(node, multihost.Follower):
             print(f"jaxserve: node {args.node_rank} follows node 0 ({args.dist_init_addr})", flush=True)
-            node.follow(engine)
+            node.follow(engine.runner, PLAN_TYPES)
             return 0
-        engine.followers = node
+        if node is not None:
+            node.lead(engine.runner, PLAN_TYPES)
         engines = [engine] + [engine.replica(ids) for ids in devices[1:]]
         disagg = None
         if args.role:
@@ -306,9 +314,11 @@ def main(argv=None) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
         )
-    except (DefaultModelMissing, FileNotFoundError, ValueError) as e:
+    except (DefaultModelMissing, FileNotFoundError, ValueError, multihost.DistError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if node is not None:  # a lost node fails the requests in flight and turns /health to 503
+        node.on_failure = app.state.server.engine_loop.fail
 
     # Bind first, so --port 0 can report the port it got before serving.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

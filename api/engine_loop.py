@@ -94,6 +94,7 @@ class _Stream:
 
 
 _STOP = object()
+_FAILED = object()  # fail() was called: the engine thread stops stepping
 
 
 class EngineLoop:
@@ -141,6 +142,33 @@ class EngineLoop:
             self._commands.put(_STOP)
             self._thread.join(timeout)
             self._thread = None
+
+    def fail(self, reason: str) -> None:
+        """Stop serving from another thread, now: the engine cannot go on (a node of several was
+        lost, jaxserve.parallel.multihost) and its thread may wait in a step that never finishes.
+        Every request in flight gets EngineDeadError with `reason`; `/health` turns 503."""
+        self.error = RuntimeError(reason)
+        if self._loop is None:  # not started: nothing in flight
+            return
+        dead = self.dead_error()
+        streams = list(self._streams.values())  # a copy: the engine thread, if it ever returns, fails them too
+        self._loop.call_soon_threadsafe(_put_all, [(s.queue, dead) for s in streams])
+        self._refuse_queued()  # adds the engine thread has not taken: it may never take them
+        self._commands.put(_FAILED)  # wakes an idle engine thread, which then refuses every add
+
+    def _refuse_queued(self) -> None:
+        """Answer every add still queued with EngineDeadError (any thread; after a failure)."""
+        dead = self.dead_error()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is _STOP:  # for the engine thread
+                self._commands.put(_STOP)
+                return
+            if isinstance(command, _Add):
+                self._resolve(command.future, dead)
 
     @property
     def is_alive(self) -> bool:
@@ -207,6 +235,8 @@ class EngineLoop:
         self._commands.put(
             _Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future, kv_handoff, export_kv)
         )
+        if self.error is not None:  # fail() ran meanwhile, from another thread
+            self._refuse_queued()
         return future
 
     def abort(self, request_id: str) -> None:
@@ -224,13 +254,16 @@ class EngineLoop:
             if any(c is _STOP for c in commands):
                 self._fail_all(commands)
                 return
+            if self.error is not None:  # fail() from another thread
+                self._fail_all(commands)
+                return self._refuse_forever()
             try:
                 for command in commands:
                     self._apply(command)
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
             except Exception as e:  # a bug in the engine: fail everything rather than hang
                 logger.exception("the engine loop failed")
-                self.error = e
+                self.error = self.error or e  # fail() from another thread said why first
                 self._fail_all(commands)
                 return self._refuse_forever()
             self._deliver(outputs)
@@ -248,6 +281,8 @@ class EngineLoop:
                 return commands
 
     def _apply(self, command) -> None:
+        if command is _FAILED:  # the next turn of _run sees the error
+            return
         if isinstance(command, _Abort):
             if self.engine.abort_request(command.request_id):
                 self.metrics.request_aborted(command.request_id)

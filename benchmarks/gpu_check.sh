@@ -27,7 +27,10 @@
 #   memory     150 s  --gpu-memory-utilization 0.5: the KV cache chosen, the device's memory stats;
 #   structured 240 s  constrained against free decode at batch 1 and 32 (structured.py --profile);
 #   scaling    3 x 170 s  with 2+ GPUs data-parallel replicas and disaggregated prefill / decode,
-#                     with 3+ tensor parallelism over 3, each against one GPU.
+#                     with 3+ tensor parallelism over 3, each against one GPU;
+#   tp2        120 s  with 2+ GPUs: gpu_e2e.py at tensor parallel 2 on the random
+#                     Llama-1B-shaped model, float and int4: the Pallas kernels' tokens equal
+#                     the references', both split over two GPUs (weights loaded into their shards).
 # Every step writes under $OUT as it goes (logs, JSON rewritten row by row, JUnit XML, and
 # summary.txt a line per finished step); a step that fails or times out (SIGINT first, so
 # pytest still writes its XML; SIGKILL 5 s later) does not stop the later ones; the script
@@ -43,7 +46,7 @@
 #     bash benchmarks/gpu_check.sh --only speed      # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(versions compile numerics speed e2e steploop plan memory structured scaling)
+SECTIONS=(versions compile numerics speed e2e steploop plan memory structured scaling tp2)
 DEFAULT_SECTIONS=(versions compile numerics speed e2e)
 BUDGET=540      # seconds: a lent call is killed at 600
 KILL_AFTER=5    # seconds between a step's SIGINT and its SIGKILL
@@ -314,6 +317,18 @@ if wanted scaling; then
     REAL=("$PYTHON" benchmarks/throughput.py --tensor-parallel-size 3 --num-requests 64)
     DRY=("${PARSES[@]}" benchmarks.throughput "${REAL[@]:2}")
     step scaling_tp3 170 "$OUT/scaling_tp3.txt"
+  fi
+fi
+
+if wanted tp2; then
+  total=$((total + 120))
+  if (( dry )); then gpus=2; else gpus=$("$PYTHON" -c "import jax; print(len(jax.devices()))"); fi
+  if (( gpus < 2 )); then
+    echo "one GPU: no tensor-parallel case" | tee "$OUT/tp2.txt"
+  else
+    REAL=("$PYTHON" benchmarks/gpu_e2e.py --variants none,int4 --tensor-parallel-size 2 --json "$OUT/e2e_tp2.json")
+    DRY=(env JAX_NUM_CPU_DEVICES=2 "$PYTHON" benchmarks/gpu_e2e.py --smoke --variants none --tensor-parallel-size 2)
+    step tp2 120 "$OUT/tp2.txt"
   fi
 fi
 

@@ -26,7 +26,7 @@ agree within LOGPROB_TOL. The exit status is 1 if any variant fails either (or r
 
     python benchmarks/gpu_e2e.py [--model random|default|PATH] [--layers 2] [--dtype bfloat16] \\
         [--variants none,int4,fp8,kv-fp8] [--batch 64] [--decode-tokens 128] [--json PATH] [--smoke] \\
-        [--require-pallas]
+        [--require-pallas] [--tensor-parallel-size 2]
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ def run_backend(loaded, backend: str, kv_cache_dtype: str, prompts: dict, args) 
             token_buckets=(8, args.max_num_batched_tokens),
             warm_up=False,
             enable_prefix_caching=False,
+            tensor_parallel_size=args.tensor_parallel_size,
         ),
     )
     greedy_params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
@@ -270,6 +271,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="sequences of the timed batch")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens each sequence of the timed batch generates")
     p.add_argument("--json", help="write the results here (again after every variant)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over this many devices (both backends)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes (for a CPU); --model random is then tiny too")
     p.add_argument(
         "--require-pallas",
@@ -316,7 +320,9 @@ def main(argv=None) -> int:
         long = [PROMPTS[i % len(PROMPTS)] * 4 for i in range(args.batch)]
         prompts = {"greedy": PROMPTS, "warm": [f"Again: {p}" for p in long], "timed": long}
 
-    results = dict(model=label, dtype=args.dtype, device=device.device_kind, variants={})
+    results = dict(
+        model=label, dtype=args.dtype, device=device.device_kind, tensor_parallel=args.tensor_parallel_size, variants={}
+    )
     status, reason = 0, None
 
     def save() -> None:
@@ -325,7 +331,7 @@ def main(argv=None) -> int:
             Path(args.json + ".tmp").write_text(json.dumps(results, indent=1))
             os.replace(args.json + ".tmp", args.json)
 
-    print(f"{label}, {args.dtype}, {device.device_kind}")
+    print(f"{label}, {args.dtype}, {device.device_kind}, tensor parallel {args.tensor_parallel_size}")
     print(f"| {'variant':<8} | {'backend':<10} | {f'output tok/s (batch {args.batch})':>24} |", flush=True)
     print(f"|{'-' * 10}|{'-' * 12}|{'-' * 26}|")
     for variant in args.variants.split(","):

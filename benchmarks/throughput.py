@@ -17,6 +17,7 @@ Reported: output tokens/s (wall time after start-up) and the ratio.
     python benchmarks/throughput.py --baseline none --profile [--no-async-scheduling]
     python benchmarks/throughput.py --baseline none --quantization gguf   # a quantized model's figure
     python benchmarks/throughput.py --tensor-parallel-size 3 --data-parallel-size 1 --devices 0,1,2
+    python benchmarks/throughput.py --nnodes 3 --num-requests 32   # TP 3 over 3 processes vs 1
 
 With --tensor-parallel-size or --data-parallel-size above 1 the baseline is jaxserve itself
 on one device (the first of --devices), in the same run: the ratio is the scaling. Replicas
@@ -24,6 +25,12 @@ each run in a thread of their own, with requests assigned by the server's prefix
 router (scheduler.router). On the CPU, jax is asked for as many devices as --devices
 names; they share the machine's cores, so there the figures show the overhead of the
 mechanism, not a speed-up.
+
+With --nnodes N the same model at tensor parallel N runs over N processes on loopback, one
+CPU device each (jaxserve.parallel.multihost: node 0 schedules and sends each step's inputs
+to the others), against one process with N devices, in the same run; both in child
+processes, one after the other. The ratio and the per-step figures are the cost of the
+step broadcast and of collectives between processes (gloo over TCP) rather than in one.
 """
 
 from __future__ import annotations
@@ -183,6 +190,131 @@ def run_scaling(work: Workload, args) -> int:
     return 0
 
 
+def engine_settings(args, tp: int) -> dict:
+    return dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=args.kv_cache_memory_mb << 20,
+        quantization=args.quantization,
+        tensor_parallel_size=tp,
+    )
+
+
+def run_node(args) -> int:
+    """One process of a --nnodes run (a child of run_nodes): node 0 times the workload and
+    prints its figures as JSON; the others follow it. --node-rank -1: all N devices here."""
+    import os
+
+    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.builder import node_fingerprint
+    from jaxserve.parallel import multihost
+    from jaxserve.parallel.devices import ensure_host_devices
+    from jaxserve.runner.model_runner import PLAN_TYPES
+    from scheduler import SamplingParams
+
+    settings = engine_settings(args, args.nnodes)
+    node = None
+    if args.node_rank >= 0:
+        config = multihost.DistConfig(
+            nnodes=args.nnodes, node_rank=args.node_rank, init_addr=args.dist_init_addr, key=args.dist_key.encode()
+        )
+        multihost.start(config, args.nnodes)
+        node = multihost.connect(config, node_fingerprint(None, **settings))
+    else:
+        ensure_host_devices(args.nnodes)
+    engine = LLMEngine.from_model(progress=False, **settings)
+    if isinstance(node, multihost.Follower):
+        node.follow(engine.runner, PLAN_TYPES)
+        return 0
+    if node is not None:
+        node.lead(engine.runner, PLAN_TYPES)
+        sent = [0, 0.0]  # steps, seconds: the leader's side of the broadcast
+        send = engine.runner.broadcast
+
+        def timed(plan):
+            start = time.perf_counter()
+            send(plan)
+            sent[1] += time.perf_counter() - start
+            sent[0] += 1
+
+        engine.runner.broadcast = timed
+    work = mix_workload(args.mix, args.num_requests, seed=args.seed)
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    cpu, start = os.times(), time.perf_counter()
+    generated = sum(len(o.outputs[0].token_ids) for o in engine.generate_all())
+    elapsed, cpu_s = time.perf_counter() - start, sum(os.times()[:2]) - sum(cpu[:2])
+    result = {"seconds": elapsed, "output_tok_s": generated / elapsed, "cpu_ms_per_token": 1e3 * cpu_s / generated}
+    if node is not None:
+        result.update(steps=sent[0], broadcast_ms_per_step=1e3 * sent[1] / max(1, sent[0]))
+        node.stop()
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def run_nodes(args) -> int:
+    """TP N over N processes on loopback against TP N in one process (see the docstring)."""
+    import os
+    import secrets
+    import socket
+    import subprocess
+
+    n = args.nnodes
+    base = [sys.executable, str(Path(__file__).resolve()), "--nnodes", str(n), "--mix", args.mix]
+    base += ["--num-requests", str(args.num_requests), "--seed", str(args.seed)]
+    base += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    base += ["--kv-cache-memory-mb", str(args.kv_cache_memory_mb)]
+    if args.quantization:
+        base += ["--quantization", args.quantization]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+
+    def result_of(text: str) -> dict:
+        line = next((x for x in text.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"a node run printed no result:\n{text[-3000:]}")
+        return json.loads(line.removeprefix("RESULT "))
+
+    one = result_of(subprocess.run([*base, "--node-rank", "-1"], capture_output=True, text=True, env=env).stdout)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = secrets.token_hex(16)
+    nodes = [
+        subprocess.Popen(
+            [*base, "--node-rank", str(r), "--dist-init-addr", f"127.0.0.1:{port}", "--dist-key", key],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(n)
+    ]
+    outputs = [p.communicate()[0] for p in nodes]
+    many = result_of(outputs[0])
+    ratio = many["output_tok_s"] / one["output_tok_s"]
+    if args.json:
+        print(json.dumps({"one_process": one, "processes": many, "ratio": ratio}, indent=2))
+        return 0
+    steps = many["steps"]
+    print(
+        f"{args.num_requests} requests ({args.mix} mix), SmolLM2-135M float32, tensor parallel {n} "
+        f"on the CPU; {steps} steps"
+    )
+    print("| run                          | time (s) | output tok/s | CPU ms/token (node 0) | ms/step |")
+    print("|------------------------------|----------|--------------|-----------------------|---------|")
+    for label, r in ((f"1 process, {n} devices", one), (f"{n} processes, 1 device each", many)):
+        print(
+            f"| {label:<28} | {r['seconds']:>8.1f} | {r['output_tok_s']:>12.1f} | "
+            f"{r['cpu_ms_per_token']:>21.2f} | {1e3 * r['seconds'] / steps:>7.1f} |"
+        )
+    print(
+        f"ratio (processes / one process): {ratio:.2f}x; node 0's broadcast (encode + send) "
+        f"{many['broadcast_ms_per_step']:.3f} ms per step"
+    )
+    return 0
+
+
 def run_transformers(work: Workload, batch_size: int) -> dict:
     """Static batches in arrival order, left-padded, each run until its longest output."""
     import torch
@@ -282,8 +414,16 @@ def main(argv=None) -> int:
         default=None,
         help="device ids to use, e.g. 0,1,2,3 (default the first TP x DP)",
     )
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="tensor parallel N over N processes on loopback vs one process"
+    )
+    p.add_argument("--node-rank", type=int, default=None, help=argparse.SUPPRESS)  # a run_nodes child
+    p.add_argument("--dist-init-addr", help=argparse.SUPPRESS)
+    p.add_argument("--dist-key", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.nnodes > 1:
+        return run_nodes(args) if args.node_rank is None else run_node(args)
     if args.tensor_parallel_size * args.data_parallel_size > 1:
         if args.baseline == "vllm":
             p.error("with --tensor-parallel-size or --data-parallel-size the baseline is jaxserve on one device")

@@ -4,7 +4,9 @@ model is loaded and run). Imports nothing heavy: `--help` stays quick."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from pathlib import Path
 
 from jaxserve.spec_decode.config import SpeculativeConfig
 
@@ -97,7 +99,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="node 0 stops, saying which node, when a node misses its heartbeats this long (default 10)",
+        help="node 0 stops the group, saying which node, when a node misses its heartbeats this long (default 10)",
+    )
+    g.add_argument(
+        "--dist-step-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="node 0 stops the group, saying which node and step, when a node takes longer than this to finish "
+        "a step (ten times as long for a step of a new shape, which compiles; default 60)",
+    )
+    g.add_argument(
+        "--dist-key-file",
+        metavar="PATH",
+        help="a file holding the control channel's shared key, the same on every node (or set $JAXSERVE_DIST_KEY)",
     )
 
 
@@ -129,19 +144,45 @@ def parse_bytes(text: str) -> int:
 
 
 def start_devices(args: argparse.Namespace, host_devices: int):
-    """Before jax starts: with --nnodes > 1, join the other nodes and return this node's
-    jaxserve.parallel.multihost Leader or Follower; else ask jax for `host_devices` CPU devices (see
-    ensure_host_devices) and return None. A ValueError says what is wrong with the flags."""
+    """Before jax starts: with --nnodes > 1, join the other nodes in jax's runtime and return
+    this node's jaxserve.parallel.multihost.DistConfig (connect to the others with
+    `multihost.connect` once the engine's settings are known); else ask jax for `host_devices`
+    CPU devices (see ensure_host_devices) and return None. A ValueError says what is wrong
+    with the flags."""
     from jaxserve.parallel import multihost
     from jaxserve.parallel.devices import ensure_host_devices
 
-    config = multihost.DistConfig(
-        nnodes=args.nnodes, node_rank=args.node_rank, init_addr=args.dist_init_addr, heartbeat_timeout=args.dist_timeout
-    )
-    if not config.enabled:
+    if args.nnodes <= 1:
         ensure_host_devices(host_devices)
         return None
-    return multihost.start(config, args.tensor_parallel_size)
+    spec = args.speculative_config
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(
+            f"speculative decoding with {spec.method!r} runs its own programs, which do not go over "
+            "several nodes yet; 'ngram' does"
+        )
+    config = multihost.DistConfig(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        init_addr=args.dist_init_addr,
+        heartbeat_timeout=args.dist_timeout,
+        step_timeout=args.dist_step_timeout,
+        key=read_dist_key(args.dist_key_file),
+    )
+    multihost.start(config, args.tensor_parallel_size)
+    return config
+
+
+def read_dist_key(path: str | None) -> bytes:
+    """The control channel's key: the file's contents, else $JAXSERVE_DIST_KEY (empty: none)."""
+    from jaxserve.parallel.multihost import KEY_ENV
+
+    if path is None:
+        return os.environ.get(KEY_ENV, "").strip().encode()
+    try:
+        return Path(path).expanduser().read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"--dist-key-file: cannot read {path}: {e.strerror}") from None
 
 
 def model_engine_kwargs(args: argparse.Namespace) -> dict:

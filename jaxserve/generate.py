@@ -79,10 +79,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from jaxserve.engine import EngineConfig, LLMEngine
-    from jaxserve.engine.builder import enable_compilation_cache
+    from jaxserve.engine.builder import enable_compilation_cache, node_fingerprint
     from jaxserve.engine.generation_config import read_generation_config
     from jaxserve.engine.tokenization import encode_chat, encode_prompt
-    from jaxserve.parallel.multihost import Follower
+    from jaxserve.parallel import multihost
+    from jaxserve.runner.model_runner import PLAN_TYPES
     from jaxserve.weights import load_model
     from jaxserve.weights.dtype import resolve_dtype
     from scheduler import SamplingParams
@@ -117,21 +118,27 @@ def main(argv=None) -> int:
     lens = [len(ids) for ids in prompt_ids]
     spec = args.speculative_config
     buckets = buckets_for(lens, tokens_per_seq=1 + (spec.num_speculative_tokens if spec else 0))
-    engine = LLMEngine(
-        loaded,
-        EngineConfig(
-            max_num_seqs=len(prompts),
-            max_num_batched_tokens=buckets[-1],
-            token_buckets=buckets,
-            max_model_len=max(lens) + params.max_tokens + 1,
-            kv_cache_memory=256 << 20,
-            **model_engine_kwargs(args),
-        ),
+    config = dict(
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=buckets[-1],
+        token_buckets=buckets,
+        max_model_len=max(lens) + params.max_tokens + 1,
+        kv_cache_memory=256 << 20,
+        **model_engine_kwargs(args),
     )
-    if isinstance(node, Follower):
-        node.follow(engine)  # every node builds the same engine; node 0's calls drive them all
+    if node is not None:  # every node reads the same prompts, so their programs match
+        try:
+            fingerprint = node_fingerprint(args.model, dtype=args.dtype, quantization=args.quantization, **config)
+            node = multihost.connect(node, fingerprint)
+        except multihost.DistError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    engine = LLMEngine(loaded, EngineConfig(**config))
+    if isinstance(node, multihost.Follower):
+        node.follow(engine.runner, PLAN_TYPES)  # node 0 schedules; this node runs its steps
         return 0
-    engine.followers = node
+    if node is not None:
+        node.lead(engine.runner, PLAN_TYPES)
     try:
         return run(engine, prompts, prompt_ids, params)
     finally:

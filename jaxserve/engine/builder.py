@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -35,7 +37,7 @@ from jaxserve.spec_decode.proposers import Proposer
 from jaxserve.structured import GrammarCompiler
 from jaxserve.structured.llguidance import LLGuidanceBackend
 from jaxserve.weights.dtype import resolve_dtype
-from jaxserve.weights.load import LoadedModel, default_cache_dir, load_model
+from jaxserve.weights.load import LoadedModel, default_cache_dir, load_model, resolve_source, weights_digest
 from scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -202,6 +204,35 @@ def load(
         tokenizer=tokenizer,
     )
     return loaded, config
+
+
+# EngineConfig fields that only node 0's scheduler reads: nodes of several may differ in them.
+_LEADER_ONLY = {"enable_prefix_caching", "long_prefill_token_threshold", "generation_config", "async_scheduling"}
+
+
+def node_fingerprint(model: str | None, *, dtype="auto", quantization: str | None = None, **engine_kwargs) -> dict:
+    """What must be the same on every node of several (jaxserve.parallel.multihost) for their
+    programs to match: the weights, dtype, quantization, every engine setting that shapes a
+    program, and the versions that compile them. JSON values, compared by name."""
+    from importlib.metadata import version
+
+    import jaxlib
+
+    config = EngineConfig(**engine_kwargs)
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _LEADER_ONLY}
+    fingerprint = {
+        "weights": weights_digest(resolve_source(model)),
+        "dtype": str(resolve_dtype(dtype, model)),
+        "quantization": quantization,
+        **settings,
+        "JAXSERVE_ATTENTION_BACKEND": os.environ.get("JAXSERVE_ATTENTION_BACKEND"),
+        "JAXSERVE_MATMUL_BACKEND": os.environ.get("JAXSERVE_MATMUL_BACKEND"),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "jaxserve": version("jaxserve"),
+    }
+    return json.loads(json.dumps(fingerprint, default=str))  # as the other node reads it
 
 
 def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -42,11 +41,9 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.profiling import NullProfiler, StepProfiler
 from jaxserve.engine.tokenization import encode_prompt
 from jaxserve.model.kv_cache import KVHandoff, kv_dtype_label
-from jaxserve.parallel.multihost import Leader
 from jaxserve.runner.model_runner import StepHandle
 from jaxserve.weights.load import LoadedModel
 from scheduler import Request, SamplingParams, StepBatch, StructuredOutputsParams
-from scheduler.request import SEED_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +69,6 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling and config.speculative_config is None
         self.outputs = OutputProcessor(self.tokenizer)
         self._in_flight: InFlight | None = None
-        # On node 0 of several (jaxserve.parallel.multihost): the other nodes, which replay every
-        # call that changes state, so all nodes dispatch the same steps.
-        self.followers: Leader | None = None
         self._exports: dict[str, tuple[list[int], str | None]] = {}  # add_request(export_kv=True): prompt, salt
         # Set a jaxserve.engine.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
@@ -158,8 +152,6 @@ class LLMEngine:
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or self.default_sampling_params()
-        if self.followers is not None and params.seed is None:  # every node must draw the same tokens
-            params = dataclasses.replace(params, seed=secrets.randbits(SEED_BITS))
         vocab = self.loaded.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(
@@ -210,17 +202,6 @@ class LLMEngine:
         self.outputs.add(request_id, prompt_text, prompt_ids, samples, arrival)
         for req in samples:
             self.scheduler.add_request(req)
-        if self.followers is not None:
-            self.followers.send(
-                "add_request",
-                request_id,
-                prompt,
-                params,
-                priority=priority,
-                arrival_time=arrival,
-                add_special_tokens=add_special_tokens,
-                cache_salt=cache_salt,
-            )
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults, then `overrides`."""
@@ -234,8 +215,6 @@ class LLMEngine:
             return False
         for req in reversed(group.samples):
             self.scheduler.abort_request(req.request_id)
-        if self.followers is not None:
-            self.followers.send("abort_request", request_id)
         return True
 
     # -- KV handed between engines (prefill/decode disaggregation) -------------------------
@@ -275,7 +254,7 @@ class LLMEngine:
     def _check_handoff(self) -> None:
         if not self.config.enable_prefix_caching:
             raise ValueError("handing KV between engines goes through the prefix cache: enable_prefix_caching")
-        if self.followers is not None:
+        if self.runner.broadcast is not None:
             raise ValueError("handing KV between engines does not work over several nodes yet")
 
     def has_unfinished(self) -> bool:
@@ -297,8 +276,6 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        if self.followers is not None:
-            self.followers.send("step")
         if self._in_flight is not None and self._needs_known_tokens():
             return self._collect(self._take_in_flight())  # the next batch needs this one's tokens on the host
         if self.async_scheduling:

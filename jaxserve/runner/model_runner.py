@@ -71,6 +71,26 @@ MIN_TOKENS = 1
 
 
 @dataclasses.dataclass
+class StepPlan:
+    """A step's padded host inputs: everything its programs read besides the runner's own
+    state (weights, KV cache, the last step's tokens). Over several nodes the leader sends
+    this to every node (jaxserve.parallel.multihost), which runs the same programs on it."""
+
+    inputs: ModelInputs
+    pending: PendingTokens
+    copies: np.ndarray | None = None  # i32 [n, 2]: block copies (copy_pairs) before the body
+    prompt_targets: np.ndarray | None = None  # i32 [T]: prompt-logprob targets (the hidden-keeping body)
+    sampling: SamplingMetadata | None = None  # the head's; None: the body alone (write_kv)
+    draft_ids: np.ndarray | None = None  # i32 [R, k]: with drafts, the verify head instead of the sampler
+    num_drafts: np.ndarray | None = None  # i32 [R]
+    tree_slots: np.ndarray | None = None  # i32 [R, k + 1]: drafts shaped as a tree (compacted after verify)
+
+
+# The dataclasses a StepPlan is made of: what a frame between nodes may carry.
+PLAN_TYPES = (StepPlan, ModelInputs, PendingTokens, SamplingMetadata)
+
+
+@dataclasses.dataclass
 class RunnerOutput:
     """One row per scheduled sequence (padding rows removed)."""
 
@@ -191,6 +211,9 @@ class ModelRunner:
         self._read_blocks = jax.jit(read_blocks)
         self._write_blocks = jax.jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
         self.compilations = CompileCounter()
+        # Over several nodes (jaxserve.parallel.multihost), node 0's runner hands each step's plan
+        # here before running it, so that every node runs the same programs.
+        self.broadcast = None
 
     # -- buckets ------------------------------------------------------------------------
 
@@ -225,7 +248,8 @@ class ModelRunner:
                 out, *_ = self._head(self.params, hidden, meta)
                 out.token_ids.block_until_ready()
                 if self.num_speculative_tokens:
-                    out, *_ = self._verify_head(self.params, hidden, *self._verify_args(None, r, penalties))
+                    args = (*self._verify_args(None, r, penalties), self._no_draft_probs(r))
+                    out, *_ = self._verify_head(self.params, hidden, *args)
                     out.token_ids.block_until_ready()
                     if self.tree is not None:
                         self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
@@ -262,33 +286,63 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch, draft_probs: jax.Array | None = None) -> StepHandle:
         """Enqueue one step on the device and return at once. `draft_probs` [R, k, V]: the
         distributions draft tokens were drawn from (draft models; None: point masses)."""
-        if batch.block_copies:
-            self._run_copies(batch.block_copies)
-        inputs, pending = self.pad_inputs(batch, *self.bucket_for(batch.num_tokens))
-        targets = batch.prompt_logprob_targets
-        run_body = self._body if targets is None else self._body_keeping_hidden
-        hidden, self.kv, self.step_hidden = run_body(self.params, self.kv, inputs, pending, self.last_tokens)
-        self.step_inputs = inputs
-        prompt = None
-        if targets is not None:
-            padded = np.zeros(len(inputs.input_ids), np.int32)
-            padded[: len(targets)] = np.maximum(targets, 0)
-            prompt = (self._prompt_head(self.params, self.step_hidden, padded), _prompt_rows(batch))
-            if not self.keep_step_hidden:
-                self.step_hidden = None
-        if batch.verify is not None:
-            r = self.rows_for(batch.num_seqs)
-            args = self._verify_args(batch, r, draft_probs=draft_probs)
-            out, self.last_tokens, self.last_hidden = self._verify_head(self.params, hidden, *args)
-            if self.tree is not None:
-                self.kv = self._compact(self.kv, out, self._tree_slots(batch, r))
-        else:
-            meta = self._pad_sampling(batch.sampling, self.rows_for(batch.num_seqs))
-            out, self.last_tokens, self.last_hidden = self._head(self.params, hidden, meta)
+        plan = self.plan(batch)
+        if self.broadcast is not None:
+            self.broadcast(plan)
+        out, prompt = self.execute(plan, draft_probs)
+        if prompt is not None:
+            prompt = (prompt, _prompt_rows(batch))
         return StepHandle(out, batch.num_seqs, batch.sampling.want_logprobs, batch.sampling.num_logprobs, prompt)
 
-    def _verify_args(self, batch: StepBatch | None, r: int, penalties: bool = False, draft_probs=None):
-        """The verify head's arguments for R = r rows (padding rows have no drafts)."""
+    def plan(self, batch: StepBatch, heads: bool = True) -> StepPlan:
+        """The step's padded host inputs; without `heads`, the body's alone (write_kv)."""
+        copies = copy_pairs(batch.block_copies, self.max_num_seqs) if batch.block_copies else None
+        inputs, pending = self.pad_inputs(batch, *self.bucket_for(batch.num_tokens))
+        plan = StepPlan(inputs, pending, copies)
+        targets = batch.prompt_logprob_targets
+        if targets is not None:
+            plan.prompt_targets = np.zeros(len(inputs.input_ids), np.int32)
+            plan.prompt_targets[: len(targets)] = np.maximum(targets, 0)
+        if not heads:
+            return plan
+        r = self.rows_for(batch.num_seqs)
+        if batch.verify is not None:
+            plan.sampling, plan.draft_ids, plan.num_drafts = self._verify_args(batch, r)
+            if self.tree is not None:
+                plan.tree_slots = self._tree_slots(batch, r)
+        else:
+            plan.sampling = self._pad_sampling(batch.sampling, r)
+        return plan
+
+    def execute(self, plan: StepPlan, draft_probs: jax.Array | None = None):
+        """Enqueue a plan's programs: (the head's output or None, the prompt-logprob tables or None).
+        Every node of several runs this with the same plan (jaxserve.parallel.multihost)."""
+        if plan.copies is not None:
+            self.kv = self._copy_blocks(self.kv, plan.copies)
+        keep_hidden = plan.prompt_targets is not None
+        run_body = self._body_keeping_hidden if keep_hidden else self._body
+        hidden, self.kv, self.step_hidden = run_body(self.params, self.kv, plan.inputs, plan.pending, self.last_tokens)
+        self.step_inputs = plan.inputs
+        prompt = None
+        if keep_hidden:
+            prompt = self._prompt_head(self.params, self.step_hidden, plan.prompt_targets)
+            if not self.keep_step_hidden:
+                self.step_hidden = None
+        if plan.sampling is None:
+            return None, prompt
+        if plan.draft_ids is not None:
+            if draft_probs is None:
+                draft_probs = self._no_draft_probs(len(plan.draft_ids))
+            args = (plan.sampling, plan.draft_ids, plan.num_drafts, draft_probs)
+            out, self.last_tokens, self.last_hidden = self._verify_head(self.params, hidden, *args)
+            if plan.tree_slots is not None:
+                self.kv = self._compact(self.kv, out, plan.tree_slots)
+        else:
+            out, self.last_tokens, self.last_hidden = self._head(self.params, hidden, plan.sampling)
+        return out, prompt
+
+    def _verify_args(self, batch: StepBatch | None, r: int, penalties: bool = False):
+        """The verify head's host arguments for R = r rows (padding rows have no drafts)."""
         k = self.num_speculative_tokens
         draft_ids, num_drafts = np.zeros((r, k), np.int32), np.zeros(r, np.int32)
         if batch is None:
@@ -297,9 +351,15 @@ class ModelRunner:
             meta = self._pad_sampling(batch.verify, r * (k + 1))
             draft_ids[: batch.num_seqs] = batch.spec_token_ids
             num_drafts[: batch.num_seqs] = batch.num_spec_tokens
-        if self.draft_distributions and draft_probs is None:  # warm-up (committed, as the real ones are)
-            draft_probs = jax.device_put(np.zeros((r, k, self.config.vocab_size), np.float32), self.replicated)
-        return meta, draft_ids, num_drafts, draft_probs
+        return meta, draft_ids, num_drafts
+
+    def _no_draft_probs(self, r: int) -> jax.Array | None:
+        """What the verify head reads when no draft model gave distributions: zeros (committed,
+        as the real ones are) for a runner that verifies against them, else nothing."""
+        if not self.draft_distributions:
+            return None
+        k = self.num_speculative_tokens
+        return jax.device_put(np.zeros((r, k, self.config.vocab_size), np.float32), self.replicated)
 
     def _tree_slots(self, batch: StepBatch | None, r: int) -> np.ndarray:
         """i32 [r, N+1]: each row's slots of its root and its drafts (rows without: the null slot)."""
@@ -314,13 +374,9 @@ class ModelRunner:
     def write_kv(self, batch: StepBatch) -> None:
         """Run a step's tokens through the layers for their K/V only (no logits): a draft
         model follows the target's steps this way, so its cache holds what the target's does."""
-        if batch.block_copies:
-            self._run_copies(batch.block_copies)
-        inputs, pending = self.pad_inputs(batch, *self.bucket_for(batch.num_tokens))
-        _, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
-
-    def _run_copies(self, copies: list[tuple[int, int]]) -> None:
-        self.kv = self._copy_blocks(self.kv, copy_pairs(copies, self.max_num_seqs))
+        plan = self.plan(batch, heads=False)
+        plan.prompt_targets = None
+        self.execute(plan)
 
     def pad_inputs(self, batch: StepBatch | None, t: int, s: int) -> tuple[ModelInputs, PendingTokens]:
         ids, pos, slots = (np.zeros(t, np.int32) for _ in range(3))

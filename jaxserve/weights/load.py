@@ -175,6 +175,19 @@ def _download(repo_id: str) -> Path:
     return Path(folder)
 
 
+def weights_digest(source: Path) -> str:
+    """A digest of a model's weight files, cheap for any size (several nodes compare theirs,
+    jaxserve.parallel.multihost): each file's name, size and first MiB, where a safetensors file
+    lists every tensor's name, shape and offset and a GGUF file keeps its metadata."""
+    files = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name} {path.stat().st_size}\n".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
 def _cache_key(source: Path, dtype, quant: QuantConfig | None) -> str:
     files = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
     stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]

@@ -226,6 +226,37 @@ def test_a_burst_is_refused_on_arrival_while_the_engine_is_stuck_in_a_step():
         assert all(r.json()["choices"][0]["text"] == "aa" for r in accepted)
 
 
+def test_failing_from_another_thread_answers_every_request_while_the_engine_is_stuck_in_a_step():
+    """What a lost node of several does (jaxserve.parallel.multihost): the engine thread waits
+    in a step that will never finish; the request in that step, one queued behind it and a
+    later one all get the reason at once, and /health turns 503 with it."""
+    engine = ScriptedEngine(gate=threading.Event())  # never set: the step never ends
+    body = {"prompt": [1, 2], "max_tokens": 2}
+    reason = "node 1 of 2 did not finish step 7 within 3 s"
+
+    async def scenario(url, loop):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            in_step = asyncio.create_task(http.post("/v1/completions", json=body))
+            while not engine.in_step.is_set():
+                await asyncio.sleep(0.01)
+            queued = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.2)  # taken by no one: the engine thread is in its step
+            await asyncio.to_thread(loop.fail, reason)
+            answers = await asyncio.gather(in_step, queued)
+            later = await http.post("/v1/completions", json=body)
+            health = await http.get("/health")
+        return answers, later, health
+
+    app = create_app(engine)
+    with serve_in_thread(app) as url:
+        answers, later, health = asyncio.run(scenario(url, app.state.server.engine_loop))
+        engine.gate.set()  # lets the engine thread go, so the server stops at once
+    assert [a.status_code for a in answers] == [500, 503] and later.status_code == 503
+    for response in (*answers, later, health):
+        assert response.json()["error"]["code"] == "engine_dead" and reason in response.json()["error"]["message"]
+    assert health.status_code == 503
+
+
 def test_server_reports_a_dead_engine():
     app = create_app(ScriptedEngine(fail_at_step=1))
     with TestClient(app) as http:

@@ -1,12 +1,19 @@
-"""The contract that keeps several nodes in step (jaxserve.parallel.multihost): the leader's engine
-sends every call that changes state, and an engine replaying those calls in order schedules
-and samples exactly what the leader did, sampling without a seed and aborts included.
+"""The contract that keeps several nodes in step (jaxserve.parallel.multihost): node 0's runner
+hands each step's plan to the others, which run the same programs on it. A runner that
+runs the leader's plans, carried through frames (encoded and decoded as between hosts),
+holds exactly the leader's device state after every step: the same sampled tokens,
+unseeded sampling, n > 1, penalties, prompt logprobs and aborts included, though it has
+no scheduler of its own.
 
-Oracle: the leader engine's own outputs, step by step. (Across real processes and hosts:
-tests/api/test_multihost.py.)
+Oracle: the leader engine's own sampled tokens on the device, step by step. (Across real
+processes and hosts: tests/api/test_multihost.py.)
 """
 
+import numpy as np
+
 from jaxserve.engine import EngineConfig, LLMEngine
+from jaxserve.parallel.frames import Codec
+from jaxserve.runner.model_runner import PLAN_TYPES
 from scheduler import SamplingParams
 
 CONFIG = EngineConfig(
@@ -20,38 +27,29 @@ CONFIG = EngineConfig(
 )
 
 
-class Recorder:
-    """Stands where jaxserve.parallel.multihost.Leader does: keeps the calls it is sent."""
-
-    def __init__(self):
-        self.calls = []
-
-    def send(self, method, *args, **kwargs):
-        self.calls.append((method, args, kwargs))
-
-
-def summary(outputs):
-    return [(o.request_id, [list(s.token_ids) for s in o.outputs], o.finished) for o in outputs]
-
-
-def test_a_replaying_engine_steps_and_samples_as_the_leader(tiny_llama):
+def test_a_runner_fed_the_leaders_plans_samples_what_the_leader_does(tiny_llama):
     leader = LLMEngine(tiny_llama, CONFIG)
-    leader.followers = recorder = Recorder()
-    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)  # no seed
-    leader.add_request("a", [1, 5, 9, 13], sampled)
-    leader.add_request("b", [1, 3, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    want = [summary(leader.step()) for _ in range(3)]
-    leader.add_request("c", [1, 44, 55, 66, 77], SamplingParams(temperature=0.8, n=2, max_tokens=6, ignore_eos=True))
-    leader.abort_request("b")
-    while leader.has_unfinished():
-        want.append(summary(leader.step()))
-    assert [m for m, _, _ in recorder.calls].count("step") == len(want)
+    follower = LLMEngine(tiny_llama, CONFIG).runner  # its engine's scheduler is never used
+    codec = Codec(PLAN_TYPES)
+    frames = []
 
-    follower = LLMEngine(tiny_llama, CONFIG)
-    got = []
-    for method, args, kwargs in recorder.calls:  # what Follower.follow does with each call
-        result = getattr(follower, method)(*args, **kwargs)
-        if method == "step":
-            got.append(summary(result))
-    assert got == want
-    assert not follower.has_unfinished()
+    def broadcast(plan):
+        frames.append(codec.encode("step", tree=plan))
+        follower.execute(codec.decode(frames[-1]).tree)
+
+    leader.runner.broadcast = broadcast
+    leader.add_request("a", [1, 5, 9, 13], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    leader.add_request(
+        "b", [1, 3, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    )
+    steps = 0
+    while leader.has_unfinished():
+        if steps == 3:
+            params = SamplingParams(temperature=0.8, n=2, max_tokens=6, ignore_eos=True, presence_penalty=0.5)
+            leader.add_request("c", [1, 44, 55, 66, 77], params)
+            leader.abort_request("b")
+        leader.step()
+        np.testing.assert_array_equal(np.asarray(follower.last_tokens), np.asarray(leader.runner.last_tokens))
+        steps += 1
+    assert len(frames) > 5  # (with the overlapped loop, some calls only collect a step)
+    np.testing.assert_array_equal(np.asarray(follower.kv.k), np.asarray(leader.runner.kv.k))
