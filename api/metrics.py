@@ -5,6 +5,9 @@ Names follow vLLM's with the `jaxserve:` prefix (`vllm:num_requests_running` bec
 `jaxserve:kv_cache_total_blocks`, which let a test see that an aborted request gave back
 its blocks, and `jaxserve:num_requests_rejected_total` (503s for a full queue).
 `jaxserve:cache_config_info` carries the KV cache's settings as labels, like vLLM's.
+`jaxserve:device_weight_bytes` and `jaxserve:device_kv_cache_bytes` (label `device`, a jax
+device id) say what each device holds of the weights and of the KV cache (under tensor
+parallelism, its shards).
 
 Two sources: what the engine thread records as requests progress (counters and
 histograms, prometheus_client's own objects), and the scheduler's stats, read at each
@@ -133,6 +136,7 @@ class Metrics:
         *,
         engine: str | None = None,
         families: _Families | None = None,
+        device_bytes: dict[str, dict[int, int]] | None = None,
     ):
         self.model_name = model_name
         self.engine = engine
@@ -142,6 +146,8 @@ class Metrics:
         self.registry = f.registry
         self._lock = f.lock
         self._progress: dict[str, _Progress] = {}  # engine thread only
+        if device_bytes is not None:  # LLMEngine.device_bytes(): fixed once the engine is built
+            f.snapshot.device_bytes[self.labels] = device_bytes
         self.prompt_tokens = f.prompt_tokens.labels(*self.labels)
         self.generation_tokens = f.generation_tokens.labels(*self.labels)
         self.success = {reason: f.success.labels(*self.labels, reason) for reason in FINISH_REASONS}
@@ -150,10 +156,19 @@ class Metrics:
             setattr(self, name, getattr(f, name).labels(*self.labels))
 
     @classmethod
-    def for_replicas(cls, model_name: str, cache_config: dict[str, str] | None, num_replicas: int) -> list[Metrics]:
+    def for_replicas(
+        cls,
+        model_name: str,
+        cache_config: dict[str, str] | None,
+        num_replicas: int,
+        device_bytes: Sequence[dict[str, dict[int, int]]] | None = None,
+    ) -> list[Metrics]:
         """One Metrics per replica, all in one registry, told apart by their `engine` label."""
         families = _Families(cache_config or {}, per_engine=True)
-        return [cls(model_name, engine=str(i), families=families) for i in range(num_replicas)]
+        return [
+            cls(model_name, engine=str(i), families=families, device_bytes=device_bytes[i] if device_bytes else None)
+            for i in range(num_replicas)
+        ]
 
     # -- what tests and callers read ----------------------------------------------------
 
@@ -304,8 +319,19 @@ class _SnapshotCollector:
         self.cache_config = cache_config
         self.stats: dict[tuple[str, ...], SchedulerStats | None] = {}
         self.up: dict[tuple[str, ...], bool] | None = None
+        self.device_bytes: dict[tuple[str, ...], dict[str, dict[int, int]]] = {}
 
     def collect(self):
+        for kind, name, help_ in (
+            ("weights", "device_weight_bytes", "Bytes of the model's weights resident on each device."),
+            ("kv_cache", "device_kv_cache_bytes", "Bytes of the KV cache resident on each device."),
+        ):
+            if self.device_bytes:
+                family = GaugeMetricFamily(f"jaxserve:{name}", help_, labels=[*self.label_names, "device"])
+                for labels, held in self.device_bytes.items():
+                    for device, nbytes in held[kind].items():
+                        family.add_metric([*labels, str(device)], nbytes)
+                yield family
         if self.cache_config:
             info = GaugeMetricFamily(
                 "jaxserve:cache_config_info",

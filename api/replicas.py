@@ -70,7 +70,9 @@ class ReplicaSet:
             e.grammars = first.grammars
         self.engine = first  # what the replicas share: tokenizer, grammar compiler, model config
         self.max_waiting = max_waiting
-        metrics = Metrics.for_replicas(model_name, first.cache_config_info(), len(engines))
+        metrics = Metrics.for_replicas(
+            model_name, first.cache_config_info(), len(engines), [e.device_bytes() for e in engines]
+        )
         self.replicas = [EngineLoop(e, m, replica=i) for i, (e, m) in enumerate(zip(engines, metrics))]
         if load_bound is None:
             load_bound = default_load_bound(first.scheduler.config.max_num_seqs)

@@ -115,7 +115,8 @@ def create_app(
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
     if len(engines) == 1:
-        engine_loop = EngineLoop(engine, Metrics(model_name, engine.cache_config_info()), max_waiting=max_waiting)
+        metrics = Metrics(model_name, engine.cache_config_info(), device_bytes=engine.device_bytes())
+        engine_loop = EngineLoop(engine, metrics, max_waiting=max_waiting)
     else:
         engine_loop = ReplicaSet(engines, model_name, load_bound=router_load_bound, max_waiting=max_waiting)
     replicated = isinstance(engine_loop, ReplicaSet)

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from jaxserve.engine import EngineConfig, LLMEngine
-    from jaxserve.engine.builder import enable_compilation_cache, node_fingerprint
+    from jaxserve.engine.builder import enable_compilation_cache, load_mesh, node_fingerprint
     from jaxserve.engine.generation_config import read_generation_config
     from jaxserve.engine.tokenization import encode_chat, encode_prompt
     from jaxserve.parallel import multihost
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
             cache_dir=args.cache_dir,
             progress=sys.stderr.isatty(),
             quantization=args.quantization,
+            mesh=load_mesh(args.model, args.tensor_parallel_size),  # weights straight into their shards
         )
         # A flag wins over the model's generation config, which wins over the CLI's defaults.
         flags = dict(

@@ -8,7 +8,8 @@ before it):
       ->  scheduler  ->  runner (warm-up compiles every program)  ->  proposer  ->  grammars
 
 `LLMEngine` keeps the parts and runs them; `load(...)` reads the weights for
-`LLMEngine.from_model`.
+`LLMEngine.from_model`, placed straight into their shards on the engine's mesh (a
+tensor-parallel size that does not fit the model's heads is refused before that).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import jax.numpy as jnp
 
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.generation_config import GenerationDefaults, read_generation_config
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
 from jaxserve.model.sizing import both_units, kv_budget_for_utilization, plan_kv
 from jaxserve.parallel.devices import ensure_host_devices
-from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh
+from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh, resident_bytes
 from jaxserve.runner.kernels import select_attention, select_matmul
 from jaxserve.runner.model_runner import ModelRunner, token_buckets
 from jaxserve.spec_decode.build import make_proposer
@@ -37,7 +39,14 @@ from jaxserve.spec_decode.proposers import Proposer
 from jaxserve.structured import GrammarCompiler
 from jaxserve.structured.llguidance import LLGuidanceBackend
 from jaxserve.weights.dtype import resolve_dtype
-from jaxserve.weights.load import LoadedModel, default_cache_dir, load_model, resolve_source, weights_digest
+from jaxserve.weights.load import (
+    LoadedModel,
+    default_cache_dir,
+    load_model,
+    read_hf_config,
+    resolve_source,
+    weights_digest,
+)
 from scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -76,7 +85,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     attention_backend, attention = select_attention(
         config.attention_backend, mcfg, dtype, config.block_size, kv_dtype, mesh=mesh
     )
-    matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=mesh)  # before the runner splits it
+    matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=mesh)  # before the runner takes it
     make_runner = functools.partial(
         ModelRunner,
         loaded.model,
@@ -144,6 +153,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         kv_dtype_label(kv_dtype),
         runner.kv.nbytes / 2**20,
     )
+    log_resident_bytes(runner)
     proposer = None
     if spec:
         context = ProposerContext(
@@ -193,6 +203,7 @@ def load(
     ensure_host_devices(config.tensor_parallel_size if config.device_ids is None else max(config.device_ids) + 1)
     if config.gpu_memory_utilization is not None:
         require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
+    mesh = load_mesh(model, config.tensor_parallel_size, config.device_ids)
     enable_compilation_cache(cache_dir)
     dtype = resolve_dtype(dtype, model)
     loaded = load_model(
@@ -202,6 +213,7 @@ def load(
         progress=progress,
         quantization=quantization,
         tokenizer=tokenizer,
+        mesh=mesh,
     )
     return loaded, config
 
@@ -233,6 +245,25 @@ def node_fingerprint(model: str | None, *, dtype="auto", quantization: str | Non
         "jaxserve": version("jaxserve"),
     }
     return json.loads(json.dumps(fingerprint, default=str))  # as the other node reads it
+
+
+def load_mesh(model: str | None, tensor_parallel_size: int = 1, device_ids=None) -> jax.sharding.Mesh:
+    """The mesh `load_model` places `model`'s weights on, once its config (read without the
+    weights) shows that its heads split over `tensor_parallel_size` devices: a size that
+    does not fit is refused before anything heavy is read."""
+    hf_config, _ = read_hf_config(model)
+    check_tensor_parallel(ModelConfig.from_hf_dict(hf_config), tensor_parallel_size)
+    return make_mesh(tensor_parallel_size, device_ids)
+
+
+def log_resident_bytes(runner: ModelRunner) -> None:
+    """One line: what each device holds of the weights and of the KV cache."""
+    weights, kv = resident_bytes(runner.params), resident_bytes(runner.kv)
+    logger.info(
+        "resident per device: weights %s; KV cache %s",
+        ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in weights.items()),
+        ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in kv.items()),
+    )
 
 
 def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh) -> int:

@@ -41,6 +41,7 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.profiling import NullProfiler, StepProfiler
 from jaxserve.engine.tokenization import encode_prompt
 from jaxserve.model.kv_cache import KVHandoff, kv_dtype_label
+from jaxserve.parallel.sharding import resident_bytes
 from jaxserve.runner.model_runner import StepHandle
 from jaxserve.weights.load import LoadedModel
 from scheduler import Request, SamplingParams, StepBatch, StructuredOutputsParams
@@ -85,6 +86,11 @@ class LLMEngine:
             "tokens": str((kv.num_blocks - 1) * kv.block_size),
         }
 
+    def device_bytes(self) -> dict[str, dict[int, int]]:
+        """Bytes each device holds (by device id) of the weights ("weights") and of the KV
+        cache ("kv_cache"), as /metrics shows them."""
+        return {"weights": resident_bytes(self.runner.params), "kv_cache": resident_bytes(self.runner.kv)}
+
     @classmethod
     def from_model(
         cls,
@@ -114,7 +120,8 @@ class LLMEngine:
 
     def replica(self, device_ids: tuple[int, ...]) -> LLMEngine:
         """An engine like this one on other devices (a data-parallel replica), from the same
-        loaded weights: nothing is read from disk again."""
+        loaded weights: nothing is read from disk again (its runner copies them device to
+        device, shard by shard, onto its own mesh)."""
         return LLMEngine(self.loaded, dataclasses.replace(self.config, device_ids=tuple(device_ids)))
 
     # -- requests -----------------------------------------------------------------------

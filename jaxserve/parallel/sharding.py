@@ -117,28 +117,41 @@ def kv_heads_for(cfg: ModelConfig, tp: int) -> int:
     return per_device_config(cfg, tp).num_kv_heads * tp
 
 
-def replicate_kv_heads(state: nnx.State, cfg: ModelConfig, tp: int) -> nnx.State:
+def replicate_kv_heads(state, cfg: ModelConfig, tp: int):
     """The parameters with each K/V projection head repeated tp // num_kv_heads times (a no-op
-    when the model has as many KV heads as devices or more). Query head h reads KV head
-    h // (num_heads / kv); after repeating r times, the repeated head h // (num_heads / (kv * r))
-    is a copy of that same head, so attention is unchanged."""
-    r = kv_heads_for(cfg, tp) // cfg.num_kv_heads
+    when the model has as many KV heads as devices or more, or when they are repeated already).
+    Query head h reads KV head h // (num_heads / kv); after repeating r times, the repeated
+    head h // (num_heads / (kv * r)) is a copy of that same head, so attention is unchanged.
+    Host (NumPy) arrays are repeated on the host: the loader repeats before placing."""
+    want = kv_heads_for(cfg, tp)
+    r = want // cfg.num_kv_heads
     if r == 1:
         return state
-    logger.info(
-        "tensor parallel %d: repeating each of the model's %d KV heads %dx (one whole head per device)",
-        tp,
-        cfg.num_kv_heads,
-        r,
-    )
+    logged = []
 
     def repeat(path, x):
-        if not re.search(r"(k|v)_proj/\w+$", _path(path)) or x.ndim == 0:
+        if not is_kv_projection(path) or x.ndim == 0:
             return x
+        if x.shape[-1] == want * cfg.head_dim:  # repeated already (a model placed by the loader)
+            return x
+        if not logged:
+            logger.info(
+                "tensor parallel %d: repeating each of the model's %d KV heads %dx (one whole head per device)",
+                tp,
+                cfg.num_kv_heads,
+                r,
+            )
+            logged.append(True)
+        xp = np if isinstance(x, np.ndarray) else jnp
         heads = x.reshape(*x.shape[:-1], cfg.num_kv_heads, -1)  # every K/V parameter has its outputs last
-        return jnp.repeat(heads, r, axis=-2).reshape(*x.shape[:-1], -1)
+        return xp.repeat(heads, r, axis=-2).reshape(*x.shape[:-1], -1)
 
     return jax.tree.map_with_path(repeat, state)
+
+
+def is_kv_projection(path) -> bool:
+    """Whether the parameter at tree `path` belongs to a K or V projection (its outputs are KV heads)."""
+    return re.search(r"(k|v)_proj/\w+$", _path(path)) is not None
 
 
 def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
@@ -185,15 +198,30 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 def place(tree, shardings):
     """jax.device_put(tree, shardings), also onto a mesh over several hosts
     (jaxserve.parallel.multihost), where device_put refuses an array held on one device: there each
-    node cuts its own devices' shards from its host copy of the whole array."""
+    node cuts its own devices' shards from its host copy of the whole array. An array already
+    placed so is kept as it is (no copy)."""
 
     def put(x, sharding):
         if sharding.is_fully_addressable:
             return jax.device_put(x, sharding)
-        whole = np.asarray(x)
-        return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+        return place_from_host(np.asarray(x), sharding)
 
     return jax.tree.map(put, tree, shardings)
+
+
+def place_from_host(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array placed with `sharding`: each device receives its own slice only, so no
+    device ever holds more of it than its shard."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def resident_bytes(tree) -> dict[int, int]:
+    """Bytes each device holds of the arrays in `tree`, by device id (this process's devices)."""
+    held: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in getattr(x, "addressable_shards", ()):
+            held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    return dict(sorted(held.items()))
 
 
 @functools.cache

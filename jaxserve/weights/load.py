@@ -20,17 +20,26 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLM, unstack_layers
 from jaxserve.model.quantization import QuantConfig, weight_bytes
+from jaxserve.parallel.sharding import (
+    is_kv_projection,
+    kv_heads_for,
+    param_shardings,
+    place_from_host,
+    replicate_kv_heads,
+    tensor_parallel_size,
+)
 from jaxserve.weights import compressed_tensors, safetensors_reader
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
-from jaxserve.weights.params import ParamAssembler, build_model, model_params
+from jaxserve.weights.params import ParamAssembler, build_model, place_params
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +74,13 @@ def load_model(
     progress: bool = True,
     quantization: str | None = None,
     tokenizer: str | Path | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> LoadedModel:
     """Load `model` (None: the embedded default) as a `DecoderLM` with its tokenizer.
+
+    `mesh` (jaxserve.parallel.sharding.make_mesh): each parameter is placed straight into its
+    shards on the mesh's devices as it is read, never whole on one device (for tensor
+    parallelism; K/V heads repeated when the model has fewer than devices). None: one device.
 
     `quantization` ("int4", "fp8", "gguf"; None: as the checkpoint is) stores the
     attention and MLP projections quantized (see jaxserve.model.quantization). `tokenizer`: a
@@ -85,13 +99,11 @@ def load_model(
     loaded = None
     if use_cache and (entry / "complete").is_file():
         try:
-            loaded = _restore(entry, source, dtype, quant)
+            loaded = _restore(entry, source, dtype, quant, mesh)
         except Exception as e:  # a damaged cache is rebuilt, never fatal
             logger.warning("ignoring damaged weight cache %s: %s", entry, e)
     if loaded is None:
-        loaded = _convert(source, dtype, quant, progress)
-        if use_cache:
-            _save(entry, loaded)
+        loaded = _convert(source, dtype, quant, progress, mesh, entry if use_cache else None)
     if tokenizer_override is not None:
         loaded.tokenizer = tokenizer_override
     logger.info(
@@ -196,7 +208,10 @@ def _cache_key(source: Path, dtype, quant: QuantConfig | None) -> str:
     return f"{source.stem}-{dtype}{'-' + quant.method if quant else ''}-{digest}"
 
 
-def _convert(source: Path, dtype, quant: QuantConfig | None, progress: bool) -> LoadedModel:
+def _convert(
+    source: Path, dtype, quant: QuantConfig | None, progress: bool, mesh, cache_entry: Path | None
+) -> LoadedModel:
+    """Read and convert the weights on the host, save them to `cache_entry` (if any), then place them."""
     gguf = GGUFFile(source) if source.is_file() else None
     hf_config = _source_config(source, gguf)
     if gguf is not None:
@@ -216,8 +231,14 @@ def _convert(source: Path, dtype, quant: QuantConfig | None, progress: bool) -> 
         tensors, total=total, desc=f"loading {source.name}", unit="tensor", disable=not progress, leave=False
     ):
         assembler.add(name, tensor)
-    model = assembler.build()  # unstacked, the serving layout: one array per layer's weight
-    return LoadedModel(config, model, _load_tokenizer(source, gguf), str(source), False, hf_config, quant)
+    tokenizer = _load_tokenizer(source, gguf)
+    host = assembler.take_host_params()
+    if cache_entry is not None:
+        # NOTE: saved from the host before placing: the cache holds the model's own K/V heads
+        # (placing may repeat them), and any mesh can restore it.
+        _save(cache_entry, host, tokenizer, hf_config, str(source))
+    model = place_params(assembler.graphdef, assembler.state, host, config, mesh)  # unstacked: the serving layout
+    return LoadedModel(config, model, tokenizer, str(source), False, hf_config, quant)
 
 
 def _log_group_sizes(specs: dict, quant: QuantConfig) -> None:
@@ -257,7 +278,7 @@ def _fast_tokenizer(folder: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
-def _save(entry: Path, loaded: LoadedModel) -> None:
+def _save(entry: Path, params: dict, tokenizer, hf_config: dict, source: str) -> None:
     import orbax.checkpoint as ocp
 
     # NOTE: a temporary folder of this process's own: several processes may convert the same
@@ -265,12 +286,12 @@ def _save(entry: Path, loaded: LoadedModel) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".", suffix=".tmp", dir=entry.parent))
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp.resolve() / "params", model_params(loaded.model))
-    if loaded.tokenizer is not None:
-        loaded.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        ckpt.save(tmp.resolve() / "params", params)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
     with open(tmp / "config.json", "w") as f:
-        json.dump(loaded.hf_config, f)
-    (tmp / "complete").write_text(loaded.source)
+        json.dump(hf_config, f)
+    (tmp / "complete").write_text(source)
     if not (entry / "complete").exists():
         shutil.rmtree(entry, ignore_errors=True)  # an incomplete entry (a conversion that died)
     try:
@@ -281,7 +302,10 @@ def _save(entry: Path, loaded: LoadedModel) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # another process's complete entry is the same weights
 
 
-def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None) -> LoadedModel:
+def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel:
+    """The converted weights from the cache; on a mesh each restored straight into its shards
+    (K/V projections whose heads must be repeated come to the host first, are repeated there,
+    then placed)."""
     import orbax.checkpoint as ocp
 
     with open(entry / "config.json") as f:
@@ -291,9 +315,27 @@ def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None) -> Loa
         lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant))
     )
     graphdef, state = nnx.split(abstract)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    shapes = nnx.to_pure_dict(state)
+    if mesh is None:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
+    else:
+        repeat = kv_heads_for(config, tensor_parallel_size(mesh)) != config.num_kv_heads
+
+        def restored_as(path, x, sharding):
+            if repeat and is_kv_projection(path):
+                return np.empty(x.shape, x.dtype)  # to the host, repeated there before placing
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        target = jax.tree.map_with_path(restored_as, shapes, param_shardings(shapes, mesh))
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(entry.resolve() / "params", target)
+    if mesh is not None and repeat:
+        params = replicate_kv_heads(params, config, tensor_parallel_size(mesh))
+        params = jax.tree.map(
+            lambda x, s: place_from_host(x, s) if isinstance(x, np.ndarray) else x,
+            params,
+            param_shardings(params, mesh),
+        )
     model = build_model(graphdef, state, params)
     tokenizer = _fast_tokenizer(entry / "tokenizer") if (entry / "tokenizer").is_dir() else None
     return LoadedModel(config, model, tokenizer, str(source), True, hf_config, quant)

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLM, unstack_layers
 from jaxserve.model.quantization import QuantConfig, QuantizedWeight, quantize
+from jaxserve.parallel.sharding import param_shardings, place_from_host, replicate_kv_heads, tensor_parallel_size
 
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -113,16 +114,44 @@ class ParamAssembler:
                 )
             self.params[module + (leaf,)] = value
 
-    def build(self) -> DecoderLM:
-        """The model with every parameter on the device; raises if any tensor is missing."""
+    def host_params(self) -> dict:
+        """The converted parameters, still on the host, as a nested dict (what the orbax cache
+        stores); raises if any tensor is missing."""
         missing = [_hf_name(path) for path in self.specs if path not in self.params]
         missing = list(dict.fromkeys(missing))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise WeightError(f"checkpoint is missing {', '.join(missing[:5])}{more}")
-        # Moved to the device one at a time, so host memory never holds two copies.
-        pure = _unflatten({path: jnp.asarray(self.params.pop(path)) for path in list(self.specs)})
-        return build_model(self.graphdef, self.state, pure)
+        return _unflatten({path: self.params[path] for path in self.specs})
+
+    def build(self, mesh: jax.sharding.Mesh | None = None) -> DecoderLM:
+        """The model with every parameter on the device (on `mesh`: each split across its
+        devices as jaxserve.parallel.sharding says); raises if any tensor is missing."""
+        return place_params(self.graphdef, self.state, self.take_host_params(), self.cfg, mesh)
+
+    def take_host_params(self) -> dict:
+        """`host_params()`, handed over: the assembler keeps no reference, so whoever places
+        them can free each array as it goes."""
+        host, self.params = self.host_params(), {}
+        return host
+
+
+def place_params(graphdef, state, host: dict, cfg: ModelConfig, mesh: jax.sharding.Mesh | None) -> DecoderLM:
+    """The model over `host` (a nested dict of NumPy arrays), moved to the device one array at
+    a time, so host memory never holds two copies. On a mesh each array goes straight into its
+    shards (K/V heads repeated here on the host first when there are fewer than devices): no
+    device ever holds a whole split parameter."""
+    shardings = None
+    if mesh is not None:
+        host = replicate_kv_heads(host, cfg, tensor_parallel_size(mesh))
+        shardings = dict(_flatten(param_shardings(host, mesh)))
+    flat = dict(_flatten(host))
+    del host  # each array is dropped from the host as it is placed
+    placed = {}
+    for path in list(flat):
+        value = flat.pop(path)
+        placed[path] = jnp.asarray(value) if shardings is None else place_from_host(value, shardings[path])
+    return build_model(graphdef, state, _unflatten(placed))
 
 
 def build_model(graphdef, state, pure_params: dict) -> DecoderLM:

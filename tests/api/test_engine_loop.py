@@ -74,6 +74,9 @@ class ScriptedEngine:
     def cache_config_info(self):
         return {"block_size": "4", "cache_dtype": "auto", "num_gpu_blocks": "8"}
 
+    def device_bytes(self):
+        return {"weights": {0: 1024}, "kv_cache": {0: 512}}
+
     def abort_request(self, request_id):
         self.aborted.append(request_id)
         return self.requests.pop(request_id, None) is not None

@@ -81,3 +81,14 @@ def test_a_one_token_request_has_no_decode_time(server, client):
     assert g["jaxserve:request_decode_time_seconds_sum"] == 0
     assert g["jaxserve:request_generation_tokens_sum"] == 1
     assert g['jaxserve:request_generation_tokens_bucket{le="1.0"}'] == 1
+
+
+def test_device_resident_bytes(server):
+    """One device here: it holds the whole KV cache (cache_config_info's kv_cache_bytes) and
+    every weight; the default model's Q4_1 GGUF dequantized to float32 is over 400 MiB."""
+    m = server.metrics()
+    info = next(k for k in m if k.startswith("jaxserve:cache_config_info"))
+    kv_bytes = float(info.split('kv_cache_bytes="')[1].split('"')[0])
+    assert m['jaxserve:device_kv_cache_bytes{device="0"}'] == kv_bytes
+    assert m['jaxserve:device_weight_bytes{device="0"}'] > 400 * 2**20
+    assert not any(k.startswith("jaxserve:device_weight_bytes") and 'device="1"' in k for k in m)
