@@ -356,14 +356,19 @@ class Follower:
                 fatal(
                     f"node {rank}: the leader (node 0) closed the control connection (it stopped or crashed); stopping"
                 )
-            frame = codec.decode(data)
+            try:
+                frame = codec.decode(data)
+                if frame.kind not in ("stop", "step"):
+                    raise FrameError(f"unexpected {frame.kind!r} frame")
+            except FrameError:
+                self.done.set()  # no heartbeats from a node that stopped following
+                self.conn.close()
+                raise
             if frame.kind == "stop":
                 finished.put(None)
                 acking.join()
                 self.done.set()
                 return
-            if frame.kind != "step":
-                raise FrameError(f"unexpected {frame.kind!r} frame")
             steps += 1
             # NOTE: the step's own outputs (the head's tokens, prompt logprobs), not the KV
             # cache: the next step takes that over (donates it) before this one is waited on.
