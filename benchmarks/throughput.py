@@ -97,6 +97,18 @@ def run_jaxserve(work: Workload, args) -> dict:
     }
 
 
+def engine_settings(args, tp: int) -> dict:
+    """The engine settings every run of this benchmark shares, at tensor parallel `tp`."""
+    return dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=args.kv_cache_memory_mb << 20,
+        quantization=args.quantization,
+        tensor_parallel_size=tp,
+    )
+
+
 def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> dict:
     """The workload on `dp` engines of `tp` devices each, from one loaded model; each replica
     steps in its own thread (jax releases the GIL while a device computes)."""
@@ -109,16 +121,7 @@ def run_replicas(work: Workload, args, tp: int, dp: int, devices: list[int]) -> 
 
     groups = replica_device_ids(tp, dp, devices)
     start = time.perf_counter()
-    first = LLMEngine.from_model(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory=args.kv_cache_memory_mb << 20,
-        quantization=args.quantization,
-        tensor_parallel_size=tp,
-        device_ids=groups[0],
-        progress=False,
-    )
+    first = LLMEngine.from_model(device_ids=groups[0], progress=False, **engine_settings(args, tp))
     engines = [first] + [first.replica(g) for g in groups[1:]]
     startup = time.perf_counter() - start
     router = PrefixRouter(dp, first.scheduler.config.block_size, load_bound=max(2, args.max_num_seqs // 4))
@@ -188,17 +191,6 @@ def run_scaling(work: Workload, args) -> int:
         f"{many['compilations_after_warm_up']})"
     )
     return 0
-
-
-def engine_settings(args, tp: int) -> dict:
-    return dict(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory=args.kv_cache_memory_mb << 20,
-        quantization=args.quantization,
-        tensor_parallel_size=tp,
-    )
 
 
 def run_node(args) -> int:
