@@ -150,6 +150,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         "are pulled (default $JAXSERVE_KV_TRANSFER_SECRET; without it a decode server trusts the "
         "kv_transfer_params it is sent)",
     )
+    g.add_argument(
+        "--kv-offer-memory",
+        type=parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="a prefill server's offers not yet pulled hold at most this much KV, e.g. 64MiB, on top of the "
+        "KV cache; past it a prefill call is a 503 (default a quarter of the KV cache's bytes)",
+    )
+    g.add_argument(
+        "--kv-transfer-url",
+        default=None,
+        metavar="URL",
+        help="the base URL decode servers reach this prefill server at to claim its offers (default the "
+        "address it binds; give one when that is not reachable from them, e.g. with --host 0.0.0.0)",
+    )
     p.add_argument(
         "--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE or ~/.cache/jaxserve)"
     )
@@ -286,8 +301,11 @@ def main(argv=None) -> int:
                 offer_timeout=args.kv_transfer_timeout,
                 pull_timeout=args.kv_transfer_timeout,
                 secret=args.kv_transfer_secret,
+                max_offer_bytes=args.kv_offer_memory
+                if args.kv_offer_memory is not None
+                else engine.runner.kv.nbytes // 4,
             )
-            disagg = DisaggRole(args.role, transfer)
+            disagg = DisaggRole(args.role, transfer, engine.config.block_size)
         cors = dict(
             allow_origins=args.allowed_origins,
             allow_methods=args.allowed_methods,
@@ -327,6 +345,8 @@ def main(argv=None) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"jaxserve: serving {app.state.server.model_name} on {url}", flush=True)
+    if disagg is not None:  # where decode servers claim this server's offers
+        disagg.url = (args.kv_transfer_url or url).rstrip("/")
     config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level or args.log_level,
@@ -339,7 +359,7 @@ def main(argv=None) -> int:
     finally:
         if node is not None:
             node.stop()
-    if disagg is not None and disagg.transfer.hung_pulls:
+    if disagg is not None and disagg.transfer.live_pulls:
         # A pull that never returned would make Python abort on the way out (jaxserve.parallel.kv_transfer).
         logging.shutdown()
         sys.stdout.flush()

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from api import chat, completions, openapi, responses, tokenize_routes
 from api.disagg import DisaggRole
+from api.disagg import router as disagg_routes
 from api.engine_loop import EngineLoop
 from api.errors import SERVER_ERROR, APIError, error_body, install_error_handlers
 from api.ignored_fields import IgnoredFieldsHeader
@@ -174,6 +175,9 @@ def create_app(
     app.include_router(responses.router)
     app.state.responses = responses.ResponseStore()  # for previous_response_id
     app.include_router(tokenize_routes.router)
+    if disagg is not None:  # offers are bound to the name clients use; decode servers claim them here
+        disagg.model_name = model_name
+        app.include_router(disagg_routes)
 
     @app.get(
         "/health",

@@ -241,7 +241,7 @@ async def start_generation(
         check_colocated(kv_transfer_params)
         export_kv, handoff = False, None
     else:
-        export_kv, handoff = await state.disagg.prepare(kv_transfer_params, len(prompts), stream)
+        export_kv, handoff = await state.disagg.prepare(kv_transfer_params, prompts, stream, cache_salt)
     ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
     if state.log_requests:  # the sizes and settings, never the prompt text
         logger.info(

@@ -27,6 +27,10 @@ NULL_BLOCK = 0
 
 # Digests are keyed per process: nobody outside can precompute colliding prompts.
 _DIGEST_KEY = os.urandom(32)
+# Digests of KV handed between servers (prefill/decode disaggregation) are the same in every
+# process, so the decode server can check an offer against its own prompt; the offer's
+# signature (a shared secret), not this key, is what stops a forged one.
+HANDOFF_DIGEST_KEY = b"jaxserve kv handoff"
 
 
 ExtraKeys = tuple[Hashable, ...]  # what a block's KV depends on besides its tokens
@@ -41,9 +45,13 @@ class BlockKey:
     extra: ExtraKeys = ()  # e.g. the request's cache salt (first block only: the chain carries it)
 
 
-def hash_block(parent_digest: bytes | None, token_ids: tuple[int, ...], extra: ExtraKeys = ()) -> bytes:
-    """Chained digest of a full block: the parent's digest, the token ids as bytes, extra keys."""
-    h = hashlib.blake2b(key=_DIGEST_KEY, digest_size=32)
+def hash_block(
+    parent_digest: bytes | None, token_ids: tuple[int, ...], extra: ExtraKeys = (), key: bytes = _DIGEST_KEY
+) -> bytes:
+    """Chained digest of a full block: the parent's digest, the token ids as bytes, extra keys.
+    `key`: this process's own by default; another (HANDOFF_DIGEST_KEY) for digests that other
+    processes must reproduce."""
+    h = hashlib.blake2b(key=key, digest_size=32)
     h.update(parent_digest or b"\0" * 32)
     h.update(len(token_ids).to_bytes(4, "little"))
     for t in token_ids:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from scheduler.block_pool import Block, BlockKey, BlockPool, ExtraKeys, hash_block
+from scheduler.block_pool import HANDOFF_DIGEST_KEY, Block, BlockKey, BlockPool, ExtraKeys, hash_block
 from scheduler.request import Request
 
 
@@ -87,6 +87,10 @@ class KVCacheManager:
             chain.append(block)
         self.pool.release(fresh)
         return [(i, block.block_id) for i, block in enumerate(fresh, start=first)]
+
+    def handoff_digests(self, token_ids: list[int], cache_salt: str | None, num_blocks: int) -> list[str]:
+        """handoff_digests for this cache's block size."""
+        return handoff_digests(token_ids, self.block_size, cache_salt, num_blocks)
 
     def _cached_run(self, token_ids: list[int], extra: ExtraKeys, digests: list[bytes]) -> list[Block]:
         """The cached blocks of the longest run of `digests` from the first."""
@@ -208,3 +212,16 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         refs = Counter(i for table in self.tables.values() for i in table)
         self.pool.check_integrity(dict(refs))
+
+
+def handoff_digests(token_ids: list[int], block_size: int, cache_salt: str | None, num_blocks: int) -> list[str]:
+    """The hex digests of the first `num_blocks` full blocks of `token_ids` (at most the blocks
+    lookup_prefix could find: the last token is always computed), chained with the cache salt
+    folded into the first, as the prefix cache chains them, but keyed alike in every process
+    (HANDOFF_DIGEST_KEY): what binds handed-over KV to its prompt (prefill/decode disaggregation)."""
+    extra: ExtraKeys = (cache_salt,) if cache_salt is not None else ()
+    digests: list[bytes] = []
+    for i in range(min(num_blocks, max(0, (len(token_ids) - 1) // block_size))):
+        chunk = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        digests.append(hash_block(digests[-1] if digests else None, chunk, extra if i == 0 else (), HANDOFF_DIGEST_KEY))
+    return [d.hex() for d in digests]

@@ -228,19 +228,24 @@ class LLMEngine:
 
     def export_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> KVHandoff:
         """The KV of the longest prefix of `prompt_ids` in this engine's prefix cache, in whole
-        blocks: what a prefill engine hands over once a request for the prompt has run. Call
-        it right after the step that finished the request (later steps may evict the blocks;
-        the handoff then holds fewer, and the other engine computes the rest)."""
+        blocks (exactly those: no padding travels), with their handoff digests: what a prefill
+        engine hands over once a request for the prompt has run. Call it right after the step
+        that finished the request (later steps may evict the blocks; the handoff then holds
+        fewer, and the other engine computes the rest)."""
         self._check_handoff()
         blocks = self.scheduler.kv.lookup_prefix(list(prompt_ids), cache_salt)
-        return KVHandoff(len(blocks), self.runner.read_blocks([b.block_id for b in blocks]))
+        digests = self.scheduler.kv.handoff_digests(list(prompt_ids), cache_salt, len(blocks))
+        kv = self.runner.read_blocks([b.block_id for b in blocks])
+        return KVHandoff(len(blocks), kv, tuple(digests), cache_salt)
 
     def import_prefix(self, prompt_ids: list[int], handoff: KVHandoff, cache_salt: str | None = None) -> int:
         """Put another engine's export_prefix into this engine's prefix cache, so a request for
         `prompt_ids` (with the same cache_salt) added next computes only the rest. The two may
         split the model differently (tensor parallelism); the cache's dtype, block size and
-        shape per layer must match. Returns the tokens written (blocks cached here already,
-        or that find no free block, are not)."""
+        shape per layer must match, and the handoff's digests must be those of `prompt_ids`
+        and `cache_salt` (KV computed for another prompt is never written: a ValueError).
+        Returns the tokens written (blocks cached here already, or that find no free block,
+        are not)."""
         self._check_handoff()
         have, want = handoff.kv, self.runner.kv
         heads = sorted((have.k.shape[3], want.k.shape[3]))  # a tensor-parallel engine may repeat its KV heads
@@ -250,10 +255,13 @@ class LLMEngine:
             "layers": (have.k.shape[0], want.k.shape[0]),
             "head size": (have.k.shape[-1], want.k.shape[-1]),
             "KV heads": (heads[1] % heads[0], 0),
+            "block count": (have.k.shape[1], handoff.num_blocks),
         }
         mismatch = [name for name, (a, b) in checks.items() if a != b]
         if mismatch:
             raise ValueError(f"the handed-over KV does not fit this engine's cache: its {', '.join(mismatch)} differ")
+        if list(handoff.digests) != self.scheduler.kv.handoff_digests(list(prompt_ids), cache_salt, handoff.num_blocks):
+            raise ValueError("the handed-over KV was computed for another prompt (or cache_salt): its digests differ")
         writes = self.scheduler.kv.adopt_prefix(list(prompt_ids), cache_salt, handoff.num_blocks)
         self.runner.write_blocks(writes, handoff.kv)
         return len(writes) * want.block_size

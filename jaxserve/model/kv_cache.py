@@ -65,10 +65,15 @@ class KVCache:
 @dataclasses.dataclass(frozen=True)
 class KVHandoff:
     """A prompt prefix's KV as one engine hands it to another (prefill/decode
-    disaggregation): its first `num_blocks` full blocks, rows 0.. of `kv` (padded)."""
+    disaggregation): its first `num_blocks` full blocks, exactly, in rows 0.. of `kv`, and
+    their `digests` (scheduler.kv_cache_manager.handoff_digests of the prompt they were
+    computed for, with its `cache_salt`: the importing engine writes them only for a prompt
+    with the same digests)."""
 
     num_blocks: int
-    kv: KVCache  # [L, n >= num_blocks, block_size, KV, D] per array
+    kv: KVCache  # [L, num_blocks, block_size, KV, D] per array
+    digests: tuple[str, ...] = ()
+    cache_salt: str | None = None  # the prompt's, folded into the digests
 
     @property
     def num_tokens(self) -> int:
@@ -76,8 +81,8 @@ class KVHandoff:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of its blocks (padding left out)."""
-        return self.kv.nbytes * self.num_blocks // max(1, self.kv.num_blocks)
+        """The bytes of its blocks: all of `kv`, what a transfer moves."""
+        return self.kv.nbytes
 
 
 def fold_layers(kv: KVCache) -> KVCache:

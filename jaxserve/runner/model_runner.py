@@ -264,18 +264,23 @@ class ModelRunner:
     # -- KV handed between engines (prefill/decode disaggregation) ---------------------------
 
     def read_blocks(self, block_ids: list[int]) -> KVCache:
-        """These blocks' KV, [L, n, ...] in every array; n is len(block_ids) padded to a power
-        of two with the null block (few shapes, few compilations)."""
-        ids = np.zeros(1 << max(0, len(block_ids) - 1).bit_length(), np.int32)
-        ids[: len(block_ids)] = block_ids
-        return self._read_blocks(self.kv, ids)
+        """These blocks' KV, [L, len(block_ids), ...] in every array: gathered padded to a power
+        of two (few shapes, few compilations), then cut to the blocks asked for, so that a
+        transfer moves no padding."""
+        n = len(block_ids)
+        ids = np.zeros(1 << max(0, n - 1).bit_length(), np.int32)
+        ids[:n] = block_ids
+        return jax.tree.map(lambda x: x[:, :n], self._read_blocks(self.kv, ids))
 
     def write_blocks(self, writes: list[tuple[int, int]], blocks: KVCache) -> None:
-        """Write row i of `blocks` (read_blocks' output, perhaps another engine's, on other
-        devices) into block b, for each (i, b) of `writes`."""
+        """Write row i of `blocks` (read_blocks' output or a slice of it, perhaps another
+        engine's, on other devices) into block b, for each (i, b) of `writes`."""
         if not writes:
             return
-        n = blocks.k.shape[1]
+        have = blocks.k.shape[1]
+        n = 1 << max(0, have - 1).bit_length()  # padded here, to few shapes (few compilations)
+        if n != have:
+            blocks = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, n - have)] + [(0, 0)] * (x.ndim - 2)), blocks)
         rows, block_ids = np.zeros(n, np.int32), np.zeros(n, np.int32)  # padding writes row 0 to the null block
         rows[: len(writes)], block_ids[: len(writes)] = zip(*writes)
         blocks = jax.device_put(blocks, self.replicated)  # a few blocks; the write splits them as the cache is

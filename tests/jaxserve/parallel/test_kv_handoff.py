@@ -8,6 +8,7 @@ top-2 margin is clear (tests/jaxserve/parallel/test_tensor_parallel.py's rule). 
 hits show it used the handed KV and did not compute the prompt again.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -80,8 +81,14 @@ def test_blocks_cached_already_are_not_written_again_and_a_bad_fit_is_refused(ti
     prefill.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=1))
     prefill.generate_all()
     handoff = prefill.export_prefix(PROMPT)
-    assert handoff.num_blocks == 5
+    assert handoff.num_blocks == 5 and all(x.shape[1] == 5 for x in jax.tree.leaves(handoff.kv))  # no padding
     decode = engine(tiny_llama)
+    free = decode.scheduler.kv.num_free_blocks
+    other = [1, *range(100, 140)]  # the KV of PROMPT is never written for another prompt, or salt
+    for prompt, salt in [(other, None), (PROMPT[:-8], None), (PROMPT, "salt")]:
+        with pytest.raises(ValueError, match="another prompt"):
+            decode.import_prefix(prompt, handoff, salt)
+    assert decode.scheduler.kv.num_free_blocks == free and decode.scheduler.stats().prefix_cache_hits == 0
     decode.add_request("q", PROMPT[:17], SamplingParams(temperature=0, max_tokens=1))  # caches two blocks
     decode.generate_all()
     assert decode.import_prefix(PROMPT, handoff) == 24  # blocks 3 to 5
