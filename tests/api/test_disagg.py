@@ -8,9 +8,19 @@ server's split reorders sums). The decode server's prefix-cache hits and both se
 transfer counters show the KV really moved; every block is free on both sides after a
 call, an abandoned stream, and a prefill server killed before its offer was pulled (the
 proxy then answers 502).
+
+Offers that must not be taken are not, and the decode server then answers as the colocated
+engine does: an offer for another prompt or cache salt (the prefix cache is not poisoned:
+later calls without an offer still answer right), an offer pulled already (by this decode
+server, or claimed at its source by another), an expired one, one whose prefill server is
+gone; each refusal is counted by reason, and no pull thread is left running. A prefill
+server's pending offers stop at --kv-offer-memory (503) and take more once one is pulled.
+Only the offered blocks travel: the bytes moved are num_blocks times one block's bytes, as
+the model's config gives them.
 """
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -25,6 +35,7 @@ from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear
 pytestmark = pytest.mark.slow  # a prefill and a decode server in subprocesses
 
 PROMPTS = ["the cat sat on the mat and the dog sat on the log", "one two three four five six seven eight nine ten"]
+OTHER_PROMPT = "a bird flew over the old house and the fox ran under the fence"  # as many blocks as PROMPTS[0]
 MAX_TOKENS = 8
 SECRET = "a shared secret"
 ENGINE_FLAGS = [
@@ -90,6 +101,34 @@ def transfer_counters(server) -> dict[str, float]:
         for k, v in m.items()
         if k.startswith("jaxserve:kv_transfer_") and k.endswith("_total")
     }
+
+
+def refused(server, reason: str) -> float:
+    return server.metrics()[f'jaxserve:kv_transfer_refused_total{{reason="{reason}"}}']
+
+
+def get_offer(prefill, prompt: str, **fields) -> dict:
+    answer = httpx.post(
+        f"{prefill.url}/v1/completions",
+        headers=prefill.headers,
+        timeout=60,
+        json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}, **fields},
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def complete(server, prompt: str, offer: dict | None = None, **fields) -> str:
+    client = server.client()
+    extra = {"kv_transfer_params": offer} if offer else {}
+    answer = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={**extra, **fields},
+    )
+    return answer.choices[0].text
 
 
 def test_disaggregated_output_equals_colocated_and_the_kv_moved(servers, tiny_engine):
@@ -159,30 +198,59 @@ def test_wrong_roles_and_unsigned_offers_are_refused(servers):
     )
 
 
-def test_a_killed_prefill_server_leaves_the_decode_server_computing_the_prompt(tiny_folder, tiny_engine, tmp_path):
+def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capped(
+    servers, tiny_folder, tiny_engine, tmp_path
+):
+    """A second decode server and a second prefill server (offers kept 6 s, room for one
+    offer of PROMPTS[0]): a replayed offer, one over the cap, an expired one, and one whose
+    prefill server was killed before it was pulled (the proxy then answers 502)."""
+    want = greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS)
+    one_offer = get_offer(servers[0], PROMPTS[0])["kv_transfer_params"]["num_bytes"]
+    small = ["--kv-transfer-timeout", "6", "--kv-offer-memory", str(one_offer * 3 // 2)]
     with run_server(tmp_path, "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "decode") as decode:
+        # Replayed: pulled by the first decode server, then sent to this one, which the source refuses.
+        offer = get_offer(servers[0], PROMPTS[1])["kv_transfer_params"]
+        replays = refused(servers[1], "replayed")
+        assert_same_where_clear([complete(servers[1], PROMPTS[1], offer)], want[1:])
+        assert_same_where_clear([complete(servers[1], PROMPTS[1], offer)], want[1:])  # and again to the same one
+        assert_same_where_clear([complete(decode, PROMPTS[1], offer)], want[1:])
+        assert refused(servers[1], "replayed") - replays == 1 and refused(decode, "replayed") == 1
+
         prefill_dir = tmp_path / "prefill"
         prefill_dir.mkdir()
-        with run_server(prefill_dir, "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "prefill") as prefill:
-            offer = httpx.post(
+        flags = [*ENGINE_FLAGS, *small, "--role", "prefill"]
+        with run_server(prefill_dir, "--model", str(tiny_folder), *flags) as prefill:
+            offer = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
+            full = httpx.post(
                 f"{prefill.url}/v1/completions",
                 headers=prefill.headers,
                 timeout=60,
                 json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-            ).json()["kv_transfer_params"]
+            )
+            assert full.status_code == 503 and full.json()["error"]["code"] == "kv_offers_full"
+            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == one_offer
+            assert_same_where_clear([complete(decode, PROMPTS[0], offer)], want[:1])  # pulled, then released
+            for _ in range(100):
+                if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 0:
+                    break
+                time.sleep(0.1)
+            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == 0
+            expiring = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]  # room again
+            time.sleep(4.5)  # within 2 s of its expiry: no longer pulled
+            assert_same_where_clear([complete(decode, PROMPTS[0], expiring)], want[:1])
+            assert refused(decode, "expired") == 1
+            for _ in range(100):  # expired: room again
+                if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 0:
+                    break
+                time.sleep(0.1)
+            offer = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
             prefill.process.kill()
             prefill.process.wait()
-        client = decode.client()
-        answer = client.completions.create(
-            model=client.models.list().data[0].id,
-            prompt=PROMPTS[0],
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            extra_body={"kv_transfer_params": offer},
-        )
-        want = greedy_where_clear(tiny_engine.loaded, PROMPTS[:1], MAX_TOKENS)
-        assert_same_where_clear([answer.choices[0].text], want)
-        assert transfer_counters(decode)["failed_pulls"] == 1
+        assert_same_where_clear([complete(decode, PROMPTS[0], offer)], want[:1])
+        assert refused(decode, "unreachable") == 1
+        assert transfer_counters(decode)["failed_pulls"] == 3 and transfer_counters(decode)["pulls"] == 1
+        for server in (decode, servers[1]):
+            assert server.metrics()["jaxserve:kv_transfer_pulls_in_flight"] == 0  # no thread left behind
         decode.wait_idle()
         with run_proxy(tmp_path, prefill.url, decode.url) as proxy_url:  # the prefill server is gone
             answer = httpx.post(
@@ -192,3 +260,46 @@ def test_a_killed_prefill_server_leaves_the_decode_server_computing_the_prompt(t
                 json={"prompt": PROMPTS[0], "max_tokens": 2},
             )
         assert answer.status_code == 502 and "prefill server" in answer.json()["error"]["message"]
+
+
+def test_an_offer_for_another_prompt_is_refused_and_the_cache_stays_clean(servers, tiny_engine):
+    prefill, decode, _ = servers
+    offer = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]  # genuine, signed
+    want = greedy_where_clear(tiny_engine.loaded, [OTHER_PROMPT, PROMPTS[0]], MAX_TOKENS)
+    mismatches, pulls = refused(decode, "mismatch"), transfer_counters(decode)["pulls"]
+    poisoned = complete(decode, OTHER_PROMPT, offer)  # A's KV offered for B
+    salted = complete(decode, PROMPTS[0], offer, cache_salt="another tenant")  # A's KV, another salt
+    assert refused(decode, "mismatch") - mismatches == 2 and transfer_counters(decode)["pulls"] == pulls
+    assert_same_where_clear([poisoned, salted], want)
+    later = [complete(decode, OTHER_PROMPT), complete(decode, PROMPTS[0], cache_salt="another tenant")]
+    through_proxy = proxy_client(servers).completions.create(
+        model=offer["model"], prompt=OTHER_PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert_same_where_clear([*later, through_proxy.choices[0].text], [want[0], want[1], want[0]])
+    decode.wait_idle()
+
+
+def test_only_the_offered_blocks_travel(servers, tiny_folder):
+    prefill, decode, _ = servers
+    answer = get_offer(prefill, PROMPTS[1])
+    offer = answer["kv_transfer_params"]
+    config = json.loads((tiny_folder / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_size = 4  # ENGINE_FLAGS
+    (dtype,) = {dtype for _, dtype in offer["arrays"].values()}
+    per_block = 2 * config["num_hidden_layers"] * block_size * config["num_key_value_heads"] * head_dim
+    per_block *= int(re.search(r"\d+", dtype).group()) // 8
+    num_blocks = (answer["usage"]["prompt_tokens"] - 1) // block_size
+    assert offer["num_blocks"] == num_blocks and len(offer["block_digests"]) == num_blocks
+    assert offer["num_bytes"] == num_blocks * per_block
+    assert all(shape[1] == num_blocks for shape, _ in offer["arrays"].values())  # no padding rows
+    pulled = transfer_counters(decode)
+    complete(decode, PROMPTS[1], offer)
+    now = transfer_counters(decode)
+    assert (
+        now["pulls"] - pulled["pulls"] == 1 and now["pulled_bytes"] - pulled["pulled_bytes"] == num_blocks * per_block
+    )
+    m = decode.metrics()
+    assert (
+        m["jaxserve:kv_transfer_pull_seconds_count"] == now["pulls"] and m["jaxserve:kv_transfer_pulls_in_flight"] == 0
+    )
