@@ -1,9 +1,13 @@
 """Block manager: exact block ids, reference counts, prefix hits and copy-on-write."""
 
+import subprocess
+import sys
+
 import pytest
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import BlockKey, BlockPool, hash_block
+from scheduler.kv_cache_manager import handoff_digests
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
@@ -213,3 +217,15 @@ def test_preemption_spares_the_more_important_request():
     step(s)
     batch = s.schedule()  # both need a third block: the less important one goes, though it came first
     assert batch.request_ids == ["vip"] and s.waiting[0].request_id == "bulk"
+
+
+def test_handoff_digests_bind_blocks_to_their_prompt_and_salt_in_any_process():
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks of 4 (the last token is always computed)
+    digests = handoff_digests(prompt, 4, None, 9)
+    assert len(digests) == 3 and handoff_digests(prompt, 4, None, 2) == digests[:2]
+    assert handoff_digests(prompt, 4, "salt", 3)[0] != digests[0]
+    changed = handoff_digests([*prompt[:5], 99, *prompt[6:]], 4, None, 3)  # block 1 differs: it and all after
+    assert changed[0] == digests[0] and changed[1] != digests[1] and changed[2] != digests[2]
+    code = f"from scheduler.kv_cache_manager import handoff_digests; print(handoff_digests({prompt}, 4, None, 3))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == str(digests)  # another process (its own cache key) computes the same
