@@ -188,8 +188,12 @@ def test_wrong_roles_and_unsigned_offers_are_refused(servers):
         json={**body, "kv_transfer_params": {"do_remote_decode": True}},
     ).json()["kv_transfer_params"]
     forged = {**offer, "transfer_id": "1"}
+    bad = refused(decode, "bad_signature")
     answer = httpx.post(f"{decode.url}/v1/completions", headers=headers, json={**body, "kv_transfer_params": forged})
     assert answer.status_code == 400 and "not signed" in answer.json()["error"]["message"]
+    assert refused(decode, "bad_signature") - bad == 1
+    claim = httpx.post(f"{decode.url}/kv_transfer/claim", json={"transfer_id": offer["transfer_id"]})
+    assert claim.status_code == 404  # only a prefill server takes claims
     assert (
         httpx.post(
             f"{decode.url}/v1/completions", headers=headers, json={**body, "kv_transfer_params": offer}
