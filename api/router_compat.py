@@ -3,13 +3,16 @@
 Both routers probe SGLang's worker routes at start-up and while they run; without them they
 fall back (a model id of "unknown", a load of -1 that load-based policies cannot use):
 
-    GET /get_load                       [{"dp_rank": 0, "num_reqs", "num_waiting_reqs", "num_tokens"}]
+    GET /get_load                       {"load": running + waiting, "num_reqs", "num_waiting_reqs"}
     GET /get_server_info, /server_info  the served model, max_model_len, dp_size, role
     GET /get_model_info, /model_info    {"model_path", "is_generation": true, ...}
 
-and vllm-router reads vLLM's own gauge names from /metrics (`vllm:num_requests_running`,
-`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`), which `with_vllm_names` adds next
-to jaxserve's. Everything here is read from the server's own /metrics page, so it holds for
+/get_load answers in the shape vllm-router reads (`load`); sglang-router 0.3 reads a list
+per DP rank instead and shows -1 (its cache-aware policy balances on its own counts).
+
+vllm-router also knows vLLM's gauge names on /metrics (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, for its load-aware policies), which
+`with_vllm_names` adds next to jaxserve's. Everything here is read from the server's own /metrics page, so it holds for
 one engine and for replicas (summed over their `engine` label) alike.
 """
 
@@ -35,8 +38,6 @@ def install(app: FastAPI, metrics_page: Callable[[], str]) -> None:
     async def get_load():
         g = _gauges(metrics_page())
         running, waiting = int(g["num_requests_running"]), int(g["num_requests_waiting"])
-        # NOTE: "num_tokens" is what SGLang's routers balance on; jaxserve counts sequences, not
-        # tokens in use, so it reports the running and waiting sequences there too.
         return {"load": running + waiting, "num_reqs": running, "num_waiting_reqs": waiting}
 
     @router.get("/get_server_info", include_in_schema=False)

@@ -144,9 +144,15 @@ def test_prefill_decode_mode_drives_the_role_servers(servers, tmp_path):
     direct = answers(decode.url)
     offered, pulled = transfer_counters(prefill), transfer_counters(decode)
     args = ["--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url, "--policy", "cache_aware"]
+    # The router's prefill call adds min_tokens 1; with ignore_eos that once left nothing to
+    # ban and stopped the engine.
+    ignore_eos = dict(prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    model = client(decode.url).models.list().data[0].id
+    direct.append(client(decode.url).completions.create(model=model, **ignore_eos).choices[0].text)
     with run_router(tmp_path, *args) as router:
         assert httpx.get(f"{router}/health").status_code == 200
-        assert answers(router) == direct
+        through = answers(router) + [client(router).completions.create(model=model, **ignore_eos).choices[0].text]
+    assert through == direct
     offered_now, pulled_now = transfer_counters(prefill), transfer_counters(decode)
     calls = len(direct)
     assert offered_now["offers"] - offered["offers"] == pulled_now["pulls"] - pulled["pulls"] == calls
