@@ -206,13 +206,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.server_args = args.server_args.split()
-    if args.router is None:
-        p.error("vllm-router not found: pip install vllm-router, or pass --router PATH")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.router is None:
+        sys.exit("vllm-router not found: pip install vllm-router, or pass --router PATH")
     with (
         tempfile.TemporaryDirectory() as tmp,
         jaxserve(args, "prefill", Path(tmp)) as a,
