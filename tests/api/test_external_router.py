@@ -119,6 +119,7 @@ def test_two_replicas_behind_the_router(servers, tmp_path):
         assert httpx.get(f"{router}/health").status_code == 200
         model = client(decode.url).models.list().data[0].id
         assert [m.id for m in client(router).models.list().data] == [model]
+        assert httpx.get(f"{router}/get_model_info").json()["model_path"] == model  # passed to a server
         loads = httpx.get(f"{router}/get_loads").json()["workers"]  # read from each server's /get_load
         assert sorted(w["load"] for w in loads) == [0, 0]
         assert answers(router) == direct
