@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from api import chat, completions, openapi, responses, tokenize_routes
+from api import chat, completions, openapi, responses, router_compat, tokenize_routes
 from api.disagg import DisaggRole
 from api.disagg import router as disagg_routes
 from api.engine_loop import EngineLoop
@@ -202,8 +202,13 @@ def create_app(
         responses={200: {"description": "Prometheus text exposition format."}},
     )
     async def metrics():
+        return openapi.PrometheusResponse(router_compat.with_vllm_names(metrics_page()))
+
+    def metrics_page() -> str:
         page = engine_loop.render_metrics() if replicated else engine_loop.metrics.render(engine_loop.stats)
-        return openapi.PrometheusResponse(page + (disagg.render_metrics() if disagg is not None else ""))
+        return page + (disagg.render_metrics() if disagg is not None else "")
+
+    router_compat.install(app, metrics_page)  # the routes vllm-router and sglang-router probe
 
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})
     async def list_models(request: Request):

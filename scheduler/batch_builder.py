@@ -121,6 +121,8 @@ def build_sampling_batch(
     for i, (r, p) in enumerate(zip(requests, params)):
         if p.min_tokens and r.num_output_tokens + offsets[i] < p.min_tokens:
             ids = banned_token_ids(r)
+            if not ids:  # ignore_eos and no stop_token_ids: nothing to hold back
+                continue
             banned[i] = ids[0]  # repeats of a real id are harmless; the rest overwrite
             banned[i, : len(ids)] = ids
             ban[i] = bool(ids)

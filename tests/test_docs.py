@@ -56,7 +56,10 @@ MODULE_COMMANDS = {
 }  # python -m X: the module that parses
 SCRIPTS = {"jaxserve-generate": "jaxserve.generate", "jaxserve-serve": "api.__main__"}
 # Programs that are not ours: nothing to check beyond their name.
-NOT_OURS = {"pip", "git", "curl", "cd", "export", "mkdocs", "ruff", "mypy", "pre-commit", "python3.12 -m venv"}
+NOT_OURS = {
+    *("pip", "git", "curl", "cd", "export", "mkdocs", "ruff", "mypy", "pre-commit", "python3.12 -m venv"),
+    "vllm-router",  # docs/scaling.md: jaxserve behind an external router
+}
 # `python -m X` for modules that are not ours (pytest: its paths must exist).
 NOT_OUR_MODULES = {"venv", "pip", "pytest", "mkdocs"}
 PYTHON = re.compile(r"python(3(\.\d+)?)?")
