@@ -188,7 +188,9 @@ class KVTransfer:
             "block_digests": list(handoff.digests),
             "cache_salt": handoff.cache_salt,
             "arrays": {name: [list(a.shape), str(a.dtype)] for name, a in arrays.items()},
-            "expires_at": expires,
+            # Integers and strings only: a router may re-serialize the params, and a float's
+            # last digit may change on the way (then the signature would not match).
+            "expires_at_ms": int(expires * 1000),
             "num_bytes": handoff.nbytes,
         }
         if self.secret is not None:
@@ -248,7 +250,7 @@ class KVTransfer:
                 name: (tuple(int(d) for d in shape), jnp.dtype(dtype))
                 for name, (shape, dtype) in params["arrays"].items()
             }
-            expires = float(params["expires_at"])
+            expires = int(params["expires_at_ms"]) / 1000
             digests = tuple(str(d) for d in params["block_digests"])
             model, salt, side_channel = (params.get(k) for k in ("model", "cache_salt", "kv_transfer_url"))
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -31,13 +31,12 @@ pytestmark = pytest.mark.server
 PROMPTS = ["the cat sat on the mat and the dog sat on the log", "one two three four five six seven eight"]
 CHAT = [{"role": "user", "content": "one two three four"}]
 MAX_TOKENS = 6
-# NOTE: no --kv-transfer-secret: vllm-router re-serializes kv_transfer_params with serde_json,
-# which may change the last digit of the offer's float `expires_at`, and the HMAC over it then
-# fails (about 1 call in 10); the offer needs integer or string fields for a signed hand-off
-# through the router (docs/scaling.md, "Behind an external router").
+# Signed offers: vllm-router re-serializes kv_transfer_params (serde_json) on the way to the
+# decode server; the signature must survive that (the offer carries no floats).
 ENGINE_FLAGS = [
     *("--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64"),
     *("--num-blocks", "64", "--block-size", "4", "--kv-transfer-timeout", "10"),
+    *("--kv-transfer-secret", "router-test-secret"),
 ]
 
 

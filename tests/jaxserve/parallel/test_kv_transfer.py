@@ -71,7 +71,7 @@ def test_what_cannot_be_pulled_gives_none_at_once(ends):
     refused = dict(decode.stats.refused)
     start = time.monotonic()
     assert take(decode, params) is None  # pulled already
-    assert take(decode, signed(prefill, {**prefill.offer(handoff(False)), "expires_at": time.time() + 1})) is None
+    assert take(decode, signed(prefill, {**prefill.offer(handoff(False)), "expires_at_ms": int((time.time() + 1) * 1000)})) is None
     assert take(decode, signed(prefill, {**prefill.offer(handoff(False)), "remote_address": "127.0.0.1:1"})) is None
     assert time.monotonic() - start < decode.pull_timeout  # none was tried
     counts = {r: decode.stats.refused[r] - refused.get(r, 0) for r in ("replayed", "expired", "unreachable")}
@@ -127,7 +127,7 @@ def test_unsigned_forged_or_malformed_params_are_a_value_error(ends):
                 "remote_address": "x",
                 "transfer_id": "1",
                 "num_blocks": 1,
-                "expires_at": 0,
+                "expires_at_ms": 0,
                 "block_digests": [],
                 "arrays": {"q": [[1], "float32"]},
             }
