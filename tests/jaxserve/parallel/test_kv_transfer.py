@@ -71,7 +71,8 @@ def test_what_cannot_be_pulled_gives_none_at_once(ends):
     refused = dict(decode.stats.refused)
     start = time.monotonic()
     assert take(decode, params) is None  # pulled already
-    assert take(decode, signed(prefill, {**prefill.offer(handoff(False)), "expires_at_ms": int((time.time() + 1) * 1000)})) is None
+    soon = int((time.time() + 1) * 1000)
+    assert take(decode, signed(prefill, {**prefill.offer(handoff(False)), "expires_at_ms": soon})) is None
     assert take(decode, signed(prefill, {**prefill.offer(handoff(False)), "remote_address": "127.0.0.1:1"})) is None
     assert time.monotonic() - start < decode.pull_timeout  # none was tried
     counts = {r: decode.stats.refused[r] - refused.get(r, 0) for r in ("replayed", "expired", "unreachable")}
