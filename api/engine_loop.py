@@ -106,9 +106,8 @@ class EngineLoop:
     refused, but a backlog beyond it is, and an idle server admits any call.
     """
 
-    def __init__(self, engine, metrics: Metrics, *, max_waiting: int | None = None, replica: int | None = None):
+    def __init__(self, engine, metrics: Metrics, *, max_waiting: int | None = None):
         self.engine = engine
-        self.replica = replica  # its index among data-parallel replicas (api.replicas), None when alone
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_num_seqs = engine.scheduler.config.max_num_seqs
@@ -130,9 +129,7 @@ class EngineLoop:
         """Start the engine thread; call from inside the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._publish_stats()
-        self._thread = threading.Thread(
-            target=self._run, daemon=True, name="engine-loop" if self.replica is None else f"engine-loop-{self.replica}"
-        )
+        self._thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -175,8 +172,7 @@ class EngineLoop:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def dead_error(self) -> EngineDeadError:
-        what = "the engine" if self.replica is None else f"engine replica {self.replica}"
-        return EngineDeadError(f"{what} has stopped: {self.error!r}")
+        return EngineDeadError(f"the engine has stopped: {self.error!r}")
 
     @property
     def stats(self) -> SchedulerStats | None:

@@ -15,9 +15,8 @@ Limits on what one request may ask: a body of at most `max_request_body_bytes` (
 most `max_request_sequences` prompts x n (400), and, with `max_waiting`, a 503 on arrival
 when the queue is full.
 
-Given several engines (data parallelism, `python -m api --data-parallel-size M`), the app
-serves them as replicas behind one router (api.replicas): /health then lists each replica
-and stays 200 while one lives, and /metrics labels every metric with its `engine`.
+Data parallelism (`python -m api --data-parallel-size M`) runs M such servers, one process
+each, behind a router (api.replica_processes, api.router).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.prompt_size import max_prompt_bytes
 from api.reasoning import get_reasoning_parser
-from api.replicas import ReplicaSet
 from api.serving import ServerState
 from api.tool_parsers import TOOL_PARSERS, get_tool_parser, parser_for_template
 from scheduler import SamplingParams
@@ -78,29 +76,21 @@ def create_app(
     enable_prompt_tokens_details: bool = False,
     tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE,
     cors: dict | None = None,
-    router_load_bound: int | None = None,
     disagg: DisaggRole | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
 ) -> FastAPI:
-    """An app serving `engine` (an LLMEngine), or a list of engines as data-parallel
-    replicas (built from one LoadedModel). The engine threads start with the app's lifespan.
+    """An app serving `engine` (an LLMEngine); its engine thread starts with the app's lifespan.
 
     `model_name`: the name clients pass as `model`, or several (the first is the one
     responses report); `chat_template` replaces the tokenizer's; `enable_prompt_tokens_details`:
     report usage.prompt_tokens_details.cached_tokens (the prefix cache's hits); `cors`: CORSMiddleware's
-    arguments (allow_origins, ...), None for no CORS headers; `router_load_bound`: with
-    replicas, how much busier than the least loaded one (in sequences) a replica that saw the
-    prompt's prefix may be and still get it (default api.replicas.default_load_bound);
+    arguments (allow_origins, ...), None for no CORS headers;
     `disagg`: the server's part in prefill/decode disaggregation (api.disagg);
     `enable_auto_tool_choice`: serve tool_choice "auto" with the `tool_call_parser` (by default
     the one the chat template implies); `reasoning_parser`: split the thinking off replies.
     """
-    engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
-    if not engines:
-        raise ValueError("create_app needs an engine")
-    engine = engines[0]  # the replicas share its tokenizer, model config and limits
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
     if tokenizer_pool_size < 1:
@@ -114,12 +104,8 @@ def create_app(
     )
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
-    if len(engines) == 1:
-        metrics = Metrics(model_name, engine.cache_config_info(), device_bytes=engine.device_bytes())
-        engine_loop = EngineLoop(engine, metrics, max_waiting=max_waiting)
-    else:
-        engine_loop = ReplicaSet(engines, model_name, load_bound=router_load_bound, max_waiting=max_waiting)
-    replicated = isinstance(engine_loop, ReplicaSet)
+    metrics = Metrics(model_name, engine.cache_config_info(), device_bytes=engine.device_bytes())
+    engine_loop = EngineLoop(engine, metrics, max_waiting=max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -179,18 +165,15 @@ def create_app(
         "/health",
         response_class=Response,
         responses={
-            200: {
-                "description": "The engine thread is alive (an empty body; with data-parallel "
-                "replicas, one is alive and the body lists them)."
-            },
+            200: {"description": "The engine thread is alive (an empty body)."},
             **openapi.errors(503),
         },
     )
     async def health():
         if not engine_loop.is_alive:
             body = error_body(str(engine_loop.dead_error()), SERVER_ERROR, code="engine_dead")
-            return JSONResponse({**body, **engine_loop.health()} if replicated else body, status_code=503)
-        return JSONResponse(engine_loop.health()) if replicated else Response(status_code=200)
+            return JSONResponse(body, status_code=503)
+        return Response(status_code=200)
 
     @app.get(
         "/metrics",
@@ -198,7 +181,7 @@ def create_app(
         responses={200: {"description": "Prometheus text exposition format."}},
     )
     async def metrics():
-        page = engine_loop.render_metrics() if replicated else engine_loop.metrics.render(engine_loop.stats)
+        page = engine_loop.metrics.render(engine_loop.stats)
         return openapi.PrometheusResponse(page + (disagg.render_metrics() if disagg is not None else ""))
 
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})
