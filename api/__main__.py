@@ -220,10 +220,6 @@ def main(argv=None) -> int:
             raise ValueError("--role does not combine with --nnodes yet")
         if args.role and args.no_prefix_caching:
             raise ValueError("--role hands KV over through the prefix cache: drop --no-prefix-caching")
-        if args.role and args.data_parallel_size > 1:
-            raise ValueError(
-                "--role serves one engine: start --role servers one by one and put python -m api.router in front"
-            )
         check_reply_parsers(args)  # before the model loads: a misspelt name fails at once
         if args.data_parallel_size > 1:
             from api.replica_processes import serve_replicas
