@@ -27,7 +27,9 @@ role (at most `--max-tries` upstreams); once tokens streamed, a break ends the s
 an SSE `data: {"error": ...}` event. /health is 200 while every role has an upstream in
 rotation (its body lists them), else 503. /metrics counts per upstream. Other routes
 (/v1/models, /tokenize, ...) go to an upstream in rotation (a decode server in PD mode).
-Responses carry `x-jaxserve-upstream`, the URL of the server that answered.
+Responses carry `x-jaxserve-upstream`, the URL of the server that answered. /v1/responses
+is routed like a chat (its `input`), to a decode server in PD mode; its stored responses
+(`previous_response_id`) live on the replica that made them.
 
 With --port 0 the system picks a free port; the line `jaxserve: router on URL` on stdout
 says which.
@@ -185,6 +187,7 @@ def create_router(
 
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
+    @app.post("/v1/responses")
     async def generate(request: Request):
         path, content = request.url.path, await request.body()
         try:
@@ -194,7 +197,7 @@ def create_router(
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_json", kind="invalid_request_error")
         digests = prompt_digests(body)
-        if len(pools) == 2:
+        if len(pools) == 2 and path != "/v1/responses":
             params = await prefill_first(path, request, body, digests)
             if isinstance(params, Response):
                 return params
@@ -236,12 +239,12 @@ def prompt_digests(body: dict) -> list[bytes]:
     text (or token ids) in pieces. The cache salt starts the chain."""
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     pieces: list[bytes] = []
-    messages = body.get("messages")
+    messages = body.get("messages", body.get("input"))  # chat, or the Responses API
     if isinstance(messages, list):
         for message in messages:
             pieces += _split(json.dumps(message, sort_keys=True, ensure_ascii=False).encode())
     else:
-        prompt = body.get("prompt")
+        prompt = body.get("prompt", messages)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: route on its first prompt
         if isinstance(prompt, str):

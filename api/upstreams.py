@@ -135,7 +135,11 @@ class UpstreamPool:
 async def until_down(awaitable, upstream: Upstream, down_waiter: asyncio.Future):
     """Await `awaitable`, unless `upstream` leaves the rotation first (UpstreamDown)."""
     task = asyncio.ensure_future(awaitable)
-    await asyncio.wait({task, down_waiter}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait({task, down_waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client went away: nothing may keep reading for it
+        task.cancel()
+        raise
     if task.done():
         return task.result()
     task.cancel()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,7 +24,7 @@ import openai
 import pytest
 
 from api.router import UPSTREAM_HEADER, prompt_digests
-from tests.api.conftest import assert_same_where_clear, greedy_where_clear, run_server
+from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear, run_server
 
 pytestmark = pytest.mark.slow  # three processes
 
@@ -243,3 +245,8 @@ def test_a_prompt_digest_chain_covers_the_whole_prompt_and_the_chat_history():
     assert not set(salted) & set(first)
     text = prompt_digests({"prompt": "y" * 1000})
     assert text == prompt_digests({"prompt": ["y" * 1000, "z"]}) and len(text) == 1000 // 128
+
+
+def test_the_router_and_the_replica_parent_import_no_jax():
+    code = "import sys, api.router, api.replica_processes, api.__main__; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
