@@ -113,6 +113,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tensor-parallel-size); each call goes to one, by load and by the prompt's cached prefix; one that "
         "dies is restarted (default 1)",
     )
+    p.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="/health answers 503 while one engine step has run longer than this (a hung engine; a router "
+        "in front then takes the server out of rotation) (default 120)",
+    )
     add_router_flags(p)  # with replicas: the router in front of them (api.router)
     g = p.add_argument_group(
         "prefill/decode disaggregation",
@@ -309,6 +317,7 @@ def main(argv=None) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            engine_step_timeout=args.engine_step_timeout,
         )
     except (DefaultModelMissing, FileNotFoundError, ValueError, multihost.DistError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -122,6 +123,7 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._step_started: float | None = None  # engine thread: monotonic time of the step it is in
 
     # -- lifecycle (event loop) ---------------------------------------------------------
 
@@ -170,6 +172,12 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has been inside one step (0 between steps): a hung
+        engine has work and makes no progress."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine has stopped: {self.error!r}")
@@ -256,7 +264,11 @@ class EngineLoop:
             try:
                 for command in commands:
                     self._apply(command)
-                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                outputs = []
+                if self.engine.has_unfinished():
+                    self._step_started = time.monotonic()
+                    outputs = self.engine.step()
+                    self._step_started = None
             except Exception as e:  # a bug in the engine: fail everything rather than hang
                 logger.exception("the engine loop failed")
                 self.error = self.error or e  # fail() from another thread said why first

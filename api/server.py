@@ -52,6 +52,7 @@ from api.tool_parsers import TOOL_PARSERS, get_tool_parser, parser_for_template
 from scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
+DEFAULT_ENGINE_STEP_TIMEOUT = 120.0  # seconds; steps are compiled at warm-up, so a step this long is a hang
 
 
 def default_model_name(engine) -> str:
@@ -80,6 +81,7 @@ def create_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    engine_step_timeout: float | None = DEFAULT_ENGINE_STEP_TIMEOUT,
 ) -> FastAPI:
     """An app serving `engine` (an LLMEngine); its engine thread starts with the app's lifespan.
 
@@ -89,7 +91,9 @@ def create_app(
     arguments (allow_origins, ...), None for no CORS headers;
     `disagg`: the server's part in prefill/decode disaggregation (api.disagg);
     `enable_auto_tool_choice`: serve tool_choice "auto" with the `tool_call_parser` (by default
-    the one the chat template implies); `reasoning_parser`: split the thinking off replies.
+    the one the chat template implies); `reasoning_parser`: split the thinking off replies;
+    `engine_step_timeout`: /health turns 503 while one engine step has run longer (a hung
+    engine, so that a router in front takes this server out of rotation), None: never.
     """
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
@@ -165,7 +169,7 @@ def create_app(
         "/health",
         response_class=Response,
         responses={
-            200: {"description": "The engine thread is alive (an empty body)."},
+            200: {"description": "The engine thread is alive and not stuck in a step (an empty body)."},
             **openapi.errors(503),
         },
     )
@@ -173,6 +177,10 @@ def create_app(
         if not engine_loop.is_alive:
             body = error_body(str(engine_loop.dead_error()), SERVER_ERROR, code="engine_dead")
             return JSONResponse(body, status_code=503)
+        stalled = engine_loop.stalled_for()
+        if engine_step_timeout is not None and stalled > engine_step_timeout:
+            message = f"the engine has been in one step for {stalled:.1f} s (more than {engine_step_timeout:g} s)"
+            return JSONResponse(error_body(message, SERVER_ERROR, code="engine_stalled"), status_code=503)
         return Response(status_code=200)
 
     @app.get(

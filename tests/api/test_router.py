@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from api.router import UPSTREAM_HEADER, prompt_digests
-from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear, run_server
+from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear, run_server, serve_in_thread
 
 pytestmark = pytest.mark.slow  # three processes
 
@@ -250,3 +250,37 @@ def test_a_prompt_digest_chain_covers_the_whole_prompt_and_the_chat_history():
 def test_the_router_and_the_replica_parent_import_no_jax():
     code = "import sys, api.router, api.replica_processes, api.__main__; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def test_a_stalled_engine_turns_health_503_and_leaves_the_routers_rotation(tiny_engine):
+    from api.router import create_router
+    from api.server import create_app
+
+    release = threading.Event()
+    step = tiny_engine.step
+
+    def stuck_step():  # the hang: a step that does not return
+        release.wait(60)
+        return step()
+
+    app = create_app(tiny_engine, model_name="tiny", engine_step_timeout=0.5)
+    with serve_in_thread(app) as url, serve_in_thread(create_router([url], health_interval=0.1)) as router_url:
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        answers = []
+        call = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{router_url}/v1/completions", json=body, timeout=60))
+        )
+        tiny_engine.step = stuck_step
+        try:
+            call.start()
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, "stalled")
+            assert httpx.get(f"{url}/health").json()["error"]["code"] == "engine_stalled"
+            wait_for(lambda: httpx.get(f"{router_url}/health").status_code == 503, "out of rotation")
+            call.join(60)
+            # The call waited on the stalled server: it ends with a clean error, not a hang.
+            assert answers[0].status_code == 503 and "no replica server" in answers[0].json()["error"]["message"]
+        finally:
+            del tiny_engine.step
+            release.set()
+        wait_for(lambda: httpx.get(f"{router_url}/health").status_code == 200, "back in rotation")
+        assert httpx.post(f"{router_url}/v1/completions", json=body, timeout=60).status_code == 200
