@@ -75,7 +75,9 @@ class Replica:
         self.started_at = 0.0
 
     def start(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "api", *self.argv], env=self.env)
+        # Its own session: a ctrl-C in the terminal reaches the parent only, which stops the
+        # children itself (rather than watching them exit and restarting them).
+        self.process = subprocess.Popen([sys.executable, "-m", "api", *self.argv], env=self.env, start_new_session=True)
         self.started_at = time.monotonic()
         logger.info("replica %d: pid %d on %s", self.index, self.process.pid, self.url)
 
@@ -205,6 +207,8 @@ def serve_replicas(args, argv: list[str]) -> int:
             describe=processes.describe,
         )
         serve(app, args.host, args.port, f"jaxserve: serving {model} on {{url}}", log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn raises it again once it has shut down on ctrl-C
+        pass
     finally:
         processes.stop()
     return 0
