@@ -57,6 +57,7 @@ FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 CHUNK_BYTES = 128  # a prompt's text is matched in pieces of this size
 DEFAULT_LOAD_BOUND = 4
 UPSTREAM_HEADER = "x-jaxserve-upstream"
+HOP_HEADERS = {"content-length", "content-type", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
 
 def create_router(
@@ -135,15 +136,15 @@ def create_router(
                     handed_off = True  # the relay finishes the call
                     return StreamingResponse(
                         _relay(pool, upstream, answer, first, chunks, down),
-                        media_type="text/event-stream",
-                        headers={UPSTREAM_HEADER: upstream.url},
+                        media_type=answer.headers.get("content-type"),
+                        headers=_answer_headers(answer, upstream),
                     )
                 body = b"".join([chunk async for chunk in _until_down_each(chunks, upstream, down)])
                 return Response(
                     body,
                     answer.status_code,
                     media_type=answer.headers.get("content-type"),
-                    headers={UPSTREAM_HEADER: upstream.url},
+                    headers=_answer_headers(answer, upstream),
                 )
             except (httpx.HTTPError, UpstreamDown) as e:
                 pool.call_failed(upstream, e, retried=more)
@@ -272,6 +273,13 @@ def _error_body(message: str, code: str, kind: str = "server_error") -> dict:
 
 def _error(status: int, message: str, code: str = "upstream_failed", kind: str = "server_error") -> JSONResponse:
     return JSONResponse(_error_body(message, code, kind), status_code=status)
+
+
+def _answer_headers(answer: httpx.Response, upstream: Upstream) -> dict[str, str]:
+    """The upstream's response headers (x-ignored-fields, x-request-id ...) but those of its
+    own connection, and which upstream answered."""
+    kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
+    return {**kept, UPSTREAM_HEADER: upstream.url}
 
 
 def _headers(request: Request) -> dict[str, str]:
