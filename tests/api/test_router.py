@@ -23,7 +23,8 @@ import httpx
 import openai
 import pytest
 
-from api.router import UPSTREAM_HEADER, prompt_digests
+from api.router import UPSTREAM_HEADER, create_router, prompt_digests
+from api.server import create_app
 from tests.api.conftest import REPO, assert_same_where_clear, greedy_where_clear, run_server, serve_in_thread
 
 pytestmark = pytest.mark.slow  # three processes
@@ -205,7 +206,8 @@ def test_a_killed_replica_is_retried_elsewhere_restarted_and_readmitted(server, 
     before = server.metrics()[retries]
     for t in threads:
         t.start()
-    wait_for(lambda: server.metrics()[in_flight] >= 2, "routed to the victim")  # the stream and 1+ calls
+    # The stream and 1+ calls wait on the victim (or its hang was noticed first and they moved on).
+    wait_for(lambda: server.metrics()[in_flight] >= 2 or server.metrics()[retries] > before, "routed to the victim")
     os.kill(victim["pid"], signal.SIGKILL)
     for t in threads:
         t.join(120)
@@ -253,9 +255,6 @@ def test_the_router_and_the_replica_parent_import_no_jax():
 
 
 def test_a_stalled_engine_turns_health_503_and_leaves_the_routers_rotation(tiny_engine):
-    from api.router import create_router
-    from api.server import create_app
-
     release = threading.Event()
     step = tiny_engine.step
 
