@@ -19,6 +19,8 @@ import socket
 import sys
 
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, DEFAULT_TOKENIZER_POOL_SIZE
+from api.replica_processes import REPLICA_ENV, die_with_parent
+from api.router import add_router_flags
 from jaxserve.flags import add_model_flags, model_engine_kwargs, parse_bytes, start_devices
 from scheduler import SamplingParams
 
@@ -107,22 +109,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=1,
         metavar="M",
-        help="M engine replicas behind this server, replica i on devices i*tp .. (i+1)*tp-1 (tp: "
-        "--tensor-parallel-size); each call goes to one, by load and by the prompt's cached prefix "
-        "(default 1)",
+        help="M engine processes behind a router on this port, replica i on devices i*tp .. (i+1)*tp-1 (tp: "
+        "--tensor-parallel-size); each call goes to one, by load and by the prompt's cached prefix; one that "
+        "dies is restarted (default 1)",
     )
     p.add_argument(
-        "--router-load-bound",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with replicas: a replica that recently saw a prompt's prefix gets it while it runs and "
-        "waits at most N sequences more than the least loaded one (default max(2, max-num-seqs/4))",
+        "--engine-step-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="/health answers 503 while one engine step has run longer than this (a hung engine; a router "
+        "in front then takes the server out of rotation) (default 120)",
     )
+    add_router_flags(p)  # with replicas: the router in front of them (api.router)
     g = p.add_argument_group(
         "prefill/decode disaggregation",
         "a prefill server hands each prompt's KV to a decode "
-        "server (vLLM's kv_transfer_params; python -m api.disagg_proxy sends calls through both)",
+        "server (vLLM's kv_transfer_params; python -m api.router sends calls through both)",
     )
     g.add_argument(
         "--role",
@@ -227,6 +230,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    die_with_parent()  # a data-parallel replica's child process (api.replica_processes)
     args = parse_args(argv)
     if args.data_parallel_size < 1:
         print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
@@ -240,7 +244,11 @@ def main(argv=None) -> int:
         if args.role and args.no_prefix_caching:
             raise ValueError("--role hands KV over through the prefix cache: drop --no-prefix-caching")
         check_reply_parsers(args)  # before the model loads: a misspelt name fails at once
-        node = start_devices(args, args.data_parallel_size * args.tensor_parallel_size)  # before jax starts
+        if args.data_parallel_size > 1:
+            from api.replica_processes import serve_replicas
+
+            return serve_replicas(args, list(sys.argv[1:] if argv is None else argv))
+        node = start_devices(args, args.tensor_parallel_size)  # before jax starts
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -253,7 +261,6 @@ def main(argv=None) -> int:
     from jaxserve.engine.tokenization import read_chat_template
     from jaxserve.parallel import multihost
     from jaxserve.parallel.kv_transfer import KVTransfer
-    from jaxserve.parallel.sharding import replica_device_ids
     from jaxserve.runner.model_runner import PLAN_TYPES
     from jaxserve.weights.default_model import DefaultModelMissing
 
@@ -270,8 +277,7 @@ def main(argv=None) -> int:
     )
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
-        devices = replica_device_ids(args.tensor_parallel_size, args.data_parallel_size)
-        engine_kwargs["device_ids"] = devices[0]
+        engine_kwargs["device_ids"] = tuple(range(args.tensor_parallel_size))
         if node is not None:  # before the weights load: nodes that do not match stop at once
             fingerprint = node_fingerprint(
                 args.model, dtype=args.dtype, quantization=args.quantization, **engine_kwargs
@@ -292,7 +298,6 @@ def main(argv=None) -> int:
             return 0
         if node is not None:
             node.lead(engine.runner, PLAN_TYPES)
-        engines = [engine] + [engine.replica(ids) for ids in devices[1:]]
         disagg = None
         if args.role:
             transfer = KVTransfer(
@@ -313,7 +318,7 @@ def main(argv=None) -> int:
             allow_credentials=args.allow_credentials,
         )
         app = create_app(
-            engines,
+            engine,
             model_name=args.served_model_name,
             api_key=args.api_key,
             max_waiting=args.max_waiting,
@@ -326,11 +331,11 @@ def main(argv=None) -> int:
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             tokenizer_pool_size=args.tokenizer_pool_size,
             cors=cors,
-            router_load_bound=args.router_load_bound,
             disagg=disagg,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            engine_step_timeout=args.engine_step_timeout,
         )
     except (DefaultModelMissing, FileNotFoundError, ValueError, multihost.DistError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -344,7 +349,11 @@ def main(argv=None) -> int:
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    print(f"jaxserve: serving {app.state.server.model_name} on {url}", flush=True)
+    replica = os.environ.get(REPLICA_ENV)  # a child of --data-parallel-size: its parent says where it serves
+    print(
+        f"jaxserve: {f'replica {replica} ' if replica else ''}serving {app.state.server.model_name} on {url}",
+        flush=True,
+    )
     if disagg is not None:  # where decode servers claim this server's offers
         disagg.url = (args.kv_transfer_url or url).rstrip("/")
     config = uvicorn.Config(

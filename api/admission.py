@@ -1,6 +1,6 @@
 """Admission: whether an API call may queue, decided on arrival, and the room it then holds.
 
-An `EngineLoop` (one engine) and a `ReplicaSet` (several) each keep an `Admitted` count:
+An `EngineLoop` keeps an `Admitted` count:
 sequences of calls admitted but not yet taken by an engine thread. A call's `Reservation`
 holds its room there from arrival until its requests are sent, and gives it back if the
 call fails first. The reservation knows only its count, never the object that owns it.

@@ -4,8 +4,8 @@ vLLM's protocol (jaxserve.parallel.kv_transfer has the whole picture): a request
 `kv_transfer_params` ask a prefill server to hand the prompt's KV over
 (`{"do_remote_decode": true}`; the answer carries the params of the offer), or tell a decode
 server where to pull it from (`{"do_remote_prefill": true, ...}`, the prefill server's
-answer). Params without either flag are ignored, as vLLM does. `python -m api.disagg_proxy`
-sends each call through both.
+answer). Params without either flag are ignored, as vLLM does. `python -m api.router
+--prefill ... --decode ...` (or vllm-router's PD mode) sends each call through both.
 
 A decode server takes an offer only when it is for the prompt it was sent (the model, the
 cache salt and the digests of its blocks match its own) and only after claiming it at the

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -106,9 +107,8 @@ class EngineLoop:
     refused, but a backlog beyond it is, and an idle server admits any call.
     """
 
-    def __init__(self, engine, metrics: Metrics, *, max_waiting: int | None = None, replica: int | None = None):
+    def __init__(self, engine, metrics: Metrics, *, max_waiting: int | None = None):
         self.engine = engine
-        self.replica = replica  # its index among data-parallel replicas (api.replicas), None when alone
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_num_seqs = engine.scheduler.config.max_num_seqs
@@ -123,6 +123,7 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._step_started: float | None = None  # engine thread: monotonic time of the step it is in
 
     # -- lifecycle (event loop) ---------------------------------------------------------
 
@@ -130,9 +131,7 @@ class EngineLoop:
         """Start the engine thread; call from inside the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._publish_stats()
-        self._thread = threading.Thread(
-            target=self._run, daemon=True, name="engine-loop" if self.replica is None else f"engine-loop-{self.replica}"
-        )
+        self._thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -174,9 +173,14 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has been inside one step (0 between steps): a hung
+        engine has work and makes no progress."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def dead_error(self) -> EngineDeadError:
-        what = "the engine" if self.replica is None else f"engine replica {self.replica}"
-        return EngineDeadError(f"{what} has stopped: {self.error!r}")
+        return EngineDeadError(f"the engine has stopped: {self.error!r}")
 
     @property
     def stats(self) -> SchedulerStats | None:
@@ -260,7 +264,11 @@ class EngineLoop:
             try:
                 for command in commands:
                     self._apply(command)
-                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                outputs = []
+                if self.engine.has_unfinished():
+                    self._step_started = time.monotonic()
+                    outputs = self.engine.step()
+                    self._step_started = None
             except Exception as e:  # a bug in the engine: fail everything rather than hang
                 logger.exception("the engine loop failed")
                 self.error = self.error or e  # fail() from another thread said why first

@@ -15,9 +15,8 @@ Limits on what one request may ask: a body of at most `max_request_body_bytes` (
 most `max_request_sequences` prompts x n (400), and, with `max_waiting`, a 503 on arrival
 when the queue is full.
 
-Given several engines (data parallelism, `python -m api --data-parallel-size M`), the app
-serves them as replicas behind one router (api.replicas): /health then lists each replica
-and stays 200 while one lives, and /metrics labels every metric with its `engine`.
+Data parallelism (`python -m api --data-parallel-size M`) runs M such servers, one process
+each, behind a router (api.replica_processes, api.router).
 """
 
 from __future__ import annotations
@@ -49,12 +48,12 @@ from api.logprobs import TokenText
 from api.metrics import Metrics
 from api.prompt_size import max_prompt_bytes
 from api.reasoning import get_reasoning_parser
-from api.replicas import ReplicaSet
 from api.serving import ServerState
 from api.tool_parsers import TOOL_PARSERS, get_tool_parser, parser_for_template
 from scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
+DEFAULT_ENGINE_STEP_TIMEOUT = 120.0  # seconds; steps are compiled at warm-up, so a step this long is a hang
 
 
 def default_model_name(engine) -> str:
@@ -79,29 +78,24 @@ def create_app(
     enable_prompt_tokens_details: bool = False,
     tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE,
     cors: dict | None = None,
-    router_load_bound: int | None = None,
     disagg: DisaggRole | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    engine_step_timeout: float | None = DEFAULT_ENGINE_STEP_TIMEOUT,
 ) -> FastAPI:
-    """An app serving `engine` (an LLMEngine), or a list of engines as data-parallel
-    replicas (built from one LoadedModel). The engine threads start with the app's lifespan.
+    """An app serving `engine` (an LLMEngine); its engine thread starts with the app's lifespan.
 
     `model_name`: the name clients pass as `model`, or several (the first is the one
     responses report); `chat_template` replaces the tokenizer's; `enable_prompt_tokens_details`:
     report usage.prompt_tokens_details.cached_tokens (the prefix cache's hits); `cors`: CORSMiddleware's
-    arguments (allow_origins, ...), None for no CORS headers; `router_load_bound`: with
-    replicas, how much busier than the least loaded one (in sequences) a replica that saw the
-    prompt's prefix may be and still get it (default api.replicas.default_load_bound);
+    arguments (allow_origins, ...), None for no CORS headers;
     `disagg`: the server's part in prefill/decode disaggregation (api.disagg);
     `enable_auto_tool_choice`: serve tool_choice "auto" with the `tool_call_parser` (by default
-    the one the chat template implies); `reasoning_parser`: split the thinking off replies.
+    the one the chat template implies); `reasoning_parser`: split the thinking off replies;
+    `engine_step_timeout`: /health turns 503 while one engine step has run longer (a hung
+    engine, so that a router in front takes this server out of rotation), None: never.
     """
-    engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
-    if not engines:
-        raise ValueError("create_app needs an engine")
-    engine = engines[0]  # the replicas share its tokenizer, model config and limits
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
     if tokenizer_pool_size < 1:
@@ -115,12 +109,8 @@ def create_app(
     )
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
-    if len(engines) == 1:
-        metrics = Metrics(model_name, engine.cache_config_info(), device_bytes=engine.device_bytes())
-        engine_loop = EngineLoop(engine, metrics, max_waiting=max_waiting)
-    else:
-        engine_loop = ReplicaSet(engines, model_name, load_bound=router_load_bound, max_waiting=max_waiting)
-    replicated = isinstance(engine_loop, ReplicaSet)
+    metrics = Metrics(model_name, engine.cache_config_info(), device_bytes=engine.device_bytes())
+    engine_loop = EngineLoop(engine, metrics, max_waiting=max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -183,18 +173,19 @@ def create_app(
         "/health",
         response_class=Response,
         responses={
-            200: {
-                "description": "The engine thread is alive (an empty body; with data-parallel "
-                "replicas, one is alive and the body lists them)."
-            },
+            200: {"description": "The engine thread is alive and not stuck in a step (an empty body)."},
             **openapi.errors(503),
         },
     )
     async def health():
         if not engine_loop.is_alive:
             body = error_body(str(engine_loop.dead_error()), SERVER_ERROR, code="engine_dead")
-            return JSONResponse({**body, **engine_loop.health()} if replicated else body, status_code=503)
-        return JSONResponse(engine_loop.health()) if replicated else Response(status_code=200)
+            return JSONResponse(body, status_code=503)
+        stalled = engine_loop.stalled_for()
+        if engine_step_timeout is not None and stalled > engine_step_timeout:
+            message = f"the engine has been in one step for {stalled:.1f} s (more than {engine_step_timeout:g} s)"
+            return JSONResponse(error_body(message, SERVER_ERROR, code="engine_stalled"), status_code=503)
+        return Response(status_code=200)
 
     @app.get(
         "/metrics",
@@ -205,7 +196,7 @@ def create_app(
         return openapi.PrometheusResponse(router_compat.with_vllm_names(metrics_page()))
 
     def metrics_page() -> str:
-        page = engine_loop.render_metrics() if replicated else engine_loop.metrics.render(engine_loop.stats)
+        page = engine_loop.metrics.render(engine_loop.stats)
         return page + (disagg.render_metrics() if disagg is not None else "")
 
     router_compat.install(app, metrics_page)  # the routes vllm-router and sglang-router probe

@@ -32,7 +32,6 @@ from api.logprobs import TokenText
 from api.prompt_size import check_prompt_bytes
 from api.protocol import invalid_constraint
 from api.reasoning import ReasoningParser
-from api.replicas import ReplicaSet
 from api.tool_parsers import ToolParser
 from jaxserve.engine.tokenization import PromptError
 from jaxserve.structured import GrammarError
@@ -48,7 +47,7 @@ SSE_DONE = "data: [DONE]\n\n"
 class ServerState:
     """What the route handlers need, kept on `app.state.server`."""
 
-    engine_loop: EngineLoop | ReplicaSet  # one engine, or data-parallel replicas behind a router
+    engine_loop: EngineLoop
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -447,7 +446,7 @@ def sse_error(error: BaseException) -> str:
     """An error after the 200 header went out: OpenAI clients raise it from the stream."""
     if isinstance(error, APIError):
         return sse(error.body())
-    if isinstance(error, EngineDeadError):  # its engine (or data-parallel replica) failed mid-stream
+    if isinstance(error, EngineDeadError):  # its engine failed mid-stream
         return sse(error_body(str(error), SERVER_ERROR, code="engine_dead"))
     logger.error("stream failed: %r", error)
     return sse(error_body(f"{type(error).__name__}: {error}", SERVER_ERROR, code="internal_error"))

@@ -3,7 +3,7 @@
 Short-prompt requests decode many tokens while long prompts arrive among them: colocated,
 each long prefill shares the steps of the decoding requests and stretches their
 inter-token latency; disaggregated (a prefill server, a decode server and
-`python -m api.disagg_proxy`), the decode server only takes the prompts' KV. The same
+`python -m api.router` in front), the decode server only takes the prompts' KV. The same
 requests go to each setup in turn (alone on the machine), streamed through
 benchmarks/serving.py's client; the table gives TTFT, TPOT and p99 ITL of each group,
 goodput under the SLOs, and the KV bytes the prefill server handed over.
@@ -122,10 +122,10 @@ def disaggregated(args):
         running_server(prefill_cmd, ports[0], "prefill", env=env) as (prefill_url, _),
         running_server(decode_cmd, ports[1], "decode", env=decode_env) as (decode_url, _),
     ):
-        proxy = [
+        router = [
             sys.executable,
             "-m",
-            "api.disagg_proxy",
+            "api.router",
             "--port",
             str(ports[2]),
             "--prefill",
@@ -133,7 +133,7 @@ def disaggregated(args):
             "--decode",
             decode_url,
         ]
-        with running_server(proxy, ports[2], "proxy", env=env) as (url, _):
+        with running_server(router, ports[2], "router", env=env) as (url, _):
             yield url, prefill_url
 
 

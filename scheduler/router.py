@@ -1,7 +1,8 @@
 """Pick a data-parallel replica for each request, preferring one that saw its prefix.
 
-With `--data-parallel-size M` one API server fronts M engine replicas, each with its own
-prefix cache. Sending a prompt to the replica that recently served the same prefix turns
+The router front end (api.router, which `python -m api --data-parallel-size M` starts in
+front of M engine processes) sends each call to one of several upstream servers, each with
+its own prefix cache. Sending a prompt to the replica that recently served the same prefix turns
 a prefill into a cache hit; sending everything there would overload it. This is SGLang's
 cache-aware routing, simplified: the router does not see the replicas' real caches, it
 remembers which prefixes it recently *sent* to each replica (an LRU of block digests), and
@@ -12,17 +13,35 @@ The rule, per request:
   then lower index). Take it if that prefix is non-empty and its load is within `load_bound`
   of the least loaded alive replica; otherwise take the least loaded (ties round-robin).
 
-Digests are the block pool's (`hash_block`), over full blocks only, with the cache salt
-folded into the first block, so requests with different salts never match.
+A prompt is a chain of digests over its whole prefix (no cap on its length: a second chat
+turn behind a long system prompt must find the replica holding its history). Token prompts
+use the block pool's digests (`prefix_digests`: `hash_block` over full blocks, the cache
+salt folded into the first); any other canonical form of a prompt (api.router routes on the
+request's text) chains its own chunks with `chain_digests`. Either way the salt starts the
+chain, so requests with different salts never match.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from scheduler.block_pool import hash_block
+
+
+def chain_digests(chunks: Iterable[bytes], cache_salt: str | None = None) -> list[bytes]:
+    """Chained digests of a prompt's chunks in order: digest i covers chunks 0..i (and the salt)."""
+    digests: list[bytes] = []
+    parent = hashlib.blake2b(repr(cache_salt).encode(), digest_size=32).digest()
+    for chunk in chunks:
+        h = hashlib.blake2b(parent, digest_size=32)
+        h.update(len(chunk).to_bytes(8, "little"))
+        h.update(chunk)
+        parent = h.digest()
+        digests.append(parent)
+    return digests
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -46,7 +65,7 @@ class PrefixRouter:
         load_bound: int,
         *,
         max_digests: int = 4096,
-        max_prefix_blocks: int = 8,
+        max_prefix_blocks: int | None = None,
     ):
         if num_replicas < 1:
             raise ValueError(f"{num_replicas=} must be at least 1")
@@ -56,7 +75,7 @@ class PrefixRouter:
             raise ValueError(f"{load_bound=} must be non-negative")
         if max_digests < 1:
             raise ValueError(f"{max_digests=} must be at least 1")
-        if max_prefix_blocks < 1:
+        if max_prefix_blocks is not None and max_prefix_blocks < 1:
             raise ValueError(f"{max_prefix_blocks=} must be at least 1")
         self.num_replicas = num_replicas
         self.block_size = block_size
@@ -73,13 +92,16 @@ class PrefixRouter:
         `loads[i]` is replica i's running + waiting sequences, or None if it is dead.
         Raises NoReplicaAvailable when every replica is dead.
         """
+        return self.pick_digests(self.prefix_digests(prompt_ids, cache_salt), loads)
+
+    def pick_digests(self, digests: Sequence[bytes], loads: Sequence[int | None]) -> Route:
+        """`pick` for a prompt already turned into its digest chain (`prefix_digests` or `chain_digests`)."""
         if len(loads) != self.num_replicas:
             raise ValueError(f"{len(loads)=} != {self.num_replicas=}")
         alive_loads = {i: load for i, load in enumerate(loads) if load is not None}
         alive = list(alive_loads)
         if not alive:
             raise NoReplicaAvailable(f"all {self.num_replicas} replicas are dead")
-        digests = self.prefix_digests(prompt_ids, cache_salt)
         matches = {i: self._match(i, digests) for i in alive}
         min_load = min(alive_loads.values())
 
@@ -98,8 +120,10 @@ class PrefixRouter:
         self.recent[replica].clear()
 
     def prefix_digests(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
-        """Chained digests of the prompt's first full blocks (at most `max_prefix_blocks`)."""
-        num_blocks = min(self.max_prefix_blocks, len(prompt_ids) // self.block_size)
+        """Chained digests of the prompt's full blocks (the first `max_prefix_blocks` if set)."""
+        num_blocks = len(prompt_ids) // self.block_size
+        if self.max_prefix_blocks is not None:
+            num_blocks = min(self.max_prefix_blocks, num_blocks)
         digests: list[bytes] = []
         for i in range(num_blocks):
             chunk = tuple(int(t) for t in prompt_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -108,7 +132,7 @@ class PrefixRouter:
             digests.append(hash_block(digests[-1] if digests else None, chunk, extra))
         return digests
 
-    def _match(self, replica: int, digests: list[bytes]) -> int:
+    def _match(self, replica: int, digests: Sequence[bytes]) -> int:
         recent = self.recent[replica]
         n = 0
         while n < len(digests) and digests[n] in recent:
@@ -122,7 +146,7 @@ class PrefixRouter:
         self._next = (choice + 1) % self.num_replicas
         return choice
 
-    def _record(self, replica: int, digests: list[bytes]) -> None:
+    def _record(self, replica: int, digests: Sequence[bytes]) -> None:
         recent = self.recent[replica]
         # Deepest block first, so a prompt's leading blocks are the most recent and a
         # replica's LRU sheds the tails of prefixes before their (more shared) heads.

@@ -5,7 +5,7 @@ CONTRIBUTING.md and docs/**/*.md (a `\\` joins lines; in a console block only `$
 are commands, the rest is output). Each of our commands is parsed by that command's own
 argparse parser, so a renamed or removed flag or a bad choice fails its test case:
 
-    python -m jaxserve.generate / jaxserve.plan / jaxserve.train_draft / api / api.disagg_proxy
+    python -m jaxserve.generate / jaxserve.plan / jaxserve.train_draft / api / api.router
     jaxserve-generate, jaxserve-serve           the console scripts of the same modules
     python benchmarks/X.py                      that script's parser
     bash X.sh                                   the script exists (gpu_check.sh: its --only sections too)
@@ -52,7 +52,7 @@ MODULE_COMMANDS = {
     "jaxserve.plan": "jaxserve.plan",
     "jaxserve.train_draft": "jaxserve.train_draft",
     "api": "api.__main__",
-    "api.disagg_proxy": "api.disagg_proxy",
+    "api.router": "api.router",
 }  # python -m X: the module that parses
 SCRIPTS = {"jaxserve-generate": "jaxserve.generate", "jaxserve-serve": "api.__main__"}
 # Programs that are not ours: nothing to check beyond their name.

@@ -20,7 +20,7 @@ pulls the blocks, writes them into its own prefix cache and decodes.
   transfer id is 63 random bits: a peer must be told it to pull. With a `secret` shared by
   both servers, offers are signed (HMAC-SHA256, over every field) and a decode server takes
   only signed ones; without it, it trusts any well-formed params whose digests match its
-  prompt (keep it behind the proxy).
+  prompt (keep it behind the router).
 - An offer holds a copy of its blocks, exactly num_blocks of them (the prefill engine's own
   blocks are free, cached, as soon as the request ends) until it is pulled or
   `offer_timeout` passes. Offers not yet released hold at most `max_offer_bytes` together:

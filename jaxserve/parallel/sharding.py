@@ -1,7 +1,7 @@
 """Tensor parallelism: the one module that knows the device mesh.
 
 An engine runs on a mesh of devices with axes ("data", "model"); `data` stays size 1
-inside an engine (data-parallel replicas are separate engines, see api/replicas.py), and
+inside an engine (data-parallel replicas are separate processes, see api/replica_processes.py), and
 `model` has the tensor-parallel size. jax's GSPMD partitions the step programs from the
 shardings of their inputs (Megatron-style):
 

@@ -1,13 +1,13 @@
 """Prefill/decode disaggregation across processes on loopback: a prefill server (one
-device), a decode server (the model split over two devices) and `python -m api.disagg_proxy`
-in front, all real, with the real openai client.
+device), a decode server (the model split over two devices) and `python -m api.router` in
+front, all real, with the real openai client.
 
 Oracle: the one-device engine in this process, colocated (prefill and decode in one engine),
 on the same weights; greedy text agrees wherever its top-2 margin is clear (the decode
 server's split reorders sums). The decode server's prefix-cache hits and both servers'
 transfer counters show the KV really moved; every block is free on both sides after a
 call, an abandoned stream, and a prefill server killed before its offer was pulled (the
-proxy then answers 502).
+router then answers 503: no prefill server).
 
 Offers that must not be taken are not, and the decode server then answers as the colocated
 engine does: an offer for another prompt or cache salt (the prefix cache is not poisoned:
@@ -57,18 +57,28 @@ ENGINE_FLAGS = [
 
 
 @contextlib.contextmanager
-def run_proxy(log_dir, prefill_url, decode_url):
+def run_proxy(log_dir, prefill_url, *decode_urls):
     log = log_dir / "proxy.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "api.disagg_proxy", "--port", "0", "--prefill", prefill_url, "--decode", decode_url],
+            [
+                sys.executable,
+                "-m",
+                "api.router",
+                "--port",
+                "0",
+                "--prefill",
+                prefill_url,
+                "--decode",
+                *decode_urls,
+            ],
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
     try:
         for _ in range(300):
-            match = re.search(r"jaxserve: proxy on (http://\S+)", log.read_text())
+            match = re.search(r"jaxserve: router on (http://\S+)", log.read_text())
             if match:
                 break
             assert process.poll() is None, log.read_text()
@@ -207,7 +217,7 @@ def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capp
 ):
     """A second decode server and a second prefill server (offers kept 6 s, room for one
     offer of PROMPTS[0]): a replayed offer, one over the cap, an expired one, and one whose
-    prefill server was killed before it was pulled (the proxy then answers 502)."""
+    prefill server was killed before it was pulled (the router then answers 503)."""
     want = greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS)
     one_offer = get_offer(servers[0], PROMPTS[0])["kv_transfer_params"]["num_bytes"]
     small = ["--kv-transfer-timeout", "6", "--kv-offer-memory", str(one_offer * 3 // 2)]
@@ -263,7 +273,7 @@ def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capp
                 timeout=60,
                 json={"prompt": PROMPTS[0], "max_tokens": 2},
             )
-        assert answer.status_code == 502 and "prefill server" in answer.json()["error"]["message"]
+        assert answer.status_code == 503 and "no prefill server" in answer.json()["error"]["message"]
 
 
 def test_an_offer_for_another_prompt_is_refused_and_the_cache_stays_clean(servers, tiny_engine):

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.router import NoReplicaAvailable, PrefixRouter, Route
+from scheduler.router import NoReplicaAvailable, PrefixRouter, Route, chain_digests
 
 BS = 4  # block size used by most tests
 
@@ -35,6 +35,27 @@ def test_a_shared_prefix_goes_back_to_the_same_replica():
     again = router.pick(prompt(1, 2, 9, 9, tail=(7,)), [0, 0, 0])
     assert again == Route(first.replica, 2, "prefix")
     assert router.pick(prompt(1, 2, 3, 4), [0, 0, 0]) == Route(first.replica, 3, "prefix")
+
+
+def test_the_whole_prefix_counts_not_only_its_first_blocks():
+    # Two replicas saw the same 20-block head (a long system prompt); only one saw the turn after it.
+    router = PrefixRouter(num_replicas=2, block_size=BS, load_bound=0)
+    head = list(range(1, 21))
+    assert router.pick(prompt(*head, 30), [0, 1]).replica == 0
+    assert router.pick(prompt(*head, 40), [1, 0]).replica == 1
+    assert router.pick(prompt(*head, 40, 41), [0, 0]) == Route(1, 21, "prefix")
+    assert router.pick(prompt(*head, 30, 31), [0, 0]) == Route(0, 21, "prefix")
+
+
+def test_chain_digests_chain_every_chunk_and_start_from_the_salt():
+    chunks = [b"system prompt", b"first turn", b"second turn"]
+    digests = chain_digests(chunks)
+    assert chain_digests(chunks[:2]) == digests[:2] and len(set(digests)) == 3
+    assert chain_digests([b"other", *chunks[1:]])[1:] != digests[1:]  # a chunk's digest covers its parents
+    assert not set(chain_digests(chunks, cache_salt="a")) & set(digests)
+    router = PrefixRouter(num_replicas=2, block_size=1, load_bound=0)
+    assert router.pick_digests(digests[:2], [1, 0]).replica == 1
+    assert router.pick_digests(digests, [0, 0]) == Route(1, 2, "prefix")
 
 
 def test_the_longer_match_wins_then_the_lower_load_then_the_lower_index():
