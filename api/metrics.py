@@ -19,16 +19,13 @@ generated tokens (a request with n samples counts once, with all its samples' to
 The engine thread records; the event loop renders. A lock keeps a histogram's buckets,
 sum and count consistent with each other in one scrape.
 
-Data-parallel replicas (api.replicas) share one registry: each replica's engine thread
-records into its own `Metrics`, whose samples carry an `engine` label, and one page shows
-them all (a family's `# TYPE` line once, as the format requires).
+Data-parallel replicas are processes (api.replica_processes), each with its own page.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -109,7 +106,6 @@ E2E_BUCKETS = (
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 FINISH_REASONS = ("stop", "length", "abort")
 LABEL = "model_name"
-ENGINE_LABEL = "engine"  # data-parallel replicas only (Metrics.for_replicas)
 
 
 @dataclasses.dataclass
@@ -121,28 +117,19 @@ class _Progress:
 
 
 class Metrics:
-    """One engine's metrics: what its engine thread records, and the page `render` makes.
-
-    Alone (`Metrics(name)`) it has a registry of its own and the label `model_name`. Data-
-    parallel replicas share one registry (`Metrics.for_replicas`), where every metric also
-    carries an `engine` label ("0", "1", ...), as vLLM v1 does, and the set's page
-    (`render_replicas`) adds `jaxserve:engine_up`.
-    """
+    """One engine's metrics: what its engine thread records, and the page `render` makes,
+    in a registry of its own, every sample labelled with `model_name`."""
 
     def __init__(
         self,
         model_name: str,
         cache_config: dict[str, str] | None = None,
         *,
-        engine: str | None = None,
-        families: _Families | None = None,
         device_bytes: dict[str, dict[int, int]] | None = None,
     ):
         self.model_name = model_name
-        self.engine = engine
-        # NOTE: the label values' order is the families' label names' order (model_name, engine).
-        self.labels = (model_name,) if engine is None else (model_name, engine)
-        f = self._families = families or _Families(cache_config or {}, per_engine=engine is not None)
+        self.labels = (model_name,)
+        f = self._families = _Families(cache_config or {})
         self.registry = f.registry
         self._lock = f.lock
         self._progress: dict[str, _Progress] = {}  # engine thread only
@@ -154,21 +141,6 @@ class Metrics:
         self.rejected_total = f.rejected.labels(*self.labels)
         for name in _HISTOGRAMS:
             setattr(self, name, getattr(f, name).labels(*self.labels))
-
-    @classmethod
-    def for_replicas(
-        cls,
-        model_name: str,
-        cache_config: dict[str, str] | None,
-        num_replicas: int,
-        device_bytes: Sequence[dict[str, dict[int, int]]] | None = None,
-    ) -> list[Metrics]:
-        """One Metrics per replica, all in one registry, told apart by their `engine` label."""
-        families = _Families(cache_config or {}, per_engine=True)
-        return [
-            cls(model_name, engine=str(i), families=families, device_bytes=device_bytes[i] if device_bytes else None)
-            for i in range(num_replicas)
-        ]
 
     # -- what tests and callers read ----------------------------------------------------
 
@@ -249,16 +221,6 @@ class Metrics:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
         return self._families.render({self.labels: stats})
 
-    @staticmethod
-    def render_replicas(
-        replicas: Sequence[Metrics], stats: Sequence[SchedulerStats | None], alive: Sequence[bool]
-    ) -> str:
-        """The page of replicas made by `for_replicas`: each one's metrics and stats under its
-        `engine` label, and `jaxserve:engine_up` (1 alive, 0 failed)."""
-        return replicas[0]._families.render(
-            {m.labels: s for m, s in zip(replicas, stats)}, up={m.labels: a for m, a in zip(replicas, alive)}
-        )
-
 
 # Histogram attributes of Metrics: (name, help, buckets).
 _HISTOGRAMS = {
@@ -281,8 +243,8 @@ class _Families:
     """A registry and its metric families (prometheus_client's parents, labelled by the
     Metrics that use them). The lock keeps a scrape consistent with the recording threads."""
 
-    def __init__(self, cache_config: dict[str, str], *, per_engine: bool):
-        self.label_names = (LABEL, ENGINE_LABEL) if per_engine else (LABEL,)
+    def __init__(self, cache_config: dict[str, str]):
+        self.label_names = (LABEL,)
         self.registry = CollectorRegistry()  # never the global one: one process may serve several apps
         self.lock = threading.Lock()
         self.snapshot = _SnapshotCollector(self.label_names, cache_config)
@@ -302,11 +264,9 @@ class _Families:
                 Histogram(f"jaxserve:{name}", help_, self.label_names, buckets=buckets, registry=self.registry),
             )
 
-    def render(
-        self, stats: dict[tuple[str, ...], SchedulerStats | None], up: dict[tuple[str, ...], bool] | None = None
-    ) -> str:
+    def render(self, stats: dict[tuple[str, ...], SchedulerStats | None]) -> str:
         with self.lock:
-            self.snapshot.stats, self.snapshot.up = stats, up
+            self.snapshot.stats = stats
             return generate_latest(self.registry).decode()
 
 
@@ -318,7 +278,6 @@ class _SnapshotCollector:
         self.label_names = list(label_names)
         self.cache_config = cache_config
         self.stats: dict[tuple[str, ...], SchedulerStats | None] = {}
-        self.up: dict[tuple[str, ...], bool] | None = None
         self.device_bytes: dict[tuple[str, ...], dict[str, dict[int, int]]] = {}
 
     def collect(self):
@@ -341,13 +300,6 @@ class _SnapshotCollector:
             for labels in self.stats:
                 info.add_metric([*labels, *map(str, self.cache_config.values())], 1)
             yield info
-        if self.up is not None:
-            yield self._family(
-                GaugeMetricFamily,
-                "engine_up",
-                "1 while the engine replica runs, 0 after it failed.",
-                {labels: float(alive) for labels, alive in self.up.items()},
-            )
         stats = {labels: s for labels, s in self.stats.items() if s is not None}
         if not stats:
             return

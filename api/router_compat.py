@@ -12,8 +12,8 @@ per DP rank instead and shows -1 (its cache-aware policy balances on its own cou
 
 vllm-router also knows vLLM's gauge names on /metrics (`vllm:num_requests_running`,
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, for its load-aware policies), which
-`with_vllm_names` adds next to jaxserve's. Everything here is read from the server's own /metrics page, so it holds for
-one engine and for replicas (summed over their `engine` label) alike.
+`with_vllm_names` adds next to jaxserve's. Everything here is read from the server's own
+/metrics page.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def install(app: FastAPI, metrics_page: Callable[[], str]) -> None:
             "served_model_name": state.model_name,
             "max_model_len": state.max_model_len,
             "context_length": state.max_model_len,
-            "dp_size": 1,  # replicas inside one server share its port: the router sees one worker
+            "dp_size": 1,  # one engine per server (replicas are servers of their own: api.replica_processes)
             "disaggregation_mode": state.disagg.role if state.disagg is not None else "null",
             "version": importlib.metadata.version("jaxserve"),
         }
@@ -76,7 +76,7 @@ def with_vllm_names(page: str) -> str:
 
 
 def _gauges(page: str) -> dict[str, float]:
-    """VLLM_NAMES' values on `page`, summed over their labels (replicas)."""
+    """VLLM_NAMES' values on `page`, summed over their samples."""
     sums = dict.fromkeys(VLLM_NAMES, 0.0)
     lines = [line for line in page.splitlines() if any(f"jaxserve:{n}" in line for n in VLLM_NAMES)]
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
