@@ -57,8 +57,8 @@ ENGINE_FLAGS = [
 
 
 @contextlib.contextmanager
-def run_proxy(log_dir, prefill_url, *decode_urls):
-    log = log_dir / "proxy.log"
+def run_router(log_dir, prefill_url, *decode_urls):
+    log = log_dir / "router.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
             [
@@ -91,16 +91,16 @@ def run_proxy(log_dir, prefill_url, *decode_urls):
 
 @pytest.fixture(scope="module")
 def servers(tiny_folder, tmp_path_factory):
-    dirs = [tmp_path_factory.mktemp(name) for name in ("prefill", "decode", "proxy")]
+    dirs = [tmp_path_factory.mktemp(name) for name in ("prefill", "decode", "router")]
     with (
         run_server(dirs[0], "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "prefill") as prefill,
         run_server(dirs[1], "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "decode", "-tp", "2") as decode,
-        run_proxy(dirs[2], prefill.url, decode.url) as proxy_url,
+        run_router(dirs[2], prefill.url, decode.url) as router_url,
     ):
-        yield prefill, decode, proxy_url
+        yield prefill, decode, router_url
 
 
-def proxy_client(servers) -> openai.OpenAI:
+def router_client(servers) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{servers[2]}/v1", api_key=servers[0].api_key, max_retries=0, timeout=120)
 
 
@@ -143,7 +143,7 @@ def complete(server, prompt: str, offer: dict | None = None, **fields) -> str:
 
 def test_disaggregated_output_equals_colocated_and_the_kv_moved(servers, tiny_engine):
     prefill, decode, _ = servers
-    client = proxy_client(servers)
+    client = router_client(servers)
     model = client.models.list().data[0].id
     hits = decode.metrics()["jaxserve:prefix_cache_hits_total"]
     sent, got = transfer_counters(prefill), transfer_counters(decode)
@@ -169,7 +169,7 @@ def test_disaggregated_output_equals_colocated_and_the_kv_moved(servers, tiny_en
 
 def test_an_abandoned_stream_frees_the_blocks_on_both_sides(servers):
     prefill, decode, _ = servers
-    client = proxy_client(servers)
+    client = router_client(servers)
     stream = client.completions.create(
         model=client.models.list().data[0].id,
         prompt=PROMPTS[1],
@@ -216,7 +216,8 @@ def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capp
     servers, tiny_folder, tiny_engine, tmp_path
 ):
     """A second decode server and a second prefill server (offers kept 6 s, room for one
-    offer of PROMPTS[0]): a replayed offer, one over the cap, an expired one, and one whose
+    offer of PROMPTS[0]): a replayed offer, one over the cap, an expired one, one claimed by a
+    decode server that then vanished (its bytes count until it expires), and one whose
     prefill server was killed before it was pulled (the router then answers 503)."""
     want = greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS)
     one_offer = get_offer(servers[0], PROMPTS[0])["kv_transfer_params"]["num_bytes"]
@@ -257,6 +258,17 @@ def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capp
                 if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 0:
                     break
                 time.sleep(0.1)
+            # A decode server that claimed an offer and died mid-transfer never releases it:
+            # its bytes count until it expires, and then the room is back.
+            vanished = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
+            claim = httpx.post(f"{vanished['kv_transfer_url']}/claim", json={"transfer_id": vanished["transfer_id"]})
+            assert claim.status_code == 200
+            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == one_offer
+            for _ in range(150):
+                if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 0:
+                    break
+                time.sleep(0.1)
+            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == 0
             offer = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
             prefill.process.kill()
             prefill.process.wait()
@@ -266,9 +278,9 @@ def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capp
         for server in (decode, servers[1]):
             assert server.metrics()["jaxserve:kv_transfer_pulls_in_flight"] == 0  # no thread left behind
         decode.wait_idle()
-        with run_proxy(tmp_path, prefill.url, decode.url) as proxy_url:  # the prefill server is gone
+        with run_router(tmp_path, prefill.url, decode.url) as router_url:  # the prefill server is gone
             answer = httpx.post(
-                f"{proxy_url}/v1/completions",
+                f"{router_url}/v1/completions",
                 headers=decode.headers,
                 timeout=60,
                 json={"prompt": PROMPTS[0], "max_tokens": 2},
@@ -286,10 +298,10 @@ def test_an_offer_for_another_prompt_is_refused_and_the_cache_stays_clean(server
     assert refused(decode, "mismatch") - mismatches == 2 and transfer_counters(decode)["pulls"] == pulls
     assert_same_where_clear([poisoned, salted], want)
     later = [complete(decode, OTHER_PROMPT), complete(decode, PROMPTS[0], cache_salt="another tenant")]
-    through_proxy = proxy_client(servers).completions.create(
+    through_router = router_client(servers).completions.create(
         model=offer["model"], prompt=OTHER_PROMPT, max_tokens=MAX_TOKENS, temperature=0
     )
-    assert_same_where_clear([*later, through_proxy.choices[0].text], [want[0], want[1], want[0]])
+    assert_same_where_clear([*later, through_router.choices[0].text], [want[0], want[1], want[0]])
     decode.wait_idle()
 
 

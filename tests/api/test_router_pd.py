@@ -15,7 +15,7 @@ import pytest
 
 from api.router import UPSTREAM_HEADER
 from tests.api.conftest import assert_same_where_clear, greedy_where_clear, run_server
-from tests.api.test_disagg import ENGINE_FLAGS, PROMPTS, run_proxy
+from tests.api.test_disagg import ENGINE_FLAGS, PROMPTS, run_router
 
 pytestmark = pytest.mark.slow  # three servers and the router in subprocesses
 
@@ -30,7 +30,7 @@ def servers(tiny_folder, tmp_path_factory):
         run_server(dirs[0], *flags, "--role", "prefill") as prefill,
         run_server(dirs[1], *flags, "--role", "decode") as decode0,
         run_server(dirs[2], *flags, "--role", "decode") as decode1,
-        run_proxy(dirs[3], prefill.url, decode0.url, decode1.url) as router_url,
+        run_router(dirs[3], prefill.url, decode0.url, decode1.url) as router_url,
     ):
         yield prefill, [decode0, decode1], router_url
 
