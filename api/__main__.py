@@ -238,7 +238,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.nnodes > 1 and args.data_parallel_size > 1:
-            raise ValueError("--data-parallel-size does not combine with --nnodes yet: one model spans the nodes")
+            raise ValueError(
+                "--data-parallel-size does not combine with --nnodes: one model spans the nodes. For "
+                "replicas of a multi-node model, start each replica's nodes on their own and put "
+                "python -m api.router --replica URL... (or vllm-router) in front of their node-0 servers"
+            )
         if args.role and args.nnodes > 1:
             raise ValueError("--role does not combine with --nnodes yet")
         if args.role and args.no_prefix_caching:

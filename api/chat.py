@@ -100,7 +100,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             "usage": tally.usage(),
             "prompt_logprobs": prompt_logprobs,
             **({"prompt_token_ids": run.prompt} if body.return_token_ids else {}),
-            **state.kv_transfer_fields(tally),
+            **(await state.kv_transfer_fields(tally)),
         }
     )
 

@@ -99,7 +99,9 @@ async def create_completion(body: CompletionRequest, request: Request):
                 **({"prompt_token_ids": prompt, "token_ids": choice.token_ids} if body.return_token_ids else {}),
             }
         )
-    return JSONResponse({**header, "choices": choices, "usage": tally.usage(), **state.kv_transfer_fields(tally)})
+    return JSONResponse(
+        {**header, "choices": choices, "usage": tally.usage(), **(await state.kv_transfer_fields(tally))}
+    )
 
 
 def _encode_prompts(

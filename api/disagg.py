@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 PARAM = "kv_transfer_params"
 SIDE_CHANNEL_TIMEOUT = 5.0  # seconds for a claim or release on the prefill server
+# Seconds a prefill call waits for room under --kv-offer-memory (decode servers pulling and
+# releasing offers make it) before it is a 503: under load offers come and go in well under that.
+ROOM_WAIT = 5.0
 
 
 class DisaggRole:
@@ -80,8 +83,8 @@ class DisaggRole:
                 )
             if stream:
                 raise bad_request(f"{PARAM}.do_remote_decode needs stream false: the answer carries the offer", PARAM)
-            limit = self.transfer.max_offer_bytes
-            if limit is not None and self.transfer.pending()[1] >= limit:  # no room: do not run the prompt
+            if not await self._room(0):  # the pending offers hold the limit: do not run the prompt
+                limit = self.transfer.max_offer_bytes
                 raise offers_full(f"offers not yet pulled hold the limit of {limit} bytes of KV (--kv-offer-memory)")
             return True, None
         if self.role != "decode":
@@ -143,11 +146,26 @@ class DisaggRole:
         except httpx.HTTPError as e:  # it then counts until it expires
             logger.warning("KV transfer: releasing at %s failed: %r", offer.side_channel, e)
 
-    def response_fields(self, handoff: KVHandoff | None) -> dict:
+    async def _room(self, nbytes: int) -> bool:
+        """Whether the pending offers leave room for `nbytes` more (`> 0`) or any (0), waiting
+        up to ROOM_WAIT seconds for pulls to make it."""
+        limit = self.transfer.max_offer_bytes
+        deadline = asyncio.get_running_loop().time() + ROOM_WAIT
+        while limit is not None:
+            pending = self.transfer.pending()[1]
+            if (pending + nbytes <= limit) if nbytes else (pending < limit):
+                return True
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def response_fields(self, handoff: KVHandoff | None) -> dict:
         """The answer's kv_transfer_params: the offer of `handoff` (a finished prefill); a 503
-        when the offers not yet pulled have no room for it."""
+        when the offers not yet pulled have no room for it within ROOM_WAIT."""
         if handoff is None:
             return {}
+        await self._room(handoff.nbytes)  # else offer() says why not
         binding = {"model": self.model_name}
         if self.url is not None:
             binding["kv_transfer_url"] = f"{self.url}/kv_transfer"

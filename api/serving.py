@@ -79,9 +79,9 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(DEFAULT_TOKENIZER_POOL_SIZE, thread_name_prefix="tokenizer")
     )
 
-    def kv_transfer_fields(self, tally: Tally) -> dict:
+    async def kv_transfer_fields(self, tally: Tally) -> dict:
         """A finished call's `kv_transfer_params` (a prefill server's offer), if it has one."""
-        return {} if self.disagg is None else self.disagg.response_fields(tally.kv_handoff)
+        return {} if self.disagg is None else await self.disagg.response_fields(tally.kv_handoff)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name and model not in self.aliases:

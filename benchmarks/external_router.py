@@ -1,4 +1,5 @@
-"""jaxserve behind vllm-router: one server, two replicas, and prefill/decode, side by side.
+"""jaxserve behind vllm-router and behind its own router: one server, two replicas, and
+prefill/decode, side by side.
 
     pip install vllm-router   # or put its venv's bin on PATH; --router names the binary
     python benchmarks/external_router.py --conversations 8 --turns 2 --max-concurrency 4
@@ -7,7 +8,9 @@ Starts two jaxserve servers (the default model unless --model), one `--role pref
 one `--role decode` (without kv_transfer_params each serves calls whole), then runs one
 shared-prefix chat workload three times: straight to one server; through
 `vllm-router --policy cache_aware` over both (two replicas); through
-`vllm-router --vllm-pd-disaggregation` (prefill on one, decode on the other). The workload:
+`vllm-router --vllm-pd-disaggregation` (prefill on one, decode on the other); and the same
+two through jaxserve's own `python -m api.router` (`--replica`, then `--prefill/--decode`).
+The workload:
 `--system-prompts` long system prompts shared by `--conversations` conversations of
 `--turns` turns, each turn sending the whole history (so a turn's prompt starts with the
 previous turn's), streamed from /v1/chat/completions, at most `--max-concurrency` in
@@ -152,6 +155,25 @@ def jaxserve(args, role: str, log_dir: Path):
 
 
 @contextlib.contextmanager
+def own_router(log_dir: Path, *router_args: str):
+    """jaxserve's `python -m api.router` on a free port; yields its URL once it serves."""
+    log = log_dir / "api-router.log"
+    with open(log, "w") as out:
+        cmd = [sys.executable, "-m", "api.router", "--port", "0", *router_args]
+        process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := re.search(r"jaxserve: router on (http://\S+)", log.read_text())):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"api.router did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield match.group(1)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@contextlib.contextmanager
 def router(args, log_dir: Path, *router_args: str):
     port = free_port()
     cmd = [args.router, "--port", str(port), "--prometheus-port", str(free_port()), *router_args]
@@ -191,7 +213,9 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="the servers' model (default: the embedded default model)")
-    p.add_argument("--router", default=shutil.which("vllm-router"), help="the vllm-router binary")
+    beside = Path(sys.executable).parent / "vllm-router"  # installed in this venv, which may not be on PATH
+    found = str(beside) if beside.exists() else shutil.which("vllm-router")
+    p.add_argument("--router", default=found, help="the vllm-router binary (default: this venv's, else PATH's)")
     p.add_argument("--system-prompts", type=int, default=2)
     p.add_argument("--system-words", type=int, default=150, help="words per system prompt")
     p.add_argument("--conversations", type=int, default=8)
@@ -225,6 +249,10 @@ def main(argv=None) -> int:
         pd = ["--vllm-pd-disaggregation", "--prefill", a, "--decode", b, "--policy", "cache_aware"]
         with router(args, Path(tmp), *pd) as url:
             rows.append(measure("vllm-router PD, 1 prefill + 1 decode", url, [a], model, args))
+        with own_router(Path(tmp), "--replica", a, b) as url:
+            rows.append(measure("api.router, 2 replicas", url, [a, b], model, args))
+        with own_router(Path(tmp), "--prefill", a, "--decode", b) as url:
+            rows.append(measure("api.router PD, 1 prefill + 1 decode", url, [a], model, args))
     print(table(rows))
     return 0
 

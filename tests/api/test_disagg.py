@@ -19,6 +19,7 @@ Only the offered blocks travel: the bytes moved are num_blocks times one block's
 the model's config gives them.
 """
 
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -215,13 +216,14 @@ def test_wrong_roles_and_unsigned_offers_are_refused(servers):
 def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capped(
     servers, tiny_folder, tiny_engine, tmp_path
 ):
-    """A second decode server and a second prefill server (offers kept 6 s, room for one
-    offer of PROMPTS[0]): a replayed offer, one over the cap, an expired one, one claimed by a
-    decode server that then vanished (its bytes count until it expires), and one whose
-    prefill server was killed before it was pulled (the router then answers 503)."""
+    """A second decode server and a second prefill server (offers kept 8 s, room for one
+    offer of PROMPTS[0]): a replayed offer, a call over the cap that waits for room, an
+    expired offer, one claimed by a decode server that then vanished (its bytes count until
+    it expires; a call meanwhile is a 503 after its wait), and one whose prefill server was
+    killed before it was pulled (the router then answers 503)."""
     want = greedy_where_clear(tiny_engine.loaded, PROMPTS, MAX_TOKENS)
     one_offer = get_offer(servers[0], PROMPTS[0])["kv_transfer_params"]["num_bytes"]
-    small = ["--kv-transfer-timeout", "6", "--kv-offer-memory", str(one_offer * 3 // 2)]
+    small = ["--kv-transfer-timeout", "8", "--kv-offer-memory", str(one_offer * 3 // 2)]
     with run_server(tmp_path, "--model", str(tiny_folder), *ENGINE_FLAGS, "--role", "decode") as decode:
         # Replayed: pulled by the first decode server, then sent to this one, which the source refuses.
         offer = get_offer(servers[0], PROMPTS[1])["kv_transfer_params"]
@@ -235,7 +237,37 @@ def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capp
         prefill_dir.mkdir()
         flags = [*ENGINE_FLAGS, *small, "--role", "prefill"]
         with run_server(prefill_dir, "--model", str(tiny_folder), *flags) as prefill:
+
+            def wait_pending(offers: int) -> None:
+                for _ in range(150):
+                    if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == offers:
+                        break
+                    time.sleep(0.1)
+                assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == offers * one_offer
+
+            # At the cap a call waits for room: the decode server pulling and releasing the offer makes it.
             offer = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(get_offer, prefill, PROMPTS[0])
+                time.sleep(0.5)
+                assert not waiting.done() and prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 1
+                assert_same_where_clear([complete(decode, PROMPTS[0], offer)], want[:1])  # pulled, then released
+                second = waiting.result(timeout=60)["kv_transfer_params"]
+            assert_same_where_clear([complete(decode, PROMPTS[0], second)], want[:1])
+            wait_pending(0)
+
+            expiring = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]  # room again
+            time.sleep(6.5)  # within 2 s of its expiry: no longer pulled
+            assert_same_where_clear([complete(decode, PROMPTS[0], expiring)], want[:1])
+            assert refused(decode, "expired") == 1
+            wait_pending(0)  # expired: room again
+
+            # A decode server that claimed an offer and died mid-transfer never releases it:
+            # its bytes count until it expires; a call meanwhile waits, then is a 503.
+            vanished = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
+            claim = httpx.post(f"{vanished['kv_transfer_url']}/claim", json={"transfer_id": vanished["transfer_id"]})
+            assert claim.status_code == 200
+            wait_pending(1)
             full = httpx.post(
                 f"{prefill.url}/v1/completions",
                 headers=prefill.headers,
@@ -243,38 +275,13 @@ def test_offers_that_cannot_be_had_fall_back_at_once_and_pending_offers_are_capp
                 json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
             )
             assert full.status_code == 503 and full.json()["error"]["code"] == "kv_offers_full"
-            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == one_offer
-            assert_same_where_clear([complete(decode, PROMPTS[0], offer)], want[:1])  # pulled, then released
-            for _ in range(100):
-                if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 0:
-                    break
-                time.sleep(0.1)
-            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == 0
-            expiring = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]  # room again
-            time.sleep(4.5)  # within 2 s of its expiry: no longer pulled
-            assert_same_where_clear([complete(decode, PROMPTS[0], expiring)], want[:1])
-            assert refused(decode, "expired") == 1
-            for _ in range(100):  # expired: room again
-                if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 0:
-                    break
-                time.sleep(0.1)
-            # A decode server that claimed an offer and died mid-transfer never releases it:
-            # its bytes count until it expires, and then the room is back.
-            vanished = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
-            claim = httpx.post(f"{vanished['kv_transfer_url']}/claim", json={"transfer_id": vanished["transfer_id"]})
-            assert claim.status_code == 200
-            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == one_offer
-            for _ in range(150):
-                if prefill.metrics()["jaxserve:kv_transfer_offers_pending"] == 0:
-                    break
-                time.sleep(0.1)
-            assert prefill.metrics()["jaxserve:kv_transfer_offers_pending_bytes"] == 0
+            wait_pending(0)  # expired: the room is back
             offer = get_offer(prefill, PROMPTS[0])["kv_transfer_params"]
             prefill.process.kill()
             prefill.process.wait()
         assert_same_where_clear([complete(decode, PROMPTS[0], offer)], want[:1])
         assert refused(decode, "unreachable") == 1
-        assert transfer_counters(decode)["failed_pulls"] == 3 and transfer_counters(decode)["pulls"] == 1
+        assert transfer_counters(decode)["failed_pulls"] == 3 and transfer_counters(decode)["pulls"] == 2
         for server in (decode, servers[1]):
             assert server.metrics()["jaxserve:kv_transfer_pulls_in_flight"] == 0  # no thread left behind
         decode.wait_idle()
