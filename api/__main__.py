@@ -346,6 +346,7 @@ def main(argv=None) -> int:
         return 2
     if node is not None:  # a lost node fails the requests in flight and turns /health to 503
         node.on_failure = app.state.server.engine_loop.fail
+        app.state.server.engine_loop.explain_failure = lambda: node.wait_failure(multihost.FAILURE_WAIT)
 
     # Bind first, so --port 0 can report the port it got before serving.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
@@ -119,6 +119,10 @@ class EngineLoop:
         self.admitted = Admitted()
         self._taken = 0  # engine thread only; published in the snapshot
         self.error: BaseException | None = None
+        # When a step raises, what else may have caused it, asked before the requests fail: over
+        # several nodes a lost node breaks the step's collectives a moment before the watchdog
+        # names it (jaxserve.parallel.multihost.Leader.wait_failure).
+        self.explain_failure: Callable[[], str | None] | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -271,7 +275,9 @@ class EngineLoop:
                     self._step_started = None
             except Exception as e:  # a bug in the engine: fail everything rather than hang
                 logger.exception("the engine loop failed")
-                self.error = self.error or e  # fail() from another thread said why first
+                cause = self.explain_failure() if self.explain_failure is not None else None
+                # fail() from another thread may have said why first
+                self.error = self.error or (RuntimeError(cause) if cause else e)
                 self._fail_all(commands)
                 return self._refuse_forever()
             self._deliver(outputs)

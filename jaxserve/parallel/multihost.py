@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 CONTROL_KEY = "jaxserve/control"  # where the leader publishes its control address (not the key)
 KEY_ENV = "JAXSERVE_DIST_KEY"
 COMPILE_FACTOR = 10  # a step of a new shape compiles on every node first
+FAILURE_WAIT = 3.0  # seconds a failed step waits for the watchdog to name a lost node (Leader.wait_failure)
 
 
 class DistError(RuntimeError):
@@ -175,6 +176,7 @@ class Leader:
         self.codec = Codec()
         self.on_failure: Callable[[str], None] = fatal  # the server replaces it (fail requests, /health 503)
         self.failure: str | None = None
+        self._failed = threading.Event()
         self.steps = 0
         self._shapes_done: set[bytes] = set()  # step shapes every follower has run (compiled)
         self._lock = threading.Lock()
@@ -283,8 +285,16 @@ class Leader:
             if self.failure is not None:
                 return
             self.failure = f"{reason}; the model is split over every node, so none can go on"
+        self._failed.set()
         logger.error("jaxserve: %s", self.failure)
         self.on_failure(self.failure)
+
+    def wait_failure(self, timeout: float) -> str | None:
+        """Why the group stopped, waiting up to `timeout` s for the watchdog to find out (a
+        step that failed on a lost node's broken connection fails a moment before); None if
+        no node was found lost."""
+        self._failed.wait(timeout)
+        return self.failure
 
     def lead(self, runner, plan_types) -> None:
         """Send `runner`'s step plans (a ModelRunner's; `plan_types`: the dataclasses a plan is

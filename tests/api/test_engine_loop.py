@@ -138,6 +138,23 @@ def test_engine_failure_fails_requests_in_flight_and_later_ones():
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def test_a_failed_step_is_explained_by_what_broke_it():
+    # Over several nodes a lost node breaks the step's collectives a moment before the
+    # watchdog names it: the requests get the watchdog's reason, not the collective's error.
+    async def scenario():
+        loop = await _started(ScriptedEngine(fail_at_step=2))
+        loop.explain_failure = lambda: "node 1 of 2 closed its control connection"
+        generation = loop.generation(["r1"])
+        await generation.add([[1, 2]], SamplingParams(max_tokens=10), loop.admit(1), arrival_time=time.monotonic())
+        with pytest.raises(EngineDeadError, match="node 1 of 2 closed its control connection"):
+            async with generation:
+                async for _ in generation:
+                    pass
+        loop.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 def test_closing_a_generation_aborts_it():
     async def scenario():
         engine = ScriptedEngine()
