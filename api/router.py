@@ -56,6 +56,9 @@ from scheduler.router import chain_digests
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 CHUNK_BYTES = 128  # a prompt's text is matched in pieces of this size
 DEFAULT_LOAD_BOUND = 4
+# A busy server on a loaded machine may take a second or two to answer /health; a hung one
+# never does. Two misses of this many seconds in a row take an upstream out of rotation.
+DEFAULT_HEALTH_TIMEOUT = 5.0
 UPSTREAM_HEADER = "x-jaxserve-upstream"
 HOP_HEADERS = {"content-length", "content-type", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
@@ -67,7 +70,7 @@ def create_router(
     *,
     load_bound: int = DEFAULT_LOAD_BOUND,
     health_interval: float = 1.0,
-    health_timeout: float = 1.0,
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
     max_tries: int = 3,
     describe: Callable[[str], dict] | None = None,
 ) -> FastAPI:
@@ -313,9 +316,10 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--health-timeout",
         type=float,
-        default=1.0,
+        default=DEFAULT_HEALTH_TIMEOUT,
         metavar="SECONDS",
-        help="an upstream whose /health does not answer in this time twice in a row leaves the rotation (default 1)",
+        help="an upstream whose /health does not answer in this time twice in a row leaves the rotation "
+        f"(default {DEFAULT_HEALTH_TIMEOUT:g})",
     )
     p.add_argument("--max-tries", type=int, default=3, help="upstreams a call is tried on before it fails (default 3)")
 

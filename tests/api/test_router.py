@@ -43,8 +43,9 @@ FLAGS = [
         "32",
     ),
     *("--max-model-len", "256", "--num-blocks", "160", "--block-size", "4"),
-    # A prefix goes back to its replica only while that one is least loaded; hangs show in ~1 s.
-    *("--router-load-bound", "0", "--health-interval", "0.3", "--health-timeout", "0.5"),
+    # A prefix goes back to its replica only while that one is least loaded; a hang shows in two
+    # polls of 3 s (a busy replica on a loaded CI machine answers well within that).
+    *("--router-load-bound", "0", "--health-interval", "0.3", "--health-timeout", "3"),
 ]
 
 
@@ -181,21 +182,25 @@ def test_a_hung_replica_leaves_the_rotation_and_comes_back(server):
 def test_a_killed_replica_is_retried_elsewhere_restarted_and_readmitted(server, tiny_engine):
     client = server.client()
     # A stream on each replica; the one on the victim has started, so its client must get a
-    # clean error.
-    streams = [
-        client.completions.create(
-            model="tiny", prompt=p, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    # clean error. The victim is held (SIGSTOP) the moment its first chunk is here: a tiny
+    # model would otherwise finish the stream before the kill.
+    pids = {r["url"]: r["pid"] for r in replicas(server)}
+
+    def stream(prompt):
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
-        for p in PROMPTS
-    ]
+
+    streams = [stream(PROMPTS[0])]
     victim_chunks = iter(streams[0])
     next(victim_chunks)
+    os.kill(pids[streams[0].response.headers[UPSTREAM_HEADER]], signal.SIGSTOP)
     victim = next(r for r in replicas(server) if r["url"] == streams[0].response.headers[UPSTREAM_HEADER])
+    streams.append(stream(PROMPTS[1]))
     assert streams[1].response.headers[UPSTREAM_HEADER] != victim["url"]
-    # Calls in flight on the victim that have streamed nothing: hold it (SIGSTOP) while they
-    # arrive (equal loads alternate, so some go there), then kill it; the other replica
-    # must answer them.
-    os.kill(victim["pid"], signal.SIGSTOP)
+    # Calls in flight on the victim that have streamed nothing: they arrive while it is held
+    # (equal loads alternate, so some go there), then it is killed; the other replica must
+    # answer them.
     results: list = [None] * 4
     threads = [
         threading.Thread(target=lambda i=i: results.__setitem__(i, complete(server, PROMPTS[i % 2])))
