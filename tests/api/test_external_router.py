@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from api.replica_processes import free_port
 from tests.api.conftest import run_server
 from tests.api.test_disagg import transfer_counters
 
@@ -47,12 +47,6 @@ def router_binary() -> str:
     if found is None:
         pytest.fail("vllm-router is not installed: pip install -e '.[test]' (it is in the test extra)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

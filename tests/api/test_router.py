@@ -64,6 +64,18 @@ def replicas(server) -> list[dict]:
     return health(server)[1]["upstreams"]
 
 
+def greedy_texts_and_upstreams(client, prompts: list[str]) -> tuple[list[str], set[str]]:
+    """Each prompt's greedy text through the router, and the upstreams that answered."""
+    texts, served_by = [], set()
+    for prompt in prompts:
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        texts.append(raw.parse().choices[0].text)
+        served_by.add(raw.headers[UPSTREAM_HEADER])
+    return texts, served_by
+
+
 def wait_for(condition, what: str, timeout: float = 120):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -83,13 +95,7 @@ def test_replica_processes_answer_as_one_engine_and_health_lists_them(server, ti
     pids = {r["pid"] for r in body["upstreams"]}
     assert len(pids) == 2 and server.process.pid not in pids  # two processes of their own
     client = server.client()
-    texts, served_by = [], set()
-    for prompt in PROMPTS * 2:
-        raw = client.completions.with_raw_response.create(
-            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-        )
-        texts.append(raw.parse().choices[0].text)
-        served_by.add(raw.headers[UPSTREAM_HEADER])
+    texts, served_by = greedy_texts_and_upstreams(client, PROMPTS * 2)
     assert len(served_by) == 2  # equal loads alternate
     assert_same_where_clear(texts, greedy_where_clear(tiny_engine.loaded, PROMPTS * 2, MAX_TOKENS))
     assert [m.id for m in client.models.list().data] == ["tiny"]  # other routes pass through

@@ -16,10 +16,9 @@ import pytest
 from api.router import UPSTREAM_HEADER
 from tests.api.conftest import assert_same_where_clear, greedy_where_clear, run_server
 from tests.api.test_disagg import ENGINE_FLAGS, PROMPTS, run_router
+from tests.api.test_router import MAX_TOKENS, greedy_texts_and_upstreams
 
 pytestmark = pytest.mark.slow  # three servers and the router in subprocesses
-
-MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +50,7 @@ def test_a_decode_server_killed_mid_stream_ends_the_stream_cleanly_and_calls_fai
         list(chunks)
     # Later calls, streamed or not, go to the other decode server (retried there if they
     # first went to the dead one) and give the colocated text.
-    texts, served_by = [], set()
-    for prompt in PROMPTS * 2:
-        raw = client.completions.with_raw_response.create(
-            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-        )
-        texts.append(raw.parse().choices[0].text)
-        served_by.add(raw.headers[UPSTREAM_HEADER])
+    texts, served_by = greedy_texts_and_upstreams(client, PROMPTS * 2)
     assert served_by == {survivor.url}
     assert_same_where_clear(texts, greedy_where_clear(tiny_engine.loaded, PROMPTS * 2, MAX_TOKENS))
     streamed = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0, stream=True)
