@@ -65,12 +65,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (default 512)")
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by the KV cache)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length (default: the model's; one past the model's is refused; capped by the KV cache)",
+    )
+    p.add_argument(
+        "--allow-long-max-model-len",
+        action="store_true",
+        help="accept a --max-model-len past the model's own (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): positions "
+        "the model never saw give unreliable output (also: $JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN=1)",
+    )
     p.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
-        default=1 << 30,
-        help="bytes for the KV cache, e.g. 512MiB (default 1GiB)",
+        default=None,
+        help="bytes for the KV cache per device, e.g. 512MiB (overrides --gpu-memory-utilization; "
+        "default: 1GiB on the CPU, what --gpu-memory-utilization leaves on a GPU)",
     )
     p.add_argument("--num-blocks", type=int, help="KV-cache blocks (overrides --kv-cache-memory)")
     p.add_argument(
@@ -78,9 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=None,
         metavar="FRACTION",
-        help="vLLM's: the fraction of the GPU's memory (XLA's bytes_limit) the engine may use; the KV "
-        "cache gets what the weights and the largest step leave, measured after a warm-up "
-        "(overrides --kv-cache-memory; a GPU only)",
+        help="vLLM's: the fraction of each GPU's memory (XLA's bytes_limit) the engine may use; the KV "
+        "cache gets what the weights and the largest step leave, measured after a warm-up; with tensor "
+        "parallelism every device is measured and the smallest budget wins (default 0.9 on a GPU; "
+        "not on the CPU, which reports no memory: --kv-cache-memory sizes it there)",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -272,6 +284,7 @@ def main(argv=None) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        allow_long_max_model_len=args.allow_long_max_model_len,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,

@@ -179,6 +179,9 @@ def run_backend(loaded, backend: str, kv_cache_dtype: str, prompts: dict, args) 
             max_num_seqs=args.batch,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=1024,
+            # A fixed cache: this process builds an engine per variant and backend, and a memory
+            # fraction's measured peak (the default on a GPU) would count the earlier ones' caches.
+            kv_cache_memory=1 << 30,
             # Two step programs (decode of the greedy 8; a full step), compiled when first
             # needed: every engine here compiles in seconds. Prompts differ between passes.
             token_buckets=(8, args.max_num_batched_tokens),

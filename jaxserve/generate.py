@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         max_num_seqs=len(prompts),
         max_num_batched_tokens=buckets[-1],
         token_buckets=buckets,
-        max_model_len=max(lens) + params.max_tokens + 1,
+        # What the prompts need, within the model's own length (generation stops there)
+        max_model_len=min(max(lens) + params.max_tokens + 1, loaded.config.max_position_embeddings),
         kv_cache_memory=256 << 20,
         **model_engine_kwargs(args),
     )

@@ -119,7 +119,7 @@ def self_distill(loaded, prompts: list[list[int]], max_tokens: int, temperature:
             max_num_seqs=32,
             max_num_batched_tokens=512,
             warm_up=False,
-            max_model_len=max(map(len, prompts)) + max_tokens,
+            max_model_len=min(max(map(len, prompts)) + max_tokens, loaded.config.max_position_embeddings),
         ),
     )
     for i, ids in enumerate(prompts):

@@ -4,7 +4,8 @@
 before it):
 
     generation config, eos ids  ->  KV dtype  ->  mesh  ->  attention and matmul kernels
-      ->  KV-cache size (a probe runner first under gpu_memory_utilization)
+      ->  KV-cache size (a probe runner first under gpu_memory_utilization, the default on
+          a device that reports its memory; see kv_memory_bytes)
       ->  scheduler  ->  runner (warm-up compiles every program)  ->  proposer  ->  grammars
 
 `LLMEngine` keeps the parts and runs them; `load(...)` reads the weights for
@@ -26,9 +27,10 @@ import jax.numpy as jnp
 
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.generation_config import GenerationDefaults, read_generation_config
+from jaxserve.engine.kv_memory import kv_memory_bytes, require_memory_stats
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
-from jaxserve.model.sizing import both_units, kv_budget_for_utilization, plan_kv
+from jaxserve.model.sizing import both_units, plan_kv
 from jaxserve.parallel.devices import ensure_host_devices
 from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh, resident_bytes
 from jaxserve.runner.kernels import select_attention, select_matmul
@@ -78,7 +80,14 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     spec = config.speculative_config
     num_spec = spec.num_draft_tokens if spec else 0
-    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    max_model_len = config.resolve_max_model_len(mcfg.max_position_embeddings)
+    if max_model_len > mcfg.max_position_embeddings:
+        logger.warning(
+            "max_model_len %d is longer than the model's %d (allowed): output past %d tokens is unreliable",
+            max_model_len,
+            mcfg.max_position_embeddings,
+            mcfg.max_position_embeddings,
+        )
     tp = config.tensor_parallel_size
     check_tensor_parallel(mcfg, tp)
     mesh = make_mesh(tp, config.device_ids)
@@ -101,9 +110,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         keep_step_hidden=spec is not None and spec.method == "eagle",
         mesh=mesh,
     )
-    memory_bytes = config.kv_cache_memory
-    if config.gpu_memory_utilization is not None and config.num_blocks is None:
-        memory_bytes = kv_memory_for_utilization(make_runner, max_model_len, config.gpu_memory_utilization, mesh)
+    memory_bytes = kv_memory_bytes(config, make_runner, max_model_len, mesh)
     kv_plan = plan_kv(
         mcfg,
         kv_dtype,
@@ -117,7 +124,8 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if kv_plan.max_sequences == 0:
         logger.warning(
             "the KV cache (%d tokens) cannot hold one sequence of max_model_len %d tokens (%s); "
-            "using max_model_len %d (python -m jaxserve.plan sizes the cache)",
+            "using max_model_len %d: for the full length give the cache more memory (--kv-cache-memory, "
+            "--gpu-memory-utilization; python -m jaxserve.plan sizes it) or a smaller --max-model-len",
             capacity,
             max_model_len,
             both_units(kv_plan.bytes_per_sequence),
@@ -201,9 +209,9 @@ def load(
     fields) before that: ask jax for the CPU devices they need, refuse what cannot work here."""
     config = EngineConfig(**engine_kwargs)
     ensure_host_devices(config.tensor_parallel_size if config.device_ids is None else max(config.device_ids) + 1)
-    if config.gpu_memory_utilization is not None:
+    if config.gpu_memory_utilization is not None and config.kv_cache_memory is None and config.num_blocks is None:
         require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
-    mesh = load_mesh(model, config.tensor_parallel_size, config.device_ids)
+    mesh = load_mesh(model, config.tensor_parallel_size, config.device_ids, config)
     enable_compilation_cache(cache_dir)
     dtype = resolve_dtype(dtype, model)
     loaded = load_model(
@@ -247,12 +255,18 @@ def node_fingerprint(model: str | None, *, dtype="auto", quantization: str | Non
     return json.loads(json.dumps(fingerprint, default=str))  # as the other node reads it
 
 
-def load_mesh(model: str | None, tensor_parallel_size: int = 1, device_ids=None) -> jax.sharding.Mesh:
+def load_mesh(
+    model: str | None, tensor_parallel_size: int = 1, device_ids=None, config: EngineConfig | None = None
+) -> jax.sharding.Mesh:
     """The mesh `load_model` places `model`'s weights on, once its config (read without the
-    weights) shows that its heads split over `tensor_parallel_size` devices: a size that
-    does not fit is refused before anything heavy is read."""
+    weights) shows that its heads split over `tensor_parallel_size` devices (and that
+    `config`'s max_model_len is not past the model's): what does not fit is refused before
+    anything heavy is read."""
     hf_config, _ = read_hf_config(model)
-    check_tensor_parallel(ModelConfig.from_hf_dict(hf_config), tensor_parallel_size)
+    model_config = ModelConfig.from_hf_dict(hf_config)
+    check_tensor_parallel(model_config, tensor_parallel_size)
+    if config is not None:
+        config.resolve_max_model_len(model_config.max_position_embeddings)
     return make_mesh(tensor_parallel_size, device_ids)
 
 
@@ -264,40 +278,6 @@ def log_resident_bytes(runner: ModelRunner) -> None:
         ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in weights.items()),
         ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in kv.items()),
     )
-
-
-def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh) -> int:
-    """The KV cache's bytes under gpu_memory_utilization, as vLLM sizes it.
-
-    The order matters: the activations of the largest step are known only once it has
-    run, and running needs a cache. So a probe runner with the smallest cache (the null
-    block and one more) compiles and runs every step shape first (warm-up, the largest
-    included); the device's peak in use then is the weights plus the largest step's
-    activations plus that small cache. The cache gets `utilization * bytes_limit` less
-    that peak (the probe's cache excepted); the probe is freed before the real runner
-    allocates it. Its programs compile again for the real cache's shape (the persistent
-    compilation cache keeps both for the next start). A peak from loading the weights
-    (jax cannot reset it) only makes the figure smaller, never too large. Not counted: a
-    draft model (speculative_config), which loads after the cache is sized."""
-    device = mesh.devices.flat[0]
-    require_memory_stats(device)
-    probe = make_runner(num_blocks=2, max_model_len=max_model_len)
-    probe.warm_up()
-    stats = device_memory_stats(device)
-    probe_kv = probe.kv.nbytes
-    jax.tree.map(lambda a: a.delete(), probe.kv)
-    del probe
-    budget = kv_budget_for_utilization(
-        utilization, total_bytes=stats["bytes_limit"], peak_bytes=stats["peak_bytes_in_use"] - probe_kv
-    )
-    logger.info(
-        "gpu_memory_utilization %s of %s: weights and activations peaked at %s; KV cache budget %s",
-        utilization,
-        both_units(stats["bytes_limit"]),
-        both_units(stats["peak_bytes_in_use"] - probe_kv),
-        both_units(budget),
-    )
-    return budget
 
 
 def step_token_buckets(config: EngineConfig, num_spec: int) -> list[int] | None:
@@ -319,19 +299,6 @@ def grammar_backend(tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int) 
         return LLGuidanceBackend(tokenizer, eos_token_ids, vocab_size)
     except ValueError as e:
         raise ValueError(f"structured output needs a tokenizer the grammar engine can read: {e}") from None
-
-
-def device_memory_stats(device) -> dict | None:
-    """The device's allocator figures (`bytes_limit`, `peak_bytes_in_use`, ...); None on the CPU."""
-    return device.memory_stats()
-
-
-def require_memory_stats(device) -> None:
-    if device_memory_stats(device) is None:
-        raise ValueError(
-            f"gpu_memory_utilization needs a device that reports its memory; the {device.platform} "
-            "device does not: size the KV cache with kv_cache_memory (--kv-cache-memory) instead"
-        )
 
 
 def enable_compilation_cache(cache_dir=None) -> None:

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxserve.spec_decode.config import SpeculativeConfig
+
+# The KV cache's size when none is given: vLLM's fraction of an accelerator's memory, and a
+# fixed size on the CPU (which reports no memory, and is often a machine shared with others).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,13 +19,18 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # A max_model_len past the model's own is refused unless this (or $JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN=1)
+    allow_long_max_model_len: bool = False
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    # Bytes for K and V of all layers, per device; None: gpu_memory_utilization where the
+    # device reports its memory, else DEFAULT_CPU_KV_CACHE_MEMORY (see builder.kv_memory_bytes).
+    kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" or "int8" (see jaxserve.model.kv_cache)
     num_blocks: int | None = None  # overrides kv_cache_memory
-    # vLLM's: the fraction of the device's memory the engine may use; the KV cache gets what
+    # vLLM's: the fraction of each device's memory the engine may use; the KV cache gets what
     # the weights and the largest step leave (measured, see builder.kv_memory_for_utilization).
-    # Overrides kv_cache_memory; num_blocks overrides it. Needs a device that reports its memory.
+    # None: DEFAULT_GPU_MEMORY_UTILIZATION on a device that reports its memory (not the CPU).
+    # kv_cache_memory and num_blocks override it.
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
@@ -48,8 +60,27 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative decoding with {spec.method!r} does not run with tensor parallelism yet; ngram does"
                 )
-            if u is not None:
+
+    def resolve_max_model_len(self, model_len: int) -> int:
+        """max_model_len, or the model's own length (`model_len`: max_position_embeddings);
+        one past the model's is refused (vLLM's rule) unless allowed by allow_long_max_model_len
+        or $JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN=1: positions the model never saw in training
+        give unreliable output."""
+        if not self.max_model_len:  # None (or 0, as before): the model's
+            return model_len
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_model_len > model_len:
+            if not (self.allow_long_max_model_len or allow_long_from_env()):
                 raise ValueError(
-                    "gpu_memory_utilization does not work with tensor parallelism yet; "
-                    "give kv_cache_memory (per device)"
+                    f"max_model_len {self.max_model_len} is longer than the model's {model_len} "
+                    f"(max_position_embeddings in its config): positions past {model_len} were never trained, "
+                    f"and the output there is unreliable. Give at most {model_len}, or allow it anyway with "
+                    f"--allow-long-max-model-len (allow_long_max_model_len=True, or ${ALLOW_LONG_MAX_MODEL_LEN_ENV}=1)"
                 )
+        return self.max_model_len
+
+
+def allow_long_from_env() -> bool:
+    """$JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN set to 1 or true (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    return os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true")

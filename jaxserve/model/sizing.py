@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -210,6 +212,44 @@ def kv_budget_for_utilization(utilization: float, *, total_bytes: int, peak_byte
             f"/ max_num_seqs)"
         )
     return budget
+
+
+class KVBudget(NamedTuple):
+    """The KV cache's bytes per device under --gpu-memory-utilization, each device's figure
+    and the device that bounds it (with tensor parallelism every device holds the same
+    cache shape, so the smallest budget is the one that fits all)."""
+
+    per_device: dict[str, int]  # device name -> its own budget
+
+    @property
+    def bytes(self) -> int:
+        return min(self.per_device.values())
+
+    @property
+    def limiting_device(self) -> str:
+        return min(self.per_device, key=self.per_device.__getitem__)
+
+
+def kv_budget_per_device(
+    utilization: float, stats: Mapping[str, Mapping[str, int]], probe_kv_bytes: Mapping[str, int]
+) -> KVBudget:
+    """Each device's KV bytes from its allocator figures (`stats[device]`: `bytes_limit` and
+    `peak_bytes_in_use`, read after the probe's warm-up) less what the probe's own small
+    cache held there (`probe_kv_bytes[device]`): see kv_budget_for_utilization. Raises
+    ValueError naming the device where nothing is left."""
+    if not stats:
+        raise ValueError("no device memory figures to size the KV cache from")
+    per_device = {}
+    for device, s in stats.items():
+        try:
+            per_device[device] = kv_budget_for_utilization(
+                utilization,
+                total_bytes=s["bytes_limit"],
+                peak_bytes=s["peak_bytes_in_use"] - probe_kv_bytes.get(device, 0),
+            )
+        except ValueError as e:
+            raise ValueError(f"{device}: {e}" if len(stats) > 1 else str(e)) from None
+    return KVBudget(per_device)
 
 
 def per_device_config(cfg: ModelConfig, tp: int) -> ModelConfig:

@@ -26,7 +26,7 @@ def test_defaults_and_flags(monkeypatch):
     monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
     args = parse_args([])
     assert (args.host, args.port, args.api_key, args.model, args.max_waiting) == ("127.0.0.1", 8000, None, None, None)
-    assert args.kv_cache_memory == 1 << 30
+    assert (args.kv_cache_memory, args.gpu_memory_utilization) == (None, None)  # the engine picks by device
     assert (args.kv_cache_dtype, args.attention_backend, args.matmul_backend) == ("auto", None, None)
     assert (args.max_request_sequences, args.max_request_body_bytes) == (256, 32 << 20)
     assert not args.enable_prompt_tokens_details  # off, as in vLLM: cached_tokens reveals others' prefixes

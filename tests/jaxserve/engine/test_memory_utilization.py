@@ -1,10 +1,12 @@
 """--gpu-memory-utilization: the KV cache gets `utilization * device memory` less what the
-weights and the largest step's activations took (vLLM's sizing).
+weights and the largest step's activations took (vLLM's sizing); 0.9 by default on a
+device that reports its memory, a fixed 1 GiB on the CPU; with tensor parallelism every
+device is measured and the smallest budget wins.
 
 The CPU reports no device memory, so the arithmetic is checked with injected device
 figures, by hand; the engine's order (probe, measure, then allocate) with the device's
-figures injected and the live arrays counted; and the CPU's refusal for real. The GPU
-path itself runs in benchmarks/gpu_check.sh (--only memory)."""
+figures injected and the live arrays counted; and the CPU's default and refusal for real.
+The GPU path itself runs in benchmarks/gpu_check.sh (--only memory, --only kvdefault)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import sys
 import jax
 import pytest
 
-from jaxserve.engine import EngineConfig, LLMEngine, builder
+from jaxserve.engine import EngineConfig, LLMEngine, kv_memory
+from jaxserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import kv_bytes_per_token
-from jaxserve.model.sizing import kv_budget_for_utilization, plan_kv
+from jaxserve.model.sizing import kv_budget_for_utilization, kv_budget_per_device, per_device_config, plan_kv
 from scheduler import SamplingParams
 from tests.api.conftest import REPO
 
@@ -101,7 +104,7 @@ def test_engine_measures_after_warm_up_and_before_allocating(tiny_llama, monkeyp
     seen = {}
     total = 2 * (sum(a.nbytes for a in jax.live_arrays()) + 8 * MiB)
     probes_before = caches().count(probe_shape)
-    monkeypatch.setattr(builder, "device_memory_stats", device_stats)
+    monkeypatch.setattr(kv_memory, "device_memory_stats", device_stats)
     limits = dict(
         max_num_seqs=2,
         max_num_batched_tokens=16,
@@ -129,3 +132,91 @@ def test_engine_measures_after_warm_up_and_before_allocating(tiny_llama, monkeyp
         e.add_request("b", [10, 11, 12], params)
     tokens = [{o.request_id: o.outputs[0].token_ids for o in e.generate_all()} for e in (engine, direct)]
     assert tokens[0] == tokens[1] and len(tokens[0]["a"]) == 8
+
+
+def test_tensor_parallel_budget_is_the_smallest_devices():
+    # Two 80 GiB devices at 0.9 (72 GiB allowed on each); at the peak device 0 held 8 GiB of
+    # weights and activations, device 1 10 GiB, and each 1 MiB of the probe's cache.
+    stats = {
+        "cuda:0": {"bytes_limit": 80 * GiB, "peak_bytes_in_use": 8 * GiB + MiB},
+        "cuda:1": {"bytes_limit": 80 * GiB, "peak_bytes_in_use": 10 * GiB + MiB},
+    }
+    budget = kv_budget_per_device(0.9, stats, {"cuda:0": MiB, "cuda:1": MiB})
+    assert budget.per_device == {"cuda:0": 64 * GiB, "cuda:1": 62 * GiB}
+    assert (budget.bytes, budget.limiting_device) == (62 * GiB, "cuda:1")
+    # A smaller device bounds it though it holds less: 0.9 of 40 GiB is 36 GiB, less 4 GiB.
+    stats["cuda:2"] = {"bytes_limit": 40 * GiB, "peak_bytes_in_use": 4 * GiB}
+    budget = kv_budget_per_device(0.9, stats, {"cuda:0": MiB, "cuda:1": MiB})
+    assert (budget.bytes, budget.limiting_device) == (32 * GiB, "cuda:2")
+    # One device alone: the single-device figure of kv_budget_for_utilization.
+    one = kv_budget_per_device(0.9, {"cuda:0": stats["cuda:0"]}, {"cuda:0": MiB})
+    assert one.bytes == kv_budget_for_utilization(0.9, total_bytes=80 * GiB, peak_bytes=8 * GiB) == 64 * GiB
+
+
+def test_a_device_with_nothing_left_is_named():
+    stats = {
+        "cuda:0": {"bytes_limit": 10 * GiB, "peak_bytes_in_use": 2 * GiB},
+        "cuda:1": {"bytes_limit": 10 * GiB, "peak_bytes_in_use": 6 * GiB},
+    }
+    with pytest.raises(ValueError, match=r"^cuda:1: gpu_memory_utilization 0\.5 allows .* nothing is left"):
+        kv_budget_per_device(0.5, stats, {})
+
+
+LIMITS = dict(
+    max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), max_model_len=64, enable_prefix_caching=False
+)
+
+
+def test_the_cpu_default_is_a_fixed_size(tiny_llama):
+    assert jax.devices()[0].memory_stats() is None
+    engine = LLMEngine(tiny_llama, EngineConfig(warm_up=False, **LIMITS))
+    plan = plan_kv(tiny_llama.config, "float32", context=64, memory_bytes=DEFAULT_CPU_KV_CACHE_MEMORY)
+    assert DEFAULT_CPU_KV_CACHE_MEMORY == GiB and engine.runner.kv.num_blocks == plan.num_blocks
+
+
+def injected_memory(monkeypatch, totals: dict[int, int]) -> dict:
+    """Device figures for the engine (device id -> bytes_limit), the peak being the bytes of
+    jax's live arrays on that device at the moment the engine asks; what it saw, by device id."""
+    seen = {}
+
+    def device_stats(device):
+        live = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device == device)
+        seen[device.id] = live
+        return {"bytes_limit": totals[device.id], "peak_bytes_in_use": live}
+
+    monkeypatch.setattr(kv_memory, "device_memory_stats", device_stats)
+    return seen
+
+
+def test_a_device_that_reports_memory_gets_0_9_of_it_unless_a_size_is_given(tiny_llama, monkeypatch):
+    cfg = tiny_llama.config
+    probe_kv = 2 * 16 * kv_bytes_per_token(cfg, "float32")
+    total = 2 * (sum(a.nbytes for a in jax.live_arrays()) + 8 * MiB)
+    seen = injected_memory(monkeypatch, {0: total})
+    engine = LLMEngine(tiny_llama, EngineConfig(**LIMITS))  # nothing given: the default fraction
+    budget = kv_budget_for_utilization(0.9, total_bytes=total, peak_bytes=seen[0] - probe_kv)
+    expected = plan_kv(cfg, "float32", context=64, memory_bytes=budget).num_blocks
+    assert engine.runner.kv.num_blocks == expected > 100
+    del engine
+
+    seen.clear()  # a size given wins, and the device is not measured
+    engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_memory=4 * MiB, warm_up=False, **LIMITS))
+    assert engine.runner.kv.num_blocks == plan_kv(cfg, "float32", context=64, memory_bytes=4 * MiB).num_blocks
+    engine = LLMEngine(tiny_llama, EngineConfig(num_blocks=40, gpu_memory_utilization=0.5, warm_up=False, **LIMITS))
+    assert engine.runner.kv.num_blocks == 40 and seen == {}
+
+
+def test_tensor_parallel_measures_every_device_and_takes_the_smallest(tiny_llama, monkeypatch):
+    cfg = tiny_llama.config
+    live = sum(a.nbytes for a in jax.live_arrays())
+    totals = {0: 4 * live + 64 * MiB, 1: 4 * live + 24 * MiB}  # device 1 is the smaller
+    seen = injected_memory(monkeypatch, totals)
+    engine = LLMEngine(tiny_llama, EngineConfig(tensor_parallel_size=2, gpu_memory_utilization=0.5, **LIMITS))
+    # Each device held half the probe's K and V (one of the two KV heads).
+    probe_kv = 2 * 16 * kv_bytes_per_token(per_device_config(cfg, 2), "float32")
+    stats = {str(d): {"bytes_limit": totals[d.id], "peak_bytes_in_use": seen[d.id]} for d in engine.mesh.devices.flat}
+    budget = kv_budget_per_device(0.5, stats, dict.fromkeys(stats, probe_kv))
+    assert set(seen) == {0, 1} and budget.limiting_device == str(jax.devices()[1])
+    expected = plan_kv(cfg, "float32", context=64, memory_bytes=budget.bytes, tp=2).num_blocks
+    assert engine.runner.kv.num_blocks == expected > 100
+    assert min(budget.per_device.values()) < max(budget.per_device.values())  # the smaller one was taken
