@@ -25,6 +25,9 @@
 #   steploop   2 x 150 s  device idle between steps, overlapped and serial loop (throughput.py --profile);
 #   plan       240 s  python -m jaxserve.plan --measure: decode steps at batch 1..256 beside the roofline;
 #   memory     150 s  --gpu-memory-utilization 0.5: the KV cache chosen, the device's memory stats;
+#   kvdefault  150 s  no KV size given (the default, 0.9 of each GPU's memory, measured), on the random
+#                     Llama-1B-shaped model (2 layers; no wheel needed), tensor parallel 2 with 2+ GPUs:
+#                     the KV cache chosen per device, 32 x 64 tokens, the peak within 0.9 of bytes_limit;
 #   structured 240 s  constrained against free decode at batch 1 and 32 (structured.py --profile);
 #   scaling    3 x 170 s  with 2+ GPUs data-parallel replicas and disaggregated prefill / decode,
 #                     with 3+ tensor parallelism over 3, each against one GPU;
@@ -46,7 +49,7 @@
 #     bash benchmarks/gpu_check.sh --only speed      # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(versions compile numerics speed e2e steploop plan memory structured scaling tp2)
+SECTIONS=(versions compile numerics speed e2e steploop plan memory kvdefault structured scaling tp2)
 DEFAULT_SECTIONS=(versions compile numerics speed e2e)
 BUDGET=540      # seconds: a lent call is killed at 600
 KILL_AFTER=5    # seconds between a step's SIGINT and its SIGKILL
@@ -289,6 +292,58 @@ from jaxserve.engine.llm_engine import LLMEngine
 from scheduler import SamplingParams' "${REAL[2]}")
   SHOW="$PYTHON -c <memory program> (with --dry-run: it compiles, and its imports exist)"
   step memory 150 "$OUT/memory.txt"
+fi
+
+if wanted kvdefault; then
+  total=$((total + 150))
+  REAL=("$PYTHON" -c '
+import sys, tempfile
+from pathlib import Path
+
+import jax
+
+from benchmarks.gpu_e2e import write_random_model
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.model.sizing import both_units
+from jaxserve.parallel.sharding import resident_bytes
+from scheduler import SamplingParams
+
+shape, layers = sys.argv[1], int(sys.argv[2])
+tp = min(2, len(jax.devices()))
+tmp = tempfile.TemporaryDirectory(prefix="jaxserve-kvdefault-")  # the model and its converted cache
+folder = Path(tmp.name)
+write_random_model(folder / "model", shape, layers)
+engine = LLMEngine.from_model(str(folder / "model"), dtype="bfloat16", cache_dir=str(folder / "cache"), progress=False,
+                              tensor_parallel_size=tp, max_num_seqs=32, max_num_batched_tokens=512)
+kv, devices = engine.runner.kv, list(engine.mesh.devices.flat)
+per_seq = -(-engine.max_model_len // kv.block_size)
+print(f"KV cache chosen (no size given, tensor parallel {tp}): {kv.num_blocks} blocks of {kv.block_size} tokens, "
+      f"{(kv.num_blocks - 1) * kv.block_size:,} tokens, {(kv.num_blocks - 1) // per_seq:,} sequences of "
+      f"max_model_len {engine.max_model_len}; {both_units(kv.nbytes)} in all")
+held = resident_bytes(kv)
+for d in devices:
+    limit = (d.memory_stats() or {}).get("bytes_limit")
+    share = f" ({held[d.id] / limit:.3f} of bytes_limit {both_units(limit)})" if limit else " (the CPU: no memory figures)"
+    print(f"  {d}: KV cache {both_units(held[d.id])}{share}")
+for i in range(32):
+    engine.add_request(str(i), list(range(3, 67)), SamplingParams(max_tokens=64, ignore_eos=True))
+engine.generate_all()
+ok = True
+for d in devices:
+    s = d.memory_stats()
+    if s:  # a GPU: the default fraction holds
+        peak, limit = s["peak_bytes_in_use"], s["bytes_limit"]
+        fits = peak <= 0.9 * limit * 1.01
+        print(f"  {d}: peak {both_units(peak)} after 32 x 64 tokens, within 0.9 of bytes_limit (1% slack): {fits}")
+        ok = ok and fits
+    else:  # the CPU: the fixed default
+        ok = ok and held[d.id] <= (1 << 30)
+raise SystemExit(0 if ok else 1)
+' llama-1b 2)
+  # The same program on the CPU (two devices: tensor parallel 2) with the tiny shape: the CPU's fixed default.
+  DRY=(env JAX_NUM_CPU_DEVICES=2 "${REAL[@]:0:3}" tiny 1)
+  SHOW="$PYTHON -c <kvdefault program> llama-1b 2 (with --dry-run: the same on two CPU devices, a tiny model)"
+  step kvdefault 150 "$OUT/kvdefault.txt"
 fi
 
 if wanted structured; then

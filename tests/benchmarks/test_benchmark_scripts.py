@@ -186,6 +186,17 @@ def test_gpu_check_dry_run(tmp_path):
         assert json.loads((tmp_path / "dry-run" / name).read_text())
 
 
+@pytest.mark.slow
+def test_gpu_check_kvdefault_dry_run(tmp_path):
+    """The kvdefault section's program, run for real on two CPU devices (tensor parallel 2)
+    with no KV size given: the CPU's fixed 1 GiB on each device."""
+    out = run_gpu_check(tmp_path, "--dry-run", "--only", "kvdefault")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    log = (tmp_path / "dry-run" / "kvdefault.txt").read_text()
+    assert "KV cache chosen (no size given, tensor parallel 2): 524288 blocks of 16 tokens" in log
+    assert log.count("KV cache 1.07 GB (1.00 GiB) (the CPU: no memory figures)") == 2
+
+
 def test_gpu_check_dry_run_refuses_limits_past_one_call(tmp_path):
     out = run_gpu_check(tmp_path, "--dry-run", "--only", "plan", "--only", "structured", "--only", "memory")
     assert out.returncode == 1
