@@ -73,7 +73,8 @@ def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: floa
     probe = make_runner(num_blocks=2, max_model_len=max_model_len)
     probe.warm_up()
     stats = {str(d): device_memory_stats(d) for d in devices}
-    probe_kv = {str(d): resident_bytes(probe.kv).get(d.id, 0) for d in devices}
+    held = resident_bytes(probe.kv)  # by device id
+    probe_kv = {str(d): held.get(d.id, 0) for d in devices}
     jax.tree.map(lambda a: a.delete(), probe.kv)
     del probe
     budget = kv_budget_per_device(utilization, stats, probe_kv)
