@@ -3,8 +3,10 @@
 `load_model(None)` is the embedded default model. Other references: a Hugging Face
 folder, a `.gguf` file, or a hub id (downloaded when the machine is online). The first
 load converts the weights (dequantize, rename, quantize if asked) and saves the result
-with orbax under the cache directory, keyed by dtype and quantization; the next load of
-the same files restores that instead.
+with orbax under the cache directory (jaxserve.weights.cache: keyed by the files' content,
+then by dtype and quantization); the next load of the same content restores that instead, and
+a variant that can be computed exactly from a cached float copy is derived from it
+(jaxserve.weights.derive) rather than converted and stored again.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,15 +36,14 @@ from jaxserve.parallel.sharding import (
     replicate_kv_heads,
     tensor_parallel_size,
 )
-from jaxserve.weights import compressed_tensors, safetensors_reader
+from jaxserve.weights import cache, compressed_tensors, derive, safetensors_reader
+from jaxserve.weights.cache import default_cache_dir
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
-from jaxserve.weights.params import ParamAssembler, build_model, place_params
+from jaxserve.weights.params import ParamAssembler, _flatten, build_model, place_params
 
 logger = logging.getLogger(__name__)
-
-CACHE_FORMAT = 4  # bump when the converted layout changes, so old caches are ignored
 
 
 @dataclasses.dataclass
@@ -59,10 +59,6 @@ class LoadedModel:
     @property
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve"))
 
 
 def load_model(
@@ -90,20 +86,20 @@ def load_model(
     source = resolve_source(model)
     dtype = jnp.dtype(dtype)
     quant = resolve_quantization(source, quantization)
-    entry = Path(cache_dir or default_cache_dir()) / _cache_key(source, dtype, quant)
+    cache_root = Path(cache_dir or default_cache_dir())
     if use_cache and jax.distributed.is_initialized():
         # NOTE: orbax saves and restores as a collective of every jax.distributed process and
         # refuses arrays held by one; each node (jaxserve.parallel.multihost) converts on its own.
         logger.info("several nodes: the converted-weight cache is not used")
         use_cache = False
-    loaded = None
-    if use_cache and (entry / "complete").is_file():
-        try:
-            loaded = _restore(entry, source, dtype, quant, mesh)
-        except Exception as e:  # a damaged cache is rebuilt, never fatal
-            logger.warning("ignoring damaged weight cache %s: %s", entry, e)
+    entry = cache.checkpoint_dir(cache_root, source) / cache.variant_name(dtype, quant) if use_cache else None
+    loaded = _from_cache(entry, source, dtype, quant, mesh) if use_cache else None
     if loaded is None:
-        loaded = _convert(source, dtype, quant, progress, mesh, entry if use_cache else None)
+        loaded = _convert(source, dtype, quant, progress, mesh, entry)
+        if entry is not None and (entry / "complete").is_file():
+            cache.mark_used(entry)
+            for gone in cache.evict_to_fit(cache_root, cache.max_bytes_from_env(), keep=entry):
+                logger.info("weight cache over its cap: removed %s/%s", gone.model, gone.variant)
     if tokenizer_override is not None:
         loaded.tokenizer = tokenizer_override
     logger.info(
@@ -200,12 +196,24 @@ def weights_digest(source: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_key(source: Path, dtype, quant: QuantConfig | None) -> str:
-    files = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
-    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    scheme = None if quant is None else [quant.method, quant.kind, quant.group_size]
-    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(dtype), scheme, stamp]).encode()).hexdigest()[:16]
-    return f"{source.stem}-{dtype}{'-' + quant.method if quant else ''}-{digest}"
+def _from_cache(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel | None:
+    """The variant restored from `entry`, or derived from a lossless base of the same
+    checkpoint; None when neither is there. A damaged entry is removed (and rebuilt), never fatal."""
+    used = entry
+    try:
+        if (entry / "complete").is_file():
+            loaded = _restore(entry, source, dtype, quant, mesh)
+        elif derive.can_derive(quant) and (base := cache.lossless_base(entry.parent, entry.name)):
+            used = base
+            loaded = _derive(base, source, dtype, quant, mesh)
+        else:
+            return None
+    except Exception as e:
+        logger.warning("removing damaged weight cache %s: %s", used, e)
+        shutil.rmtree(used, ignore_errors=True)
+        return None
+    cache.mark_used(used)
+    return loaded
 
 
 def _convert(
@@ -227,16 +235,20 @@ def _convert(
     assembler = ParamAssembler(config, dtype, quant)
     if quant is not None and quant.kind == "int4":
         _log_group_sizes(assembler.specs, quant)
+    source_dtypes = set()  # what the checkpoint's tensors arrived as: is this copy lossless?
     for name, tensor in tqdm(
         tensors, total=total, desc=f"loading {source.name}", unit="tensor", disable=not progress, leave=False
     ):
+        source_dtypes.add(tensor.dtype if isinstance(tensor, np.ndarray) else None)
         assembler.add(name, tensor)
     tokenizer = _load_tokenizer(source, gguf)
     host = assembler.take_host_params()
     if cache_entry is not None:
         # NOTE: saved from the host before placing: the cache holds the model's own K/V heads
         # (placing may repeat them), and any mesh can restore it.
-        _save(cache_entry, host, tokenizer, hf_config, str(source))
+        lossless = quant is None and derive.holds_exactly(source_dtypes, dtype)
+        meta = {"source": str(source), "dtype": str(dtype), "quantization": quant and quant.method}
+        _save(cache_entry, host, tokenizer, hf_config, {**meta, "lossless": lossless})
     model = place_params(assembler.graphdef, assembler.state, host, config, mesh)  # unstacked: the serving layout
     return LoadedModel(config, model, tokenizer, str(source), False, hf_config, quant)
 
@@ -278,7 +290,7 @@ def _fast_tokenizer(folder: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
-def _save(entry: Path, params: dict, tokenizer, hf_config: dict, source: str) -> None:
+def _save(entry: Path, params: dict, tokenizer, hf_config: dict, meta: dict) -> None:
     import orbax.checkpoint as ocp
 
     # NOTE: a temporary folder of this process's own: several processes may convert the same
@@ -291,7 +303,8 @@ def _save(entry: Path, params: dict, tokenizer, hf_config: dict, source: str) ->
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
     with open(tmp / "config.json", "w") as f:
         json.dump(hf_config, f)
-    (tmp / "complete").write_text(source)
+    cache.write_meta(tmp, **meta)
+    (tmp / "complete").write_text(meta["source"])
     if not (entry / "complete").exists():
         shutil.rmtree(entry, ignore_errors=True)  # an incomplete entry (a conversion that died)
     try:
@@ -308,14 +321,8 @@ def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) 
     then placed)."""
     import orbax.checkpoint as ocp
 
-    with open(entry / "config.json") as f:
-        hf_config = json.load(f)
-    config = ModelConfig.from_hf_dict(hf_config)
-    abstract = nnx.eval_shape(
-        lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant))
-    )
-    graphdef, state = nnx.split(abstract)
-    shapes = nnx.to_pure_dict(state)
+    hf_config, config = _entry_config(entry)
+    graphdef, state, shapes = _abstract_model(config, dtype, quant)
     if mesh is None:
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
     else:
@@ -337,5 +344,40 @@ def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) 
             param_shardings(params, mesh),
         )
     model = build_model(graphdef, state, params)
-    tokenizer = _fast_tokenizer(entry / "tokenizer") if (entry / "tokenizer").is_dir() else None
-    return LoadedModel(config, model, tokenizer, str(source), True, hf_config, quant)
+    return LoadedModel(config, model, _entry_tokenizer(entry), str(source), True, hf_config, quant)
+
+
+def _derive(base: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel:
+    """The variant computed on the host from `base`, a lossless unquantized entry of the same
+    checkpoint (jaxserve.weights.derive), then placed as a conversion's result is."""
+    import orbax.checkpoint as ocp
+
+    hf_config, config = _entry_config(base)
+    base_dtype = jnp.dtype(json.loads((base / "meta.json").read_text())["dtype"])
+    _, _, base_shapes = _abstract_model(config, base_dtype, None)
+    with ocp.StandardCheckpointer() as ckpt:
+        host = ckpt.restore(base.resolve() / "params", jax.tree.map(lambda x: np.empty(x.shape, x.dtype), base_shapes))
+    graphdef, state, shapes = _abstract_model(config, dtype, quant)
+    host = derive.derive_params(host, dict(_flatten(shapes)), quant)
+    logger.info("weights: %s derived from the cached %s copy", quant.label if quant else dtype, base_dtype)
+    model = place_params(graphdef, state, host, config, mesh)
+    return LoadedModel(config, model, _entry_tokenizer(base), str(source), True, hf_config, quant)
+
+
+def _entry_config(entry: Path) -> tuple[dict, ModelConfig]:
+    with open(entry / "config.json") as f:
+        hf_config = json.load(f)
+    return hf_config, ModelConfig.from_hf_dict(hf_config)
+
+
+def _abstract_model(config: ModelConfig, dtype, quant: QuantConfig | None):
+    """(graphdef, abstract state, shapes as a nested dict) of the unstacked model, nothing allocated."""
+    abstract = nnx.eval_shape(
+        lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant))
+    )
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state, nnx.to_pure_dict(state)
+
+
+def _entry_tokenizer(entry: Path):
+    return _fast_tokenizer(entry / "tokenizer") if (entry / "tokenizer").is_dir() else None
