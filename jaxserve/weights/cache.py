@@ -4,7 +4,7 @@ variant (dtype and quantization), least recently used entries evicted past a siz
     $JAXSERVE_CACHE/                    (default ~/.cache/jaxserve)
       weights/
         hashes.json                     file -> [size, mtime_ns, sha256]: each file hashed once
-        <stem>-<content key>/           one checkpoint's content, whatever its path or mtimes
+        <content key>/                  one checkpoint's content, whatever its name, path or mtimes
           float32/                      a variant: params/ (orbax), tokenizer/, config.json,
           bfloat16-int4/                  meta.json, last_used (its mtime), complete
       xla/                              jax's compiled programs: listed, removed by `prune --all`
@@ -65,7 +65,7 @@ def checkpoint_dir(cache_dir: Path, source: Path) -> Path:
     files = source_files(source)
     hashes = file_hashes(files, root / "hashes.json")
     key = hashlib.sha256(json.dumps([CACHE_FORMAT, [[p.name, hashes[p]] for p in files]]).encode())
-    return root / f"{source.stem}-{key.hexdigest()[:16]}"
+    return root / key.hexdigest()[:16]
 
 
 def variant_name(dtype, quant) -> str:
@@ -114,7 +114,7 @@ class Entry:
     """One variant of one checkpoint on disk (or an old-format entry, `stale`)."""
 
     path: Path
-    model: str
+    model: str  # the source's file or folder name (the content key, path.parent.name, tells copies apart)
     variant: str
     size: int
     last_used: float  # seconds since the epoch
@@ -134,7 +134,8 @@ def list_entries(cache_dir: Path) -> list[Entry]:
     for checkpoint in _subdirs(cache_dir / "weights"):
         for variant in _subdirs(checkpoint):
             if (variant / "complete").is_file():
-                entries.append(Entry(variant, checkpoint.name, variant.name, _du(variant), _last_used(variant)))
+                model = Path((variant / "complete").read_text()).name or checkpoint.name
+                entries.append(Entry(variant, model, variant.name, _du(variant), _last_used(variant)))
     for old in _subdirs(cache_dir):
         if (old / "complete").is_file():  # the mtime-keyed format before content keys
             entries.append(Entry(old, old.name, "(old format)", _du(old), old.stat().st_mtime, stale=True))

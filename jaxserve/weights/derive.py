@@ -45,6 +45,8 @@ def derive_params(base: dict, specs: dict, quant: QuantConfig | None) -> dict:
             derived[path] = np.asarray(flat.pop(path), spec.dtype)
             continue
         module = path[:-1]  # a quantized projection: all its pieces from its float kernel
-        for leaf, value in quantize(flat.pop(module + ("kernel",)), quant).items():
+        # NOTE: in float32, as the checkpoint's readers hand tensors to the quantizer
+        kernel = np.asarray(flat.pop(module + ("kernel",)), np.float32)
+        for leaf, value in quantize(kernel, quant).items():
             derived[module + (leaf,)] = value
     return _unflatten(derived)

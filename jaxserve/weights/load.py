@@ -222,6 +222,7 @@ def _convert(
     """Read and convert the weights on the host, save them to `cache_entry` (if any), then place them."""
     gguf = GGUFFile(source) if source.is_file() else None
     hf_config = _source_config(source, gguf)
+    stored: set = set()  # a safetensors checkpoint's own dtypes
     if gguf is not None:
         tensors, total = gguf.tensors(keep_q4=quant is not None and quant.method == "gguf"), gguf.num_tensors
     else:
@@ -231,6 +232,7 @@ def _convert(
             tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"])
         else:
             tensors = safetensors_reader.read_tensors(files)
+            stored = safetensors_reader.stored_dtypes(files)  # NOTE: read_tensors upcasts all to float32
     config = ModelConfig.from_hf_dict(hf_config)
     assembler = ParamAssembler(config, dtype, quant)
     if quant is not None and quant.kind == "int4":
@@ -246,7 +248,7 @@ def _convert(
     if cache_entry is not None:
         # NOTE: saved from the host before placing: the cache holds the model's own K/V heads
         # (placing may repeat them), and any mesh can restore it.
-        lossless = quant is None and derive.holds_exactly(source_dtypes, dtype)
+        lossless = quant is None and derive.holds_exactly(stored or source_dtypes, dtype)
         meta = {"source": str(source), "dtype": str(dtype), "quantization": quant and quant.method}
         _save(cache_entry, host, tokenizer, hf_config, {**meta, "lossless": lossless})
     model = place_params(assembler.graphdef, assembler.state, host, config, mesh)  # unstacked: the serving layout
