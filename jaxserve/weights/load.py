@@ -15,33 +15,22 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import DecoderLM, unstack_layers
+from jaxserve.model.decoder import DecoderLM
 from jaxserve.model.quantization import QuantConfig, weight_bytes
-from jaxserve.parallel.sharding import (
-    is_kv_projection,
-    kv_heads_for,
-    param_shardings,
-    place_from_host,
-    replicate_kv_heads,
-    tensor_parallel_size,
-)
-from jaxserve.weights import cache, compressed_tensors, derive, safetensors_reader
+from jaxserve.weights import cache, cache_entry, compressed_tensors, derive, safetensors_reader
 from jaxserve.weights.cache import default_cache_dir
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
-from jaxserve.weights.params import ParamAssembler, _flatten, build_model, place_params
+from jaxserve.weights.params import ParamAssembler, place_params
 
 logger = logging.getLogger(__name__)
 
@@ -198,28 +187,28 @@ def weights_digest(source: Path) -> str:
 
 def _from_cache(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel | None:
     """The variant restored from `entry`, or derived from a lossless base of the same
-    checkpoint; None when neither is there. A damaged entry is removed (and rebuilt), never fatal."""
+    checkpoint; None when neither is there."""
     used = entry
     try:
         if (entry / "complete").is_file():
-            loaded = _restore(entry, source, dtype, quant, mesh)
+            restored = cache_entry.restore(entry, dtype, quant, mesh)
         elif derive.can_derive(quant) and (base := cache.lossless_base(entry.parent, entry.name)):
             used = base
-            loaded = _derive(base, source, dtype, quant, mesh)
+            restored = cache_entry.derive_from(base, dtype, quant, mesh)
         else:
             return None
-    except Exception as e:
-        logger.warning("removing damaged weight cache %s: %s", used, e)
-        shutil.rmtree(used, ignore_errors=True)
+        tokenizer = _fast_tokenizer(restored.tokenizer_dir) if restored.tokenizer_dir else None
+    except Exception as e:  # a damaged entry is converted again (and replaced), never fatal
+        logger.warning("ignoring damaged weight cache %s: %s", used, e)
         return None
     cache.mark_used(used)
-    return loaded
+    return LoadedModel(restored.config, restored.model, tokenizer, str(source), True, restored.hf_config, quant)
 
 
 def _convert(
-    source: Path, dtype, quant: QuantConfig | None, progress: bool, mesh, cache_entry: Path | None
+    source: Path, dtype, quant: QuantConfig | None, progress: bool, mesh, entry_dir: Path | None
 ) -> LoadedModel:
-    """Read and convert the weights on the host, save them to `cache_entry` (if any), then place them."""
+    """Read and convert the weights on the host, save them to `entry_dir` (if any), then place them."""
     gguf = GGUFFile(source) if source.is_file() else None
     hf_config = _source_config(source, gguf)
     stored: set = set()  # a safetensors checkpoint's own dtypes
@@ -245,12 +234,12 @@ def _convert(
         assembler.add(name, tensor)
     tokenizer = _load_tokenizer(source, gguf)
     host = assembler.take_host_params()
-    if cache_entry is not None:
+    if entry_dir is not None:
         # NOTE: saved from the host before placing: the cache holds the model's own K/V heads
         # (placing may repeat them), and any mesh can restore it.
         lossless = quant is None and derive.holds_exactly(stored or source_dtypes, dtype)
         meta = {"source": str(source), "dtype": str(dtype), "quantization": quant and quant.method}
-        _save(cache_entry, host, tokenizer, hf_config, {**meta, "lossless": lossless})
+        cache_entry.save(entry_dir, host, tokenizer, hf_config, {**meta, "lossless": lossless})
     model = place_params(assembler.graphdef, assembler.state, host, config, mesh)  # unstacked: the serving layout
     return LoadedModel(config, model, tokenizer, str(source), False, hf_config, quant)
 
@@ -290,96 +279,3 @@ def _fast_tokenizer(folder: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
-
-
-def _save(entry: Path, params: dict, tokenizer, hf_config: dict, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    # NOTE: a temporary folder of this process's own: several processes may convert the same
-    # weights at once (servers starting side by side); the first rename wins, the rest drop theirs.
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".", suffix=".tmp", dir=entry.parent))
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp.resolve() / "params", params)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
-    with open(tmp / "config.json", "w") as f:
-        json.dump(hf_config, f)
-    cache.write_meta(tmp, **meta)
-    (tmp / "complete").write_text(meta["source"])
-    if not (entry / "complete").exists():
-        shutil.rmtree(entry, ignore_errors=True)  # an incomplete entry (a conversion that died)
-    try:
-        tmp.rename(entry)
-    except OSError:
-        if not (entry / "complete").exists():
-            raise
-    shutil.rmtree(tmp, ignore_errors=True)  # another process's complete entry is the same weights
-
-
-def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel:
-    """The converted weights from the cache; on a mesh each restored straight into its shards
-    (K/V projections whose heads must be repeated come to the host first, are repeated there,
-    then placed)."""
-    import orbax.checkpoint as ocp
-
-    hf_config, config = _entry_config(entry)
-    graphdef, state, shapes = _abstract_model(config, dtype, quant)
-    if mesh is None:
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
-    else:
-        repeat = kv_heads_for(config, tensor_parallel_size(mesh)) != config.num_kv_heads
-
-        def restored_as(path, x, sharding):
-            if repeat and is_kv_projection(path):
-                return np.empty(x.shape, x.dtype)  # to the host, repeated there before placing
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        target = jax.tree.map_with_path(restored_as, shapes, param_shardings(shapes, mesh))
-    with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(entry.resolve() / "params", target)
-    if mesh is not None and repeat:
-        params = replicate_kv_heads(params, config, tensor_parallel_size(mesh))
-        params = jax.tree.map(
-            lambda x, s: place_from_host(x, s) if isinstance(x, np.ndarray) else x,
-            params,
-            param_shardings(params, mesh),
-        )
-    model = build_model(graphdef, state, params)
-    return LoadedModel(config, model, _entry_tokenizer(entry), str(source), True, hf_config, quant)
-
-
-def _derive(base: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel:
-    """The variant computed on the host from `base`, a lossless unquantized entry of the same
-    checkpoint (jaxserve.weights.derive), then placed as a conversion's result is."""
-    import orbax.checkpoint as ocp
-
-    hf_config, config = _entry_config(base)
-    base_dtype = jnp.dtype(json.loads((base / "meta.json").read_text())["dtype"])
-    _, _, base_shapes = _abstract_model(config, base_dtype, None)
-    with ocp.StandardCheckpointer() as ckpt:
-        host = ckpt.restore(base.resolve() / "params", jax.tree.map(lambda x: np.empty(x.shape, x.dtype), base_shapes))
-    graphdef, state, shapes = _abstract_model(config, dtype, quant)
-    host = derive.derive_params(host, dict(_flatten(shapes)), quant)
-    logger.info("weights: %s derived from the cached %s copy", quant.label if quant else dtype, base_dtype)
-    model = place_params(graphdef, state, host, config, mesh)
-    return LoadedModel(config, model, _entry_tokenizer(base), str(source), True, hf_config, quant)
-
-
-def _entry_config(entry: Path) -> tuple[dict, ModelConfig]:
-    with open(entry / "config.json") as f:
-        hf_config = json.load(f)
-    return hf_config, ModelConfig.from_hf_dict(hf_config)
-
-
-def _abstract_model(config: ModelConfig, dtype, quant: QuantConfig | None):
-    """(graphdef, abstract state, shapes as a nested dict) of the unstacked model, nothing allocated."""
-    abstract = nnx.eval_shape(
-        lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant))
-    )
-    graphdef, state = nnx.split(abstract)
-    return graphdef, state, nnx.to_pure_dict(state)
-
-
-def _entry_tokenizer(entry: Path):
-    return _fast_tokenizer(entry / "tokenizer") if (entry / "tokenizer").is_dir() else None
