@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,7 +30,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jaxserve.weights.sizes import parse_bytes
+from jaxserve.weights.sizes import format_bytes, parse_bytes
+
+logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 5  # bump when the converted layout changes: old entries get other keys and age out
 # NOTE: 20 GiB holds every variant of a small model, or one 8B model in bf16 (16 GB), and
@@ -91,6 +94,10 @@ def file_hashes(files: list[Path], index_path: Path) -> dict[Path, str]:
         else:
             todo.append((path, st))
     if todo:
+        size = format_bytes(sum(st.st_size for _, st in todo))
+        logger.info(
+            "hashing %d file(s), %s, for the weight cache's key (once: remembered in %s)", len(todo), size, index_path
+        )
         # hashlib lets go of the GIL: a sharded checkpoint's files are hashed side by side
         with ThreadPoolExecutor(min(4, len(todo))) as pool:
             digests = list(pool.map(lambda item: _sha256(item[0]), todo))

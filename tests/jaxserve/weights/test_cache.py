@@ -185,3 +185,15 @@ def test_cache_command_runs_as_a_module_without_jax(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "not a size: 'lots'" in bad.stderr
+
+
+def test_the_default_models_float32_copy_is_a_base(default_model, weights_cache, monkeypatch):
+    """A GGUF file's blocks dequantized to float32 are exact: int4 over bf16 of the default model
+    comes from that copy, bit for bit what converting the file gives."""
+    from jaxserve.weights.gguf_reader import GGUFFile
+
+    monkeypatch.setattr(GGUFFile, "tensors", lambda *a, **k: pytest.fail("the GGUF file read again"))
+    derived = load_model(None, cache_dir=weights_cache, dtype="bfloat16", quantization="int4", progress=False)
+    monkeypatch.undo()
+    assert derived.from_cache
+    assert_bit_equal(derived, load_model(None, dtype="bfloat16", quantization="int4", use_cache=False, progress=False))
