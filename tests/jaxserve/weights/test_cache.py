@@ -55,6 +55,24 @@ def test_same_content_is_one_entry_wherever_and_whenever(tmp_path, tiny_llama_di
     assert index[str(copy / "model.safetensors")][2] == index[str(tiny_llama_dir / "model.safetensors")][2]
 
 
+def test_hub_files_are_named_by_their_sha256(tmp_path):
+    """In the hub's cache a snapshot's file links to blobs/<sha256 of its bytes>: that name is the hash."""
+    import hashlib
+
+    data = b"weights" * 1000
+    blob = tmp_path / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.parent.mkdir()
+    blob.write_bytes(data)
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "model.safetensors").symlink_to(blob)
+    (tmp_path / "snapshot" / "config.json").write_text("{}")
+    files = cache.source_files(tmp_path / "snapshot")
+    hashes = cache.file_hashes(files, tmp_path / "hashes.json")
+    assert [p.name for p in files] == ["model.safetensors", "config.json"]
+    assert hashes[files[0]] == blob.name and hashes[files[1]] == hashlib.sha256(b"{}").hexdigest()
+    assert list(json.loads((tmp_path / "hashes.json").read_text())) == [str(files[1])]  # only what was read
+
+
 def test_changed_content_is_a_new_entry(tmp_path, tiny_llama_dir):
     load(tiny_llama_dir, tmp_path / "c")
     edited = shutil.copytree(tiny_llama_dir, tmp_path / "edited")
