@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from pathlib import Path
 
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.weights.sizes import parse_bytes  # noqa: F401 (the flags' size parser, kept here for callers)
 
 BACKENDS = ["auto", "pallas", "cpu", "reference"]
 
@@ -114,33 +114,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a file holding the control channel's shared key, the same on every node (or set $JAXSERVE_DIST_KEY)",
     )
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'67108864', '64MiB', '1.5GiB', '80GB' -> bytes. GiB, MiB, KiB (and a bare G, M, K)
-    are binary units; GB, MB, kB decimal ones, as on devices' data sheets."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 4GiB, 80GB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def start_devices(args: argparse.Namespace, host_devices: int):

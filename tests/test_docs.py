@@ -53,6 +53,7 @@ MODULE_COMMANDS = {
     "jaxserve.train_draft": "jaxserve.train_draft",
     "api": "api.__main__",
     "api.router": "api.router",
+    "jaxserve.weights.cache_admin": "jaxserve.weights.cache_admin",
 }  # python -m X: the module that parses
 SCRIPTS = {"jaxserve-generate": "jaxserve.generate", "jaxserve-serve": "api.__main__"}
 # Programs that are not ours: nothing to check beyond their name.

@@ -3,8 +3,10 @@
 `load_model(None)` is the embedded default model. Other references: a Hugging Face
 folder, a `.gguf` file, or a hub id (downloaded when the machine is online). The first
 load converts the weights (dequantize, rename, quantize if asked) and saves the result
-with orbax under the cache directory, keyed by dtype and quantization; the next load of
-the same files restores that instead.
+with orbax under the cache directory (jaxserve.weights.cache: keyed by the files' content,
+then by dtype and quantization); the next load of the same content restores that instead, and
+a variant that can be computed exactly from a cached float copy is derived from it
+(jaxserve.weights.derive) rather than converted and stored again.
 """
 
 from __future__ import annotations
@@ -13,37 +15,24 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import DecoderLM, unstack_layers
+from jaxserve.model.decoder import DecoderLM
 from jaxserve.model.quantization import QuantConfig, weight_bytes
-from jaxserve.parallel.sharding import (
-    is_kv_projection,
-    kv_heads_for,
-    param_shardings,
-    place_from_host,
-    replicate_kv_heads,
-    tensor_parallel_size,
-)
-from jaxserve.weights import compressed_tensors, safetensors_reader
+from jaxserve.weights import cache, cache_entry, compressed_tensors, derive, safetensors_reader
+from jaxserve.weights.cache import default_cache_dir
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
-from jaxserve.weights.params import ParamAssembler, build_model, place_params
+from jaxserve.weights.params import ParamAssembler, place_params
 
 logger = logging.getLogger(__name__)
-
-CACHE_FORMAT = 4  # bump when the converted layout changes, so old caches are ignored
 
 
 @dataclasses.dataclass
@@ -59,10 +48,6 @@ class LoadedModel:
     @property
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve"))
 
 
 def load_model(
@@ -90,20 +75,20 @@ def load_model(
     source = resolve_source(model)
     dtype = jnp.dtype(dtype)
     quant = resolve_quantization(source, quantization)
-    entry = Path(cache_dir or default_cache_dir()) / _cache_key(source, dtype, quant)
+    cache_root = Path(cache_dir or default_cache_dir())
     if use_cache and jax.distributed.is_initialized():
         # NOTE: orbax saves and restores as a collective of every jax.distributed process and
         # refuses arrays held by one; each node (jaxserve.parallel.multihost) converts on its own.
         logger.info("several nodes: the converted-weight cache is not used")
         use_cache = False
-    loaded = None
-    if use_cache and (entry / "complete").is_file():
-        try:
-            loaded = _restore(entry, source, dtype, quant, mesh)
-        except Exception as e:  # a damaged cache is rebuilt, never fatal
-            logger.warning("ignoring damaged weight cache %s: %s", entry, e)
+    entry = cache.checkpoint_dir(cache_root, source) / cache.variant_name(dtype, quant) if use_cache else None
+    loaded = _from_cache(entry, source, dtype, quant, mesh) if use_cache else None
     if loaded is None:
-        loaded = _convert(source, dtype, quant, progress, mesh, entry if use_cache else None)
+        loaded = _convert(source, dtype, quant, progress, mesh, entry)
+        if entry is not None and (entry / "complete").is_file():
+            cache.mark_used(entry)
+            for gone in cache.evict_to_fit(cache_root, cache.max_bytes_from_env(), keep=entry):
+                logger.info("weight cache over its cap: removed %s/%s", gone.model, gone.variant)
     if tokenizer_override is not None:
         loaded.tokenizer = tokenizer_override
     logger.info(
@@ -200,20 +185,33 @@ def weights_digest(source: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_key(source: Path, dtype, quant: QuantConfig | None) -> str:
-    files = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
-    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    scheme = None if quant is None else [quant.method, quant.kind, quant.group_size]
-    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(dtype), scheme, stamp]).encode()).hexdigest()[:16]
-    return f"{source.stem}-{dtype}{'-' + quant.method if quant else ''}-{digest}"
+def _from_cache(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel | None:
+    """The variant restored from `entry`, or derived from a lossless base of the same
+    checkpoint; None when neither is there."""
+    used = entry
+    try:
+        if (entry / "complete").is_file():
+            restored = cache_entry.restore(entry, dtype, quant, mesh)
+        elif derive.can_derive(quant) and (base := cache.lossless_base(entry.parent, entry.name)):
+            used = base
+            restored = cache_entry.derive_from(base, dtype, quant, mesh)
+        else:
+            return None
+        tokenizer = _fast_tokenizer(restored.tokenizer_dir) if restored.tokenizer_dir else None
+    except Exception as e:  # a damaged entry is converted again (and replaced), never fatal
+        logger.warning("ignoring damaged weight cache %s: %s", used, e)
+        return None
+    cache.mark_used(used)
+    return LoadedModel(restored.config, restored.model, tokenizer, str(source), True, restored.hf_config, quant)
 
 
 def _convert(
-    source: Path, dtype, quant: QuantConfig | None, progress: bool, mesh, cache_entry: Path | None
+    source: Path, dtype, quant: QuantConfig | None, progress: bool, mesh, entry_dir: Path | None
 ) -> LoadedModel:
-    """Read and convert the weights on the host, save them to `cache_entry` (if any), then place them."""
+    """Read and convert the weights on the host, save them to `entry_dir` (if any), then place them."""
     gguf = GGUFFile(source) if source.is_file() else None
     hf_config = _source_config(source, gguf)
+    stored: set = set()  # a safetensors checkpoint's own dtypes
     if gguf is not None:
         tensors, total = gguf.tensors(keep_q4=quant is not None and quant.method == "gguf"), gguf.num_tensors
     else:
@@ -223,20 +221,25 @@ def _convert(
             tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"])
         else:
             tensors = safetensors_reader.read_tensors(files)
+            stored = safetensors_reader.stored_dtypes(files)  # NOTE: read_tensors upcasts all to float32
     config = ModelConfig.from_hf_dict(hf_config)
     assembler = ParamAssembler(config, dtype, quant)
     if quant is not None and quant.kind == "int4":
         _log_group_sizes(assembler.specs, quant)
+    source_dtypes = set()  # what the checkpoint's tensors arrived as: is this copy lossless?
     for name, tensor in tqdm(
         tensors, total=total, desc=f"loading {source.name}", unit="tensor", disable=not progress, leave=False
     ):
+        source_dtypes.add(tensor.dtype if isinstance(tensor, np.ndarray) else None)
         assembler.add(name, tensor)
     tokenizer = _load_tokenizer(source, gguf)
     host = assembler.take_host_params()
-    if cache_entry is not None:
+    if entry_dir is not None:
         # NOTE: saved from the host before placing: the cache holds the model's own K/V heads
         # (placing may repeat them), and any mesh can restore it.
-        _save(cache_entry, host, tokenizer, hf_config, str(source))
+        lossless = quant is None and derive.holds_exactly(stored or source_dtypes, dtype)
+        meta = {"source": str(source), "dtype": str(dtype), "quantization": quant and quant.method}
+        cache_entry.save(entry_dir, host, tokenizer, hf_config, {**meta, "lossless": lossless})
     model = place_params(assembler.graphdef, assembler.state, host, config, mesh)  # unstacked: the serving layout
     return LoadedModel(config, model, tokenizer, str(source), False, hf_config, quant)
 
@@ -276,66 +279,3 @@ def _fast_tokenizer(folder: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
-
-
-def _save(entry: Path, params: dict, tokenizer, hf_config: dict, source: str) -> None:
-    import orbax.checkpoint as ocp
-
-    # NOTE: a temporary folder of this process's own: several processes may convert the same
-    # weights at once (servers starting side by side); the first rename wins, the rest drop theirs.
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".", suffix=".tmp", dir=entry.parent))
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp.resolve() / "params", params)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
-    with open(tmp / "config.json", "w") as f:
-        json.dump(hf_config, f)
-    (tmp / "complete").write_text(source)
-    if not (entry / "complete").exists():
-        shutil.rmtree(entry, ignore_errors=True)  # an incomplete entry (a conversion that died)
-    try:
-        tmp.rename(entry)
-    except OSError:
-        if not (entry / "complete").exists():
-            raise
-    shutil.rmtree(tmp, ignore_errors=True)  # another process's complete entry is the same weights
-
-
-def _restore(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel:
-    """The converted weights from the cache; on a mesh each restored straight into its shards
-    (K/V projections whose heads must be repeated come to the host first, are repeated there,
-    then placed)."""
-    import orbax.checkpoint as ocp
-
-    with open(entry / "config.json") as f:
-        hf_config = json.load(f)
-    config = ModelConfig.from_hf_dict(hf_config)
-    abstract = nnx.eval_shape(
-        lambda: unstack_layers(DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quant))
-    )
-    graphdef, state = nnx.split(abstract)
-    shapes = nnx.to_pure_dict(state)
-    if mesh is None:
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
-    else:
-        repeat = kv_heads_for(config, tensor_parallel_size(mesh)) != config.num_kv_heads
-
-        def restored_as(path, x, sharding):
-            if repeat and is_kv_projection(path):
-                return np.empty(x.shape, x.dtype)  # to the host, repeated there before placing
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        target = jax.tree.map_with_path(restored_as, shapes, param_shardings(shapes, mesh))
-    with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(entry.resolve() / "params", target)
-    if mesh is not None and repeat:
-        params = replicate_kv_heads(params, config, tensor_parallel_size(mesh))
-        params = jax.tree.map(
-            lambda x, s: place_from_host(x, s) if isinstance(x, np.ndarray) else x,
-            params,
-            param_shardings(params, mesh),
-        )
-    model = build_model(graphdef, state, params)
-    tokenizer = _fast_tokenizer(entry / "tokenizer") if (entry / "tokenizer").is_dir() else None
-    return LoadedModel(config, model, tokenizer, str(source), True, hf_config, quant)

@@ -45,6 +45,15 @@ def count_tensors(files: list[Path]) -> int:
     return total
 
 
+def stored_dtypes(files: list[Path]) -> set[np.dtype]:
+    """The dtypes the tensors are stored in (read_tensors hands every one over as float32)."""
+    found = set()
+    for path in files:
+        with open(path, "rb") as f:
+            found.update(np.dtype(dtype) for dtype, _, _ in _raw_header(path, f)[0].values())
+    return found
+
+
 def read_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
     """(name, float32 array) for every tensor of every shard."""
     for path in files:

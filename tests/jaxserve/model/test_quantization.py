@@ -15,7 +15,7 @@ from flax import nnx
 from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize_fp8, quantize_int4
-from jaxserve.weights import load_model
+from jaxserve.weights import cache, load_model
 from pallas_kernels.quantized_matmul import dequantize_int4, fp8_matmul_reference, int4_matmul_reference
 from scheduler import SamplingParams
 from tests.jaxserve.engine.test_engine import run_alone, run_batched, workload
@@ -210,7 +210,7 @@ def test_quantized_weights_are_cached_per_scheme(tiny_llama_dir, tmp_path):
     for a, b in zip(jax.tree.leaves(nnx.state(first.model)), jax.tree.leaves(nnx.state(again.model))):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert len(list(tmp_path.iterdir())) == 2
+    assert sorted(e.variant for e in cache.list_entries(tmp_path)) == ["float32-fp8", "float32-int4"]
 
 
 def test_resident_bytes_shrink(tiny_llama):

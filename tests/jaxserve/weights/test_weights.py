@@ -11,7 +11,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.model.config import ModelConfig, UnsupportedModelError
-from jaxserve.weights import load_model
+from jaxserve.weights import cache, load_model
 from jaxserve.weights.default_model import DefaultModelMissing, default_model_path
 from jaxserve.weights.params import WeightError
 from tests.tiny_models import make_tiny_model
@@ -46,10 +46,11 @@ def test_second_load_restores_the_orbax_cache(tmp_path, tiny_llama_dir, tiny_lla
 
 def test_damaged_cache_is_rebuilt(tmp_path, tiny_llama_dir):
     load_model(str(tiny_llama_dir), cache_dir=tmp_path, progress=False)
-    (entry,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != "xla"]
-    shutil.rmtree(entry / "params")
+    (entry,) = cache.list_entries(tmp_path)
+    shutil.rmtree(entry.path / "params")
     again = load_model(str(tiny_llama_dir), cache_dir=tmp_path, progress=False)
     assert not again.from_cache
+    assert load_model(str(tiny_llama_dir), cache_dir=tmp_path, progress=False).from_cache  # rebuilt
 
 
 def test_bfloat16_logits_track_float32(tiny_llama_dir):
