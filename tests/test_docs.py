@@ -7,6 +7,7 @@ argparse parser, so a renamed or removed flag or a bad choice fails its test cas
 
     python -m jaxserve.generate / jaxserve.plan / jaxserve.train_draft / api / api.router
     jaxserve-generate, jaxserve-serve           the console scripts of the same modules
+    jaxserve COMMAND (bench KIND)               the module jaxserve.cli's table runs for it
     python benchmarks/X.py                      that script's parser
     bash X.sh                                   the script exists (gpu_check.sh: its --only sections too)
 
@@ -192,6 +193,17 @@ def check_paths(words: list[str]) -> None:
             assert (ROOT / word.split("::")[0]).exists(), f"{word} does not exist"
 
 
+def jaxserve_command(args: list[str]) -> tuple[str, list[str]]:
+    """The module that parses `jaxserve ARGS`, and the args it gets (jaxserve.cli's tables)."""
+    from jaxserve.cli import BENCHMARKS, COMMANDS
+
+    assert args and args[0] in COMMANDS, f"jaxserve {shlex.join(args)}: no such command"
+    if args[0] == "bench":
+        assert args[1:] and args[1] in BENCHMARKS, f"jaxserve {shlex.join(args)}: no such benchmark"
+        return BENCHMARKS[args[1]].module, args[2:]
+    return COMMANDS[args[0]].module, args[1:]
+
+
 GPU_CHECK_SECTIONS = re.compile(r"^SECTIONS=\(([^)]*)\)", re.M)
 
 
@@ -213,6 +225,8 @@ def check_command(argv: list[str]) -> None:
         return check_parses("benchmarks." + Path(script).stem, argv[2:])
     if base in SCRIPTS:
         return check_parses(SCRIPTS[base], argv[1:])
+    if base == "jaxserve":
+        return check_parses(*jaxserve_command(argv[1:]))
     if base == "bash":
         script = ROOT / argv[1]
         assert script.is_file(), f"{argv[1]} does not exist"
@@ -242,6 +256,8 @@ def test_commands_found():
         "python -m jaxserve.train_draft",
         "bash .ci/run",
         "jaxserve-generate",
+        "jaxserve serve",
+        "jaxserve chat",
     ):
         assert any(s.startswith(expected) for s in shown), f"no docs command {expected!r} found"
 
@@ -282,6 +298,10 @@ def test_a_renamed_flag_fails():
         check_command(["python", "-m", "jaxserve.generate", "Hi", "--dtype", "float64"])
     with pytest.raises(pytest.fail.Exception, match="unknown kind"):
         check_command(["make", "docs"])
+    with pytest.raises(pytest.fail.Exception, match="refuses"):
+        check_command(["jaxserve", "serve", "--kv-cache-memory-bytes", "lots"])
+    with pytest.raises(AssertionError, match="no such command"):
+        check_command(["jaxserve", "sevre"])
 
 
 # --- the rest of what the pages say -----------------------------------------------------------
