@@ -171,3 +171,7 @@ def read_message(stdin: TextIO) -> str:
     if not text:
         raise ValueError("no message on stdin (pipe one in, or run jaxserve chat in a terminal)")
     return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
