@@ -400,7 +400,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: the embedded model)")
-    p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="quick", choices=sorted(PRESETS), help="the settings the other flags override")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL, one {'prompt': ...} a line")
     p.add_argument("--out", type=Path, default=None, help="default: <cache>/draft_heads/<model>-<method>-<preset>")
     for field in ("num_heads", "num_prompts", "max_tokens", "steps", "batch", "seed"):

@@ -165,6 +165,14 @@ def test_help_shows_each_default_once():
 # -- the command and its start-up checks ------------------------------------------------------
 
 
+def test_jaxserve_is_the_console_script():
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["jaxserve"] == "jaxserve.cli:main"
+    assert (scripts["jaxserve-serve"], scripts["jaxserve-generate"]) == ("api.__main__:main", "jaxserve.generate:main")
+
+
 def test_jaxserve_help_lists_every_command_without_starting_jax():
     result = jaxserve("--help")
     assert result.returncode == 0
