@@ -320,7 +320,8 @@ def main(argv=None) -> int:
         **model_engine_kwargs(args),
     )
     try:
-        if args.served_model_name is None and args.model and parse_hub_reference(args.model):
+        hub_model = args.model and not os.path.exists(args.model) and parse_hub_reference(args.model)
+        if args.served_model_name is None and hub_model:
             args.served_model_name = [args.model]  # as vLLM names it, not its download folder's name
         args.model = resolve_model(args.model, args.revision)
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None

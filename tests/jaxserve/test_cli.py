@@ -222,6 +222,32 @@ def test_a_missing_model_path_fails_before_anything_loads(args, message):
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.server
+def test_serve_a_hub_model_at_a_revision(tiny_llama_tok_dir, tmp_path):
+    """`jaxserve serve owner/tiny --revision v1` from a hub cache (offline: huggingface_hub answers
+    from the cache alone), where only v1 holds a model: served under the name it was given."""
+    import os
+    import shutil
+
+    repo = tmp_path / "hub" / "models--owner--tiny"
+    for ref, commit in (("main", "a" * 40), ("v1", "b" * 40)):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+        (repo / "snapshots" / commit).mkdir(parents=True)
+    for file in tiny_llama_tok_dir.iterdir():
+        shutil.copy(file, repo / "snapshots" / ("b" * 40) / file.name)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "JAXSERVE_CACHE": str(tmp_path)}
+    argv = ["serve", "owner/tiny", "--revision", "v1", "--port", "0", "--enforce-eager"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    ) as server:
+        try:
+            line = server.stdout.readline()  # the first line on stdout says what it serves, once it does
+        finally:
+            server.terminate()
+    assert line.startswith("jaxserve: serving owner/tiny on http://127.0.0.1:"), line
+
+
 def test_bench_runs_the_checkouts_script():
     result = jaxserve("bench", "latency", "--help")
     assert result.returncode == 0 and "python benchmarks/single_stream.py" in result.stdout
