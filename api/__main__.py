@@ -1,12 +1,15 @@
-"""`python -m api` (console script `jaxserve-serve`): serve a model over the OpenAI API.
+"""`jaxserve serve [MODEL]` (also `python -m api`, `jaxserve-serve`): serve a model over the OpenAI API.
 
-    python -m api                                   # the embedded default model on 127.0.0.1:8000
-    python -m api --model ./Qwen3-0.6B --port 9000 --api-key secret --max-num-seqs 64 --kv-cache-memory 4GiB
+    jaxserve serve                                  # the embedded default model on 127.0.0.1:8000
+    jaxserve serve ./Qwen3-0.6B --port 9000 --api-key secret --max-num-seqs 64 --kv-cache-memory-bytes 4GiB
+    jaxserve serve Qwen/Qwen3-0.6B --revision main --config serve.yaml   # a hub id; flags from a YAML file
     python -m api --data-parallel-size 2 --tensor-parallel-size 2   # 2 replicas, on devices 0-1 and 2-3
     python -m api -tp 16 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:29500  # node 1: --node-rank 1
 
 With --port 0 the system picks a free port; the line `jaxserve: serving MODEL on URL` on
-stdout says which (tests read it).
+stdout says which (tests read it). Before anything loads, the port is tried, the model
+path checked and the flags checked together: a mistake fails in a second, not after the
+model has loaded and compiled.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ import sys
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, DEFAULT_TOKENIZER_POOL_SIZE
 from api.replica_processes import REPLICA_ENV, die_with_parent
 from api.router import add_router_flags
-from jaxserve.flags import add_model_flags, model_engine_kwargs, parse_bytes, start_devices
+from jaxserve.config_file import add_config_flag, parse_with_config
+from jaxserve.flags import HelpFormatter, add_model_flags, model_engine_kwargs, parse_bytes, start_devices
 from scheduler import SamplingParams
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m api", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m api", usage="%(prog)s [MODEL] [flags]", description=__doc__, formatter_class=HelpFormatter
     )
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the same as --model (vLLM's `serve MODEL`)")
     p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
+    add_config_flag(p)
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -53,18 +59,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-logprobs",
         type=int,
         default=SamplingParams.MAX_LOGPROBS,
-        help=f"most logprobs/top_logprobs a request may ask for, at most {SamplingParams.MAX_LOGPROBS} "
-        f"(default {SamplingParams.MAX_LOGPROBS})",
+        help=f"most logprobs/top_logprobs a request may ask for, at most {SamplingParams.MAX_LOGPROBS}",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the interface to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="vLLM's: requests without a seed draw theirs from a stream this seed starts, so the same requests "
+        "sent to a fresh server in the same order sample the same text (default: seeds from the OS)",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("JAXSERVE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1 (default: $JAXSERVE_API_KEY)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step")
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -77,13 +89,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the model never saw give unreliable output (also: $JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN=1)",
     )
     p.add_argument(
+        "--kv-cache-memory-bytes",
         "--kv-cache-memory",
+        dest="kv_cache_memory",
         type=parse_bytes,
         default=None,
-        help="bytes for the KV cache per device, e.g. 512MiB (overrides --gpu-memory-utilization; "
-        "default: 1GiB on the CPU, what --gpu-memory-utilization leaves on a GPU)",
+        metavar="SIZE",
+        help="bytes for the KV cache per device, e.g. 1073741824, 512MiB, 4GiB (overrides "
+        "--gpu-memory-utilization; default: 1GiB on the CPU, what --gpu-memory-utilization leaves on a GPU)",
     )
-    p.add_argument("--num-blocks", type=int, help="KV-cache blocks (overrides --kv-cache-memory)")
+    p.add_argument(
+        "--num-gpu-blocks-override",
+        "--num-blocks",
+        dest="num_blocks",
+        type=int,
+        metavar="N",
+        help="KV-cache blocks (overrides --kv-cache-memory-bytes)",
+    )
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -94,8 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "parallelism every device is measured and the smallest budget wins (default 0.9 on a GPU; "
         "not on the CPU, which reports no memory: --kv-cache-memory sizes it there)",
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of a prompt prefix seen before",
+    )
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
     p.add_argument(
         "--max-waiting",
         type=int,
@@ -106,13 +134,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-request-sequences",
         type=int,
         default=DEFAULT_MAX_REQUEST_SEQUENCES,
-        help="most sequences (prompts x n) one request may ask for; more is a 400 (default 256)",
+        help="most sequences (prompts x n) one request may ask for; more is a 400",
     )
     p.add_argument(
         "--max-request-body-bytes",
         type=parse_bytes,
-        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help="largest request body, e.g. 1MiB; larger is a 413 (default 32MiB)",
+        default=f"{DEFAULT_MAX_REQUEST_BODY_BYTES >> 20}MiB",
+        help="largest request body, e.g. 1MiB; larger is a 413",
     )
     add_model_flags(p)
     p.add_argument(
@@ -123,7 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="M",
         help="M engine processes behind a router on this port, replica i on devices i*tp .. (i+1)*tp-1 (tp: "
         "--tensor-parallel-size); each call goes to one, by load and by the prompt's cached prefix; one that "
-        "dies is restarted (default 1)",
+        "dies is restarted",
     )
     p.add_argument(
         "--engine-step-timeout",
@@ -131,7 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=120.0,
         metavar="SECONDS",
         help="/health answers 503 while one engine step has run longer than this (a hung engine; a router "
-        "in front then takes the server out of rotation) (default 120)",
+        "in front then takes the server out of rotation)",
     )
     add_router_flags(p)  # with replicas: the router in front of them (api.router)
     g = p.add_argument_group(
@@ -148,7 +176,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument(
         "--kv-transfer-host",
         default="127.0.0.1",
-        help="the interface the KV transfer server listens on (default 127.0.0.1)",
+        help="the interface the KV transfer server listens on",
     )
     g.add_argument(
         "--kv-transfer-timeout",
@@ -156,7 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=60.0,
         metavar="SECONDS",
         help="a prefill server keeps an offer this long; a decode server waits this long for a pull "
-        "before computing the prompt itself (default 60)",
+        "before computing the prompt itself",
     )
     g.add_argument(
         "--kv-transfer-secret",
@@ -183,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--cache-dir", help="converted weights and compiled programs (default $JAXSERVE_CACHE or ~/.cache/jaxserve)"
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="jaxserve's logs")
     p.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     p.add_argument(
         "--disable-log-requests",
@@ -200,8 +228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tokenizer-pool-size",
         type=int,
         default=DEFAULT_TOKENIZER_POOL_SIZE,
-        help=f"threads that tokenize prompts, so a huge one does not hold up small ones (default "
-        f"{DEFAULT_TOKENIZER_POOL_SIZE})",
+        help="threads that tokenize prompts, so a huge one does not hold up small ones",
     )
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -234,11 +261,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--root-path", default="", help="the path prefix a proxy in front of the server strips (FastAPI's root_path)"
     )
-    p.add_argument("--allowed-origins", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
-    p.add_argument("--allowed-methods", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
-    p.add_argument("--allowed-headers", type=json.loads, default=["*"], help='CORS: a JSON list (default ["*"])')
+    p.add_argument("--allowed-origins", type=json.loads, default='["*"]', help="CORS: a JSON list")
+    p.add_argument("--allowed-methods", type=json.loads, default='["*"]', help="CORS: a JSON list")
+    p.add_argument("--allowed-headers", type=json.loads, default='["*"]', help="CORS: a JSON list")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    return p.parse_args(argv)
+    args = parse_with_config(p, argv)
+    if args.model_tag is not None:  # `serve MODEL`: the command line's --model may not say otherwise
+        given = sys.argv[1:] if argv is None else argv
+        if args.model not in (None, args.model_tag) and any(a.split("=")[0] == "--model" for a in given):
+            p.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    return args
 
 
 def main(argv=None) -> int:
@@ -248,6 +281,8 @@ def main(argv=None) -> int:
         print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jaxserve.weights.hub import check_model_reference
+
     try:
         if args.nnodes > 1 and args.data_parallel_size > 1:
             raise ValueError(
@@ -257,15 +292,18 @@ def main(argv=None) -> int:
             )
         if args.role and args.nnodes > 1:
             raise ValueError("--role does not combine with --nnodes yet")
-        if args.role and args.no_prefix_caching:
-            raise ValueError("--role hands KV over through the prefix cache: drop --no-prefix-caching")
+        if args.role and not args.enable_prefix_caching:
+            raise ValueError("--role hands KV over through the prefix cache: drop --no-enable-prefix-caching")
         check_reply_parsers(args)  # before the model loads: a misspelt name fails at once
+        check_model_reference(args.model, args.revision)
+        if args.node_rank == 0 and args.port != 0:  # a busy port fails now, not after loading and compiling
+            check_port_free(args.host, args.port)
         if args.data_parallel_size > 1:
             from api.replica_processes import serve_replicas
 
             return serve_replicas(args, list(sys.argv[1:] if argv is None else argv))
         node = start_devices(args, args.tensor_parallel_size)  # before jax starts
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
@@ -279,6 +317,7 @@ def main(argv=None) -> int:
     from jaxserve.parallel.kv_transfer import KVTransfer
     from jaxserve.runner.model_runner import PLAN_TYPES
     from jaxserve.weights.default_model import DefaultModelMissing
+    from jaxserve.weights.hub import parse_hub_reference, resolve_model
 
     engine_kwargs = dict(
         max_num_seqs=args.max_num_seqs,
@@ -289,10 +328,15 @@ def main(argv=None) -> int:
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
         **model_engine_kwargs(args),
     )
     try:
+        hub_model = args.model and not os.path.exists(args.model) and parse_hub_reference(args.model)
+        if args.served_model_name is None and hub_model:
+            args.served_model_name = [args.model]  # as vLLM names it, not its download folder's name
+        args.model = resolve_model(args.model, args.revision)
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         engine_kwargs["device_ids"] = tuple(range(args.tensor_parallel_size))
         if node is not None:  # before the weights load: nodes that do not match stop at once
@@ -393,6 +437,22 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind the port as the server will, and let it go: an OSError naming the port when
+    another process holds it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's bind: TIME_WAIT is no obstacle
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise OSError(
+            f"cannot listen on {host}:{port}: {e.strerror} (another server on port {port}?); pick another "
+            "--port, or --port 0 for any free one"
+        ) from None
+    finally:
+        sock.close()
 
 
 def check_reply_parsers(args: argparse.Namespace) -> None:

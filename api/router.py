@@ -51,6 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api.upstreams import Upstream, UpstreamDown, UpstreamPool, render_metrics, until_down
+from jaxserve.flags import HelpFormatter
 from scheduler.router import chain_digests
 
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
@@ -308,30 +309,25 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_LOAD_BOUND,
         metavar="N",
         help="an upstream that recently got a prompt's prefix gets the call while it has at most N calls in "
-        f"flight more than the least loaded one (default {DEFAULT_LOAD_BOUND})",
+        "flight more than the least loaded one",
     )
-    p.add_argument(
-        "--health-interval", type=float, default=1.0, metavar="SECONDS", help="poll /health this often (default 1)"
-    )
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS", help="poll /health this often")
     p.add_argument(
         "--health-timeout",
         type=float,
         default=DEFAULT_HEALTH_TIMEOUT,
         metavar="SECONDS",
-        help="an upstream whose /health does not answer in this time twice in a row leaves the rotation "
-        f"(default {DEFAULT_HEALTH_TIMEOUT:g})",
+        help="an upstream whose /health does not answer in this time twice in a row leaves the rotation",
     )
-    p.add_argument("--max-tries", type=int, default=3, help="upstreams a call is tried on before it fails (default 3)")
+    p.add_argument("--max-tries", type=int, default=3, help="upstreams a call is tried on before it fails")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m api.router", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="python -m api.router", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--replica", nargs="+", default=[], metavar="URL", help="replica servers, e.g. http://h:8001")
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill servers, e.g. http://h:8100")
     p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode servers, e.g. http://h:8200")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the interface to listen on")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     add_router_flags(p)
     args = p.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -13,10 +14,29 @@ from jaxserve.weights.sizes import parse_bytes  # noqa: F401 (the flags' size pa
 BACKENDS = ["auto", "pallas", "cpu", "reference"]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every jaxserve command's --help: the description as written, and each flag's default
+    after its help. None shown where there is nothing to read (None, an off switch, "") or
+    where the help says the default itself (one from the environment: a key stays unprinted)."""
+
+    def _get_help_string(self, action):
+        nothing = action.default is None or action.default is False or action.default == ""
+        if nothing or re.search(r"\bdefault\b", action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--generation-config, --no-async-scheduling, --dtype, --quantization, --kv-cache-dtype,
-    --attention-backend, --matmul-backend, --speculative-config, --tensor-parallel-size, and the
-    several-hosts flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout)."""
+    """--revision, --generation-config, --no-async-scheduling, --dtype, --quantization,
+    --kv-cache-dtype, --attention-backend, --matmul-backend, --enforce-eager,
+    --speculative-config, --tensor-parallel-size, and the several-hosts flags (--nnodes,
+    --node-rank, --dist-init-addr, --dist-timeout, ...)."""
+    p.add_argument(
+        "--revision",
+        metavar="REV",
+        help="a hub model's branch, tag or commit (default: main); the model may also name one GGUF file of a "
+        "hub repository, as vLLM does: owner/name-GGUF:Q4_K_M (its quantization type) or owner/name-GGUF:FILE.gguf",
+    )
     p.add_argument(
         "--generation-config",
         default="auto",
@@ -32,7 +52,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="the weights' and activations' dtype; auto (the default): the checkpoint's (config.json's "
+        help="the weights' and activations' dtype; auto: the checkpoint's (config.json's "
         "torch_dtype; a GGUF file's 16-bit floats, else float16) on a GPU, float32 on the CPU",
     )
     p.add_argument(
@@ -64,6 +84,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="quantized matmuls: the Mosaic GPU kernels (Hopper, bf16/f16 models) or the pure-JAX "
         "references; float models: the C++ CPU kernel for a tied LM head's decode products (cpu) "
         "or XLA's dot (reference); default $JAXSERVE_MATMUL_BACKEND or auto",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM's flag, here: compile no step programs at start-up (the warm-up over every token and row "
+        "bucket); each compiles when a step first needs it. A quicker start, and a first request of each new "
+        "shape that waits for the compiler (seconds; the persistent compilation cache keeps what was compiled)",
     )
     p.add_argument(
         "--speculative-config",
@@ -99,7 +126,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="node 0 stops the group, saying which node, when a node misses its heartbeats this long (default 10)",
+        help="node 0 stops the group, saying which node, when a node misses its heartbeats this long",
     )
     g.add_argument(
         "--dist-step-timeout",
@@ -107,7 +134,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         default=60.0,
         metavar="SECONDS",
         help="node 0 stops the group, saying which node and step, when a node takes longer than this to finish "
-        "a step (ten times as long for a step of a new shape, which compiles; default 60)",
+        "a step (ten times as long for a step of a new shape, which compiles)",
     )
     g.add_argument(
         "--dist-key-file",
@@ -166,6 +193,7 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "attention_backend": args.attention_backend,
         "matmul_backend": args.matmul_backend,
+        "warm_up": not args.enforce_eager,
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size,
     }

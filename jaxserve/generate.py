@@ -1,4 +1,4 @@
-"""`python -m jaxserve.generate "prompt"`: stream a continuation from the command line.
+"""`jaxserve generate "prompt"` (also `python -m jaxserve.generate`): stream a continuation from the command line.
 
 With no --model this is the embedded default model (SmolLM2-135M-Instruct). One prompt
 streams to stdout as it is generated; several (--prompts-file, one per line) run as one
@@ -11,22 +11,22 @@ import argparse
 import logging
 import sys
 
-from jaxserve.flags import add_model_flags, model_engine_kwargs, start_devices
+from jaxserve.config_file import add_config_flag, parse_with_config
+from jaxserve.flags import HelpFormatter, add_model_flags, model_engine_kwargs, start_devices
 from jaxserve.weights.default_model import DefaultModelMissing
+from jaxserve.weights.hub import check_model_reference
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m jaxserve.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("prompt", nargs="?", help="the prompt (or use --prompts-file)")
     p.add_argument("--prompts-file", help="a file of prompts, one per line, run as one batch")
     p.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
-    p.add_argument("--max-tokens", type=int, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, help="0 is greedy (the default)")
+    p.add_argument("--max-tokens", type=int, help="tokens to generate (default 64, or the model's generation config)")
+    p.add_argument("--temperature", type=float, help="0 is greedy (default 0, or the model's generation config)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int, help="0 is off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="the requests' seed: the same seed samples the same text")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument(
         "--no-special-tokens",
@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="where converted weights and compiled programs are kept (default $JAXSERVE_CACHE or ~/.cache/jaxserve)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
-    args = p.parse_args(argv)
+    add_config_flag(p)
+    args = parse_with_config(p, argv)
     if (args.prompt is None) == (args.prompts_file is None):
         p.error("give exactly one of a prompt or --prompts-file")
     return args
@@ -74,8 +75,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
+        check_model_reference(args.model, args.revision)
         node = start_devices(args, args.tensor_parallel_size)  # before jax starts
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from jaxserve.engine import EngineConfig, LLMEngine
@@ -86,18 +88,20 @@ def main(argv=None) -> int:
     from jaxserve.runner.model_runner import PLAN_TYPES
     from jaxserve.weights import load_model
     from jaxserve.weights.dtype import resolve_dtype
+    from jaxserve.weights.hub import resolve_model
     from scheduler import SamplingParams
 
     prompts = read_prompts(args)
     try:
         enable_compilation_cache(args.cache_dir)
+        model = resolve_model(args.model, args.revision)  # a hub id: downloaded
         loaded = load_model(
-            args.model,
-            dtype=resolve_dtype(args.dtype, args.model),
+            model,
+            dtype=resolve_dtype(args.dtype, model),
             cache_dir=args.cache_dir,
             progress=sys.stderr.isatty(),
             quantization=args.quantization,
-            mesh=load_mesh(args.model, args.tensor_parallel_size),  # weights straight into their shards
+            mesh=load_mesh(model, args.tensor_parallel_size),  # weights straight into their shards
         )
         # A flag wins over the model's generation config, which wins over the CLI's defaults.
         flags = dict(
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
     )
     if node is not None:  # every node reads the same prompts, so their programs match
         try:
-            fingerprint = node_fingerprint(args.model, dtype=args.dtype, quantization=args.quantization, **config)
+            fingerprint = node_fingerprint(model, dtype=args.dtype, quantization=args.quantization, **config)
             node = multihost.connect(node, fingerprint)
         except multihost.DistError as e:
             print(f"error: {e}", file=sys.stderr)

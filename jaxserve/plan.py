@@ -1,18 +1,19 @@
-"""`python -m jaxserve.plan`: size the KV cache and find the roofline for a model on a device.
+"""`jaxserve plan` (also `python -m jaxserve.plan`): size the KV cache and find the roofline for a model on a device.
 
-    python -m jaxserve.plan                                    # the default model on this CPU
-    python -m jaxserve.plan --model ./Llama-3-8B --device h100 --dtype bfloat16 --context 8192
-    python -m jaxserve.plan --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --head-dim 128 \\
-        --intermediate 28672 --vocab 128256 --dtype float16 --device h200 --tp 4
-    python -m jaxserve.plan --measure --plot roofline.png      # and check it on this machine
+    jaxserve plan                                              # the default model on this CPU
+    jaxserve plan --model ./Llama-3-8B --device h100 --dtype bfloat16 --context 8192
+    jaxserve plan --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --head-dim 128 \\
+        --intermediate 28672 --vocab 128256 --dtype float16 --device h200 -tp 4
+    jaxserve plan --measure --plot roofline.png                # and check it on this machine
 
 Prints what the weights and a token's K/V occupy, how many sequences of `--context`
 tokens fit beside the weights, the decode step's time bound per batch size (bytes over
 bandwidth against FLOPs over peak: see jaxserve.model.sizing), prefill times, what each
 quantization and KV dtype changes, the bound on speculative decoding's speed-up, and
-the engine flags for the chosen target. Known devices' figures come from a table
-(`jaxserve.model.sizing.DEVICES`); the CPU's are measured. `--measure` runs the engine's
-decode step over a batch sweep here and prints measured tokens/s beside the bound.
+the engine flags for the chosen target (or, when not one sequence fits, why not). Known
+devices' figures come from a table (`jaxserve.model.sizing.DEVICES`); the CPU's are
+measured. `--measure` runs the engine's decode step over a batch sweep here and prints
+measured tokens/s beside the bound.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import sys
 from pathlib import Path
 
-from jaxserve.flags import parse_bytes
+from jaxserve.flags import HelpFormatter, parse_bytes
 from jaxserve.model.sizing import (
     DEVICES,
     GB,
@@ -42,9 +43,7 @@ INLINE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermedia
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m jaxserve.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__, formatter_class=HelpFormatter)
     m = p.add_argument_group("the model: a folder, a .gguf file, a hub id, or inline dimensions")
     m.add_argument("--model", help="Hugging Face folder, .gguf file or hub id (default: the embedded model)")
     m.add_argument("--layers", type=int)
@@ -63,7 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=["none", "int4", "fp8", "gguf"], default="none")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (figures are per device)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        "--tp",
+        dest="tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel devices (figures are per device)",
+    )
     d = p.add_argument_group("the device")
     d.add_argument(
         "--device", choices=["cpu", *DEVICES], help="figures from the table; cpu: measured here (default: this machine)"
@@ -78,7 +86,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=parse_bytes,
         help="memory for weights, activations and KV together (default: the device's memory)",
     )
-    t.add_argument("--kv-cache-memory", type=parse_bytes, help="memory for the KV cache alone (the engine's flag)")
+    t.add_argument(
+        "--kv-cache-memory-bytes",
+        "--kv-cache-memory",
+        dest="kv_cache_memory",
+        type=parse_bytes,
+        metavar="SIZE",
+        help="memory for the KV cache alone, per device (the engine's flag)",
+    )
     t.add_argument("--max-num-seqs", type=int, help="sequences to serve at once: the KV memory they need")
     t.add_argument("--max-num-batched-tokens", type=int, default=512, help="the largest step (activation workspace)")
     t.add_argument("--batches", type=_int_list, default=DEFAULT_BATCHES, help="decode batch sizes, e.g. 1,8,64")
@@ -362,23 +377,44 @@ def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[
 
 def engine_flags(args, setup: Setup, kv: KVPlan, workspace: int, budget: int) -> dict:
     """The engine flags for the target: the KV memory for --max-num-seqs sequences of
-    --context tokens, or what the budget leaves after weights and activations."""
-    seqs = args.max_num_seqs or max(1, kv.max_sequences)
+    --context tokens, or what the budget leaves after weights and activations. No flags
+    when that leaves no room for one sequence: `reason` says why."""
+    seqs = args.max_num_seqs or kv.max_sequences
+    if not seqs:
+        return {"flags": {}, "memory_needed_bytes": None, "fits": False, "reason": no_fit_reason(args, setup, kv)}
     blocks = seqs * kv.blocks_per_sequence + 1  # and the null block
     kv_memory = blocks * kv.block_size * kv.bytes_per_token
     flags = {
-        "--kv-cache-memory": f"{-(-kv_memory // 2**20)}MiB",  # rounded up, so the blocks fit
+        "--kv-cache-memory-bytes": f"{-(-kv_memory // 2**20)}MiB",  # rounded up, so the blocks fit
         "--max-num-seqs": seqs,
         "--max-model-len": args.context,
         "--max-num-batched-tokens": args.max_num_batched_tokens,
         "--block-size": args.block_size,
+        "--dtype": setup.dtype,
     }
+    if args.tp > 1:
+        flags["-tp"] = args.tp
     if args.kv_cache_dtype != "auto":
         flags["--kv-cache-dtype"] = args.kv_cache_dtype
     if args.quantization != "none":
         flags["--quantization"] = args.quantization
     needed = setup.weight_bytes // args.tp + workspace + kv_memory
-    return {"flags": flags, "memory_needed_bytes": needed, "fits": needed <= budget and kv.max_sequences > 0}
+    return {"flags": flags, "memory_needed_bytes": needed, "fits": needed <= budget, "reason": None}
+
+
+def no_fit_reason(args, setup: Setup, kv: KVPlan) -> str:
+    """Why not one sequence of --context tokens fits, and what would change that."""
+    one = both_units(kv.bytes_per_sequence)
+    if args.kv_cache_memory is not None:
+        why = f"--kv-cache-memory-bytes {both_units(args.kv_cache_memory)} is less than one sequence's KV ({one})"
+    elif kv.nbytes == 0:
+        why = "the weights and activations alone fill the memory: nothing is left for the KV cache"
+    else:
+        why = f"the memory left for the KV cache ({both_units(kv.nbytes)}) is less than one sequence's KV ({one})"
+    return (
+        f"not one sequence of {args.context:,} tokens fits: {why}; "
+        "try -tp, --quantization, --kv-cache-dtype fp8 or a shorter --context"
+    )
 
 
 # -- printing --------------------------------------------------------------------------
@@ -458,12 +494,15 @@ def print_plan(plan: dict) -> None:
         print(f"| {r['acceptance_length']:g} | {s[1]:.2f}x | {s[8]:.2f}x | {s[64]:.2f}x |")
 
     f = plan["flags"]
-    flags = " ".join(f"{k} {v}" for k, v in f["flags"].items())
-    verdict = "fits" if f["fits"] else "does NOT fit"
-    print(
-        f"\nflags   {flags}\n        needs {both_units(f['memory_needed_bytes'])} with weights and activations: "
-        f"{verdict} in {both_units(plan['kv']['budget_bytes'] or plan['device']['memory_bytes'])}"
-    )
+    if f["reason"]:
+        print(f"\nflags   none: {f['reason']}")
+    else:
+        flags = " ".join(f"{k} {v}" for k, v in f["flags"].items())
+        verdict = "fits" if f["fits"] else "does NOT fit"
+        print(
+            f"\nflags   {flags}\n        needs {both_units(f['memory_needed_bytes'])} with weights and activations: "
+            f"{verdict} in {both_units(plan['kv']['budget_bytes'] or plan['device']['memory_bytes'])}"
+        )
     print(f"not modelled: {'; '.join(plan['not_modelled'])}")
 
 

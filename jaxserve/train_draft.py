@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxserve.flags import HelpFormatter
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.spec_decode.heads import (
@@ -394,10 +395,12 @@ def format_table(results: dict, method: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxserve.train_draft", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m jaxserve.train_draft", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: the embedded model)")
-    p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="quick", choices=sorted(PRESETS), help="the settings the other flags override")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL, one {'prompt': ...} a line")
     p.add_argument("--out", type=Path, default=None, help="default: <cache>/draft_heads/<model>-<method>-<preset>")
     for field in ("num_heads", "num_prompts", "max_tokens", "steps", "batch", "seed"):

@@ -7,6 +7,8 @@ argparse parser, so a renamed or removed flag or a bad choice fails its test cas
 
     python -m jaxserve.generate / jaxserve.plan / jaxserve.train_draft / api / api.router
     jaxserve-generate, jaxserve-serve           the console scripts of the same modules
+    jaxserve COMMAND (bench KIND)               the module jaxserve.cli's table runs for it
+    --config NAME.yaml                          the pages' ```yaml block that starts `# NAME.yaml`
     python benchmarks/X.py                      that script's parser
     bash X.sh                                   the script exists (gpu_check.sh: its --only sections too)
 
@@ -34,6 +36,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import NamedTuple
@@ -58,7 +61,7 @@ MODULE_COMMANDS = {
 SCRIPTS = {"jaxserve-generate": "jaxserve.generate", "jaxserve-serve": "api.__main__"}
 # Programs that are not ours: nothing to check beyond their name.
 NOT_OURS = {
-    *("pip", "git", "curl", "cd", "export", "mkdocs", "ruff", "mypy", "pre-commit", "python3.12 -m venv"),
+    *("pip", "git", "curl", "cd", "export", "echo", "mkdocs", "ruff", "mypy", "pre-commit", "python3.12 -m venv"),
     "vllm-router",  # docs/scaling.md: jaxserve behind an external router
 }
 # `python -m X` for modules that are not ours (pytest: its paths must exist).
@@ -176,10 +179,33 @@ def parse_function(module_name: str):
     return parser.parse_args  # looked up now that the patch is gone
 
 
+def yaml_examples() -> dict[str, str]:
+    """The pages' ```yaml blocks that start `# NAME.yaml`: the config files their commands name."""
+    found = {}
+    for path in DOC_FILES:
+        for lang, _, lines in fenced_blocks(path.read_text()):
+            name = re.fullmatch(r"# ([\w.-]+\.yaml)", lines[0].strip()) if lang == "yaml" and lines else None
+            if name:
+                found[name.group(1)] = "\n".join(lines)
+    return found
+
+
+YAML_EXAMPLES = yaml_examples()
+
+
 def check_parses(module_name: str, args: list[str]) -> None:
+    """Parse `args` as the command does; a `--config NAME.yaml` reads the pages' example of
+    that name, so its keys are checked too."""
     parse = parse_function(module_name)
     stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.ExitStack() as stack:
+        if "--config" in args[:-1] and args[args.index("--config") + 1] in YAML_EXAMPLES:
+            i = args.index("--config") + 1
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            (folder / args[i]).write_text(YAML_EXAMPLES[args[i]])
+            args = [*args[:i], str(folder / args[i]), *args[i + 1 :]]
+        stack.enter_context(contextlib.redirect_stderr(stderr))
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         try:
             parse(args)
         except SystemExit as e:
@@ -191,6 +217,17 @@ def check_paths(words: list[str]) -> None:
     for word in words:
         if not word.startswith("-") and ("/" in word or word.endswith(".py")):
             assert (ROOT / word.split("::")[0]).exists(), f"{word} does not exist"
+
+
+def jaxserve_command(args: list[str]) -> tuple[str, list[str]]:
+    """The module that parses `jaxserve ARGS`, and the args it gets (jaxserve.cli's tables)."""
+    from jaxserve.cli import BENCHMARKS, COMMANDS
+
+    assert args and args[0] in COMMANDS, f"jaxserve {shlex.join(args)}: no such command"
+    if args[0] == "bench":
+        assert args[1:] and args[1] in BENCHMARKS, f"jaxserve {shlex.join(args)}: no such benchmark"
+        return BENCHMARKS[args[1]].module, args[2:]
+    return COMMANDS[args[0]].module, args[1:]
 
 
 GPU_CHECK_SECTIONS = re.compile(r"^SECTIONS=\(([^)]*)\)", re.M)
@@ -214,6 +251,8 @@ def check_command(argv: list[str]) -> None:
         return check_parses("benchmarks." + Path(script).stem, argv[2:])
     if base in SCRIPTS:
         return check_parses(SCRIPTS[base], argv[1:])
+    if base == "jaxserve":
+        return check_parses(*jaxserve_command(argv[1:]))
     if base == "bash":
         script = ROOT / argv[1]
         assert script.is_file(), f"{argv[1]} does not exist"
@@ -243,6 +282,8 @@ def test_commands_found():
         "python -m jaxserve.train_draft",
         "bash .ci/run",
         "jaxserve-generate",
+        "jaxserve serve",
+        "jaxserve chat",
     ):
         assert any(s.startswith(expected) for s in shown), f"no docs command {expected!r} found"
 
@@ -283,6 +324,10 @@ def test_a_renamed_flag_fails():
         check_command(["python", "-m", "jaxserve.generate", "Hi", "--dtype", "float64"])
     with pytest.raises(pytest.fail.Exception, match="unknown kind"):
         check_command(["make", "docs"])
+    with pytest.raises(pytest.fail.Exception, match="refuses"):
+        check_command(["jaxserve", "serve", "--kv-cache-memory-bytes", "lots"])
+    with pytest.raises(AssertionError, match="no such command"):
+        check_command(["jaxserve", "sevre"])
 
 
 # --- the rest of what the pages say -----------------------------------------------------------

@@ -227,7 +227,13 @@ def load(
 
 
 # EngineConfig fields that only node 0's scheduler reads: nodes of several may differ in them.
-_LEADER_ONLY = {"enable_prefix_caching", "long_prefill_token_threshold", "generation_config", "async_scheduling"}
+_LEADER_ONLY = {
+    "enable_prefix_caching",
+    "long_prefill_token_threshold",
+    "generation_config",
+    "async_scheduling",
+    "seed",
+}
 
 
 def node_fingerprint(model: str | None, *, dtype="auto", quantization: str | None = None, **engine_kwargs) -> dict:

@@ -37,7 +37,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
     matmul_backend: str | None = None  # quantized matmuls; None: $JAXSERVE_MATMUL_BACKEND or auto
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
-    warm_up: bool = True
+    warm_up: bool = True  # compile every step program at start-up; False (--enforce-eager): each on first use
+    # vLLM's seed: requests without a seed draw theirs from a stream this starts (None: from the OS)
+    seed: int | None = None
     generation_config: str = "auto"  # "auto", "vllm" or a folder (see jaxserve.engine.generation_config)
     async_scheduling: bool = True  # overlap the host's work for step N with the device's step N+1
     # Draft tokens verified in the step (vLLM's --speculative-config: a SpeculativeConfig, a dict or its JSON)

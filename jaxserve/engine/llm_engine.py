@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -45,6 +46,7 @@ from jaxserve.parallel.sharding import resident_bytes
 from jaxserve.runner.model_runner import StepHandle
 from jaxserve.weights.load import LoadedModel
 from scheduler import Request, SamplingParams, StepBatch, StructuredOutputsParams
+from scheduler.request import SEED_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class LLMEngine:
         self.grammars = parts.grammars
         self.async_scheduling = config.async_scheduling and config.speculative_config is None
         self.outputs = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(config.seed) if config.seed is not None else None  # for unseeded requests
         self._in_flight: InFlight | None = None
         self._exports: dict[str, tuple[list[int], str | None]] = {}  # add_request(export_kv=True): prompt, salt
         # Set a jaxserve.engine.profiling.StepProfiler here to time each step's phases.
@@ -159,6 +162,8 @@ class LLMEngine:
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or self.default_sampling_params()
+        if params.seed is None and self._seeds is not None:
+            params = params.replace(seed=self._seeds.getrandbits(SEED_BITS))
         vocab = self.loaded.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(

@@ -30,6 +30,7 @@ from jaxserve.weights.cache import default_cache_dir
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
+from jaxserve.weights.hub import check_model_reference, download, parse_hub_reference
 from jaxserve.weights.params import ParamAssembler, place_params
 
 logger = logging.getLogger(__name__)
@@ -129,16 +130,16 @@ def resolve_source(model: str | None) -> Path:
         return path.resolve()
     if path.exists():
         raise ValueError(f"{path} is neither a .gguf file nor a model folder")
-    if not _is_hub_id(model):
-        raise FileNotFoundError(f"no model file or folder at {model!r} (and it does not look like a hub id)")
-    return _download(model)
+    check_model_reference(model)
+    return download(parse_hub_reference(model))
 
 
 def read_hf_config(model: str | None) -> tuple[dict, str]:
     """The config.json (or a GGUF file's metadata as one) of `model` and where it came
     from, without reading weights; a hub id fetches its config.json alone."""
     path = Path(model).expanduser() if model else None
-    if path is not None and not path.exists() and _is_hub_id(model):
+    ref = parse_hub_reference(model) if path is not None and not path.exists() else None
+    if ref is not None and ref.gguf is None:  # a GGUF file's metadata is its config: read below
         from huggingface_hub import hf_hub_download
 
         try:
@@ -151,25 +152,11 @@ def read_hf_config(model: str | None) -> tuple[dict, str]:
     return _source_config(source, GGUFFile(source) if source.is_file() else None), str(source)
 
 
-def _is_hub_id(model: str) -> bool:
-    return model.count("/") == 1 and not model.startswith((".", "/"))
-
-
 def _source_config(source: Path, gguf: GGUFFile | None) -> dict:
     if gguf is not None:
         return gguf.hf_config()
     with open(source / "config.json") as f:
         return json.load(f)
-
-
-def _download(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
-    except Exception as e:
-        raise FileNotFoundError(f"could not download {repo_id!r} from the Hugging Face hub: {e}") from e
-    return Path(folder)
 
 
 def weights_digest(source: Path) -> str:

@@ -250,3 +250,35 @@ def test_engine_logs_the_plan_and_warns_when_one_sequence_cannot_fit(tiny_llama,
         eng = LLMEngine(tiny_llama, EngineConfig(num_blocks=5, block_size=4, max_model_len=30, warm_up=False))
     assert "cannot hold one sequence of max_model_len 30" in caplog.text
     assert eng.max_model_len == 16
+
+
+def test_the_flag_line_serves_as_planned(capsys):
+    """-tp and --dtype are on the line, and the server's own parser reads it as planned."""
+    from api.__main__ import parse_args as serve_args
+
+    argv = [*LLAMA_70B, "--context", "8192"]
+    plan = make([*argv, "-tp", "4"])
+    assert make([*argv, "--tensor-parallel-size", "4"]) == plan == make([*argv, "--tp", "4"])
+    plan_cli.print_plan(plan)
+    line = next(li for li in capsys.readouterr().out.splitlines() if li.startswith("flags"))
+    flags = serve_args(line.split()[1:])
+    assert (flags.tensor_parallel_size, flags.dtype, flags.max_model_len) == (4, "float16", 8192)
+    assert flags.max_num_seqs == plan["kv"]["max_sequences"] > 0
+    assert flags.kv_cache_memory >= plan["kv"]["max_sequences"] * plan["kv"]["bytes_per_sequence"]
+    plan_cli.print_plan(make([*argv, "--quantization", "int4"]))
+    line = next(li for li in capsys.readouterr().out.splitlines() if li.startswith("flags"))
+    assert "--dtype float16" in line and "-tp" not in line  # one device
+
+
+def test_no_flags_when_not_one_sequence_fits(capsys):
+    plan = make([*LLAMA_70B, "--context", "8192"])  # 140 GB of fp16 weights on one 80 GB H100
+    assert plan["kv"]["max_sequences"] == 0 and plan["flags"]["flags"] == {} and not plan["flags"]["fits"]
+    plan_cli.print_plan(plan)
+    out = capsys.readouterr().out
+    assert "flags   none: not one sequence of 8,192 tokens fits: the weights and activations alone" in out
+    assert "--max-num-seqs" not in out
+    small = make([*LLAMA_70B, "--context", "8192", "--kv-cache-memory-bytes", "1GiB"])
+    assert (
+        "--kv-cache-memory-bytes 1.07 GB (1.00 GiB) is less than one sequence's KV (2.68 GB (2.50 GiB))"
+        in (small["flags"]["reason"])
+    )
