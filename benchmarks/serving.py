@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
+from jaxserve.extras import require_extra  # noqa: E402
 
 RANDOM_TOKEN_RANGE = (100, 10000)  # ordinary tokens in any vocabulary of 10k or more
 
@@ -550,6 +551,8 @@ def compare(args, vllm_python: str, requests: list[BenchRequest], sweep: list[in
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        require_extra("matplotlib", "plot", "--plot")
     # Check the vLLM venv before anything else, so a missing one fails at once.
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline else None
     sweep = [int(x) for x in args.sweep.split(",")] if args.sweep else []

@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
+from jaxserve.extras import require_extra  # noqa: E402
 
 
 def jaxserve_runner(args):
@@ -189,13 +190,16 @@ if save:  # a plain float32 safetensors copy (transformers will not save a GGUF-
 def first_output_seconds(cmd: list[str]) -> float:
     """Seconds from spawning `cmd` to its first byte on stdout (then let it finish)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    first = proc.stdout.read(1)
-    elapsed = time.perf_counter() - start
-    proc.communicate()
-    if not first or proc.returncode != 0:
-        raise RuntimeError(f"{cmd[:4]} failed (exit {proc.returncode})")
+    # stderr to a file, not a pipe: nobody reads it while stdout is awaited, and a full pipe would block.
+    with tempfile.TemporaryFile("w+") as stderr:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env)
+        first = proc.stdout.read(1)
+        elapsed = time.perf_counter() - start
+        proc.communicate()
+        if not first or proc.returncode != 0:
+            stderr.seek(0)
+            raise RuntimeError(f"{cmd[:4]} failed (exit {proc.returncode}):\n{stderr.read()[-3000:]}")
     return elapsed
 
 
@@ -274,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
+    if args.baseline == "transformers":  # before the long part
+        require_extra("torch", "test", "the transformers baseline (--baseline transformers, the default)")
 
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)

@@ -338,10 +338,9 @@ def print_table(rows: list[Row], args) -> None:
 
 
 def check_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        sys.exit("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    from jaxserve.extras import require_extra
+
+    require_extra("matplotlib", "plot", "--plot")
 
 
 def plot(rows: list[Row], path: str) -> None:

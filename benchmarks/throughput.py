@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
 from benchmarks.workload import MIXES, Workload, mix_workload  # noqa: E402
+from jaxserve.extras import require_extra  # noqa: E402
 
 MAX_MODEL_LEN = 1024
 
@@ -427,6 +428,8 @@ def main(argv=None) -> int:
 
     # Check the vLLM venv before the long part, so a missing one fails at once.
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
+    if args.baseline == "transformers":
+        require_extra("torch", "test", "the transformers baseline (--baseline transformers, the default)")
     work = mix_workload(args.mix, args.num_requests, seed=args.seed)
     ours = run_jaxserve(work, args)
     result = {

@@ -93,6 +93,9 @@ def converted_model_dir(cache_dir: str | None = None) -> Path:
     target = cache / CONVERTED_NAME
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    from jaxserve.extras import require_extra
+
+    require_extra("torch", "test", "converting the default model for vLLM (transformers dequantizes the GGUF)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

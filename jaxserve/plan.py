@@ -25,6 +25,7 @@ import math
 import sys
 from pathlib import Path
 
+from jaxserve.extras import require_extra
 from jaxserve.flags import HelpFormatter, parse_bytes
 from jaxserve.model.sizing import (
     DEVICES,
@@ -579,6 +580,8 @@ def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.plot:
+        require_extra("matplotlib", "plot", "--plot")
     try:
         plan = make_plan(args)
     except (FileNotFoundError, ValueError) as e:

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxserve.extras import require_extra
 from jaxserve.flags import HelpFormatter
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import allocate_kv_cache
@@ -432,6 +433,7 @@ def default_out(model: str | None, method: str, preset: str) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    require_extra("matplotlib", "train", "python -m jaxserve.train_draft (loss.png)")
     from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.weights import load_model
     from jaxserve.weights.load import resolve_source

@@ -63,6 +63,7 @@ SCRIPTS = {"jaxserve-generate": "jaxserve.generate", "jaxserve-serve": "api.__ma
 NOT_OURS = {
     *("pip", "git", "curl", "cd", "export", "echo", "mkdocs", "ruff", "mypy", "pre-commit", "python3.12 -m venv"),
     "vllm-router",  # docs/scaling.md: jaxserve behind an external router
+    "docker",  # docs/docker.md: the image's build and run
 }
 # `python -m X` for modules that are not ours (pytest: its paths must exist).
 NOT_OUR_MODULES = {"venv", "pip", "pytest", "mkdocs"}
