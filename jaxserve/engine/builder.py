@@ -239,7 +239,9 @@ def node_fingerprint(model: str | None, *, dtype="auto", quantization: str | Non
         **settings,
         "JAXSERVE_ATTENTION_BACKEND": os.environ.get("JAXSERVE_ATTENTION_BACKEND"),
         "JAXSERVE_MATMUL_BACKEND": os.environ.get("JAXSERVE_MATMUL_BACKEND"),
+        # With these the engine's XLA options (jaxserve.runner.compile_options) are the same too.
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+        "JAXSERVE_NO_XLA_FLAGS": os.environ.get("JAXSERVE_NO_XLA_FLAGS"),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "jaxserve": version("jaxserve"),

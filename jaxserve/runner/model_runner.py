@@ -54,6 +54,7 @@ from jaxserve.parallel.sharding import (
     tensor_parallel_size,
 )
 from jaxserve.runner import steps
+from jaxserve.runner.compile_options import engine_compiler_options
 from jaxserve.runner.steps import NULL_SLOT, PendingTokens
 from jaxserve.sample.rejection_sampler import VerifyOutput
 from jaxserve.sample.sampler import SamplerOutput, SamplingMetadata
@@ -155,6 +156,9 @@ class ModelRunner:
         # The devices the step runs on (jaxserve.parallel.sharding): one, or tensor-parallel shards.
         self.mesh = mesh = mesh if mesh is not None else make_mesh(1)
         tp = tensor_parallel_size(mesh)
+        # Every program below compiles with these (runner/compile_options.py); proposers use them too.
+        self.compiler_options = engine_compiler_options(mesh.devices.flat[0].platform)
+        jit = functools.partial(jax.jit, compiler_options=self.compiler_options)
         # NOTE: arrays are committed to the mesh up front: jit keys its cache on whether an
         # argument is committed, and the donated cache comes back committed after step one.
         self.replicated = replicated(mesh)
@@ -162,7 +166,7 @@ class ModelRunner:
         kv_config = dataclasses.replace(self.config, num_kv_heads=kv_heads_for(self.config, tp))
         kv_shardings = kv_cache_sharding(mesh, quantized=is_quantized_kv(kv_dtype))
         # Allocated in place, shard by shard: no device ever holds the whole cache.
-        self.kv: KVCache = jax.jit(
+        self.kv: KVCache = jit(
             lambda: allocate_kv_cache(kv_config, num_blocks, block_size, kv_dtype), out_shardings=kv_shardings
         )()
         graphdef, params = nnx.split(unstack_layers(model))
@@ -190,15 +194,15 @@ class ModelRunner:
         )
 
         # jit is applied here, once; the step functions (runner/steps.py) stay plain functions.
-        self._body = jax.jit(functools.partial(steps.body, statics), donate_argnames=("kv",))
+        self._body = jit(functools.partial(steps.body, statics), donate_argnames=("kv",))
         # Steps with prompt logprobs keep every token's hidden state: a variant compiled when the first comes.
-        self._body_keeping_hidden = jax.jit(
+        self._body_keeping_hidden = jit(
             functools.partial(steps.body, statics, keep_hidden=True), donate_argnames=("kv",)
         )
-        self._prompt_head = jax.jit(functools.partial(steps.prompt_head, statics))
-        self._head = jax.jit(functools.partial(steps.head, statics))
-        self._verify_head = jax.jit(functools.partial(steps.verify_head, statics))
-        self._compact = jax.jit(steps.compact, donate_argnames=("kv",))
+        self._prompt_head = jit(functools.partial(steps.prompt_head, statics))
+        self._head = jit(functools.partial(steps.head, statics))
+        self._verify_head = jit(functools.partial(steps.verify_head, statics))
+        self._compact = jit(steps.compact, donate_argnames=("kv",))
         # The latest step's sampled tokens, by row, on the device.
         self.last_tokens = jax.device_put(np.zeros(rows, np.int32), self.replicated)
         # ... and, when speculating, the hidden state each was drawn from (draft heads read it).
@@ -207,9 +211,9 @@ class ModelRunner:
         # With keep_step_hidden: the latest step's padded inputs and every token's hidden state.
         self.step_inputs: ModelInputs | None = None
         self.step_hidden: jax.Array | None = None
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
-        self._read_blocks = jax.jit(read_blocks)
-        self._write_blocks = jax.jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
+        self._copy_blocks = jit(copy_blocks, donate_argnames=("kv",))
+        self._read_blocks = jit(read_blocks)
+        self._write_blocks = jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
         self.compilations = CompileCounter()
         # Over several nodes (jaxserve.parallel.multihost), node 0's runner hands each step's plan
         # here before running it, so that every node runs the same programs.

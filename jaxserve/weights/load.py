@@ -37,6 +37,7 @@ from jaxserve.parallel.sharding import (
 )
 from jaxserve.weights import compressed_tensors, safetensors_reader
 from jaxserve.weights.default_model import default_model_path
+from jaxserve.weights.fast_tokenizer import fast_tokenizer_class
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
 from jaxserve.weights.params import ParamAssembler, build_model, place_params
@@ -271,11 +272,7 @@ def load_tokenizer(folder: str | Path):
 
 
 def _fast_tokenizer(folder: Path):
-    # NOTE: PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when it is
-    # installed, and the engine never needs it.
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return fast_tokenizer_class().from_pretrained(str(folder))
 
 
 def _save(entry: Path, params: dict, tokenizer, hf_config: dict, source: str) -> None:
