@@ -8,10 +8,10 @@ continuously batched batch and print as each finishes. A summary goes to stderr.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from jaxserve.flags import add_model_flags, model_engine_kwargs, start_devices
+from jaxserve.logs import configure_logging, say_loading
 from jaxserve.weights.default_model import DefaultModelMissing
 
 
@@ -72,7 +72,7 @@ def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int =
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    configure_logging("info" if args.verbose else "warning", fmt="%(message)s")
     try:
         node = start_devices(args, args.tensor_parallel_size)  # before jax starts
     except ValueError as e:
@@ -90,6 +90,7 @@ def main(argv=None) -> int:
 
     prompts = read_prompts(args)
     try:
+        say_loading(args.model, args.cache_dir)
         enable_compilation_cache(args.cache_dir)
         loaded = load_model(
             args.model,

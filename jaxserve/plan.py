@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from jaxserve.flags import parse_bytes
+from jaxserve.logs import configure_logging
 from jaxserve.model.sizing import (
     DEVICES,
     GB,
@@ -540,6 +541,7 @@ def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    configure_logging("warning")  # the plan is the output; --measure's model load stays quiet
     try:
         plan = make_plan(args)
     except (FileNotFoundError, ValueError) as e:

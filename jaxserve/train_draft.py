@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxserve.logs import configure_logging
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.spec_decode.heads import (
@@ -429,6 +430,7 @@ def default_out(model: str | None, method: str, preset: str) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    configure_logging("warning")  # its own bars and table say how it goes
     from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.weights import load_model
     from jaxserve.weights.load import resolve_source

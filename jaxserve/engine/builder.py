@@ -154,6 +154,10 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         runner.kv.nbytes / 2**20,
     )
     log_resident_bytes(runner)
+    if runner.compiler_options:
+        logger.info(
+            "XLA options of the engine's programs: %s", " ".join(f"{k}={v}" for k, v in runner.compiler_options.items())
+        )
     proposer = None
     if spec:
         context = ProposerContext(
