@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         except multihost.DistError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    engine = LLMEngine(loaded, EngineConfig(**config))
+    engine = LLMEngine(loaded, EngineConfig(**config), progress=sys.stderr.isatty())
     if isinstance(node, multihost.Follower):
         node.follow(engine.runner, PLAN_TYPES)  # node 0 schedules; this node runs its steps
         return 0

@@ -69,8 +69,8 @@ class EngineParts:
     grammars: GrammarCompiler
 
 
-def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
-    """Wire an engine's parts (see the module docstring for the order)."""
+def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = False) -> EngineParts:
+    """Wire an engine's parts (see the module docstring for the order); `progress`: a bar while it compiles."""
     mcfg = loaded.config
     generation = read_generation_config(loaded.source, config.generation_config)
     eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + generation.eos_token_ids))
@@ -103,7 +103,9 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     )
     memory_bytes = config.kv_cache_memory
     if config.gpu_memory_utilization is not None and config.num_blocks is None:
-        memory_bytes = kv_memory_for_utilization(make_runner, max_model_len, config.gpu_memory_utilization, mesh)
+        memory_bytes = kv_memory_for_utilization(
+            make_runner, max_model_len, config.gpu_memory_utilization, mesh, progress
+        )
     kv_plan = plan_kv(
         mcfg,
         kv_dtype,
@@ -175,7 +177,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     # dropped engine (and its compiled programs' memory maps) alive until a full GC.
     grammars = GrammarCompiler(functools.partial(grammar_backend, loaded.tokenizer, eos_token_ids, mcfg.vocab_size))
     if config.warm_up:
-        runner.warm_up()
+        runner.warm_up(progress=progress)
     return EngineParts(
         generation=generation,
         eos_token_ids=eos_token_ids,
@@ -272,7 +274,7 @@ def log_resident_bytes(runner: ModelRunner) -> None:
     )
 
 
-def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh) -> int:
+def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh, progress=False) -> int:
     """The KV cache's bytes under gpu_memory_utilization, as vLLM sizes it.
 
     The order matters: the activations of the largest step are known only once it has
@@ -288,7 +290,7 @@ def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: floa
     device = mesh.devices.flat[0]
     require_memory_stats(device)
     probe = make_runner(num_blocks=2, max_model_len=max_model_len)
-    probe.warm_up()
+    probe.warm_up(progress=progress)
     stats = device_memory_stats(device)
     probe_kv = probe.kv.nbytes
     jax.tree.map(lambda a: a.delete(), probe.kv)

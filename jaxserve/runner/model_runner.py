@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxserve.model.decoder import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model.inputs import ModelInputs
@@ -236,17 +237,33 @@ class ModelRunner:
     def rows_for(self, num_seqs: int) -> int:
         return min(1 << (num_seqs - 1).bit_length(), self.max_num_seqs)
 
-    def warm_up(self, heads: bool = True) -> None:
+    def warm_up(self, heads: bool = True, progress: bool = False) -> None:
         """Compile every program now, so that serving never waits on the compiler; without
-        `heads`, only what `write_kv` runs."""
+        `heads`, only what `write_kv` runs. `progress`: a bar on stderr, a step per bucket."""
+        total = len(self.buckets) + (len(self.row_buckets) if heads else 0)
+        with tqdm(total=total, desc="compiling", unit="bucket", disable=not progress, leave=False) as bar:
+            self._warm_up(heads, bar)
+        if heads:
+            logger.info(
+                "compiled %d token buckets %s and %d row buckets %s",
+                len(self.buckets),
+                self.buckets,
+                len(self.row_buckets),
+                self.row_buckets,
+            )
+
+    def _warm_up(self, heads: bool, bar: tqdm) -> None:
         for t in self.buckets:
+            bar.set_postfix_str(f"{t} tokens")
             inputs, pending = self.pad_inputs(None, *self.bucket_for(t))
             hidden, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+            bar.update()  # the call returns once its program is compiled (it runs asynchronously)
         self.kv = self._copy_blocks(self.kv, copy_pairs([], self.max_num_seqs))
         jax.block_until_ready(self.kv)
         if not heads:
             return
         for r in self.row_buckets:
+            bar.set_postfix_str(f"{r} rows")
             for penalties in (False, True):
                 meta = _dummy_sampling(r, penalties, self.max_model_len, self.config.vocab_size)
                 out, *_ = self._head(self.params, hidden, meta)
@@ -257,13 +274,7 @@ class ModelRunner:
                     out.token_ids.block_until_ready()
                     if self.tree is not None:
                         self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
-        logger.info(
-            "compiled %d token buckets %s and %d row buckets %s",
-            len(self.buckets),
-            self.buckets,
-            len(self.row_buckets),
-            self.row_buckets,
-        )
+            bar.update()
 
     # -- KV handed between engines (prefill/decode disaggregation) ---------------------------
 

@@ -51,6 +51,7 @@ def test_a_start_logs_jaxserve_lines_only_and_stats_lines_while_busy(tiny_folder
 
     assert "Unable to initialize backend" not in log  # jax's INFO lines about the backends it tried
     assert not re.search(r"absl|orbax", log)  # orbax logs through absl: ~16 INFO lines per save or restore
+    assert not re.search(r"(loading \S+|compiling): +\d+%", log)  # no progress bars: the log is no terminal
     assert log.index("jaxserve: loading") < log.index("INFO jaxserve.engine.builder: KV cache:") < log.index("serving")
     assert "api.stats_log" not in idle  # an idle server stays quiet
     assert STATS.findall(log) == lines  # ... also after its requests
