@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import NamedTuple
 
 from api.engine_loop import EngineLoop
+from api.replica_processes import REPLICA_ENV
 from scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -64,12 +66,15 @@ def stats_line(last: StatsSample, now: StatsSample) -> str | None:
 
 
 async def log_stats(engine_loop: EngineLoop, interval: float) -> None:
-    """Log `stats_line` every `interval` seconds, until cancelled (the app's lifespan runs this)."""
+    """Log `stats_line` every `interval` seconds, until cancelled (the app's lifespan runs this).
+    A data-parallel replica (api.replica_processes) says which it is, as vLLM's "Engine 000:"."""
+    replica = os.environ.get(REPLICA_ENV)
+    prefix = f"Replica {replica}: " if replica else ""
     last = sample(engine_loop)
     while True:
         await asyncio.sleep(interval)
         now = sample(engine_loop)
         line = stats_line(last, now)
         if line is not None:
-            logger.info(line)
+            logger.info("%s%s", prefix, line)
         last = now

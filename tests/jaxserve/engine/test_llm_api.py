@@ -187,6 +187,29 @@ def test_importing_jaxserve_changes_no_environment_variable(xla_flags):
     assert ast.literal_eval(run_python(code, **env)) is True
 
 
+def test_loading_a_tokenizer_without_torch_gives_no_advice_and_leaves_the_environment(tiny_llama_tok_dir):
+    """transformers advises at import that torch is missing (torch hidden here, as in an
+    install without it); jaxserve silences that for the one import and restores the environment."""
+    code = (
+        "import os, sys; sys.modules['torch'] = None; before = dict(os.environ); "
+        "from jaxserve.weights.load import load_tokenizer; "
+        f"load_tokenizer({str(tiny_llama_tok_dir)!r}); print(repr(before == dict(os.environ)))"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=base, capture_output=True, text=True, check=True, timeout=300
+    )
+    assert ast.literal_eval(out.stdout) is True
+    assert "PyTorch was not found" not in out.stderr
+    hidden = code.replace("from jaxserve.weights.load", "import transformers; from jaxserve.weights.load")
+    assert (
+        "PyTorch was not found"
+        in subprocess.run(  # the oracle: the advice, when transformers comes first
+            [sys.executable, "-c", hidden], cwd=REPO, env=base, capture_output=True, text=True, timeout=300
+        ).stderr
+    )
+
+
 def test_engine_options_leave_out_what_xla_flags_sets():
     assert engine_compiler_options("cpu", {}) == dict.fromkeys(FLAG_NAMES, True)
     mine = {"XLA_FLAGS": "--xla_cpu_fast_math_honor_nans=false --xla_force_host_platform_device_count=2"}
