@@ -1,9 +1,10 @@
 """The XLA options the engine compiles its programs with: per program, never process-wide.
 
 On a CPU, XLA vectorizes a float reduction (every matmul row, every norm) only if it may
-reassociate the sum; without that, decode runs about 25% slower. `CPU_REASSOCIATION`
-allows reassociation and nothing else: NaN, Inf, division and library functions keep IEEE
-semantics (the attention masks rely on -inf).
+reassociate the sum; without that, decode ran about 25% slower where this was measured
+(less where decode is bound by memory bandwidth). `CPU_REASSOCIATION` allows reassociation
+and nothing else: NaN, Inf, division and library functions keep IEEE semantics (the
+attention masks rely on -inf).
 
 The options go to each program the engine jits (`jax.jit(..., compiler_options=...)`), so
 other JAX code in the same process compiles exactly as it would without jaxserve, and
