@@ -26,6 +26,7 @@ from api.replica_processes import REPLICA_ENV, die_with_parent
 from api.router import add_router_flags
 from jaxserve.config_file import add_config_flag, parse_with_config
 from jaxserve.flags import HelpFormatter, add_model_flags, model_engine_kwargs, parse_bytes, start_devices
+from jaxserve.logs import configure_logging, say_loading
 from scheduler import SamplingParams
 
 
@@ -265,6 +266,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allowed-methods", type=json.loads, default='["*"]', help="CORS: a JSON list")
     p.add_argument("--allowed-headers", type=json.loads, default='["*"]', help="CORS: a JSON list")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="log a stats line this often while serving (throughput, running, waiting, KV-cache usage, "
+        "prefix-cache hit rate), when something happened since the last; 0: never (default 10)",
+    )
+    p.add_argument("--disable-log-stats", action="store_true", help="vLLM's: no stats line (--stats-interval 0)")
     args = parse_with_config(p, argv)
     if args.model_tag is not None:  # `serve MODEL`: the command line's --model may not say otherwise
         given = sys.argv[1:] if argv is None else argv
@@ -280,7 +290,7 @@ def main(argv=None) -> int:
     if args.data_parallel_size < 1:
         print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)  # jaxserve's loggers at --log-level; jax's, orbax's at WARNING
     from jaxserve.weights.hub import check_model_reference
 
     try:
@@ -344,6 +354,7 @@ def main(argv=None) -> int:
                 args.model, dtype=args.dtype, quantization=args.quantization, **engine_kwargs
             )
             node = multihost.connect(node, fingerprint)
+        say_loading(args.model, args.cache_dir)
         engine = LLMEngine.from_model(
             args.model,
             dtype=args.dtype,
@@ -397,6 +408,7 @@ def main(argv=None) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             engine_step_timeout=args.engine_step_timeout,
+            stats_interval=0.0 if args.disable_log_stats else args.stats_interval,
         )
     except (DefaultModelMissing, FileNotFoundError, ValueError, multihost.DistError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -156,6 +156,14 @@ class Metrics:
     def rejected(self) -> int:
         return int(self._sample("jaxserve:num_requests_rejected_total"))
 
+    @property
+    def prompt_tokens_total(self) -> float:
+        return self._sample("jaxserve:prompt_tokens_total")
+
+    @property
+    def generation_tokens_total(self) -> float:
+        return self._sample("jaxserve:generation_tokens_total")
+
     def _sample(self, name: str, **labels) -> float:
         with self._lock:
             own = dict(zip(self._families.label_names, self.labels))

@@ -29,7 +29,7 @@ import httpx
 
 logger = logging.getLogger(__name__)
 
-REPLICA_ENV = "JAXSERVE_REPLICA"  # set in a child: its index, so it prints its own start line
+REPLICA_ENV = "JAXSERVE_REPLICA"  # set in a child: its index, named in its start line and stats lines
 PARENT_ENV = "JAXSERVE_REPLICA_PARENT"  # the parent's pid, for the parent-death signal
 MAX_BACKOFF = 30.0
 STABLE_AFTER = 60.0  # a child up this long has its backoff reset

@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api.upstreams import Upstream, UpstreamDown, UpstreamPool, render_metrics, until_down
 from jaxserve.flags import HelpFormatter
+from jaxserve.logs import configure_logging
 from scheduler.router import chain_digests
 
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
@@ -331,6 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     add_router_flags(p)
     args = p.parse_args(argv)
+    configure_logging("info")  # upstreams leaving and rejoining the rotation
     if bool(args.prefill) != bool(args.decode) or bool(args.replica) == bool(args.prefill):
         p.error("give --replica URL..., or --prefill URL... and --decode URL...")
     app = create_router(

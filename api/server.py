@@ -21,6 +21,7 @@ each, behind a router (api.replica_processes, api.router).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -49,6 +50,7 @@ from api.metrics import Metrics
 from api.prompt_size import max_prompt_bytes
 from api.reasoning import get_reasoning_parser
 from api.serving import ServerState
+from api.stats_log import log_stats
 from api.tool_parsers import TOOL_PARSERS, get_tool_parser, parser_for_template
 from scheduler import SamplingParams
 
@@ -83,6 +85,7 @@ def create_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     engine_step_timeout: float | None = DEFAULT_ENGINE_STEP_TIMEOUT,
+    stats_interval: float = 0.0,
 ) -> FastAPI:
     """An app serving `engine` (an LLMEngine); its engine thread starts with the app's lifespan.
 
@@ -94,7 +97,8 @@ def create_app(
     `enable_auto_tool_choice`: serve tool_choice "auto" with the `tool_call_parser` (by default
     the one the chat template implies); `reasoning_parser`: split the thinking off replies;
     `engine_step_timeout`: /health turns 503 while one engine step has run longer (a hung
-    engine, so that a router in front takes this server out of rotation), None: never.
+    engine, so that a router in front takes this server out of rotation), None: never;
+    `stats_interval`: log a stats line this often, in seconds (api.stats_log), 0: never.
     """
     if max_request_sequences < 1:
         raise ValueError(f"max_request_sequences must be >= 1, got {max_request_sequences}")
@@ -117,9 +121,12 @@ def create_app(
         engine_loop.start()
         if engine.tokenizer is not None:  # structured output needs one
             engine.grammars.prepare()  # in the background: the first structured request need not wait for it
+        stats = asyncio.create_task(log_stats(engine_loop, stats_interval)) if stats_interval > 0 else None
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             engine_loop.stop()
 
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None)

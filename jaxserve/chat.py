@@ -13,13 +13,13 @@ When stdin is not a terminal, all of it is one message: one reply, then exit.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Iterable
 from typing import TextIO
 
 from jaxserve.config_file import add_config_flag, parse_with_config
 from jaxserve.flags import HelpFormatter, add_model_flags, model_engine_kwargs, parse_bytes, start_devices
+from jaxserve.logs import configure_logging, say_loading
 
 HELP_LINE = "/exit or ctrl-D: leave; /clear: start over; ctrl-C: stop a reply"
 
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    configure_logging("info" if args.verbose else "warning", fmt="%(message)s")
     from jaxserve.weights.hub import check_model_reference
 
     try:
@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     try:
         template = read_chat_template(args.chat_template) if args.chat_template else None
         message = None if interactive else read_message(sys.stdin)
+        if interactive:  # a pipe's reader wants the reply alone
+            say_loading(args.model, args.cache_dir)
         engine = LLMEngine.from_model(
             resolve_model(args.model, args.revision),
             dtype=args.dtype,

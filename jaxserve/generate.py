@@ -8,11 +8,11 @@ continuously batched batch and print as each finishes. A summary goes to stderr.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from jaxserve.config_file import add_config_flag, parse_with_config
 from jaxserve.flags import HelpFormatter, add_model_flags, model_engine_kwargs, start_devices
+from jaxserve.logs import configure_logging, say_loading
 from jaxserve.weights.default_model import DefaultModelMissing
 from jaxserve.weights.hub import check_model_reference
 
@@ -73,7 +73,7 @@ def buckets_for(prompt_lens: list[int], limit: int = 2048, tokens_per_seq: int =
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    configure_logging("info" if args.verbose else "warning", fmt="%(message)s")
     try:
         check_model_reference(args.model, args.revision)
         node = start_devices(args, args.tensor_parallel_size)  # before jax starts
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
 
     prompts = read_prompts(args)
     try:
+        say_loading(args.model, args.cache_dir)
         enable_compilation_cache(args.cache_dir)
         model = resolve_model(args.model, args.revision)  # a hub id: downloaded
         loaded = load_model(
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         except multihost.DistError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    engine = LLMEngine(loaded, EngineConfig(**config))
+    engine = LLMEngine(loaded, EngineConfig(**config), progress=sys.stderr.isatty())
     if isinstance(node, multihost.Follower):
         node.follow(engine.runner, PLAN_TYPES)  # node 0 schedules; this node runs its steps
         return 0

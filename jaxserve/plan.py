@@ -27,6 +27,7 @@ from pathlib import Path
 
 from jaxserve.extras import require_extra
 from jaxserve.flags import HelpFormatter, parse_bytes
+from jaxserve.logs import configure_logging
 from jaxserve.model.sizing import (
     DEVICES,
     GB,
@@ -580,6 +581,7 @@ def plot(plan: dict, measured: list[dict] | None, path: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    configure_logging("warning")  # the plan is the output; --measure's model load stays quiet
     if args.plot:
         require_extra("matplotlib", "plot", "--plot")
     try:

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.extras import require_extra
 from jaxserve.flags import HelpFormatter
+from jaxserve.logs import configure_logging
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.spec_decode.heads import (
@@ -433,6 +434,7 @@ def default_out(model: str | None, method: str, preset: str) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    configure_logging("warning")  # its own bars and table say how it goes
     require_extra("matplotlib", "train", "python -m jaxserve.train_draft (loss.png)")
     from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.weights import load_model

@@ -71,8 +71,8 @@ class EngineParts:
     grammars: GrammarCompiler
 
 
-def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
-    """Wire an engine's parts (see the module docstring for the order)."""
+def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = False) -> EngineParts:
+    """Wire an engine's parts (see the module docstring for the order); `progress`: a bar while it compiles."""
     mcfg = loaded.config
     generation = read_generation_config(loaded.source, config.generation_config)
     eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + generation.eos_token_ids))
@@ -110,7 +110,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         keep_step_hidden=spec is not None and spec.method == "eagle",
         mesh=mesh,
     )
-    memory_bytes = kv_memory_bytes(config, make_runner, max_model_len, mesh)
+    memory_bytes = kv_memory_bytes(config, make_runner, max_model_len, mesh, progress)
     kv_plan = plan_kv(
         mcfg,
         kv_dtype,
@@ -162,6 +162,10 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         runner.kv.nbytes / 2**20,
     )
     log_resident_bytes(runner)
+    if runner.compiler_options:
+        logger.info(
+            "XLA options of the engine's programs: %s", " ".join(f"{k}={v}" for k, v in runner.compiler_options.items())
+        )
     proposer = None
     if spec:
         context = ProposerContext(
@@ -179,7 +183,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     # dropped engine (and its compiled programs' memory maps) alive until a full GC.
     grammars = GrammarCompiler(functools.partial(grammar_backend, loaded.tokenizer, eos_token_ids, mcfg.vocab_size))
     if config.warm_up:
-        runner.warm_up()
+        runner.warm_up(progress=progress)
     return EngineParts(
         generation=generation,
         eos_token_ids=eos_token_ids,
@@ -253,7 +257,9 @@ def node_fingerprint(model: str | None, *, dtype="auto", quantization: str | Non
         **settings,
         "JAXSERVE_ATTENTION_BACKEND": os.environ.get("JAXSERVE_ATTENTION_BACKEND"),
         "JAXSERVE_MATMUL_BACKEND": os.environ.get("JAXSERVE_MATMUL_BACKEND"),
+        # With these the engine's XLA options (jaxserve.runner.compile_options) are the same too.
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+        "JAXSERVE_NO_XLA_FLAGS": os.environ.get("JAXSERVE_NO_XLA_FLAGS"),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "jaxserve": version("jaxserve"),

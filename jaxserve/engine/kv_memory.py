@@ -17,7 +17,7 @@ from jaxserve.parallel.sharding import resident_bytes
 logger = logging.getLogger(__name__)
 
 
-def kv_memory_bytes(config: EngineConfig, make_runner, max_model_len: int, mesh) -> int | None:
+def kv_memory_bytes(config: EngineConfig, make_runner, max_model_len: int, mesh, progress=False) -> int | None:
     """The KV cache's bytes per device (None: config.num_blocks sizes it). What was given
     wins: num_blocks, then kv_cache_memory, then gpu_memory_utilization. Given none, a
     device that reports its memory (a GPU) gets DEFAULT_GPU_MEMORY_UTILIZATION of it and the
@@ -29,7 +29,7 @@ def kv_memory_bytes(config: EngineConfig, make_runner, max_model_len: int, mesh)
             logger.info("kv_cache_memory given: gpu_memory_utilization %s is not used", config.gpu_memory_utilization)
         return config.kv_cache_memory
     if config.gpu_memory_utilization is not None:
-        return kv_memory_for_utilization(make_runner, max_model_len, config.gpu_memory_utilization, mesh)
+        return kv_memory_for_utilization(make_runner, max_model_len, config.gpu_memory_utilization, mesh, progress)
     devices = local_devices(mesh)
     if any(device_memory_stats(d) is None for d in devices):
         return DEFAULT_CPU_KV_CACHE_MEMORY  # the CPU: a fixed size, as before
@@ -44,7 +44,7 @@ def kv_memory_bytes(config: EngineConfig, make_runner, max_model_len: int, mesh)
         )
         return DEFAULT_CPU_KV_CACHE_MEMORY
     try:
-        return kv_memory_for_utilization(make_runner, max_model_len, DEFAULT_GPU_MEMORY_UTILIZATION, mesh)
+        return kv_memory_for_utilization(make_runner, max_model_len, DEFAULT_GPU_MEMORY_UTILIZATION, mesh, progress)
     except ValueError as e:
         raise ValueError(
             f"{e} (gpu_memory_utilization {DEFAULT_GPU_MEMORY_UTILIZATION} is the default on this device; the peak "
@@ -52,7 +52,7 @@ def kv_memory_bytes(config: EngineConfig, make_runner, max_model_len: int, mesh)
         ) from None
 
 
-def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh) -> int:
+def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: float, mesh, progress=False) -> int:
     """The KV cache's bytes per device under gpu_memory_utilization, as vLLM sizes it.
 
     The order matters: the activations of the largest step are known only once it has
@@ -71,7 +71,7 @@ def kv_memory_for_utilization(make_runner, max_model_len: int, utilization: floa
     for device in devices:
         require_memory_stats(device)
     probe = make_runner(num_blocks=2, max_model_len=max_model_len)
-    probe.warm_up()
+    probe.warm_up(progress=progress)
     stats = {str(d): device_memory_stats(d) for d in devices}
     held = resident_bytes(probe.kv)  # by device id
     probe_kv = {str(d): held.get(d.id, 0) for d in devices}

@@ -59,11 +59,12 @@ class InFlight(NamedTuple):
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *, progress: bool = False):
+        """`progress`: a bar on stderr while the warm-up compiles (one step per bucket)."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
-        parts = builder.build_parts(loaded, config)
+        parts = builder.build_parts(loaded, config, progress)
         self.generation, self.eos_token_ids = parts.generation, parts.eos_token_ids
         self.kv_dtype, self.mesh, self.max_model_len = parts.kv_dtype, parts.mesh, parts.max_model_len
         self.attention_backend, self.matmul_backend = parts.attention_backend, parts.matmul_backend
@@ -109,7 +110,8 @@ class LLMEngine:
         """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields.
         `dtype` "auto": the checkpoint's on a GPU, float32 on the CPU (jaxserve.weights.dtype).
         `quantization`: "int4", "fp8" or "gguf" (see jaxserve.model.quantization); None: as the checkpoint is.
-        `tokenizer`: a folder whose tokenizer replaces the model's (weights without one)."""
+        `tokenizer`: a folder whose tokenizer replaces the model's (weights without one).
+        `progress`: bars on stderr while the weights convert and the programs compile."""
         loaded, config = builder.load(
             model,
             dtype=dtype,
@@ -119,7 +121,7 @@ class LLMEngine:
             tokenizer=tokenizer,
             **engine_kwargs,
         )
-        return cls(loaded, config)
+        return cls(loaded, config, progress=progress)
 
     def replica(self, device_ids: tuple[int, ...]) -> LLMEngine:
         """An engine like this one on other devices (a data-parallel replica), from the same

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxserve.model.decoder import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model.inputs import ModelInputs
@@ -54,6 +55,7 @@ from jaxserve.parallel.sharding import (
     tensor_parallel_size,
 )
 from jaxserve.runner import steps
+from jaxserve.runner.compile_options import engine_compiler_options
 from jaxserve.runner.steps import NULL_SLOT, PendingTokens
 from jaxserve.sample.rejection_sampler import VerifyOutput
 from jaxserve.sample.sampler import SamplerOutput, SamplingMetadata
@@ -155,6 +157,9 @@ class ModelRunner:
         # The devices the step runs on (jaxserve.parallel.sharding): one, or tensor-parallel shards.
         self.mesh = mesh = mesh if mesh is not None else make_mesh(1)
         tp = tensor_parallel_size(mesh)
+        # Every program below compiles with these (runner/compile_options.py); proposers use them too.
+        self.compiler_options = engine_compiler_options(mesh.devices.flat[0].platform)
+        jit = functools.partial(jax.jit, compiler_options=self.compiler_options)
         # NOTE: arrays are committed to the mesh up front: jit keys its cache on whether an
         # argument is committed, and the donated cache comes back committed after step one.
         self.replicated = replicated(mesh)
@@ -162,7 +167,7 @@ class ModelRunner:
         kv_config = dataclasses.replace(self.config, num_kv_heads=kv_heads_for(self.config, tp))
         kv_shardings = kv_cache_sharding(mesh, quantized=is_quantized_kv(kv_dtype))
         # Allocated in place, shard by shard: no device ever holds the whole cache.
-        self.kv: KVCache = jax.jit(
+        self.kv: KVCache = jit(
             lambda: allocate_kv_cache(kv_config, num_blocks, block_size, kv_dtype), out_shardings=kv_shardings
         )()
         graphdef, params = nnx.split(unstack_layers(model))
@@ -190,15 +195,15 @@ class ModelRunner:
         )
 
         # jit is applied here, once; the step functions (runner/steps.py) stay plain functions.
-        self._body = jax.jit(functools.partial(steps.body, statics), donate_argnames=("kv",))
+        self._body = jit(functools.partial(steps.body, statics), donate_argnames=("kv",))
         # Steps with prompt logprobs keep every token's hidden state: a variant compiled when the first comes.
-        self._body_keeping_hidden = jax.jit(
+        self._body_keeping_hidden = jit(
             functools.partial(steps.body, statics, keep_hidden=True), donate_argnames=("kv",)
         )
-        self._prompt_head = jax.jit(functools.partial(steps.prompt_head, statics))
-        self._head = jax.jit(functools.partial(steps.head, statics))
-        self._verify_head = jax.jit(functools.partial(steps.verify_head, statics))
-        self._compact = jax.jit(steps.compact, donate_argnames=("kv",))
+        self._prompt_head = jit(functools.partial(steps.prompt_head, statics))
+        self._head = jit(functools.partial(steps.head, statics))
+        self._verify_head = jit(functools.partial(steps.verify_head, statics))
+        self._compact = jit(steps.compact, donate_argnames=("kv",))
         # The latest step's sampled tokens, by row, on the device.
         self.last_tokens = jax.device_put(np.zeros(rows, np.int32), self.replicated)
         # ... and, when speculating, the hidden state each was drawn from (draft heads read it).
@@ -207,9 +212,9 @@ class ModelRunner:
         # With keep_step_hidden: the latest step's padded inputs and every token's hidden state.
         self.step_inputs: ModelInputs | None = None
         self.step_hidden: jax.Array | None = None
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
-        self._read_blocks = jax.jit(read_blocks)
-        self._write_blocks = jax.jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
+        self._copy_blocks = jit(copy_blocks, donate_argnames=("kv",))
+        self._read_blocks = jit(read_blocks)
+        self._write_blocks = jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
         self.compilations = CompileCounter()
         # Over several nodes (jaxserve.parallel.multihost), node 0's runner hands each step's plan
         # here before running it, so that every node runs the same programs.
@@ -232,17 +237,33 @@ class ModelRunner:
     def rows_for(self, num_seqs: int) -> int:
         return min(1 << (num_seqs - 1).bit_length(), self.max_num_seqs)
 
-    def warm_up(self, heads: bool = True) -> None:
+    def warm_up(self, heads: bool = True, progress: bool = False) -> None:
         """Compile every program now, so that serving never waits on the compiler; without
-        `heads`, only what `write_kv` runs."""
+        `heads`, only what `write_kv` runs. `progress`: a bar on stderr, a step per bucket."""
+        total = len(self.buckets) + (len(self.row_buckets) if heads else 0)
+        with tqdm(total=total, desc="compiling", unit="bucket", disable=not progress, leave=False) as bar:
+            self._warm_up(heads, bar)
+        if heads:
+            logger.info(
+                "compiled %d token buckets %s and %d row buckets %s",
+                len(self.buckets),
+                self.buckets,
+                len(self.row_buckets),
+                self.row_buckets,
+            )
+
+    def _warm_up(self, heads: bool, bar: tqdm) -> None:
         for t in self.buckets:
+            bar.set_postfix_str(f"{t} tokens")
             inputs, pending = self.pad_inputs(None, *self.bucket_for(t))
             hidden, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+            bar.update()  # the call returns once its program is compiled (it runs asynchronously)
         self.kv = self._copy_blocks(self.kv, copy_pairs([], self.max_num_seqs))
         jax.block_until_ready(self.kv)
         if not heads:
             return
         for r in self.row_buckets:
+            bar.set_postfix_str(f"{r} rows")
             for penalties in (False, True):
                 meta = _dummy_sampling(r, penalties, self.max_model_len, self.config.vocab_size)
                 out, *_ = self._head(self.params, hidden, meta)
@@ -253,13 +274,7 @@ class ModelRunner:
                     out.token_ids.block_until_ready()
                     if self.tree is not None:
                         self.kv = self._compact(self.kv, out, self._tree_slots(None, r))
-        logger.info(
-            "compiled %d token buckets %s and %d row buckets %s",
-            len(self.buckets),
-            self.buckets,
-            len(self.row_buckets),
-            self.row_buckets,
-        )
+            bar.update()
 
     # -- KV handed between engines (prefill/decode disaggregation) ---------------------------
 

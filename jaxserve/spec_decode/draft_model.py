@@ -96,8 +96,9 @@ class DraftModelProposer:
             mesh=target.mesh,
         )  # on the target's devices
         logger.info("draft model: %d layers, KV cache %.1f MiB", model.cfg.num_layers, self.runner.kv.nbytes / 2**20)
-        self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",))
-        self._take_rows = jax.jit(lambda probs, rows: probs[rows])
+        options = target.compiler_options  # the target's XLA options (jaxserve.runner.compile_options)
+        self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",), compiler_options=options)
+        self._take_rows = jax.jit(lambda probs, rows: probs[rows], compiler_options=options)
         self._rows: dict[str, int] = {}  # request id -> row of the latest proposal
         self._probs: jax.Array | None = None  # [R, k, V]: the distributions the drafts were drawn from
         if context.warm_up:

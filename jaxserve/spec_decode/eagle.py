@@ -27,6 +27,7 @@ where prompts diverge right after a block boundary, never correctness.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -57,10 +58,12 @@ class EagleProposer:
         self.params = nnx.to_pure_dict(jax.device_put(params, target.replicated))  # see ModelRunner.params
         kv = allocate_kv_cache(head.cfg, target.kv.num_blocks, target.block_size, context.kv_dtype)
         self.kv = jax.device_put(kv, target.replicated)
-        self._follow = jax.jit(self._follow_fn, donate_argnames=("kv",))
-        self._ends = jax.jit(_ends_fn)
-        self._propose = jax.jit(self._propose_fn, donate_argnames=("kv",))
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnames=("kv",))
+        # The target's XLA options (jaxserve.runner.compile_options).
+        jit = functools.partial(jax.jit, compiler_options=target.compiler_options)
+        self._follow = jit(self._follow_fn, donate_argnames=("kv",))
+        self._ends = jit(_ends_fn)
+        self._propose = jit(self._propose_fn, donate_argnames=("kv",))
+        self._copy_blocks = jit(copy_blocks, donate_argnames=("kv",))
         # By row of the latest step: the head's guess of h at each row's new last token.
         self._features = jax.device_put(
             np.zeros((target.max_num_seqs, head.cfg.hidden_size), self.dtype), target.replicated

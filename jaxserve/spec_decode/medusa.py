@@ -40,7 +40,8 @@ class MedusaProposer:
         # Candidates per head: the most siblings at its depth; a node's token is one of them.
         widths = [int(self.tree.rank[self.tree.depth == d].max()) + 1 for d in range(1, self.tree.max_depth + 1)]
         self._candidates = jax.jit(
-            _candidates_fn(self.heads[0], self.runner.graphdef, max(widths), self.tree.max_depth)
+            _candidates_fn(self.heads[0], self.runner.graphdef, max(widths), self.tree.max_depth),
+            compiler_options=self.runner.compiler_options,  # the target's (jaxserve.runner.compile_options)
         )
         self._depth, self._rank = self.tree.depth[1:] - 1, self.tree.rank[1:]
         self._rows: dict[str, int] = {}  # request id -> its row in the latest step, if it sampled there

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.model.config import UnsupportedModelError
+from jaxserve.weights.fast_tokenizer import fast_tokenizer_class
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -51,7 +52,6 @@ SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 def tokenizer_from_gguf(field) -> Any:
     """A transformers PreTrainedTokenizerFast; `field(key, default)` reads GGUF metadata."""
     from tokenizers import AddedToken, processors
-    from transformers import PreTrainedTokenizerFast
 
     kind = field("tokenizer.ggml.model")
     pre = field("tokenizer.ggml.pre", "default")
@@ -99,7 +99,7 @@ def tokenizer_from_gguf(field) -> Any:
             special_tokens=[(tokens[i], i) for _, i in ends],
         )
 
-    return PreTrainedTokenizerFast(
+    return fast_tokenizer_class()(
         tokenizer_object=tok,
         bos_token=special("bos"),
         eos_token=special("eos"),

@@ -28,6 +28,7 @@ from jaxserve.model.quantization import QuantConfig, weight_bytes
 from jaxserve.weights import cache, cache_entry, compressed_tensors, derive, safetensors_reader
 from jaxserve.weights.cache import default_cache_dir
 from jaxserve.weights.default_model import default_model_path
+from jaxserve.weights.fast_tokenizer import fast_tokenizer_class
 from jaxserve.weights.gguf_reader import GGUFFile
 from jaxserve.weights.gguf_tokenizer import tokenizer_from_gguf
 from jaxserve.weights.hub import check_model_reference, download, parse_hub_reference
@@ -261,8 +262,4 @@ def load_tokenizer(folder: str | Path):
 
 
 def _fast_tokenizer(folder: Path):
-    # NOTE: PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when it is
-    # installed, and the engine never needs it.
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return fast_tokenizer_class().from_pretrained(str(folder))

@@ -1,8 +1,9 @@
 """vLLM's offline API on `LLM`: `chat`, `{"prompt_token_ids": [...]}` prompts, `dtype="auto"`,
-and the CPU XLA flags `import jaxserve` sets.
+and the CPU XLA options the engine compiles with (`import jaxserve` sets none).
 
 Oracles: transformers' `apply_chat_template` (token ids) for chat prompts, the same
-prompts given as plain text or ids, and the flags jaxserve documents."""
+prompts given as plain text or ids, a fresh interpreter's environment before and after
+the import, and XLA's own dump of the options each program was compiled with."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from jaxserve import LLM
+from jaxserve.runner.compile_options import engine_compiler_options
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.dtype import checkpoint_dtype, choose_dtype, config_dtype
 from scheduler import SamplingParams
@@ -147,7 +150,7 @@ def test_auto_is_the_default_and_runs_float32_on_the_cpu(llm):
     assert str(llm.engine.loaded.model.dtype) == "float32"
 
 
-# -- XLA flags --------------------------------------------------------------------------
+# -- XLA options ------------------------------------------------------------------------
 
 FLAG_NAMES = [
     "xla_cpu_enable_fast_math",
@@ -156,29 +159,97 @@ FLAG_NAMES = [
     "xla_cpu_fast_math_honor_division",
     "xla_cpu_fast_math_honor_functions",
 ]
+REPO = Path(__file__).resolve().parents[3]
 
 
-def xla_flags_after_import(**env) -> str | None:
+def run_python(code: str, **env) -> str:
+    """`code` run by a fresh interpreter from the repository's root, its environment without
+    the XLA variables but for `env`; its stdout."""
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXSERVE_NO_XLA_FLAGS")}
-    code = "import jaxserve, os; print(repr(os.environ.get('XLA_FLAGS')))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True, timeout=60
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     ).stdout
-    return ast.literal_eval(out)
 
 
-def test_xla_flags_are_appended_only_where_the_user_set_none():
-    assert xla_flags_after_import().split() == [f"--{n}=true" for n in FLAG_NAMES]
-    mine = "--xla_cpu_fast_math_honor_nans=false --xla_force_host_platform_device_count=2"
-    flags = xla_flags_after_import(XLA_FLAGS=mine).split()
-    assert flags[:2] == mine.split()
-    assert sorted(flags[2:]) == sorted(f"--{n}=true" for n in FLAG_NAMES if n != "xla_cpu_fast_math_honor_nans")
-    assert xla_flags_after_import(XLA_FLAGS="--xla_cpu_enable_fast_math=false").split() == [
-        "--xla_cpu_enable_fast_math=false",
-        *[f"--{n}=true" for n in FLAG_NAMES[1:]],
-    ]
+@pytest.mark.parametrize("xla_flags", [None, "--xla_cpu_fast_math_honor_nans=false"])
+def test_importing_jaxserve_changes_no_environment_variable(xla_flags):
+    code = (
+        "import os; before = dict(os.environ); import jaxserve; from jaxserve import LLM, LLMEngine, SamplingParams; "
+        "import jaxserve.engine, jaxserve.runner.model_runner, api.server; print(repr(before == dict(os.environ)))"
+    )
+    env = {} if xla_flags is None else {"XLA_FLAGS": xla_flags}
+    assert ast.literal_eval(run_python(code, **env)) is True
 
 
-def test_no_xla_flags_when_asked():
-    assert xla_flags_after_import(JAXSERVE_NO_XLA_FLAGS="1") is None
-    assert xla_flags_after_import(JAXSERVE_NO_XLA_FLAGS="1", XLA_FLAGS="--xla_dump_to=/tmp/x") == "--xla_dump_to=/tmp/x"
+def test_loading_a_tokenizer_without_torch_gives_no_advice_and_leaves_the_environment(tiny_llama_tok_dir):
+    """transformers advises at import that torch is missing (torch hidden here, as in an
+    install without it); jaxserve silences that for the one import and restores the environment."""
+    code = (
+        "import os, sys; sys.modules['torch'] = None; before = dict(os.environ); "
+        "from jaxserve.weights.load import load_tokenizer; "
+        f"load_tokenizer({str(tiny_llama_tok_dir)!r}); print(repr(before == dict(os.environ)))"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=base, capture_output=True, text=True, check=True, timeout=300
+    )
+    assert ast.literal_eval(out.stdout) is True
+    assert "PyTorch was not found" not in out.stderr
+    hidden = code.replace("from jaxserve.weights.load", "import transformers; from jaxserve.weights.load")
+    assert (
+        "PyTorch was not found"
+        in subprocess.run(  # the oracle: the advice, when transformers comes first
+            [sys.executable, "-c", hidden], cwd=REPO, env=base, capture_output=True, text=True, timeout=300
+        ).stderr
+    )
+
+
+def test_engine_options_leave_out_what_xla_flags_sets():
+    assert engine_compiler_options("cpu", {}) == dict.fromkeys(FLAG_NAMES, True)
+    mine = {"XLA_FLAGS": "--xla_cpu_fast_math_honor_nans=false --xla_force_host_platform_device_count=2"}
+    assert engine_compiler_options("cpu", mine) == {n: True for n in FLAG_NAMES if n != "xla_cpu_fast_math_honor_nans"}
+    assert engine_compiler_options("cpu", {"XLA_FLAGS": " ".join(f"--{n}=false" for n in FLAG_NAMES)}) is None
+    assert engine_compiler_options("cpu", {"JAXSERVE_NO_XLA_FLAGS": "1"}) is None
+    assert engine_compiler_options("gpu", {}) is None  # XLA's CPU options
+
+
+ENGINE_AND_ANOTHER_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp
+from jaxserve.engine import EngineConfig, LLMEngine
+from jaxserve.weights import load_model
+
+loaded = load_model(sys.argv[1], use_cache=False, progress=False)
+config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, token_buckets=(8,), max_model_len=32, num_blocks=16)
+LLMEngine(loaded, config)
+
+def someone_elses(x):  # other JAX code in the same process, compiled after the engine's
+    return jnp.sum(x * x)
+
+jax.jit(someone_elses)(jnp.ones(8)).block_until_ready()
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"JAXSERVE_NO_XLA_FLAGS": "1"}, {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}])
+def test_the_engines_programs_and_no_others_compile_with_reassociation(tiny_llama_dir, tmp_path, env):
+    """XLA's own record of what it compiled each program with (--xla_dump_to writes each
+    module's debug options that differ from the defaults) says whether fast math was on: for
+    the engine's step programs unless asked not to or XLA_FLAGS says otherwise; never for others."""
+    dump = tmp_path / "dump"
+    code = f"import sys; sys.argv[1:] = [{str(tiny_llama_dir)!r}]\n{ENGINE_AND_ANOTHER_PROGRAM}"
+    run_python(code, **{**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}"})
+
+    def fast_math(path: Path) -> bool:
+        return "xla_cpu_enable_fast_math: true" in path.read_text()
+
+    steps = [*dump.glob("module_*.jit_body.debug_options"), *dump.glob("module_*.jit_head.debug_options")]
+    assert len(steps) >= 2
+    assert [fast_math(p) for p in steps] == [not env] * len(steps)
+    (other,) = dump.glob("module_*.jit_someone_elses.debug_options")
+    assert not fast_math(other)
