@@ -30,8 +30,8 @@ def configure_logging(level: str | int = "info", fmt: str = SERVER_FORMAT) -> No
 
 def loading_line(model: str | None, cache_dir: str | Path | None = None) -> str:
     """The line a command prints before it loads a model: a first start is long, a later one is not."""
+    from jaxserve.weights.cache import default_cache_dir
     from jaxserve.weights.default_model import GGUF_NAME
-    from jaxserve.weights.load import default_cache_dir
 
     name = model or f"the default model ({GGUF_NAME})"
     cache = Path(cache_dir or default_cache_dir())

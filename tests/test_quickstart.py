@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from api.replica_processes import free_port
+from tests.api.conftest import stop_server
 from tests.test_docs import fenced_blocks
 
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.default_model]
@@ -201,12 +202,7 @@ def test_the_server_answers_the_openai_snippet(quick_start):
         out = run(f".venv/bin/python -c {shlex.quote(code)}", folder, env, RUN_TIMEOUT).stdout
         assert re.search(r"\w", out), f"the snippet printed no text:\n{out!r}"
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log: Path) -> None:

@@ -103,15 +103,16 @@ def run_server(log_dir: Path, *args: str, api_key: str | None = API_KEY):
             url = _wait_for_url(process, log)
             _wait_healthy(url, process, log)
         except BaseException:
-            _stop(process)
+            stop_server(process)
             raise
     try:
         yield Server(url, process, log, api_key)
     finally:
-        _stop(process)
+        stop_server(process)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within 30 s."""
     process.terminate()
     try:
         process.wait(30)
