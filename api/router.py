@@ -292,12 +292,15 @@ def _headers(request: Request) -> dict[str, str]:
 
 
 def serve(app, host: str, port: int, line: str, log_level: str = "warning") -> None:
-    """Bind first (so --port 0 can say which port it got), print `line` with {url}, serve."""
+    """Bind and listen first (so --port 0 can say which port it got, and a client that reads
+    the line can connect at once: the kernel queues it until uvicorn accepts), print `line`
+    with {url}, serve."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)
     host, port = sock.getsockname()[:2]
     print(line.format(url=f"http://{f'[{host}]' if ':' in host else host}:{port}"), flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])

@@ -294,3 +294,31 @@ def test_a_stalled_engine_turns_health_503_and_leaves_the_routers_rotation(tiny_
             release.set()
         wait_for(lambda: httpx.get(f"{router_url}/health").status_code == 200, "back in rotation")
         assert httpx.post(f"{router_url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_the_announced_url_takes_connections_before_uvicorn_starts(monkeypatch, capsys):
+    """A client that reads `router on URL` may connect at once: the socket listens before the
+    line is printed (it had only been bound, and a busy machine refused the first call)."""
+    import socket
+
+    import uvicorn
+
+    from api.router import serve
+
+    connected = []
+
+    class NotStarted:  # stands in for uvicorn: its Config would also take over logging
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def run(self, sockets):
+            url = capsys.readouterr().out.split(" on ")[-1].strip()
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=5):
+                connected.append(url)  # queued by the kernel; nobody has accepted yet
+            sockets[0].close()
+
+    monkeypatch.setattr(uvicorn, "Config", NotStarted)
+    monkeypatch.setattr(uvicorn, "Server", NotStarted)
+    serve(None, "127.0.0.1", 0, "jaxserve: router on {url}")
+    assert connected
