@@ -1,14 +1,23 @@
 """Model configuration: one frozen dataclass read from a Hugging Face `config.json`.
 
-The decoder family is Llama-shaped. The four supported architectures differ only in a
-few switches, all of which live here:
+The decoder family is Llama-shaped. The supported architectures differ only in a few
+switches, all of which live here:
 
-| architecture        | QKV bias | q/k RMSNorm | sliding window | rope scaling   |
-|---------------------|----------|-------------|----------------|----------------|
-| LlamaForCausalLM    | optional | no          | no             | llama3, linear |
-| MistralForCausalLM  | no       | no          | optional       | no             |
-| Qwen2ForCausalLM    | yes      | no          | optional       | linear         |
-| Qwen3ForCausalLM    | optional | yes         | optional       | linear         |
+| architecture        | QKV bias | q/k RMSNorm | sliding window | rope scaling   | MLP                      |
+|---------------------|----------|-------------|----------------|----------------|--------------------------|
+| LlamaForCausalLM    | optional | no          | no             | llama3, linear | dense                    |
+| MistralForCausalLM  | no       | no          | optional       | no             | dense                    |
+| Qwen2ForCausalLM    | yes      | no          | optional       | linear         | dense                    |
+| Qwen3ForCausalLM    | optional | yes         | optional       | linear         | dense                    |
+| MixtralForCausalLM  | no       | no          | optional       | no             | experts, top-k renormed  |
+| Qwen2MoeForCausalLM | optional | no          | optional       | linear         | experts + shared expert  |
+| Qwen3MoeForCausalLM | optional | yes         | optional       | linear         | experts                  |
+
+A mixture-of-experts MLP (jaxserve.model.moe) routes each token to `num_experts_per_tok`
+of `num_experts` experts: softmax over the router's logits in float32, the top k, renormed
+to sum to one when `norm_topk_prob` (always for Mixtral). Qwen's MoE models keep a dense
+MLP on the layers in `mlp_only_layers` and on those whose index + 1 is not a multiple of
+`decoder_sparse_step`.
 
 Anything outside that table is refused with an error that names the field.
 """
@@ -28,6 +37,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -68,6 +80,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's hidden size
+    norm_topk_prob: bool = False  # renorm the top-k routing weights to sum to 1
+    routing_weights_in_float32: bool = False  # Mixtral keeps them in float32; Qwen casts to the model dtype
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of a MoE model that have a dense MLP instead
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -76,6 +96,18 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has experts (else a dense MLP)."""
+        return self.is_moe and layer not in self.dense_mlp_layers
 
     def rope_inv_freq(self) -> np.ndarray:
         """Rotary inverse frequencies [head_dim // 2] in float32, scaled as configured."""
@@ -124,7 +156,10 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        bias = bool(hf.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        bias = bool(hf.get("attention_bias", False)) and arch not in ("MistralForCausalLM", "MixtralForCausalLM")
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        if arch == "Qwen2MoeForCausalLM":
+            bias = bool(hf.get("qkv_bias", True))  # Qwen2-MoE's name for q/k/v bias; no o_proj bias
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -140,11 +175,12 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or bias,
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            o_proj_bias=not qwen2 and bias,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(hf, arch),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(hf, arch),
         )
 
 
@@ -154,10 +190,43 @@ def _architecture_from_model_type(model_type: str | None) -> str:
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
     }
     if model_type not in by_type:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported")
     return by_type[model_type]
+
+
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture of experts (none for a dense architecture)."""
+    if arch == "MixtralForCausalLM":
+        return dict(
+            num_experts=hf.get("num_local_experts", 8),
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+            moe_intermediate_size=hf["intermediate_size"],  # Mixtral's experts are its MLPs
+            norm_topk_prob=True,
+            routing_weights_in_float32=True,
+        )
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    defaults = {"Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8)}[arch]  # transformers' own
+    num_experts, layers = hf.get("num_experts", defaults[0]), hf["num_hidden_layers"]
+    if not num_experts:
+        raise UnsupportedModelError(f"{arch} with num_experts={num_experts}: no experts")
+    step = hf.get("decoder_sparse_step") or 1
+    mlp_only = set(hf.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=hf.get("num_experts_per_tok", defaults[1]),
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(
+            hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+        ),
+        dense_mlp_layers=tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step),
+    )
 
 
 def _refuse_unsupported_fields(hf: dict[str, Any]) -> None:
