@@ -44,6 +44,25 @@ TINY_MODELS = {
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
     "qwen3-tied": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True, num_key_value_heads=1)),
+    # Mixtures of experts: Mixtral's experts are its MLPs, renormed top 2; Qwen2-MoE adds a
+    # gated shared expert and here keeps a dense MLP on layer 1; Qwen3-MoE renorms its top 3.
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "qwen2-moe": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, head_dim=24),
+    ),
 }
 
 

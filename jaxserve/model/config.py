@@ -203,7 +203,7 @@ def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The ModelConfig fields of a mixture of experts (none for a dense architecture)."""
     if arch == "MixtralForCausalLM":
         return dict(
-            num_experts=hf.get("num_local_experts", 8),
+            num_experts=hf.get("num_local_experts", hf.get("num_experts", 8)),
             num_experts_per_tok=hf.get("num_experts_per_tok", 2),
             moe_intermediate_size=hf["intermediate_size"],  # Mixtral's experts are its MLPs
             norm_topk_prob=True,
@@ -212,7 +212,9 @@ def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
     defaults = {"Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8)}[arch]  # transformers' own
-    num_experts, layers = hf.get("num_experts", defaults[0]), hf["num_hidden_layers"]
+    # NOTE: transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (Mixtral's name)
+    num_experts = hf.get("num_experts", hf.get("num_local_experts", defaults[0]))
+    layers = hf["num_hidden_layers"]
     if not num_experts:
         raise UnsupportedModelError(f"{arch} with num_experts={num_experts}: no experts")
     step = hf.get("decoder_sparse_step") or 1

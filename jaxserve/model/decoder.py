@@ -21,7 +21,9 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
-from jaxserve.model.quantization import QuantConfig, QuantizedLinear
+from jaxserve.model.mlp import MLP, linear
+from jaxserve.model.moe import SparseMoE
+from jaxserve.model.quantization import QuantConfig
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -54,12 +56,6 @@ def _fits(x: jax.Array, w: jax.Array, max_rows: int) -> bool:
     return x.ndim == 2 and x.shape[0] <= max_rows and x.dtype == w.dtype
 
 
-def _linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):
-    if quant is not None:
-        return QuantizedLinear(din, dout, use_bias=bias, quant=quant, dtype=dtype)
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
-
-
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, Hugging Face's rotate-half convention. x: [T, heads, Dh]."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
@@ -73,10 +69,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         d, h, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _linear(dtype, d, h * dh, cfg.attention_bias, rngs, quant)
-        self.k_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
-        self.v_proj = _linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
-        self.o_proj = _linear(dtype, h * dh, d, cfg.o_proj_bias, rngs, quant)
+        self.q_proj = linear(dtype, d, h * dh, cfg.attention_bias, rngs, quant)
+        self.k_proj = linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
+        self.v_proj = linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
+        self.o_proj = linear(dtype, h * dh, d, cfg.o_proj_bias, rngs, quant)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
@@ -127,24 +123,15 @@ class Attention(nnx.Module):
         return out.reshape(t, cfg.num_heads * cfg.head_dim), kv
 
 
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(dtype, d, f, False, rngs, quant)
-        self.up_proj = _linear(dtype, d, f, False, rngs, quant)
-        self.down_proj = _linear(dtype, f, d, False, rngs, quant)
-
-    def __call__(self, x):
-        with jax.named_scope("mlp"):
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+    """Attention and an MLP, each after an RMSNorm and added to the residual. `moe`: the MLP
+    is a mixture of experts (jaxserve.model.moe)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None, moe: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs, quant)
+        self.mlp = SparseMoE(cfg, dtype, rngs, quant) if moe else MLP(cfg, dtype, rngs, quant)
 
 
 def unstack_layers(model: DecoderLM) -> DecoderLM:
@@ -169,7 +156,9 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
 
 
 def has_plain_projections(layer: DecoderLayer) -> bool:
-    """What the layer kernels compute: float (unquantized) projections, no o_proj bias."""
+    """What the layer kernels compute: float (unquantized) projections, no o_proj bias, a dense MLP."""
+    if not isinstance(layer.mlp, MLP):
+        return False
     projections = (
         layer.self_attn.q_proj,
         layer.self_attn.k_proj,
@@ -247,8 +236,9 @@ class DecoderLM(nnx.Module):
     """Embeddings, a stack of decoder layers, the final norm and the LM head.
 
     The layers are stacked on a leading axis and scanned, or, after `unstack_layers`
-    (what the serving engine does), separate modules run one after another. With
-    `quantization`, the attention and MLP projections are `QuantizedLinear` layers.
+    (what the serving engine does), separate modules run one after another; a mixture of
+    experts with some dense-MLP layers starts separate. With `quantization`, the attention
+    and MLP projections (the experts' too) are quantized.
     `few_row_kernels`: the few-row products (a decode step's) that run through the CPU
     kernels (the layers' halves; a tied LM head's, where XLA's CPU dot with the
     [vocab, hidden] table is slow for a few rows). jaxserve.runner.kernels.select_matmul sets it.
@@ -262,15 +252,20 @@ class DecoderLM(nnx.Module):
         self.quantization = quantization
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(rngs):
-            return DecoderLayer(cfg, dtype, rngs, quantization)
+        moe = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+        if len(set(moe)) > 1:  # dense and MoE layers: they cannot be stacked, so start separate
+            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization, moe=m) for m in moe])
+        else:
 
-        self.layers = make_layers(rngs)  # every parameter has a leading [L] axis
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_layers(rngs):
+                return DecoderLayer(cfg, dtype, rngs, quantization, moe=moe[0])
+
+            self.layers = make_layers(rngs)  # every parameter has a leading [L] axis
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _linear(dtype, cfg.hidden_size, cfg.vocab_size, False, rngs)
+            self.lm_head = linear(dtype, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
     def __call__(
         self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference
@@ -300,9 +295,9 @@ class DecoderLM(nnx.Module):
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         carry = (x, kv, jnp.int32(0))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
-            run_layer = _jitted_layer(nnx.graphdef(self.layers[0]), attention, self.few_row_kernels.layer_rows)
-            for layer in self.layers:
-                carry = run_layer(carry, nnx.state(layer), inputs, inv_freq)
+            rows = self.few_row_kernels.layer_rows
+            for layer in self.layers:  # one jitted layer per kind (a MoE model may mix dense and MoE layers)
+                carry = _jitted_layer(nnx.graphdef(layer), attention, rows)(carry, nnx.state(layer), inputs, inv_freq)
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
             carry, _ = jax.lax.scan(

@@ -15,8 +15,11 @@ from jaxserve.model.decoder import DecoderLM, unstack_layers
 from jaxserve.model.quantization import QuantConfig, QuantizedWeight, quantize
 from jaxserve.parallel.sharding import param_shardings, place_from_host, replicate_kv_heads, tensor_parallel_size
 
-_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate", "shared_expert_gate"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")  # one expert's projection, stacked on [E]
+# Mixtral's names for the same modules.
+_MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
@@ -28,7 +31,9 @@ class WeightError(ValueError):
 def param_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], int | None, bool] | None:
     """(path in the parameter tree, layer index or None, transpose?) for a HF tensor name.
 
-    None for tensors the model does not use (a tied lm_head, rotary buffers).
+    None for tensors the model does not use (a tied lm_head, rotary buffers). An expert's
+    projection (`mlp.experts.{e}.gate_proj`) maps to the stacked one with the expert index
+    after `experts` in the path: ("layers", "mlp", "experts", e, "gate_proj", "kernel").
     """
     if _IGNORED.search(name):
         return None
@@ -41,11 +46,19 @@ def param_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], int | None
     m = _LAYER.match(name)
     if not m:
         raise WeightError(f"unknown tensor {name!r} in checkpoint for {cfg.architecture}")
-    layer, module, kind = int(m.group(1)), m.group(2).split("."), m.group(3)
+    layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
+    if cfg.architecture == "MixtralForCausalLM":
+        module = ".".join(_MIXTRAL.get(part, part) for part in module.split("."))
+    module = module.split(".")
     if layer >= cfg.num_layers:
         raise WeightError(f"tensor {name!r} is past num_hidden_layers={cfg.num_layers}")
     is_linear = module[-1] in _LINEARS
     leaf = "kernel" if (is_linear and kind == "weight") else kind
+    if (e := _EXPERT.match(".".join(module))) and e.group(2) in _LINEARS:
+        expert = int(e.group(1))
+        if expert >= cfg.num_experts:
+            raise WeightError(f"tensor {name!r} is past num_experts={cfg.num_experts}")
+        module = ["mlp", "experts", expert, e.group(2)]
     return ("layers", *module, leaf), layer, is_linear and kind == "weight"
 
 
@@ -68,6 +81,7 @@ class ParamAssembler:
         self.specs = dict(_flatten(nnx.to_pure_dict(state)))
         self.state = state
         self.params: dict[tuple, np.ndarray] = {}
+        self._expert_rows: dict[tuple, set[int]] = {}  # stacked expert parameters: the experts that arrived
 
     def add(self, name: str, tensor: np.ndarray | QuantizedWeight) -> None:
         where = param_path(name, self.cfg)
@@ -76,23 +90,30 @@ class ParamAssembler:
         path, layer, transpose = where
         if layer is not None:
             path = (path[0], layer, *path[1:])
-        if self.quant is not None and transpose and layer is not None:  # a projection's weight
-            self._add_quantized(name, path[:-1], tensor)
+        expert = None
+        if "experts" in path and isinstance(path[path.index("experts") + 1], int):  # one row of a stacked [E, ...]
+            at = path.index("experts") + 1
+            expert, path = path[at], path[:at] + path[at + 1 :]
+        module = path[:-1]
+        if self.quant is not None and transpose and module + ("kernel",) not in self.specs:  # a quantized projection
+            self._add_quantized(name, module, tensor, expert)
             return
         if isinstance(tensor, QuantizedWeight):
             raise WeightError(f"tensor {name!r} is quantized, but its layer is not a quantized projection here")
         if path not in self.specs:
             raise WeightError(f"tensor {name!r} has no place in {self.cfg.architecture} with this config")
         value = tensor.T if transpose else tensor
-        want = self.specs[path].shape
+        want = self.specs[path].shape[0 if expert is None else 1 :]
         if tuple(value.shape) != tuple(want):
             got, implied = tuple(tensor.shape), tuple(want[::-1]) if transpose else tuple(want)
             raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {implied}")
-        self.params[path] = np.asarray(value, self.specs[path].dtype)
+        self._store(path, np.asarray(value, self.specs[path].dtype), expert)
 
-    def _add_quantized(self, name: str, module: tuple, tensor: np.ndarray | QuantizedWeight) -> None:
+    def _add_quantized(
+        self, name: str, module: tuple, tensor: np.ndarray | QuantizedWeight, expert: int | None
+    ) -> None:
         kind = self.quant.kind
-        k, n = self.specs[module + (("packed",) if kind == "int4" else ("weight",))].shape
+        k, n = self.specs[module + (("packed",) if kind == "int4" else ("weight",))].shape[-2:]
         if kind == "int4":
             k *= 2
         if isinstance(tensor, QuantizedWeight):
@@ -106,18 +127,33 @@ class ParamAssembler:
             raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {(n, k)}")
         for leaf, value in pieces.items():
             spec = self.specs.get(module + (leaf,))
-            if spec is None or tuple(value.shape) != tuple(spec.shape) or value.dtype != spec.dtype:
-                want = None if spec is None else (tuple(spec.shape), str(spec.dtype))
+            want = None if spec is None else (tuple(spec.shape[0 if expert is None else 1 :]), str(spec.dtype))
+            if want != (tuple(value.shape), str(value.dtype)):
                 raise WeightError(
                     f"quantized tensor {name!r}: {leaf} is {(tuple(value.shape), str(value.dtype))}, "
                     f"expected {want} (a different group size?)"
                 )
-            self.params[module + (leaf,)] = value
+            self._store(module + (leaf,), value, expert)
+
+    def _store(self, path: tuple, value: np.ndarray, expert: int | None) -> None:
+        """A whole parameter, or one expert's row of a stacked one (allocated when its first
+        expert arrives; host_params checks that every row came)."""
+        if expert is None:
+            self.params[path] = value
+            return
+        if path not in self.params:
+            spec = self.specs[path]
+            self.params[path] = np.zeros(spec.shape, spec.dtype)
+            self._expert_rows[path] = set()
+        self.params[path][expert] = value
+        self._expert_rows[path].add(expert)
 
     def host_params(self) -> dict:
         """The converted parameters, still on the host, as a nested dict (what the orbax cache
         stores); raises if any tensor is missing."""
         missing = [_hf_name(path) for path in self.specs if path not in self.params]
+        for path, rows in self._expert_rows.items():
+            missing += [_hf_name(path, e) for e in range(self.specs[path].shape[0]) if e not in rows]
         missing = list(dict.fromkeys(missing))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -132,7 +168,7 @@ class ParamAssembler:
     def take_host_params(self) -> dict:
         """`host_params()`, handed over: the assembler keeps no reference, so whoever places
         them can free each array as it goes."""
-        host, self.params = self.host_params(), {}
+        host, self.params, self._expert_rows = self.host_params(), {}, {}
         return host
 
 
@@ -164,8 +200,12 @@ def model_params(model: DecoderLM) -> dict:
     return nnx.to_pure_dict(nnx.state(model))
 
 
-def _hf_name(path: tuple) -> str:
-    """The Hugging Face name of the tensor a parameter comes from (quantized pieces: their weight)."""
+def _hf_name(path: tuple, expert: int | None = None) -> str:
+    """The Hugging Face name of the tensor a parameter comes from (quantized pieces: their
+    weight; a stacked expert parameter: expert `expert`'s, or "*" for all of them)."""
+    if "experts" in path:
+        at = path.index("experts") + 1
+        path = path[:at] + ("*" if expert is None else str(expert),) + path[at:]
     if path == ("embed_tokens", "embedding"):
         return "model.embed_tokens.weight"
     if path == ("lm_head", "kernel"):

@@ -1,0 +1,32 @@
+"""The dense SwiGLU MLP, and the linear layer every projection is made with (float or quantized)."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.quantization import QuantConfig, QuantizedLinear
+
+
+def linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+    if quant is not None:
+        return QuantizedLinear(din, dout, use_bias=bias, quant=quant, dtype=dtype)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class MLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)); `intermediate_size` defaults to the config's (a MoE
+    model's shared expert has its own)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None, intermediate_size: int = 0
+    ):
+        d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        self.gate_proj = linear(dtype, d, f, False, rngs, quant)
+        self.up_proj = linear(dtype, d, f, False, rngs, quant)
+        self.down_proj = linear(dtype, f, d, False, rngs, quant)
+
+    def __call__(self, x):
+        with jax.named_scope("mlp"):
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

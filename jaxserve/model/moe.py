@@ -1,0 +1,137 @@
+"""The mixture-of-experts MLP: Mixtral's, Qwen2-MoE's and Qwen3-MoE's, as Hugging Face computes it.
+
+A router (`gate`, [D, E]) scores every token against E experts; each token goes to its
+top k, and the layer's output is the experts' outputs weighted by their routing weights
+(`route`). Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate.
+
+The experts are one module per projection with the weights of all E stacked on a leading
+axis (`ExpertLinear` [E, D, F]; `QuantizedExpertLinear` per expert in the int4 / fp8
+layouts of jaxserve.model.quantization). The T * k (token, expert) pairs are sorted by
+expert, so each expert's rows are contiguous, and run as grouped matmuls
+(pallas_kernels.grouped_matmul); the results are put back in token order and summed.
+Parameter names follow Hugging Face's per-expert tensors
+(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` is row e of `experts.gate_proj.kernel`,
+transposed; Mixtral's `block_sparse_moe.experts.{e}.w1` is the same, see weights.params).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.mlp import MLP
+from jaxserve.model.quantization import QuantConfig
+from pallas_kernels.grouped_matmul import (
+    fp8_grouped_matmul_reference,
+    grouped_matmul_reference,
+    int4_grouped_matmul_reference,
+)
+
+
+def route(logits: jax.Array, k: int, *, norm_topk_prob: bool, weights_in_float32: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k], experts int32 [T, k]) from the router's logits [T, E].
+
+    As Hugging Face: softmax in float32, the top k (ties to the lower expert index), renormed
+    to sum to one if asked; Qwen then casts the weights to the logits' dtype, Mixtral keeps float32.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return (weights if weights_in_float32 else weights.astype(logits.dtype)), experts.astype(jnp.int32)
+
+
+class ExpertLinear(nnx.Module):
+    """E float projections stacked: kernel [E, din, dout]; called on rows sorted by expert."""
+
+    def __init__(self, num_experts: int, din: int, dout: int, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=0)
+        self.kernel = nnx.Param(init(rngs.params(), (num_experts, din, dout), dtype))
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return grouped_matmul_reference(x, self.kernel[...], group_sizes)
+
+
+class QuantizedExpertLinear(nnx.Module):
+    """E quantized projections stacked: QuantizedLinear's parameters with a leading [E] axis."""
+
+    def __init__(self, num_experts: int, din: int, dout: int, quant: QuantConfig):
+        self.kind = quant.kind
+        e = num_experts
+        if quant.kind == "int4":
+            if din % 2:
+                raise ValueError(f"int4 packs two values per byte along K; K={din} is odd")
+            group = quant.group_size_for(din)
+            self.packed = nnx.Param(jnp.zeros((e, din // 2, dout), jnp.uint8))
+            self.scales = nnx.Param(jnp.zeros((e, din // group, dout), jnp.float32))
+            self.offsets = nnx.Param(jnp.zeros((e, din // group, dout), jnp.float32))
+        else:
+            self.weight = nnx.Param(jnp.zeros((e, din, dout), jnp.float8_e4m3fn))
+            self.scales = nnx.Param(jnp.ones((e, dout), jnp.float32))
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        if self.kind == "int4":
+            return int4_grouped_matmul_reference(x, self.packed[...], self.scales[...], self.offsets[...], group_sizes)
+        return fp8_grouped_matmul_reference(x, self.weight[...], self.scales[...], group_sizes)
+
+
+class Experts(nnx.Module):
+    """E SwiGLU MLPs (down(silu(gate(x)) * up(x))) over rows sorted by expert."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+        def linear(din, dout):
+            if quant is not None:
+                return QuantizedExpertLinear(e, din, dout, quant)
+            return ExpertLinear(e, din, dout, dtype, rngs)
+
+        self.gate_proj, self.up_proj, self.down_proj = linear(d, f), linear(d, f), linear(f, d)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x, group_sizes)) * self.up_proj(x, group_sizes)
+        return self.down_proj(h, group_sizes)
+
+
+def run_experts(experts: Experts, x: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int) -> jax.Array:
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t: x [T, D] -> [T, D].
+
+    The T * k (token, expert) pairs are sorted by expert (stably: tokens stay in order within
+    an expert), gathered, run as grouped matmuls and scattered back by the inverse order."""
+    t, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    y = experts(x[order // k], group_sizes)  # [T * k, D], sorted by expert
+    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice) order
+    return jnp.sum(y.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+class SparseMoE(nnx.Module):
+    """The MLP of a mixture-of-experts layer: router, experts, and Qwen2-MoE's shared expert."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.gate = nnx.Linear(d, cfg.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg, dtype, rngs, quant)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, dtype, rngs, quant, intermediate_size=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nnx.Linear(d, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        with jax.named_scope("moe_router"):
+            weights, chosen = route(
+                self.gate(x),
+                cfg.num_experts_per_tok,
+                norm_topk_prob=cfg.norm_topk_prob,
+                weights_in_float32=cfg.routing_weights_in_float32,
+            )
+        with jax.named_scope("moe_experts"):
+            y = run_experts(self.experts, x, weights, chosen, cfg.num_experts)
+        if cfg.shared_expert_intermediate_size:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
