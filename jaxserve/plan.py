@@ -4,9 +4,13 @@
     jaxserve plan --model ./Llama-3-8B --device h100 --dtype bfloat16 --context 8192
     jaxserve plan --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --head-dim 128 \\
         --intermediate 28672 --vocab 128256 --dtype float16 --device h200 -tp 4
+    jaxserve plan --model ./Qwen3-30B-A3B --device h100 -tp 2 --enable-expert-parallel
+    jaxserve plan --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --experts 8 --experts-per-token 2 \\
+        --moe-intermediate 14336 --vocab 32000 --dtype bfloat16 --device h100   # a Mixtral-8x7B
     jaxserve plan --measure --plot roofline.png                # and check it on this machine
 
-Prints what the weights and a token's K/V occupy, how many sequences of `--context`
+Prints the parameters (for a mixture of experts, in all and active per token), what the
+weights and a token's K/V occupy, how many sequences of `--context`
 tokens fit beside the weights, the decode step's time bound per batch size (bytes over
 bandwidth against FLOPs over peak: see jaxserve.model.sizing), prefill times, what each
 quantization and KV dtype changes, the bound on speculative decoding's speed-up, and
@@ -39,9 +43,11 @@ from jaxserve.model.sizing import (
     compute_dtype,
     plan_kv,
 )
+from jaxserve.model.weight_sizes import expected_distinct_experts, num_moe_layers, parameter_counts
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 INLINE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+INLINE_MOE_FLAGS = ("experts", "experts_per_token", "moe_intermediate", "shared_expert_intermediate")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,9 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--heads", type=int)
     m.add_argument("--kv-heads", type=int)
     m.add_argument("--head-dim", type=int, help="default: hidden / heads")
-    m.add_argument("--intermediate", type=int)
+    m.add_argument(
+        "--intermediate", type=int, help="the dense MLP's (a mixture of experts: default --moe-intermediate)"
+    )
     m.add_argument("--vocab", type=int)
     m.add_argument("--tied", action="store_true", help="inline: the LM head is the embedding table")
+    m.add_argument("--experts", type=int, help="inline mixture of experts: experts per layer (E)")
+    m.add_argument("--experts-per-token", type=int, help="inline: experts each token is routed to (top k)")
+    m.add_argument("--moe-intermediate", type=int, help="inline: each expert's intermediate size")
+    m.add_argument("--shared-expert-intermediate", type=int, help="inline: a shared expert's (Qwen2-MoE), 0: none")
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -73,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1,
         metavar="N",
         help="tensor-parallel devices (figures are per device)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with -tp, each device holds E / tp experts whole instead of 1/tp of every expert",
     )
     d = p.add_argument_group("the device")
     d.add_argument(
@@ -120,12 +137,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--measure-context", type=int, default=128, help="prompt tokens per sequence in --measure")
     o.add_argument("--measure-steps", type=int, default=6, help="decode steps timed per batch size")
     args = p.parse_args(argv)
-    inline = [f for f in INLINE_FLAGS if getattr(args, f) is not None]
+    inline = [f for f in (*INLINE_FLAGS, *INLINE_MOE_FLAGS) if getattr(args, f) is not None]
     if inline and args.model:
         p.error("give --model or inline dimensions, not both")
-    missing = [f"--{f.replace('_', '-')}" for f in INLINE_FLAGS if f != "head_dim" and getattr(args, f) is None]
+    optional = {"head_dim", "intermediate"} if args.experts else {"head_dim"}
+    needed = INLINE_FLAGS + (INLINE_MOE_FLAGS[:3] if any(getattr(args, f) for f in INLINE_MOE_FLAGS) else ())
+    missing = [f"--{f.replace('_', '-')}" for f in needed if f not in optional and getattr(args, f) is None]
     if inline and missing:
         p.error(f"inline dimensions need {', '.join(missing)} too")
+    if args.experts and not 0 < args.experts_per_token <= args.experts:
+        p.error(f"--experts-per-token {args.experts_per_token} must be in 1..--experts {args.experts}")
     if inline and args.measure:
         p.error("--measure runs a model: give --model (or nothing, for the default model)")
     if args.measure and args.device and args.device != default_device_name():
@@ -159,17 +180,30 @@ def model_config(args):
 
     if args.layers is not None:
         head_dim = args.head_dim or args.hidden // args.heads
+        shared = args.shared_expert_intermediate or 0
+        moe = (
+            dict(
+                num_experts=args.experts,
+                num_experts_per_tok=args.experts_per_token,
+                moe_intermediate_size=args.moe_intermediate,
+                shared_expert_intermediate_size=shared,
+            )
+            if args.experts
+            else {}
+        )
+        arch = "LlamaForCausalLM" if not moe else "Qwen2MoeForCausalLM" if shared else "MixtralForCausalLM"
         cfg = ModelConfig(
-            "LlamaForCausalLM",
+            arch,
             args.vocab,
             args.hidden,
-            args.intermediate,
+            args.intermediate or args.moe_intermediate,
             args.layers,
             args.heads,
             args.kv_heads,
             head_dim,
             args.context,
             tie_word_embeddings=args.tied,
+            **moe,
         )
         return cfg, f"inline ({args.layers} layers, {args.kv_heads} KV heads of {head_dim})"
     from jaxserve.weights.load import read_hf_config
@@ -240,14 +274,15 @@ def make_plan(args) -> dict:
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     quant = QuantConfig.for_method(args.quantization)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype).name
-    setup = Setup(cfg, dtype, quant, kv_dtype, args.tp)
+    setup = Setup(cfg, dtype, quant, kv_dtype, args.tp, args.enable_expert_parallel and cfg.is_moe)
     device = device_figures(args, compute_dtype(dtype, quant))
     context = args.context
     budget = args.memory_budget or device.memory_bytes
     workspace = activation_workspace(
         cfg, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs or 256
     )
-    weights_per_device = setup.weight_bytes // args.tp
+    weights_per_device = setup.device_weight_bytes
+    params = parameter_counts(cfg)
     kv_memory = args.kv_cache_memory or max(0, budget - weights_per_device - workspace)
     kv = plan_kv(cfg, kv_dtype, context=context, block_size=args.block_size, memory_bytes=kv_memory, tp=args.tp)
     plan = {
@@ -261,6 +296,9 @@ def make_plan(args) -> dict:
             "intermediate": cfg.intermediate_size,
             "vocab": cfg.vocab_size,
             "tied_embeddings": cfg.tie_word_embeddings,
+            "params_total": params.total,
+            "params_active": params.active,
+            **moe_summary(cfg),
         },
         "setup": {
             "dtype": dtype,
@@ -268,6 +306,7 @@ def make_plan(args) -> dict:
             "kv_cache_dtype": kv_dtype,
             "block_size": args.block_size,
             "tp": args.tp,
+            "expert_parallel": setup.expert_parallel,
             "context": context,
         },
         "device": {
@@ -286,7 +325,9 @@ def make_plan(args) -> dict:
             from_budget=args.kv_cache_memory is None,
             sequences=args.max_num_seqs,
         ),
-        "decode": [bound_row(setup.decode_bound(device, b, context), batch=b) for b in args.batches],
+        "decode": [
+            bound_row(setup.decode_bound(device, b, context), batch=b, **experts_read(cfg, b)) for b in args.batches
+        ],
         "compute_bound_batch": setup.compute_bound_batch(device, context),
         "prefill": [
             bound_row(setup.prefill_bound(device, n), prompt_len=n)
@@ -313,12 +354,34 @@ def make_plan(args) -> dict:
         "flags": engine_flags(args, setup, kv, workspace, budget),
         "not_modelled": [
             "tensor-parallel communication (all-reduces per layer)" if args.tp > 1 else "tensor-parallel communication",
+            *(["expert parallelism's token dispatch (all-to-all)"] if setup.expert_parallel else []),
+            *(["routing imbalance (experts read assume uniform routing)"] if cfg.is_moe else []),
             "kernel efficiency (the bound assumes the roofs)",
             "the host's time between steps",
             "activations' memory traffic",
         ],
     }
     return plan
+
+
+def moe_summary(cfg) -> dict:
+    """The mixture of experts' shape (nothing for a dense model)."""
+    if not cfg.is_moe:
+        return {}
+    return {
+        "experts": cfg.num_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "moe_intermediate": cfg.moe_intermediate_size,
+        "shared_expert_intermediate": cfg.shared_expert_intermediate_size,
+        "moe_layers": num_moe_layers(cfg),
+    }
+
+
+def experts_read(cfg, batch: int) -> dict:
+    """A decode step's expected distinct experts per MoE layer, E * (1 - (1 - k/E) ** B)."""
+    if not cfg.is_moe:
+        return {}
+    return {"experts_read": expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)}
 
 
 def kv_summary(kv: KVPlan, *, budget: int, workspace: int, from_budget: bool, sequences: int | None) -> dict:
@@ -350,7 +413,8 @@ def bound_row(bound, **key) -> dict:
 
 
 def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[dict]:
-    """Each weight scheme and KV dtype: what the weights, a token and the batch sweep cost."""
+    """Each weight scheme and KV dtype: what the weights, a token and the batch sweep cost
+    (a scheme the model's shapes refuse, e.g. int4 with no group size dividing K, says why)."""
     from jaxserve.model.kv_cache import resolve_kv_cache_dtype
     from jaxserve.model.quantization import QuantConfig
 
@@ -359,8 +423,13 @@ def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[
         quant = QuantConfig.for_method(method)
         for kv_name in ("auto", "fp8"):
             kv_dtype = resolve_kv_cache_dtype(kv_name, dtype).name
-            setup = Setup(cfg, dtype, quant, kv_dtype, args.tp)
-            left = kv_memory - (0 if args.kv_cache_memory else setup.weight_bytes // args.tp)
+            setup = Setup(cfg, dtype, quant, kv_dtype, args.tp, args.enable_expert_parallel and cfg.is_moe)
+            try:
+                weights = setup.weight_bytes
+            except ValueError as e:
+                rows.append({"quantization": method, "kv_cache_dtype": kv_name, "unsupported": str(e)})
+                continue
+            left = kv_memory - (0 if args.kv_cache_memory else setup.device_weight_bytes)
             kv = plan_kv(
                 cfg, kv_dtype, context=args.context, block_size=args.block_size, memory_bytes=max(0, left), tp=args.tp
             )
@@ -368,7 +437,7 @@ def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[
                 {
                     "quantization": method,
                     "kv_cache_dtype": kv_name,
-                    "weights_bytes": setup.weight_bytes,
+                    "weights_bytes": weights,
                     "kv_bytes_per_token": setup.kv_bytes_per_token,
                     "max_sequences": kv.max_sequences,
                     "tokens_per_s": {b: setup.decode_bound(device, b, args.context).tokens_per_s for b in (1, 64)},
@@ -396,11 +465,13 @@ def engine_flags(args, setup: Setup, kv: KVPlan, workspace: int, budget: int) ->
     }
     if args.tp > 1:
         flags["-tp"] = args.tp
+    if setup.expert_parallel:
+        flags["--enable-expert-parallel"] = True  # a switch: printed alone
     if args.kv_cache_dtype != "auto":
         flags["--kv-cache-dtype"] = args.kv_cache_dtype
     if args.quantization != "none":
         flags["--quantization"] = args.quantization
-    needed = setup.weight_bytes // args.tp + workspace + kv_memory
+    needed = setup.device_weight_bytes + workspace + kv_memory
     return {"flags": flags, "memory_needed_bytes": needed, "fits": needed <= budget, "reason": None}
 
 
@@ -428,9 +499,19 @@ def print_plan(plan: dict) -> None:
         f"model   {m['source']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / "
         f"{m['kv_heads']} KV heads of {m['head_dim']}, vocab {m['vocab']}"
     )
+    if "experts" in m:
+        shared = f" + a shared expert of {m['shared_expert_intermediate']}" if m["shared_expert_intermediate"] else ""
+        print(
+            f"experts {m['experts']} of {m['moe_intermediate']} per MoE layer ({m['moe_layers']} of {m['layers']} "
+            f"layers), top {m['experts_per_token']}{shared}"
+        )
+        print(f"params  {billions(m['params_total'])} in all, {billions(m['params_active'])} active per token")
+    else:
+        print(f"params  {billions(m['params_total'])}")
     print(
         f"setup   {st['dtype']}, weights {st['quantization']}, KV {st['kv_cache_dtype']}, blocks of "
-        f"{st['block_size']}, tp {st['tp']}, context {st['context']:,}"
+        f"{st['block_size']}, tp {st['tp']}{', expert-parallel' if st['expert_parallel'] else ''}, "
+        f"context {st['context']:,}"
     )
     peaks = ", ".join(f"{k} {v / 1e12:,.2f}" for k, v in dev["peak_flops"].items())
     print(
@@ -464,11 +545,20 @@ def print_plan(plan: dict) -> None:
     )
 
     print(f"\ndecode step bound at context {st['context']:,}: max(bytes / bandwidth, FLOPs / peak)")
-    print("| batch | bytes/step | GFLOP/step | memory ms | compute ms | tok/s bound | bound by |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
-    for r in plan["decode"]:
+    moe = "experts" in m
+    if moe:
+        e, k = m["experts"], m["experts_per_token"]
         print(
-            f"| {r['batch']} | {both_units(r['bytes'])} | {r['flops'] / 1e9:,.1f} | {r['memory_ms']:,.3f} | "
+            f"experts read per MoE layer at batch B (uniform routing): E * (1 - (1 - k/E)^B) = "
+            f"{e} * (1 - (1 - {k}/{e})^B); FLOPs use the active parameters"
+        )
+    columns = "bytes/step | GFLOP/step | memory ms | compute ms | tok/s bound | bound by |"
+    print(f"| batch |{' experts read |' if moe else ''} {columns}")
+    print(f"|---:|{'---:|' if moe else ''}---:|---:|---:|---:|---:|---|")
+    for r in plan["decode"]:
+        read = f" {r['experts_read']:,.1f} |" if moe else ""
+        print(
+            f"| {r['batch']} |{read} {both_units(r['bytes'])} | {r['flops'] / 1e9:,.1f} | {r['memory_ms']:,.3f} | "
             f"{r['compute_ms']:,.3f} | {r['tokens_per_s']:,.0f} | {r['bound_by']} |"
         )
     turn = plan["compute_bound_batch"]
@@ -483,6 +573,9 @@ def print_plan(plan: dict) -> None:
     print("| weights | KV | weights size | KV bytes/token | sequences fit | tok/s bound, batch 1 | batch 64 |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in plan["schemes"]:
+        if "unsupported" in r:
+            print(f"| {r['quantization']} | {r['kv_cache_dtype']} | not possible: {r['unsupported']} | | | | |")
+            continue
         print(
             f"| {r['quantization']} | {r['kv_cache_dtype']} | {both_units(r['weights_bytes'])} | "
             f"{r['kv_bytes_per_token']:,} | {r['max_sequences']:,} | {r['tokens_per_s'][1]:,.0f} | "
@@ -499,13 +592,17 @@ def print_plan(plan: dict) -> None:
     if f["reason"]:
         print(f"\nflags   none: {f['reason']}")
     else:
-        flags = " ".join(f"{k} {v}" for k, v in f["flags"].items())
+        flags = " ".join(k if v is True else f"{k} {v}" for k, v in f["flags"].items())
         verdict = "fits" if f["fits"] else "does NOT fit"
         print(
             f"\nflags   {flags}\n        needs {both_units(f['memory_needed_bytes'])} with weights and activations: "
             f"{verdict} in {both_units(plan['kv']['budget_bytes'] or plan['device']['memory_bytes'])}"
         )
     print(f"not modelled: {'; '.join(plan['not_modelled'])}")
+
+
+def billions(n: int) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 10**8 else f"{n:,}"
 
 
 def print_measured(rows: list[dict]) -> None:

@@ -9,8 +9,11 @@ The roofline: a step can go no faster than its bytes over the memory bandwidth, 
 its FLOPs over the peak compute rate; its time bound is the larger of the two. A decode
 step reads every weight once whatever the batch (plus each sequence's KV), and does
 about 2 FLOPs per weight per token, so small batches are bound by memory and large ones
-by compute. Not modelled: tensor-parallel communication, kernel efficiency, the host's
-time between steps, activations' memory traffic.
+by compute. A mixture of experts reads only the experts its tokens were routed to
+(E * (1 - (1 - k/E) ** B) per layer for B tokens under uniform routing) and computes
+with its active parameters only (jaxserve.model.weight_sizes counts both). Not modelled:
+tensor-parallel communication (and expert parallelism's all-to-all), kernel efficiency,
+the host's time between steps, activations' memory traffic, routing imbalance.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ import jax.numpy as jnp
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from jaxserve.model.quantization import QuantConfig
+from jaxserve.model.weight_sizes import (  # noqa: F401  (re-exported: the plan's and tests' names)
+    ParamCounts,
+    device_weight_bytes,
+    embedding_bytes,
+    expected_distinct_experts,
+    expert_bytes,
+    matmul_params,
+    parameter_counts,
+    projection_bytes,
+    streamed_weight_bytes,
+    weight_bytes,
+)
 
 GB, GiB = 10**9, 2**30
 
@@ -85,53 +100,6 @@ DEVICES = {
 def compute_dtype(dtype, quant: QuantConfig | None) -> str:
     """The dtype the projections' matmuls run in: fp8 for W8A8, else the activations'."""
     return "fp8" if quant is not None and quant.kind == "fp8" else jnp.dtype(dtype).name
-
-
-def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """(K, N) of each layer's attention and MLP projections (the quantizable ones)."""
-    d, dh, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
-    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
-
-
-def projection_bytes(k: int, n: int, dtype, quant: QuantConfig | None) -> int:
-    """A [K, N] projection's parameter bytes in the layout `QuantizedLinear` keeps."""
-    if quant is None:
-        return k * n * jnp.dtype(dtype).itemsize
-    if quant.kind == "int4":  # packed nibbles, and a float32 scale and offset per group
-        return k // 2 * n + 2 * (k // quant.group_size_for(k)) * n * 4
-    return k * n + n * 4  # fp8 e4m3, a float32 scale per output channel
-
-
-def embedding_bytes(cfg: ModelConfig, dtype) -> int:
-    return cfg.vocab_size * cfg.hidden_size * jnp.dtype(dtype).itemsize
-
-
-def weight_bytes(cfg: ModelConfig, dtype, quant: QuantConfig | None = None) -> int:
-    """The parameters' bytes: quantized projections, the rest (embeddings, norms, biases,
-    LM head) in the model dtype."""
-    item = jnp.dtype(dtype).itemsize
-    d, dh = cfg.hidden_size, cfg.head_dim
-    per_layer = sum(projection_bytes(k, n, dtype, quant) for k, n in projection_shapes(cfg))
-    per_layer += 2 * d * item + (2 * dh * item if cfg.qk_norm else 0)
-    if cfg.attention_bias:
-        per_layer += (cfg.num_heads + 2 * cfg.num_kv_heads) * dh * item
-    if cfg.o_proj_bias:
-        per_layer += d * item
-    heads = 1 if cfg.tie_word_embeddings else 2  # the LM head stays unquantized
-    return cfg.num_layers * per_layer + heads * embedding_bytes(cfg, dtype) + d * item
-
-
-def streamed_weight_bytes(cfg: ModelConfig, dtype, quant: QuantConfig | None = None) -> int:
-    """Weight bytes one step reads: all of them, except an untied embedding table, of
-    which a step gathers only its tokens' rows."""
-    untied_table = 0 if cfg.tie_word_embeddings else embedding_bytes(cfg, dtype)
-    return weight_bytes(cfg, dtype, quant) - untied_table
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights each token multiplies by in the layers (not the LM head)."""
-    return cfg.num_layers * sum(k * n for k, n in projection_shapes(cfg))
 
 
 def attention_flops(cfg: ModelConfig, query_tokens: int, keys: float) -> float:
@@ -262,11 +230,14 @@ def per_device_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 def activation_workspace(cfg: ModelConfig, *, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """An estimate of the largest step's live activations: float32 per token (the hidden
-    state, q/k/v, the MLP's two intermediate rows) and float32 logits per sequence, with
-    the sampler's copies of them."""
-    per_token = 4 * (
-        3 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 2 * cfg.intermediate_size
-    )
+    state, q/k/v, the MLP's two intermediate rows: in a MoE layer k experts' and the
+    shared expert's, and the router's logits) and float32 logits per sequence, with the
+    sampler's copies of them."""
+    mlp = [2 * cfg.intermediate_size] if not cfg.is_moe or cfg.dense_mlp_layers else []
+    if cfg.is_moe:
+        experts = cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+        mlp.append(2 * experts + cfg.num_experts)
+    per_token = 4 * (3 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + max(mlp))
     return max_num_batched_tokens * per_token + 3 * max_num_seqs * cfg.vocab_size * 4
 
 
@@ -296,17 +267,30 @@ class StepBound:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """A model as served: its config, dtypes, quantization and tensor-parallel degree."""
+    """A model as served: its config, dtypes, quantization, tensor-parallel degree and
+    whether its experts are split whole over the devices (expert parallelism)."""
 
     cfg: ModelConfig
     dtype: str = "float32"
     quant: QuantConfig | None = None
     kv_dtype: str = "float32"  # the cache's storage dtype (jnp name)
     tp: int = 1
+    expert_parallel: bool = False
 
     @property
     def weight_bytes(self) -> int:
         return weight_bytes(self.cfg, self.dtype, self.quant)
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """One device's weights (each device the same, up to a remainder of experts)."""
+        return device_weight_bytes(self.cfg, self.dtype, self.quant, tp=self.tp, expert_parallel=self.expert_parallel)
+
+    def device_streamed_bytes(self, tokens: float) -> float:
+        """Weight bytes one device reads in a step of `tokens` tokens (MoE: the experts touched)."""
+        return streamed_weight_bytes(
+            self.cfg, self.dtype, self.quant, tokens=tokens, tp=self.tp, expert_parallel=self.expert_parallel
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -322,20 +306,18 @@ class Setup:
         `tokens_per_seq` tokens per sequence (1; k+1 when verifying k drafts)."""
         cfg = self.cfg
         tokens = batch * tokens_per_seq
-        weights = streamed_weight_bytes(cfg, self.dtype, self.quant)
         kv = batch * (context + tokens_per_seq) * self.device_kv_bytes_per_token  # read the context, write the new
-        flops = 2.0 * tokens * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)
+        flops = 2.0 * tokens * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)  # active parameters
         flops += attention_flops(cfg, tokens, context)
-        return self._bound(device, batch, weights / self.tp + kv, flops / self.tp)
+        return self._bound(device, batch, self.device_streamed_bytes(tokens) + kv, flops / self.tp)
 
     def prefill_bound(self, device: Device, prompt_len: int) -> StepBound:
         """One prompt of `prompt_len` tokens, in one step (causal: half the keys on average)."""
         cfg = self.cfg
-        weights = streamed_weight_bytes(cfg, self.dtype, self.quant)
         kv = prompt_len * self.device_kv_bytes_per_token
         flops = 2.0 * (prompt_len * matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)
         flops += attention_flops(cfg, prompt_len, (prompt_len + 1) / 2)
-        return self._bound(device, prompt_len, weights / self.tp + kv, flops / self.tp)
+        return self._bound(device, prompt_len, self.device_streamed_bytes(prompt_len) + kv, flops / self.tp)
 
     def _bound(self, device: Device, tokens: int, num_bytes: float, flops: float) -> StepBound:
         peak = device.peak_for(compute_dtype(self.dtype, self.quant))

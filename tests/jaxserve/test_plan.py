@@ -102,8 +102,18 @@ def test_predicted_kv_bytes_are_what_the_engine_allocates(tiny_llama_dir, tiny_l
     assert p["kv"]["max_sequences"] == (eng.runner.kv.num_blocks - 1) // 13  # 100 tokens: 13 blocks of 8
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3-tied", "llama-bias-mha"])
-@pytest.mark.parametrize("quantization", ["none", "int4", "fp8"])
+@pytest.mark.parametrize(
+    ("name", "quantization"),
+    [
+        *(
+            (name, q)
+            for name in ("llama", "qwen3-tied", "llama-bias-mha", "qwen3-moe")
+            for q in ("none", "int4", "fp8")
+        ),
+        # these two's experts (F = 48) have no int4 group size: the plan says so (test_moe_plan_...)
+        *((name, q) for name in ("mixtral", "qwen2-moe") for q in ("none", "fp8")),
+    ],
+)
 def test_predicted_weight_bytes_are_what_loading_holds(tmp_path, name, quantization):
     make_tiny_model(name, tmp_path)
     p = make(["--model", str(tmp_path), "--device", "h100", "--dtype", "float32", "--quantization", quantization])
@@ -282,3 +292,64 @@ def test_no_flags_when_not_one_sequence_fits(capsys):
         "--kv-cache-memory-bytes 1.07 GB (1.00 GiB) is less than one sequence's KV (2.68 GB (2.50 GiB))"
         in (small["flags"]["reason"])
     )
+
+
+MIXTRAL_8X7B = [
+    *("--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --vocab 32000 --dtype bfloat16 --device h100".split()),
+    *("--experts 8 --experts-per-token 2 --moe-intermediate 14336".split()),
+]
+
+
+def test_moe_plan_prints_total_and_active_parameters(tmp_path, capsys):
+    """A tiny Qwen2-MoE folder (shared expert, a dense layer): the counts are the torch
+    model's own, the decode sweep reads k experts at batch 1 and all E by batch 64, and an
+    int4 scheme the experts' shapes cannot take is reported, not raised."""
+    model = make_tiny_model("qwen2-moe", tmp_path)
+    cfg = model.config
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    total = sum(p.numel() for p in model.parameters())
+    idle = sum(p.numel() * (e - k) // e for name, p in model.named_parameters() if ".experts." in name)
+    plan_cli.main(
+        ["--model", str(tmp_path), "--device", "h100", "--batches", "1,64", "--json", str(tmp_path / "p.json")]
+    )
+    out = capsys.readouterr().out
+    assert f"params  {total:,} in all, {total - idle:,} active per token" in out
+    assert f"E * (1 - (1 - k/E)^B) = {e} * (1 - (1 - {k}/{e})^B)" in out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert (plan["model"]["params_total"], plan["model"]["params_active"]) == (total, total - idle)
+    assert plan["model"]["moe_layers"] == cfg.num_hidden_layers - len(cfg.mlp_only_layers)
+    read = {r["batch"]: r["experts_read"] for r in plan["decode"]}
+    assert read[1] == pytest.approx(k) and read[64] == pytest.approx(e)
+    assert "| int4 | auto | not possible: int4 quantization: K=48" in out
+
+
+def test_inline_mixtral(capsys):
+    """Mixtral-8x7B from flags: 46.7B parameters, 12.9B active (Mistral's figures)."""
+    plan = make(MIXTRAL_8X7B)
+    assert plan["model"]["params_total"] == pytest.approx(46.7e9, rel=0.005)
+    assert plan["model"]["params_active"] == pytest.approx(12.9e9, rel=0.005)
+    assert plan["model"]["intermediate"] == 14336  # the experts' size stands in for the dense one
+    plan_cli.print_plan(plan)
+    assert "params  46.70 B in all, 12.88 B active per token" in capsys.readouterr().out
+    for argv, message in [
+        ([*MIXTRAL_8X7B, "--experts-per-token", "9"], "must be in 1..--experts 8"),
+        ([*MIXTRAL_8X7B[:-2]], "need --moe-intermediate"),
+        ([*MIXTRAL_8X7B[:-6]], "need --intermediate"),  # dense again: the dense MLP's size is needed
+    ]:
+        with pytest.raises(SystemExit):
+            plan_cli.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_expert_parallel_flag_line_and_device_bytes(capsys):
+    """-tp 2 with --enable-expert-parallel: 4 whole experts per device, the same bytes as
+    halving each; the flag line asks the server for it."""
+    tp = make([*MIXTRAL_8X7B, "-tp", "2", "--context", "4096"])
+    ep = make([*MIXTRAL_8X7B, "-tp", "2", "--context", "4096", "--enable-expert-parallel"])
+    assert ep["setup"]["expert_parallel"] and not tp["setup"]["expert_parallel"]
+    assert ep["weights_bytes_per_device"] == tp["weights_bytes_per_device"] == tp["weights_bytes"] // 2
+    assert ep["flags"]["flags"]["--enable-expert-parallel"] is True
+    plan_cli.print_plan(ep)
+    line = next(li for li in capsys.readouterr().out.splitlines() if li.startswith("flags"))
+    assert line.endswith("-tp 2 --enable-expert-parallel")
+    assert "expert parallelism's token dispatch (all-to-all)" in ep["not_modelled"]
