@@ -338,7 +338,11 @@ class Scheduler:
         depth = min(
             req.sampling_params.max_tokens - req.num_output_tokens - 1, self.config.max_model_len - req.num_tokens
         )
-        drafts = req.spec_token_ids[: max(min(self._tree.nodes_within(depth), budget - 1), 0)]
+        # Each node also takes a KV slot of its own after the last token (siblings share a
+        # depth, not a slot), and the slots end with the context's last block.
+        bs = self.config.block_size
+        slots = -(-self.config.max_model_len // bs) * bs - req.num_tokens
+        drafts = req.spec_token_ids[: max(min(self._tree.nodes_within(depth), budget - 1, slots), 0)]
         if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
             return []  # no room to speculate: a plain decode step, no preemption for drafts
         return drafts

@@ -35,7 +35,7 @@ from jaxserve.runner.model_runner import ModelRunner, StepHandle
 from jaxserve.sample.sampler import invert_cdf, sample_key
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
-from jaxserve.spec_decode.proposers import decoding
+from jaxserve.spec_decode.proposers import decoding, reserve_draft_slots
 from scheduler import Request, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class DraftModelProposer:
         kv = self.scheduler.kv
         k = self.config.num_speculative_tokens
         # The step writes the last token and k drafts: reserve their slots now (or skip).
-        requests = [r for r in decoding(running, self.config) if kv.allocate_slots(r, 1 + k) is not None]
+        requests = reserve_draft_slots(kv, decoding(running, self.config), k, self.target.max_model_len)
         self._rows = {r.request_id: i for i, r in enumerate(requests)}
         if not requests:
             return

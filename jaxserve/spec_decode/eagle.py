@@ -41,7 +41,7 @@ from jaxserve.runner.model_runner import copy_pairs
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
 from jaxserve.spec_decode.heads import load_heads
-from jaxserve.spec_decode.proposers import decoding, sampled_rows
+from jaxserve.spec_decode.proposers import decoding, reserve_draft_slots, sampled_rows
 from scheduler import Request, StepBatch
 
 if TYPE_CHECKING:
@@ -91,11 +91,8 @@ class EagleProposer:
     def propose(self, running: list[Request]) -> None:
         kv, k = self.scheduler.kv, self.config.num_speculative_tokens
         # Drafting writes the head's entries up to L + k - 2: reserve the step's slots now (or skip).
-        requests = [
-            r
-            for r in decoding(running, self.config)
-            if r.request_id in self._rows and kv.allocate_slots(r, 1 + k) is not None
-        ]
+        drafting = [r for r in decoding(running, self.config) if r.request_id in self._rows]
+        requests = reserve_draft_slots(kv, drafting, k, self.target.max_model_len)
         if requests:
             for req, tokens in zip(requests, self._draft(requests, self.target.rows_for(len(requests)))):
                 req.spec_token_ids = tokens

@@ -48,6 +48,14 @@ def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]
     ]
 
 
+def reserve_draft_slots(kv, requests: list[Request], k: int, max_model_len: int) -> list[Request]:
+    """The requests that got slots for their last token and up to k drafts, reserved now (the
+    proposer writes them before the step is scheduled), never past the context: a request at
+    its end gets its last token's slot only (its drafts there write to the null block).
+    `kv`: the scheduler's KVCacheManager."""
+    return [r for r in requests if kv.allocate_slots(r, 1 + max(0, min(k, max_model_len - r.num_tokens))) is not None]
+
+
 def sampled_rows(batch: StepBatch) -> dict[str, int]:
     """Request id -> row, for the rows of `batch` that sample a token: where a head finds
     the hidden state of each request's newest token (a request not in the step has none)."""
