@@ -349,7 +349,28 @@ def routed_sizes(rng, tokens, experts=QWEN3_MOE_EXPERTS, top_k=QWEN3_MOE_TOP_K):
     """Group sizes of a random router: each token's top-k of random scores."""
     scores = rng.standard_normal((tokens, experts))
     chosen = np.argsort(-scores, axis=1)[:, :top_k]
-    return list(np.bincount(chosen.ravel(), minlength=experts))
+    return [int(c) for c in np.bincount(chosen.ravel(), minlength=experts)]
+
+
+@jax.jit
+def _nan_for_empty(w, sizes):
+    return jnp.where((sizes == 0)[:, None, None], jnp.nan, w)
+
+
+def device_cases(seed, rows, k, n, sizes):
+    """x and the three kinds of expert weights drawn on the device (128 experts' weights
+    take minutes to quantize with NumPy): bf16 (NaN for empty experts), canonical int4
+    (random nibbles, group 128), canonical fp8 (e4m3 within range, per-channel scales)."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    g = len(sizes)
+    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16).at[sum(sizes) :].set(jnp.nan)
+    w = _nan_for_empty(jax.random.normal(keys[1], (g, k, n), jnp.bfloat16), jnp.asarray(sizes))
+    packed = jax.random.randint(keys[2], (g, k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.uniform(keys[3], (g, k // 128, n), jnp.float32, 0.01, 0.02)
+    int4 = [packed, scales, -8.5 * scales]
+    fp8 = jnp.clip(jax.random.normal(keys[4], (g, k, n), jnp.float32) * 100, -448, 448).astype(jnp.float8_e4m3fn)
+    fp8 = [fp8, jax.random.uniform(keys[5], (g, n), jnp.float32, 1e-3, 2e-3)]
+    return x, w, int4, fp8
 
 
 @pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
@@ -357,9 +378,9 @@ def routed_sizes(rng, tokens, experts=QWEN3_MOE_EXPERTS, top_k=QWEN3_MOE_TOP_K):
 @pytest.mark.parametrize("tokens", MOE_TOKENS)
 @pytest.mark.parametrize("name,k,n", QWEN3_MOE_PROJECTIONS, ids=[p[0] for p in QWEN3_MOE_PROJECTIONS])
 def test_production_shapes_on_gpu(name, k, n, tokens, routing):
-    rng = np.random.default_rng(tokens)
     rows = tokens * QWEN3_MOE_TOP_K
-    sizes = routed_sizes(rng, tokens) if routing == "random" else [0] * 5 + [rows] + [0] * 122
-    check_float(*float_case(rng, rows, k, n, sizes), sizes)
-    check_int4(*int4_case(rng, rows, k, n, sizes, 128), sizes)
-    check_fp8(*fp8_case(rng, rows, k, n, sizes), sizes)
+    sizes = routed_sizes(np.random.default_rng(tokens), tokens) if routing == "random" else [0] * 5 + [rows] + [0] * 122
+    x, w, int4, fp8 = device_cases(tokens + k, rows, k, n, sizes)
+    check_float(x, w, sizes)
+    check_int4(x, int4, sizes)
+    check_fp8(x, fp8, sizes)
