@@ -23,7 +23,7 @@ with `must_not_spill=False`; its spills are listed after the table. `--subset ci
 CI compiles (tests/pallas_kernels/test_gpu_compile.py); the default is every case.
 
     pip install -e ".[gpu-compile]"   # the CUDA plugin of our jaxlib version, ptxas, nvdisasm
-    python benchmarks/gpu_compile.py                 # every case (104 kernels, 3 minutes on 2 cores)
+    python benchmarks/gpu_compile.py                 # every case (107 kernels, 3 minutes on 2 cores)
     python benchmarks/gpu_compile.py --subset ci --json report.json
     python benchmarks/gpu_compile.py --only attention --case 'decode_b64.*' --keep-sass sass/
 
@@ -161,6 +161,7 @@ def matmul_cases() -> list[Case]:
 def grouped_cases() -> list[Case]:
     """The MoE grouped matmul at Qwen3-30B-A3B's expert shapes (float, int4, fp8 weights)."""
     from benchmarks.mosaic_lowering import MOE_TOKENS, QWEN3_MOE_PROJECTIONS, QWEN3_MOE_TOP_K, lower_grouped_matmul
+    from pallas_kernels import grouped_matmul_mgpu as gmm
 
     cases = []
     for kind in ("float", "int4", "fp8"):
@@ -176,6 +177,9 @@ def grouped_cases() -> list[Case]:
                         ci=(kind, name, tokens) in CI_GROUPED,
                     )
                 )
+        ws = gmm.TuningConfig(warp_specialized=True)
+        f = lambda kind=kind: lower_grouped_matmul(kind, 256 * QWEN3_MOE_TOP_K, 2048, 1536, config=ws)[1]  # noqa: E731
+        cases.append(Case(label, "moe_gate_up_t256_warp_specialized", f))
     return cases
 
 
