@@ -3,18 +3,20 @@
 # one call of at most 10 minutes (hard kill at 600 s), so the default run's time limits add
 # up to at most 540 s (about 8 minutes of wall time). In order, each a time limit:
 #   versions    20 s  jax / jaxlib, the device, pytest, cc, nvidia-smi;
-#   compile     90 s  the sm_90a compile report of the CI subset (benchmarks/gpu_compile.py
-#                     --subset ci; skipped, not failed, without a C compiler `cc`);
+#   compile     60 s  the sm_90a compile report of the CI subset (benchmarks/gpu_compile.py
+#                     --subset ci; skipped, not failed, without a C compiler `cc`; 15 kernels,
+#                     47 s on 2 busy CPU cores);
 #   numerics   130 s  every kernel against its reference, compiled on the GPU
-#                     (JAXSERVE_MGPU_ON_GPU=1 pytest over test_ragged_paged_attention_mgpu.py
-#                     and test_quantized_matmul_mgpu.py): the interpreter's cases and the
+#                     (JAXSERVE_MGPU_ON_GPU=1 pytest over test_ragged_paged_attention_mgpu.py,
+#                     test_quantized_matmul_mgpu.py and test_grouped_matmul_mgpu.py): the interpreter's cases and the
 #                     production-shape ones (not decode_b64_window_cap, 64 sequences of up to
 #                     63k tokens, whose test data takes a minute to draw on the host: `speed`
 #                     times decode at 64 x 32k),
-#                     not the CUDA-lowering tests (`compile` does better). Seven pytest shards
+#                     not the CUDA-lowering tests (`compile` does better). Ten pytest shards
 #                     run side by side (compiling is CPU work, and the machine has 16 cores),
 #                     each with its own 130 s limit and JUnit XML;
-#   speed       90 + 90 s  benchmarks/kernels.py --quick --only attention, then --only matmul:
+#   speed       90 + 90 + 30 s  benchmarks/kernels.py --quick --only attention, --only matmul,
+#                     then --only gmm (the grouped MoE kernels against ragged_dot):
 #                     the kernels against XLA and the copy-bandwidth roofline, each case
 #                     checked against its reference, a row per case as it finishes;
 #   e2e        120 s  benchmarks/gpu_e2e.py on a random Llama-3.2-1B-shaped model (2 layers):
@@ -161,15 +163,15 @@ if shutil.which("nvidia-smi"):
 fi
 
 if wanted compile; then
-  total=$((total + 90))
+  total=$((total + 60))
   REAL=("$PYTHON" benchmarks/gpu_compile.py --subset ci --json "$OUT/compile.json")
   DRY=("${REAL[@]}" --list)
   if command -v cc >/dev/null; then
-    step compile 90 "$OUT/compile.txt"
+    step compile 60 "$OUT/compile.txt"
   else
     echo "== compile: no C compiler (cc) on this machine; gpu_compile.py builds its stand-in driver with one" \
         | tee "$OUT/compile.txt"
-    record compile skipped 0 90
+    record compile skipped 0 60
   fi
 fi
 
@@ -177,6 +179,7 @@ if wanted numerics; then
   total=$((total + 130))
   att=tests/pallas_kernels/test_ragged_paged_attention_mgpu.py
   mm=tests/pallas_kernels/test_quantized_matmul_mgpu.py
+  gmm=tests/pallas_kernels/test_grouped_matmul_mgpu.py
   # (name, file, -k selection): about 10-30 kernel configurations each, at 2-5 s of
   # compiling per configuration on the GPU.
   interp_a="test_mixed_prefill_and_decode or test_flash_decoding_splits or test_page_sizes_head_dim_128"
@@ -188,6 +191,9 @@ if wanted numerics; then
     matmul_production_ws "$mm" "on_gpu and warp_specialized"
     matmul_compiled_a "$mm" "test_int4_token_counts_and_groups"
     matmul_compiled_b "$mm" "not lowers and not on_gpu and not test_int4_token_counts_and_groups"
+    gmm_production_gate_up "$gmm" "on_gpu and moe_gate_up"
+    gmm_production_down "$gmm" "on_gpu and moe_down"
+    gmm_compiled "$gmm" "not lowers and not on_gpu"
   )
   echo "== numerics: $(( ${#shards[@]} / 3 )) pytest shards side by side (time limit 130s each)"
   start=$SECONDS
@@ -219,12 +225,14 @@ if wanted numerics; then
 fi
 
 if wanted speed; then
-  total=$((total + 90 + 90))
-  for group in attention matmul; do
+  total=$((total + 90 + 90 + 30))
+  for group in attention matmul gmm; do
     REAL=("$PYTHON" benchmarks/kernels.py --quick --only "$group" --json "$OUT/speed_$group.json"
           --plot "$OUT/speed_$group.png")
     DRY=("${REAL[@]}" --smoke --runs 2)
-    step "speed_$group" 90 "$OUT/speed_$group.txt"
+    limit=90
+    [[ $group == gmm ]] && limit=30  # two cases (decode, a 2048-token chunk); rows are kept as they finish
+    step "speed_$group" "$limit" "$OUT/speed_$group.txt"
   done
 fi
 

@@ -7,7 +7,8 @@ here with `cc`) answers "compute capability 9.0" and counts the cubin it is then
 load, which is how a case is known to have compiled. The table shows what ptxas made of
 each kernel:
 
-    kernel      what ran (attention; int4 / fp8 matmul) and the case's shapes
+    kernel      what ran (attention; int4 / fp8 matmul; gmm: the grouped MoE matmul, bf16 /
+                int4 / fp8 experts) and the case's shapes
     regs        registers per thread at launch (`ptxas -v`)
     spill       bytes of spill stores / loads per thread (0 / 0 is what we want)
     smem KiB    dynamic shared memory Mosaic GPU allocated
@@ -22,7 +23,7 @@ with `must_not_spill=False`; its spills are listed after the table. `--subset ci
 CI compiles (tests/pallas_kernels/test_gpu_compile.py); the default is every case.
 
     pip install -e ".[gpu-compile]"   # the CUDA plugin of our jaxlib version, ptxas, nvdisasm
-    python benchmarks/gpu_compile.py                 # every case (86 kernels, 2.5 minutes on 2 cores)
+    python benchmarks/gpu_compile.py                 # every case (107 kernels, 3 minutes on 2 cores)
     python benchmarks/gpu_compile.py --subset ci --json report.json
     python benchmarks/gpu_compile.py --only attention --case 'decode_b64.*' --keep-sass sass/
 
@@ -49,7 +50,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STANDIN_SOURCE = HERE / "libcuda_standin.c"
 SUBSETS = ("all", "ci")
-KERNELS = ("attention", "matmul")
+KERNELS = ("attention", "matmul", "gmm")  # gmm: the grouped (MoE expert) matmul
 
 
 # -- the cases ---------------------------------------------------------------------------
@@ -57,7 +58,7 @@ KERNELS = ("attention", "matmul")
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    kernel: str  # "attention", "int4 matmul", "fp8 matmul"
+    kernel: str  # "attention", "int4 matmul", "fp8 matmul", "gmm", "int4 gmm", "fp8 gmm"
     name: str
     lower: Callable[[], list[int]]  # exports for CUDA; returns the shared-memory bytes allocated
     must_not_spill: bool = True  # every case today: none spills since block_kv 64 for 8-bit caches
@@ -65,7 +66,7 @@ class Case:
 
     @property
     def family(self) -> str:
-        return "attention" if self.kernel == "attention" else "matmul"
+        return self.kernel.split()[-1]
 
 
 # The engine's default buckets: tokens 1, 2, 4 .. 512 with at most 32 sequences. These token
@@ -78,6 +79,7 @@ MATMUL_TOKENS = (1, 16, 64, 128, 512)
 CI_ATTENTION = {"decode_b64_8k", "decode_b64_8k_window_cap", "mixed_512_tokens_64_seqs", "prefill_8k_tokens_4_seqs"}
 CI_KV8 = {("fp8", "decode_b64_8k_window_cap"), ("int8", "prefill_8k_tokens_4_seqs")}
 CI_MATMUL = {("int4", "qkv", 1), ("int4", "gate_up", 128), ("fp8", "down", 16), ("fp8", "qkv", 512)}
+CI_GROUPED = {("float", "moe_gate_up", 8), ("int4", "moe_down", 256), ("fp8", "moe_gate_up", 2048)}
 
 
 def attention_cases() -> list[Case]:
@@ -156,9 +158,35 @@ def matmul_cases() -> list[Case]:
     return cases
 
 
+def grouped_cases() -> list[Case]:
+    """The MoE grouped matmul at Qwen3-30B-A3B's expert shapes (float, int4, fp8 weights)."""
+    from benchmarks.mosaic_lowering import MOE_TOKENS, QWEN3_MOE_PROJECTIONS, QWEN3_MOE_TOP_K, lower_grouped_matmul
+    from pallas_kernels import grouped_matmul_mgpu as gmm
+
+    cases = []
+    for kind in ("float", "int4", "fp8"):
+        label = "gmm" if kind == "float" else f"{kind} gmm"
+        for name, k, n in QWEN3_MOE_PROJECTIONS:
+            for tokens in MOE_TOKENS:
+                rows = tokens * QWEN3_MOE_TOP_K
+                cases.append(
+                    Case(
+                        label,
+                        f"{name}_t{tokens}",
+                        lambda kind=kind, rows=rows, k=k, n=n: lower_grouped_matmul(kind, rows, k, n)[1],
+                        ci=(kind, name, tokens) in CI_GROUPED,
+                    )
+                )
+        ws = gmm.TuningConfig(warp_specialized=True)
+        f = lambda kind=kind: lower_grouped_matmul(kind, 256 * QWEN3_MOE_TOP_K, 2048, 1536, config=ws)[1]  # noqa: E731
+        cases.append(Case(label, "moe_gate_up_t256_warp_specialized", f))
+    return cases
+
+
 def all_cases(only: list[str] | None = None) -> list[Case]:
     families = only or list(KERNELS)
-    return (attention_cases() if "attention" in families else []) + (matmul_cases() if "matmul" in families else [])
+    makers = {"attention": attention_cases, "matmul": matmul_cases, "gmm": grouped_cases}
+    return [case for family in KERNELS if family in families for case in makers[family]()]
 
 
 # -- compiling ----------------------------------------------------------------------------

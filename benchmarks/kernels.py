@@ -20,9 +20,17 @@ and the warp-specialized pipeline), each checked against its reference first: ti
 GB/s (weights + x + output) and its share of the copy bandwidth, TFLOP/s, and the speed-up over bf16 per token count.
 The random weights are made on the device (jitted), canonical and in the kernel layout.
 
+Grouped matmuls (`--only gmm`, MoE experts): at Qwen3-30B-A3B's expert shapes (hidden 2048,
+expert intermediate 768, fused gate/up 2048 x 1536 and down 768 x 2048; 128 experts, top-8
+of a random router) for 8..2048 tokens, XLA's `jax.lax.ragged_dot` (bf16) against the
+Mosaic GPU grouped kernels (bf16, int4, fp8 experts), each checked against its reference:
+time, GB/s (the weights of the experts with rows, x and the output), TFLOP/s, speed-up
+over ragged_dot. No plot.
+
 `--quick` (what `benchmarks/gpu_check.sh` runs) keeps one program per batch size:
 decode at batch 1, 8, 64, 256 with contexts 2k and 32k (where the 2M-token pool holds
-them), two prefill cases, and the matmuls at 1 and 64 tokens.
+them), two prefill cases, the matmuls at 1 and 64 tokens, and the grouped gate/up at 8
+and 2048 tokens.
 
 Each case's row is printed and the JSON file rewritten as soon as the case finishes, so a
 run cut short keeps every finished row. A case whose kernel differs from its reference
@@ -36,7 +44,7 @@ Every timed call runs the operation on several copies of its inputs in turn (eno
 that they do not fit in L2 together) and reports the time per copy, so small cases are
 not timed on L2 hits.
 
-    python benchmarks/kernels.py [--only attention|matmul] [--quick] [--json PATH] [--plot PATH]  # on a Hopper GPU
+    python benchmarks/kernels.py [--only attention|matmul|gmm] [--quick] [--json PATH] [--plot PATH]  # on a Hopper GPU
     python benchmarks/kernels.py --smoke [--interpret]         # tiny shapes, runs on CPU
 
 On CPU (--smoke) only the reference is timed, unless --interpret also runs the kernel
@@ -62,8 +70,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.tools import roofs  # noqa: E402
+from pallas_kernels import grouped_matmul_mgpu as gmm  # noqa: E402
 from pallas_kernels import quantized_matmul_mgpu as qmgpu  # noqa: E402
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
+from pallas_kernels.grouped_matmul import (  # noqa: E402
+    fp8_grouped_matmul_reference,
+    grouped_matmul_reference,
+    int4_grouped_matmul_reference,
+)
 from pallas_kernels.quantized_matmul import fp8_matmul_reference, int4_matmul_reference  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402
 
@@ -642,6 +656,143 @@ def run_matmuls(args, results: Results, on_gpu: bool, run_kernel: bool, copy_gbs
     return run_rows(results, "matmul_cases", cases, one, lambda r: matmul_line(r, variants, copy_gbs), name)
 
 
+# -- grouped matmuls (MoE experts) -------------------------------------------------
+
+# (name, K, N): Qwen3-30B-A3B's experts (hidden 2048, expert intermediate 768), fused
+# gate/up and down; 128 experts, 8 per token, rows = tokens * 8 sorted by expert.
+GMM_SHAPES = [("gate_up", 2048, 1536), ("down", 768, 2048)]
+GMM_EXPERTS, GMM_TOP_K = 128, 8
+GMM_TOKENS = [8, 64, 256, 2048]
+QUICK_GMM = [("gate_up", 8), ("gate_up", 2048)]  # decode and a prefill chunk
+SMOKE_GMM_SHAPES, SMOKE_GMM_EXPERTS, SMOKE_GMM_TOP_K, SMOKE_GMM_TOKENS = [("small", 128, 64)], 4, 2, [1, 8]
+
+
+@functools.partial(jax.jit, static_argnames=("tokens", "experts", "top_k"))
+def routed_group_sizes(key, *, tokens: int, experts: int, top_k: int):
+    """Rows per expert of a random router: each token's top-k experts of random scores."""
+    _, chosen = jax.lax.top_k(jax.random.normal(key, (tokens, experts)), top_k)
+    return jnp.bincount(chosen.ravel(), length=experts).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "g", "k", "n", "kernel_layout"))
+def make_gmm_weights(key, *, kind: str, g: int, k: int, n: int, kernel_layout: bool):
+    """Random expert weights [G, K, N] of `kind`, made on the device: (canonical arrays, the
+    kernel layout or None), as make_matmul_weights."""
+    k1, k2 = jax.random.split(key)
+    if kind == "bf16":
+        return (jax.random.normal(k1, (g, k, n), jnp.bfloat16) * 0.02,), None
+    if kind == "int4":
+        packed = jax.random.randint(k1, (g, k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+        scales = jax.random.uniform(k2, (g, k // INT4_GROUP, n), jnp.float32, 1e-3, 2e-3)
+        canonical = (packed, scales, -8 * scales)
+        return canonical, gmm.prepare_int4(*canonical) if kernel_layout else None
+    fp8 = jnp.clip(jax.random.normal(k1, (g, k, n), jnp.float32) * 100, -448, 448).astype(jnp.float8_e4m3fn)
+    canonical = (fp8, jax.random.uniform(k2, (g, n), jnp.float32, 1e-4, 2e-4))
+    return canonical, gmm.prepare_fp8(*canonical) if kernel_layout else None
+
+
+GMM_REFERENCES = {
+    "bf16": grouped_matmul_reference,
+    "int4": int4_grouped_matmul_reference,
+    "fp8": fp8_grouped_matmul_reference,
+}
+
+
+def gmm_variants(run_kernel: bool, interpret: bool) -> dict[str, tuple]:
+    """variant -> (weight kind, function, whether it takes the kernel layout): XLA's ragged_dot
+    (the bf16 reference) first; then the kernels (GPU or interpreted) or the other references."""
+    variants = {"ragged_dot": ("bf16", grouped_matmul_reference, False)}
+    if not run_kernel:
+        return variants | {kind: (kind, GMM_REFERENCES[kind], False) for kind in ("int4", "fp8")}
+    interp = True if interpret else None
+    return variants | {
+        "gmm": ("bf16", functools.partial(gmm.grouped_matmul, interpret=interp), False),
+        "int4_gmm": ("int4", functools.partial(gmm.int4_grouped_matmul, interpret=interp), True),
+        "fp8_gmm": ("fp8", functools.partial(gmm.fp8_grouped_matmul, interpret=interp), True),
+    }
+
+
+def gmm_bytes(kind: str, active: int, rows: int, k: int, n: int) -> int:
+    """HBM bytes a call must move: the weights of the experts with rows, x and the output."""
+    return active * matmul_bytes(kind, 0, k, n) + 2 * rows * (k + n)
+
+
+def run_gmm_case(
+    name: str, t: int, k: int, n: int, experts: int, top_k: int, *, on_gpu, run_kernel, interpret, runs, seed
+) -> dict:
+    rows = t * top_k
+    sizes = routed_group_sizes(jax.random.key(seed), tokens=t, experts=experts, top_k=top_k)
+    active = int(jnp.sum(sizes > 0))
+    row = dict(case=f"{name} {k}x{n} t={t}", shape=name, tokens=t, rows=rows, k=k, n=n, experts=experts)
+    row.update(active_experts=active, flops=2 * rows * k * n, impl="kernels" if run_kernel else "references")
+    variants = gmm_variants(run_kernel, interpret)
+    kinds = list(dict.fromkeys(v[0] for v in variants.values()))
+    for kind in kinds:
+        bytes_ = gmm_bytes(kind, active, rows, k, n)
+        copies = copies_for(bytes_, on_gpu and not interpret)
+        keys = jax.random.split(jax.random.key(seed * 10 + kinds.index(kind) + 1), 2 * copies)
+        inputs = []
+        for i in range(copies):
+            x = jax.random.normal(keys[2 * i], (rows, k), jnp.bfloat16)
+            canonical, layout = make_gmm_weights(
+                keys[2 * i + 1], kind=kind, g=experts, k=k, n=n, kernel_layout=run_kernel
+            )
+            inputs.append((x, canonical, layout))
+        want = None
+        for variant, (vkind, fn, takes_layout) in variants.items():
+            if vkind != kind:
+                continue
+            arg_sets = [
+                (x, layout, sizes) if takes_layout else (x, *canonical, sizes) for x, canonical, layout in inputs
+            ]
+            got = first_output(fn, arg_sets)
+            if run_kernel and variant != "ragged_dot":  # a kernel: checked against its reference first
+                x, canonical, _ = inputs[0]
+                want = jax.jit(GMM_REFERENCES[kind])(x, *canonical, sizes) if want is None else want
+                err = row[f"{variant}_rel_err"] = rel_err(got, want)
+                if not err <= MATMUL_TOL:
+                    row.setdefault("mismatched", []).append(variant)
+            del got
+            timing = time_rotated(fn, arg_sets, runs=runs, on_gpu=on_gpu, once=interpret)
+            us = timing.total_us
+            row[f"{variant}_us"], row[f"{variant}_bytes"] = us, bytes_
+            row[f"{variant}_gbs"] = bytes_ / (us * 1e-6) / 1e9
+            row[f"{variant}_tflops"] = row["flops"] / (us * 1e-6) / 1e12
+            row["timing"], row[f"{variant}_copies"] = timing.method, copies
+        del inputs, want
+    for variant in variants:
+        row[f"{variant}_speedup"] = row["ragged_dot_us"] / row[f"{variant}_us"]
+    if run_kernel:
+        row["ok"] = "mismatched" not in row
+    return row
+
+
+def run_gmms(args, results: Results, on_gpu: bool, run_kernel: bool, copy_gbs: float) -> list[dict]:
+    experts, top_k = (SMOKE_GMM_EXPERTS, SMOKE_GMM_TOP_K) if args.smoke else (GMM_EXPERTS, GMM_TOP_K)
+    if args.smoke:
+        picked = [(name, t) for name, _, _ in SMOKE_GMM_SHAPES for t in SMOKE_GMM_TOKENS]
+    else:
+        picked = QUICK_GMM if args.quick else [(name, t) for name, _, _ in GMM_SHAPES for t in GMM_TOKENS]
+    shapes = {name: (k, n) for name, k, n in (SMOKE_GMM_SHAPES if args.smoke else GMM_SHAPES)}
+    interpret = args.interpret and not on_gpu
+    variants = list(gmm_variants(run_kernel, interpret))
+    head = matmul_header(variants, "kernels" if run_kernel else "references", copy_gbs)
+    title = f"grouped matmuls, {experts} experts top-{top_k}; x: speed-up over ragged_dot"
+    print(head.replace("quantized matmuls", title).replace("; _ws: warp-specialized pipeline", ""), flush=True)
+    cases = [(i, name, *shapes[name], t) for i, (name, t) in enumerate(picked)]
+
+    def one(case) -> dict:
+        i, name, k, n, t = case
+        kw = dict(on_gpu=on_gpu, run_kernel=run_kernel, interpret=interpret, runs=args.runs, seed=100 * i + t)
+        return run_gmm_case(name, t, k, n, experts, top_k, **kw)
+
+    def name(case) -> str:
+        _, shape, k, n, t = case
+        return f"{shape} {k}x{n} t={t}"
+
+    return run_rows(results, "gmm_cases", cases, one, lambda r: matmul_line(r, variants, copy_gbs), name)
+
+
 def plot_or_say(draw, *args) -> None:
     """A plot is a nicety: without matplotlib (or if it fails) the run still succeeds."""
     try:
@@ -655,7 +806,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
     parser.add_argument("--quick", action="store_true", help="the reduced set benchmarks/gpu_check.sh runs")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in the Mosaic GPU interpreter")
-    parser.add_argument("--only", choices=("attention", "matmul"), help="one group of cases (default: both)")
+    parser.add_argument(
+        "--only", choices=("attention", "matmul", "gmm"), help="one group of cases (default: all three)"
+    )
     parser.add_argument("--runs", type=int, default=10, help="timed runs per case (median)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON (again after every case)")
     parser.add_argument(
@@ -688,6 +841,8 @@ def main(argv=None) -> int:
                 if args.only is None:  # the attention plot has PATH
                     path = path.with_name(path.stem + "_matmul" + path.suffix)
                 plot_or_say(plot_matmul, rows, str(path))
+        if args.only in (None, "gmm"):
+            run_gmms(args, results, on_gpu, run_kernel, copy_gbs)
     except KeyboardInterrupt:  # gpu_check.sh's timeout: the finished rows are written already
         print(f"\ninterrupted; the finished rows are in {args.json or 'the table above'}", flush=True)
         return 130

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import grouped_matmul_mgpu as grouped_mgpu
 from pallas_kernels import quantized_matmul_mgpu as matmul_mgpu
 from pallas_kernels import ragged_paged_attention_mgpu as attention_mgpu
 
@@ -156,6 +157,40 @@ def lower_matmul(kind, tokens, k, n, *, group=128, config=None, dtype=jnp.bfloat
         fn, weights = functools.partial(matmul_mgpu.fp8_matmul, config=config), fp8_weight_shapes(k, n)
     with record_smem() as smem:
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(x, weights)
+    return exported, smem
+
+
+# -- grouped (MoE expert) matmuls --------------------------------------------------------
+
+# Qwen3-30B-A3B's experts: hidden 2048, expert intermediate 768, 128 experts, 8 per token.
+# (name, K, N): the fused gate/up projection and the down projection.
+QWEN3_MOE_PROJECTIONS = [("moe_gate_up", 2048, 2 * 768), ("moe_down", 768, 2048)]
+QWEN3_MOE_EXPERTS, QWEN3_MOE_TOP_K = 128, 8
+MOE_TOKENS = (8, 256, 2048)  # decode, a small and a large prefill chunk: rows = tokens * top-k
+
+
+def lower_grouped_matmul(kind, rows, k, n, *, groups=QWEN3_MOE_EXPERTS, group=128, config=None, dtype=jnp.bfloat16):
+    """jax.export of the grouped matmul kernel ("float", "int4" or "fp8" expert weights) for
+    CUDA with `rows` sorted rows over `groups` experts; returns (exported, shared-memory bytes)."""
+    s = jax.ShapeDtypeStruct
+    x, sizes = s((rows, k), dtype), s((groups,), jnp.int32)
+    if kind == "float":
+        fn, weights = grouped_mgpu.grouped_matmul, s((groups, k, n), dtype)
+    elif kind == "int4":
+        fn = grouped_mgpu.int4_grouped_matmul
+        weights = matmul_mgpu.Int4KernelWeights(
+            s((groups, n, k), jnp.int4),
+            s((groups, k // group, n), jnp.float32),
+            s((groups, k // group, n), jnp.float32),
+            n,
+        )
+    else:
+        fn = grouped_mgpu.fp8_grouped_matmul
+        weights = matmul_mgpu.Fp8KernelWeights(s((groups, n, k), jnp.float8_e4m3fn), s((groups, n), jnp.float32), n)
+    with record_smem() as smem:
+        exported = jax.export.export(jax.jit(functools.partial(fn, config=config)), platforms=["cuda"])(
+            x, weights, sizes
+        )
     return exported, smem
 
 

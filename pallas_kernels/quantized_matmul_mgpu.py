@@ -339,6 +339,21 @@ def _kernel_call(body, plan: _Plan, out_dtype, scratch, config: TuningConfig, in
     )
 
 
+def dequantize_int4_tile(q_smem, s_smem, o_smem, dtype, a_smem=None):
+    """The wgmma A operand [64, tile_k] from an int4 tile and its group's scales and offsets:
+    w = s * q + o in f32 (as the reference computes it), then the activation dtype; staged
+    through `a_smem` when given (the interpreter's wgmma takes A from smem only). Shared
+    with the grouped (MoE) kernels."""
+    w = q_smem[...].astype(jnp.float32)
+    w = w * s_smem[0][:, None] + o_smem[0][:, None]
+    w = w.astype(dtype)
+    if a_smem is None:
+        return w
+    a_smem[...] = w
+    plgpu.commit_smem()
+    return a_smem
+
+
 def _int4_kernel(plan: _Plan, group: int, out_dtype, x_dtype, config: TuningConfig, interpret):
     tk, tt = plan.tile_k, plan.tile_t
     steps_per_group = group // tk
@@ -348,14 +363,7 @@ def _int4_kernel(plan: _Plan, group: int, out_dtype, x_dtype, config: TuningConf
         k0 = si * plan.k_steps
 
         def step(idx, q_smem, s_smem, o_smem, x_smem, acc_ref):
-            # w = s * q + o in f32 (as the reference computes it), then the activation dtype.
-            w = q_smem[...].astype(jnp.float32)
-            w = w * s_smem[0][:, None] + o_smem[0][:, None]
-            w = w.astype(x_dtype)
-            if a_smem:
-                a_smem[0][...] = w
-                plgpu.commit_smem()
-                w = a_smem[0]
+            w = dequantize_int4_tile(q_smem, s_smem, o_smem, x_dtype, a_smem[0] if a_smem else None)
             plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
             plgpu.wgmma_wait(0)  # A is this step's registers (or the one a_smem buffer)
             return acc_ref

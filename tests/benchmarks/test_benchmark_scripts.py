@@ -36,8 +36,25 @@ def test_scheduler_overhead_json():
 def test_kernel_benchmark_smoke_on_cpu(tmp_path):
     run("benchmarks/kernels.py", "--smoke", "--runs", "2", "--json", str(tmp_path / "k.json"))
     result = json.loads((tmp_path / "k.json").read_text())
-    assert len(result["cases"]) == 5 and len(result["matmul_cases"]) == 2
+    assert len(result["cases"]) == 5 and len(result["matmul_cases"]) == 2 and len(result["gmm_cases"]) == 2
     assert all("ref_us" in r and "error" not in r for r in result["cases"])
+    assert all("ragged_dot_us" in r and "error" not in r for r in result["gmm_cases"])
+
+
+@pytest.mark.interpret
+def test_grouped_matmul_benchmark_checks_the_interpreted_kernels(tmp_path):
+    """--only gmm with --interpret: each kernel (bf16, int4, fp8 experts) against its reference
+    on a random router's group sizes, timed beside ragged_dot."""
+    from benchmarks import kernels
+
+    path = tmp_path / "k.json"
+    assert kernels.main(["--smoke", "--interpret", "--only", "gmm", "--runs", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["gmm_cases"]
+    assert [(r["tokens"], r["rows"], r["ok"]) for r in rows] == [(1, 2, True), (8, 16, True)]
+    for r in rows:
+        assert 1 <= r["active_experts"] <= 4
+        assert all(r[f"{v}_rel_err"] <= kernels.MATMUL_TOL for v in ("gmm", "int4_gmm", "fp8_gmm")), r
+        assert r["gmm_speedup"] > 0 and r["ragged_dot_speedup"] == 1
 
 
 def test_kernels_rows_are_written_as_they_finish_and_a_mismatch_does_not_stop_the_run(tmp_path, monkeypatch, capsys):
