@@ -44,21 +44,49 @@ def route(logits: jax.Array, k: int, *, norm_topk_prob: bool, weights_in_float32
 
 
 class ExpertLinear(nnx.Module):
-    """E float projections stacked: kernel [E, din, dout]; called on rows sorted by expert."""
+    """E float projections stacked: kernel [E, din, dout]; called on rows sorted by expert.
+
+    `use_kernel_layout` (jaxserve.runner.kernels.select_matmul, on a Hopper GPU) makes it call
+    the Mosaic GPU grouped matmul (pallas_kernels.grouped_matmul_mgpu) for every step shape
+    the kernel takes, and the reference for the others."""
 
     def __init__(self, num_experts: int, din: int, dout: int, dtype, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=0)
         self.kernel = nnx.Param(init(rngs.params(), (num_experts, din, dout), dtype))
+        self.layout = "canonical"  # or "mgpu"
+        self.interpret = False  # mgpu: run the kernel in the Mosaic GPU interpreter (tests)
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        return grouped_matmul_reference(x, self.kernel[...], group_sizes)
+        w = self.kernel[...]
+        if self.layout == "mgpu":
+            from pallas_kernels import grouped_matmul_mgpu as gmm  # NOTE: imported where used, see QuantizedLinear
+
+            if gmm.unsupported_reason(x, w, group_sizes) is None:  # decided per step shape, at trace time
+                return gmm.grouped_matmul(x, w, group_sizes, interpret=True if self.interpret else None)
+        return grouped_matmul_reference(x, w, group_sizes)
+
+    def kernel_unsupported_reason(self, rows: int, dtype) -> str | None:
+        """Why the Mosaic GPU kernel cannot take `rows` sorted rows of `dtype`, or None."""
+        from pallas_kernels import grouped_matmul_mgpu as gmm
+
+        e, din, _ = self.kernel.shape
+        x, groups = jax.ShapeDtypeStruct((rows, din), dtype), jax.ShapeDtypeStruct((e,), jnp.int32)
+        return gmm.unsupported_reason(x, jax.ShapeDtypeStruct(self.kernel.shape, dtype), groups)
+
+    def use_kernel_layout(self, *, interpret: bool = False) -> None:
+        """Call the Mosaic GPU kernel from now on (float weights need no conversion)."""
+        self.layout, self.interpret = "mgpu", interpret
 
 
 class QuantizedExpertLinear(nnx.Module):
-    """E quantized projections stacked: QuantizedLinear's parameters with a leading [E] axis."""
+    """E quantized projections stacked: QuantizedLinear's parameters with a leading [E] axis,
+    converted by `use_kernel_layout` to the Mosaic GPU kernels' layout as QuantizedLinear is."""
 
     def __init__(self, num_experts: int, din: int, dout: int, quant: QuantConfig):
         self.kind = quant.kind
+        self.dout = dout
+        self.layout = "canonical"  # or "mgpu"
+        self.interpret = False
         e = num_experts
         if quant.kind == "int4":
             if din % 2:
@@ -72,9 +100,47 @@ class QuantizedExpertLinear(nnx.Module):
             self.scales = nnx.Param(jnp.ones((e, dout), jnp.float32))
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        if self.layout == "mgpu":
+            from pallas_kernels import grouped_matmul_mgpu as gmm
+
+            interpret = True if self.interpret else None
+            if self.kind == "int4":
+                weights = gmm.Int4KernelWeights(self.q[...], self.scales[...], self.offsets[...], self.dout)
+                return gmm.int4_grouped_matmul(x, weights, group_sizes, interpret=interpret)
+            weights = gmm.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout)
+            return gmm.fp8_grouped_matmul(x, weights, group_sizes, interpret=interpret)
         if self.kind == "int4":
             return int4_grouped_matmul_reference(x, self.packed[...], self.scales[...], self.offsets[...], group_sizes)
         return fp8_grouped_matmul_reference(x, self.weight[...], self.scales[...], group_sizes)
+
+    def kernel_unsupported_reason(self, rows: int, dtype) -> str | None:
+        """Why the Mosaic GPU kernel cannot take `rows` sorted rows of `dtype`, or None."""
+        from pallas_kernels import grouped_matmul_mgpu as gmm
+
+        if self.kind == "int4":
+            w = jax.eval_shape(gmm.prepare_int4, self.packed[...], self.scales[...], self.offsets[...])
+            check, weights = gmm.int4_unsupported_reason, gmm.Int4KernelWeights(w.q, w.scales, w.offsets, self.dout)
+        else:
+            w = jax.eval_shape(gmm.prepare_fp8, self.weight[...], self.scales[...])
+            check, weights = gmm.fp8_unsupported_reason, gmm.Fp8KernelWeights(w.weight, w.scales, self.dout)
+        e, din = self.scales.shape[0], self.weight.shape[1] if self.kind == "fp8" else 2 * self.packed.shape[1]
+        return check(jax.ShapeDtypeStruct((rows, din), dtype), weights, jax.ShapeDtypeStruct((e,), jnp.int32))
+
+    def use_kernel_layout(self, *, interpret: bool = False) -> None:
+        """Convert the stacked parameters, once, to the kernels' layout (the canonical arrays are dropped)."""
+        from pallas_kernels import grouped_matmul_mgpu as gmm
+
+        if self.layout == "mgpu":
+            return
+        if self.kind == "int4":
+            w = jax.jit(gmm.prepare_int4)(self.packed[...], self.scales[...], self.offsets[...])
+            del self.packed
+            self.q = nnx.Param(w.q)
+            self.scales, self.offsets = nnx.Param(w.scales), nnx.Param(w.offsets)
+        else:
+            w = jax.jit(gmm.prepare_fp8)(self.weight[...], self.scales[...])
+            self.weight, self.scales = nnx.Param(w.weight), nnx.Param(w.scales)
+        self.layout, self.interpret = "mgpu", interpret
 
 
 class Experts(nnx.Module):
@@ -107,6 +173,12 @@ def run_experts(experts: Experts, x: jax.Array, weights: jax.Array, chosen: jax.
     y = experts(x[order // k], group_sizes)  # [T * k, D], sorted by expert
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice) order
     return jnp.sum(y.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def expert_layers(model: nnx.Module) -> list[tuple[str, ExpertLinear | QuantizedExpertLinear]]:
+    """(path, layer) of every stacked expert projection in the model."""
+    kinds = (ExpertLinear, QuantizedExpertLinear)
+    return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, kinds)]
 
 
 class SparseMoE(nnx.Module):

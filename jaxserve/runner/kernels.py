@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import AttentionFn, FewRowKernels, has_plain_projections
+from jaxserve.model.moe import expert_layers
 from jaxserve.model.quantization import quantized_layers, use_kernel_layout
 from jaxserve.model.sizing import per_device_config
 from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
@@ -117,6 +118,42 @@ def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
     return None
 
 
+# Sorted-row counts an expert layer is checked at before its kernel is chosen: a decode
+# step's few, a mixed step's, a long prefill chunk's (T tokens times k experts each).
+EXPERT_CHECK_ROWS = (8, 256, 4096)
+
+
+def expert_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str | None:
+    """Why the Mosaic GPU grouped matmuls cannot serve this MoE model's experts, or None."""
+    if not is_hopper(device):
+        return f"it needs a Hopper GPU (sm_90); this device is {device.device_kind}"
+    if tp > 1:  # NOTE: a Pallas call is opaque to GSPMD; the kernels would need their own shard_map
+        return "the grouped matmul kernels do not run under tensor parallelism yet"
+    dtype = jnp.dtype(model.dtype)
+    if dtype not in KERNEL_DTYPES:
+        return f"it needs a bf16 or f16 model, this one is {dtype.name}"
+    for path, layer in expert_layers(model):
+        for rows in EXPERT_CHECK_ROWS:
+            if (reason := layer.kernel_unsupported_reason(rows, dtype)) is not None:
+                return f"layer {path} at {rows} rows: {reason}"
+    return None
+
+
+def select_expert_matmul(name: str, model, device: jax.Device, tp: int) -> None:
+    """For a mixture of experts: "auto" and "pallas" run its experts' grouped matmuls through
+    the Mosaic GPU kernels where they can (pallas_kernels.grouped_matmul_mgpu), converting
+    quantized experts once to their layout; otherwise (and for "cpu", "reference") the
+    pure-JAX references (jax.lax.ragged_dot)."""
+    reason = "not asked for" if name in ("cpu", "reference") else expert_matmul_unsupported_reason(model, device, tp)
+    if reason is None:
+        layers = expert_layers(model)
+        for _, layer in layers:
+            layer.use_kernel_layout()
+        logger.info("experts: Mosaic GPU grouped matmul on %s (%d projections)", device.device_kind, len(layers))
+    else:
+        logger.info("experts: grouped matmul reference (jax.lax.ragged_dot) on %s: %s", device.device_kind, reason)
+
+
 def dense_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str | None:
     """Why the CPU kernels cannot serve this model's few-row products (its decoder layers,
     a tied LM head), or None (then they are built and registered)."""
@@ -175,14 +212,17 @@ def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None
     if name not in BACKENDS:
         raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    tp = 1 if mesh is None else tensor_parallel_size(mesh)
+    if expert_layers(model):
+        select_expert_matmul(name, model, device, tp)
     if not quantized_layers(model):
-        return select_dense_matmul(name, model, device, 1 if mesh is None else tensor_parallel_size(mesh))
+        return select_dense_matmul(name, model, device, tp)
     if name == "cpu":
         raise ValueError(
             "the CPU matmul kernel takes float weights; this model is quantized (its reference matmuls run on the CPU)"
         )
     reason = None if name == "reference" else matmul_unsupported_reason(model, device)
-    if reason is None and mesh is not None and tensor_parallel_size(mesh) > 1:
+    if reason is None and tp > 1:
         # NOTE: a Pallas call is opaque to GSPMD; the kernels would need their own shard_map.
         reason = "the quantized matmul kernels do not run under tensor parallelism yet"
     if name == "pallas" and reason is not None:

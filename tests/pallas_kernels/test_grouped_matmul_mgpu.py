@@ -386,3 +386,38 @@ def test_production_shapes_on_gpu(name, k, n, tokens, routing):
     check_float(x, w, sizes)
     check_int4(x, int4, sizes)
     check_fp8(x, fp8, sizes)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("kind", ["bf16", "int4", "fp8"])
+def test_expert_layers_in_the_kernel_layout_equal_their_reference(kind):
+    """The model's stacked expert projections (jaxserve.model.moe), switched to the Mosaic GPU
+    kernels as select_matmul does on a Hopper GPU, give what they gave on the references."""
+    from flax import nnx
+
+    from jaxserve.model.moe import ExpertLinear, QuantizedExpertLinear
+    from jaxserve.model.quantization import QuantConfig, quantize
+
+    e, din, dout = 4, 128, 64
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((e, din, dout)).astype(np.float32) / din**0.5
+    if kind == "bf16":
+        layer = ExpertLinear(e, din, dout, jnp.bfloat16, nnx.Rngs(0))
+        layer.kernel[...] = jnp.asarray(w, jnp.bfloat16)
+    else:
+        layer = QuantizedExpertLinear(e, din, dout, QuantConfig.for_method(kind))
+        pieces = [quantize(w[i], QuantConfig.for_method(kind)) for i in range(e)]
+        for leaf in pieces[0]:
+            getattr(layer, leaf)[...] = jnp.asarray(np.stack([p[leaf] for p in pieces]))
+    x = jnp.asarray(rng.standard_normal((24, din)), jnp.bfloat16)
+    group_sizes = jnp.asarray([7, 0, 12, 3], jnp.int32)
+    want = np.asarray(layer(x, group_sizes), np.float32)
+    def program():  # a new function each time: make_jaxpr caches by the callable
+        return str(jax.make_jaxpr(lambda x, g: layer(x, g))(x, group_sizes))
+
+    assert "ragged_dot" in program()  # the reference
+    layer.use_kernel_layout(interpret=True)
+    assert "ragged_dot" not in program(), "the reference still runs"
+    got = np.asarray(layer(x, group_sizes), np.float32)
+    np.testing.assert_allclose(got[:22], want[:22], rtol=2e-2, atol=2e-2)
+    assert np.abs(want[:22]).max() > 0.5
