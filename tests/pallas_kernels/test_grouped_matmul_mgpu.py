@@ -412,6 +412,7 @@ def test_expert_layers_in_the_kernel_layout_equal_their_reference(kind):
     x = jnp.asarray(rng.standard_normal((24, din)), jnp.bfloat16)
     group_sizes = jnp.asarray([7, 0, 12, 3], jnp.int32)
     want = np.asarray(layer(x, group_sizes), np.float32)
+
     def program():  # a new function each time: make_jaxpr caches by the callable
         return str(jax.make_jaxpr(lambda x, g: layer(x, g))(x, group_sizes))
 
