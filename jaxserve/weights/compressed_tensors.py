@@ -85,11 +85,11 @@ class _Scheme:
         return frozenset(int4 | {"weight_zero_point"} if self.zero_points else int4)
 
 
-def checkpoint_quant_config(spec: dict, config: ModelConfig | None = None) -> QuantConfig:
+def checkpoint_quant_config(spec: dict, hf_config: dict | None = None) -> QuantConfig:
     """The QuantConfig of a config.json's `quantization_config`; refuses other methods,
-    formats and schemes by name. `config`: the model's, to check that the targets cover its
-    projections (None: a dense model's)."""
-    scheme = _parse(spec, config)
+    formats and schemes by name. `hf_config`: the whole config.json, to check that the
+    targets cover the model's own projections (None: a dense model's)."""
+    scheme = _parse(spec, hf_config)
     if scheme.activations == "static":
         logger.info(
             "compressed-tensors: the checkpoint's static input_scale is ignored; "
@@ -103,14 +103,14 @@ def checkpoint_quant_config(spec: dict, config: ModelConfig | None = None) -> Qu
 
 
 def read_tensors(
-    files: list[Path], spec: dict, config: ModelConfig | None = None
+    files: list[Path], spec: dict, hf_config: dict | None = None
 ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     """(Hugging Face name, tensor) for a compressed-tensors checkpoint: one QuantizedWeight
     per projection (named `....q_proj.weight`), float32 arrays for everything else.
 
     A projection's pieces are held only until the last of them arrives (tensors come in
     name order within a shard, so that is normally the next few tensors)."""
-    scheme = _parse(spec, config)
+    scheme = _parse(spec, hf_config)
     skip_kv_scales = spec.get("kv_cache_scheme") is not None
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in read_raw_tensors(files):
@@ -145,7 +145,7 @@ def read_tensors(
 # -- quantization_config ------------------------------------------------------------------
 
 
-def _parse(spec: dict, config: ModelConfig | None) -> _Scheme:
+def _parse(spec: dict, hf_config: dict | None) -> _Scheme:
     """The one scheme every config group uses, checked to cover every projection."""
     method = spec.get("quant_method")
     if method != "compressed-tensors":
@@ -169,6 +169,8 @@ def _parse(spec: dict, config: ModelConfig | None) -> _Scheme:
             "jaxserve needs one scheme for every projection"
         )
     targets = [t for g in groups.values() for t in g.get("targets") or []]
+    # NOTE: the model config is read only now: it refuses other quantization methods less clearly
+    config = ModelConfig.from_hf_dict(hf_config) if hf_config is not None else None
     tied = config is not None and config.tie_word_embeddings  # no lm_head module of its own to quantize
     _check_coverage(targets, spec.get("ignore") or [], _projections(config), check_lm_head=not tied)
     return next(iter(schemes.values()))

@@ -114,7 +114,7 @@ def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None
     if spec is None:
         return QuantConfig.for_method(method)
     # refuses GPTQ, AWQ, ... by name, and targets that leave one of the model's projections in float
-    quant = compressed_tensors.checkpoint_quant_config(spec, ModelConfig.from_hf_dict(hf_config))
+    quant = compressed_tensors.checkpoint_quant_config(spec, hf_config)
     if method not in (None, "none", quant.kind):
         raise ValueError(f"{source} is already quantized ({quant.label}); it cannot be loaded as {method!r}")
     return quant
@@ -202,17 +202,17 @@ def _convert(
     gguf = GGUFFile(source) if source.is_file() else None
     hf_config = _source_config(source, gguf)
     stored: set = set()  # a safetensors checkpoint's own dtypes
-    config = ModelConfig.from_hf_dict(hf_config)
     if gguf is not None:
         tensors, total = gguf.tensors(keep_q4=quant is not None and quant.method == "gguf"), gguf.num_tensors
     else:
         files = safetensors_reader.safetensors_files(source)
         total = safetensors_reader.count_tensors(files)
         if quant is not None and quant.method == "compressed-tensors":
-            tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"], config)
+            tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"], hf_config)
         else:
             tensors = safetensors_reader.read_tensors(files)
             stored = safetensors_reader.stored_dtypes(files)  # NOTE: read_tensors upcasts all to float32
+    config = ModelConfig.from_hf_dict(hf_config)
     assembler = ParamAssembler(config, dtype, quant)
     if quant is not None and quant.kind == "int4":
         _log_group_sizes(assembler.specs, quant)
