@@ -12,9 +12,14 @@ Two of its schemes map exactly onto the layouts of `QuantizedLinear` (see
                       Activations are always quantized per token on the fly, so a static
                       `input_scale` is read past.
 
+In a mixture of experts each expert's projections are quantized tensors of their own
+(`mlp.experts.{e}.gate_proj.weight_packed`, Mixtral's `block_sparse_moe.experts.{e}.w1`),
+stacked by weights.params as they arrive; the router (`mlp.gate`) and Qwen2-MoE's
+`shared_expert_gate` stay float (real checkpoints list them in `ignore`).
+
 Everything else is refused by name: other `quant_method`s (GPTQ, AWQ, ...), other formats
 and schemes (int8, nvfp4, channel-wise int4, ...), mixed schemes, and checkpoints that
-leave some attention or MLP projection unquantized (our layers are all or nothing).
+leave some attention, MLP or expert projection unquantized (our layers are all or nothing).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.quantization import QuantConfig, QuantizedWeight
 from jaxserve.weights.params import WeightError
 from jaxserve.weights.safetensors_reader import read_raw_tensors
@@ -38,16 +44,13 @@ SUPPORTED = (
     "jaxserve loads compressed-tensors checkpoints (pack-quantized int4, float-quantized fp8) "
     "or quantizes float checkpoints itself (--quantization int4|fp8)"
 )
-_PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_PROJECTION_MODULE = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
+    r"|mlp\.(shared_expert\.|experts\.\d+\.)?(gate|up|down)_proj"  # dense MLP, Qwen MoE experts
+    r"|block_sparse_moe\.experts\.\d+\.w[123])$"  # Mixtral's experts
 )
-_PROJECTION_MODULE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
 # Per-module tensors of compressed-tensors quantization: a projection's must be ours to read;
 # anywhere else they mean a module we keep in float is quantized.
 _QPARAMS = {
@@ -82,10 +85,11 @@ class _Scheme:
         return frozenset(int4 | {"weight_zero_point"} if self.zero_points else int4)
 
 
-def checkpoint_quant_config(spec: dict) -> QuantConfig:
+def checkpoint_quant_config(spec: dict, hf_config: dict | None = None) -> QuantConfig:
     """The QuantConfig of a config.json's `quantization_config`; refuses other methods,
-    formats and schemes by name."""
-    scheme = _parse(spec)
+    formats and schemes by name. `hf_config`: the whole config.json, to check that the
+    targets cover the model's own projections (None: a dense model's)."""
+    scheme = _parse(spec, hf_config)
     if scheme.activations == "static":
         logger.info(
             "compressed-tensors: the checkpoint's static input_scale is ignored; "
@@ -98,13 +102,15 @@ def checkpoint_quant_config(spec: dict) -> QuantConfig:
     return scheme.quant
 
 
-def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+def read_tensors(
+    files: list[Path], spec: dict, hf_config: dict | None = None
+) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     """(Hugging Face name, tensor) for a compressed-tensors checkpoint: one QuantizedWeight
     per projection (named `....q_proj.weight`), float32 arrays for everything else.
 
     A projection's pieces are held only until the last of them arrives (tensors come in
     name order within a shard, so that is normally the next few tensors)."""
-    scheme = _parse(spec)
+    scheme = _parse(spec, hf_config)
     skip_kv_scales = spec.get("kv_cache_scheme") is not None
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in read_raw_tensors(files):
@@ -122,7 +128,8 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
         elif leaf in _QPARAMS:
             raise WeightError(
                 f"tensor {name!r}: {module} is quantized in this checkpoint, but jaxserve quantizes "
-                "only the attention and MLP projections (the rest stays in the model dtype)"
+                "only the attention, MLP and expert projections (the rest, a MoE router included, "
+                "stays in the model dtype)"
             )
         else:
             yield name, np.asarray(tensor, np.float32)
@@ -138,7 +145,7 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
 # -- quantization_config ------------------------------------------------------------------
 
 
-def _parse(spec: dict) -> _Scheme:
+def _parse(spec: dict, hf_config: dict | None) -> _Scheme:
     """The one scheme every config group uses, checked to cover every projection."""
     method = spec.get("quant_method")
     if method != "compressed-tensors":
@@ -161,7 +168,11 @@ def _parse(spec: dict) -> _Scheme:
             f"compressed-tensors config_groups use different schemes ({described}); "
             "jaxserve needs one scheme for every projection"
         )
-    _check_coverage([t for g in groups.values() for t in g.get("targets") or []], spec.get("ignore") or [])
+    targets = [t for g in groups.values() for t in g.get("targets") or []]
+    # NOTE: the model config is read only now: it refuses other quantization methods less clearly
+    config = ModelConfig.from_hf_dict(hf_config) if hf_config is not None else None
+    tied = config is not None and config.tie_word_embeddings  # no lm_head module of its own to quantize
+    _check_coverage(targets, spec.get("ignore") or [], _projections(config), check_lm_head=not tied)
     return next(iter(schemes.values()))
 
 
@@ -205,11 +216,32 @@ def _group_scheme(name: str, group, default_format: str | None) -> _Scheme:
     raise refused
 
 
-def _check_coverage(targets: list[str], ignore: list[str]) -> None:
+def _projections(config: ModelConfig | None) -> list[tuple[int, str]]:
+    """(layer, module) of each kind of projection the model has, in the first layer of each
+    kind: attention, then the dense MLP and / or expert 0's and the shared expert's."""
+    if config is None or not config.is_moe:
+        return [(0, p) for p in _ATTENTION + _MLP]
+    out = [(0, p) for p in _ATTENTION]
+    moe_layer = next((i for i in range(config.num_layers) if config.is_moe_layer(i)), None)
+    if moe_layer is not None:
+        if config.architecture == "MixtralForCausalLM":
+            out += [(moe_layer, f"block_sparse_moe.experts.0.{w}") for w in ("w1", "w2", "w3")]
+        else:
+            out += [(moe_layer, f"mlp.experts.0.{p.split('.')[1]}") for p in _MLP]
+        if config.shared_expert_intermediate_size:
+            out += [(moe_layer, f"mlp.shared_expert.{p.split('.')[1]}") for p in _MLP]
+    if config.dense_mlp_layers:
+        out += [(config.dense_mlp_layers[0], p) for p in _MLP]
+    return out
+
+
+def _check_coverage(
+    targets: list[str], ignore: list[str], projections: list[tuple[int, str]], *, check_lm_head: bool = True
+) -> None:
     """Refuse a config that leaves a projection in float or quantizes the LM head (judged
-    on layer 0's names; read_tensors catches any other layer left out)."""
-    for projection in _PROJECTIONS:
-        name = f"model.layers.0.{projection}"
+    on the first layer of each kind; read_tensors catches any other layer left out)."""
+    for layer, projection in projections:
+        name = f"model.layers.{layer}.{projection}"
         if not any(_matches(name, t) for t in targets):
             raise WeightError(
                 f"compressed-tensors targets {targets} leave {projection} unquantized; jaxserve "
@@ -221,7 +253,11 @@ def _check_coverage(targets: list[str], ignore: list[str]) -> None:
                 f"compressed-tensors ignore entry {hit[0]!r} leaves {projection} unquantized; jaxserve "
                 "does not load partly quantized models (every attention and MLP projection or none)"
             )
-    if any(_matches("lm_head", t) for t in targets) and not any(_matches("lm_head", i) for i in ignore):
+    if (
+        check_lm_head
+        and any(_matches("lm_head", t) for t in targets)
+        and not any(_matches("lm_head", i) for i in ignore)
+    ):
         raise WeightError(
             "this compressed-tensors checkpoint quantizes lm_head; jaxserve keeps the LM head in the model dtype"
         )

@@ -47,6 +47,15 @@ def derive_params(base: dict, specs: dict, quant: QuantConfig | None) -> dict:
         module = path[:-1]  # a quantized projection: all its pieces from its float kernel
         # NOTE: in float32, as the checkpoint's readers hand tensors to the quantizer
         kernel = np.asarray(flat.pop(module + ("kernel",)), np.float32)
-        for leaf, value in quantize(kernel, quant).items():
+        for leaf, value in _quantized_pieces(kernel, quant).items():
             derived[module + (leaf,)] = value
     return _unflatten(derived)
+
+
+def _quantized_pieces(kernel: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:
+    """A projection's quantized parameters from its float kernel [K, N]; stacked experts'
+    [E, K, N] one expert at a time, as they are quantized while loading (weights.params)."""
+    if kernel.ndim == 2:
+        return quantize(kernel, quant)
+    experts = [quantize(w, quant) for w in kernel]
+    return {leaf: np.stack([e[leaf] for e in experts]) for leaf in experts[0]}

@@ -24,6 +24,7 @@ from jaxserve.weights.params import WeightError
 logger = logging.getLogger(__name__)
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MOE_ARCHITECTURES = {"qwen2moe", "qwen3moe", "mixtral"}
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -57,6 +58,16 @@ class GGUFFile:
         except Exception as e:  # the reader raises assorted errors on a damaged file
             raise WeightError(f"{self.path} is not a readable GGUF file (damaged or truncated?): {e}") from e
         self.arch = self.field("general.architecture")
+        experts = self.field(f"{self.arch}.expert_count")
+        if experts or self.arch in _MOE_ARCHITECTURES or any("_exps." in t.name for t in self.reader.tensors):
+            # NOTE: GGUF stores the experts stacked ([E, F, D] `blk.N.ffn_gate_exps`), Mixtral
+            # under the `llama` architecture; not read here yet.
+            raise UnsupportedModelError(
+                f"GGUF mixture-of-experts models are not supported (architecture {self.arch!r}"
+                + (f", {experts} experts" if experts else "")
+                + "); load the model's Hugging Face safetensors folder instead (--quantization int4|fp8 "
+                "quantizes its experts)"
+            )
         if self.arch not in _ARCHITECTURES:
             raise UnsupportedModelError(
                 f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"

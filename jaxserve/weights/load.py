@@ -107,12 +107,14 @@ def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None
     if source.is_file():  # a GGUF file
         return QuantConfig.for_method(method)
     with open(source / "config.json") as f:
-        spec = json.load(f).get("quantization_config")
+        hf_config = json.load(f)
+    spec = hf_config.get("quantization_config")
     if method == "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own 4-bit blocks; {source} is not a .gguf file")
     if spec is None:
         return QuantConfig.for_method(method)
-    quant = compressed_tensors.checkpoint_quant_config(spec)  # refuses GPTQ, AWQ, ... by name
+    # refuses GPTQ, AWQ, ... by name, and targets that leave one of the model's projections in float
+    quant = compressed_tensors.checkpoint_quant_config(spec, hf_config)
     if method not in (None, "none", quant.kind):
         raise ValueError(f"{source} is already quantized ({quant.label}); it cannot be loaded as {method!r}")
     return quant
@@ -206,7 +208,7 @@ def _convert(
         files = safetensors_reader.safetensors_files(source)
         total = safetensors_reader.count_tensors(files)
         if quant is not None and quant.method == "compressed-tensors":
-            tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"])
+            tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"], hf_config)
         else:
             tensors = safetensors_reader.read_tensors(files)
             stored = safetensors_reader.stored_dtypes(files)  # NOTE: read_tensors upcasts all to float32

@@ -154,6 +154,8 @@ class ParamAssembler:
         missing = [_hf_name(path) for path in self.specs if path not in self.params]
         for path, rows in self._expert_rows.items():
             missing += [_hf_name(path, e) for e in range(self.specs[path].shape[0]) if e not in rows]
+        if self.cfg.architecture == "MixtralForCausalLM":  # as its checkpoints name them
+            missing = [_mixtral_name(name) for name in missing]
         missing = list(dict.fromkeys(missing))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -214,6 +216,15 @@ def _hf_name(path: tuple, expert: int | None = None) -> str:
     if path[0] == "layers":
         return f"model.layers.{path[1]}.{'.'.join(path[2:-1])}.{leaf}"
     return f"model.{'.'.join(path[:-1])}.{leaf}"
+
+
+def _mixtral_name(name: str) -> str:
+    """Our (Qwen's) name of a MoE tensor in Mixtral's words: `mlp.experts.3.up_proj` is
+    `block_sparse_moe.experts.3.w3` (the inverse of _MIXTRAL)."""
+    words = {v: k for k, v in _MIXTRAL.items()}
+    if ".mlp." not in name:
+        return name
+    return ".".join(words.get(part, part) for part in name.split("."))
 
 
 def _flatten(tree: dict, prefix=()) -> Iterable[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
