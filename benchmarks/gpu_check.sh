@@ -33,6 +33,9 @@
 #   structured 240 s  constrained against free decode at batch 1 and 32 (structured.py --profile);
 #   scaling    3 x 170 s  with 2+ GPUs data-parallel replicas and disaggregated prefill / decode,
 #                     with 3+ tensor parallelism over 3, each against one GPU;
+#   moe        150 s  gpu_e2e.py --model random-moe on Qwen3-30B-A3B's layer shapes (1 layer, 128 experts
+#                     of 768, top 8), float, int4 and fp8 experts: the grouped matmul kernels' greedy tokens
+#                     equal ragged_dot's through the whole engine, both backends' output tokens/s;
 #   tp2        120 s  with 2+ GPUs: gpu_e2e.py at tensor parallel 2 on the random
 #                     Llama-1B-shaped model, float and int4: the Pallas kernels' tokens equal
 #                     the references', both split over two GPUs (weights loaded into their shards).
@@ -51,7 +54,7 @@
 #     bash benchmarks/gpu_check.sh --only speed      # one section (repeat --only for several)
 set -euo pipefail
 
-SECTIONS=(versions compile numerics speed e2e steploop plan memory kvdefault structured scaling tp2)
+SECTIONS=(versions compile numerics speed e2e steploop plan memory kvdefault structured scaling moe tp2)
 DEFAULT_SECTIONS=(versions compile numerics speed e2e)
 BUDGET=540      # seconds: a lent call is killed at 600
 KILL_AFTER=5    # seconds between a step's SIGINT and its SIGKILL
@@ -381,6 +384,14 @@ if wanted scaling; then
     DRY=("${PARSES[@]}" benchmarks.throughput "${REAL[@]:2}")
     step scaling_tp3 170 "$OUT/scaling_tp3.txt"
   fi
+fi
+
+if wanted moe; then
+  total=$((total + 150))
+  REAL=("$PYTHON" benchmarks/gpu_e2e.py --model random-moe --layers 1 --variants none,int4,fp8
+        --batch 64 --decode-tokens 64 --require-pallas --json "$OUT/e2e_moe.json")
+  DRY=("${REAL[@]}" --smoke)  # the tiny random MoE, the reference backend
+  step moe 150 "$OUT/e2e_moe.txt"
 fi
 
 if wanted tp2; then
