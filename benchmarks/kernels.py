@@ -268,6 +268,16 @@ def time_rotated(fn, arg_sets: list, **kwargs) -> Timing:
     return timing
 
 
+def time_variant(row: dict, variant: str, fn, arg_sets, bytes_: int, copies, *, runs: int, on_gpu: bool, once: bool):
+    """Time one variant of a matmul case and write its figures into `row` (needs row["flops"])."""
+    timing = time_rotated(fn, arg_sets, runs=runs, on_gpu=on_gpu, once=once)
+    us = timing.total_us
+    row[f"{variant}_us"], row[f"{variant}_bytes"] = us, bytes_
+    row[f"{variant}_gbs"] = bytes_ / (us * 1e-6) / 1e9
+    row[f"{variant}_tflops"] = row["flops"] / (us * 1e-6) / 1e12
+    row["timing"], row[f"{variant}_copies"] = timing.method, copies
+
+
 def time_call(fn, args, *, runs: int, on_gpu: bool, once: bool = False) -> Timing:
     """GPU time of fn(*args) after warm-up: median of `runs` runs."""
     jax.block_until_ready(fn(*args))  # compile (if first_output has not)
@@ -574,12 +584,7 @@ def run_matmul_case(
                 if not err <= MATMUL_TOL:  # NaN too
                     row.setdefault("mismatched", []).append(variant)
             del got
-            timing = time_rotated(fn, arg_sets, runs=runs, on_gpu=on_gpu, once=interpret)
-            us = timing.total_us
-            row[f"{variant}_us"], row[f"{variant}_bytes"] = us, bytes_
-            row[f"{variant}_gbs"] = bytes_ / (us * 1e-6) / 1e9
-            row[f"{variant}_tflops"] = row["flops"] / (us * 1e-6) / 1e12
-            row["timing"], row[f"{variant}_copies"] = timing.method, copies
+            time_variant(row, variant, fn, arg_sets, bytes_, copies, runs=runs, on_gpu=on_gpu, once=interpret)
         del inputs, want
     for variant in variants:
         row[f"{variant}_speedup"] = row["bf16_us"] / row[f"{variant}_us"]
@@ -753,12 +758,7 @@ def run_gmm_case(
                 if not err <= MATMUL_TOL:
                     row.setdefault("mismatched", []).append(variant)
             del got
-            timing = time_rotated(fn, arg_sets, runs=runs, on_gpu=on_gpu, once=interpret)
-            us = timing.total_us
-            row[f"{variant}_us"], row[f"{variant}_bytes"] = us, bytes_
-            row[f"{variant}_gbs"] = bytes_ / (us * 1e-6) / 1e9
-            row[f"{variant}_tflops"] = row["flops"] / (us * 1e-6) / 1e12
-            row["timing"], row[f"{variant}_copies"] = timing.method, copies
+            time_variant(row, variant, fn, arg_sets, bytes_, copies, runs=runs, on_gpu=on_gpu, once=interpret)
         del inputs, want
     for variant in variants:
         row[f"{variant}_speedup"] = row["ragged_dot_us"] / row[f"{variant}_us"]
