@@ -28,7 +28,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--revision, --generation-config, --no-async-scheduling, --dtype, --quantization,
-    --kv-cache-dtype, --attention-backend, --matmul-backend, --enforce-eager,
+    --kv-cache-dtype, --attention-backend, --matmul-backend, --batch-invariant, --enforce-eager,
     --speculative-config, --tensor-parallel-size, and the several-hosts flags (--nnodes,
     --node-rank, --dist-init-addr, --dist-timeout, ...)."""
     p.add_argument(
@@ -84,6 +84,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="quantized matmuls: the Mosaic GPU kernels (Hopper, bf16/f16 models) or the pure-JAX "
         "references; float models: the C++ CPU kernel for a tied LM head's decode products (cpu) "
         "or XLA's dot (reference); default $JAXSERVE_MATMUL_BACKEND or auto",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's logits and logprobs bit-identical whatever its batch mates, its place in the batch, "
+        "chunked prefill, prefix hits or preemption: every product and attention sum through the CPU kernels "
+        "in a fixed order (CPU, float models with plain projections; see docs/batch-invariance.md)",
     )
     p.add_argument(
         "--enforce-eager",
@@ -193,6 +200,7 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "attention_backend": args.attention_backend,
         "matmul_backend": args.matmul_backend,
+        "batch_invariant": args.batch_invariant,
         "warm_up": not args.enforce_eager,
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size,

@@ -97,6 +97,9 @@ struct Problem {
   int64_t num_tokens, num_heads, head_dim, num_pages, page_size, num_kv_heads, num_seqs, max_pages;
   float sm_scale, soft_cap;
   int64_t sliding_window;
+  // Batch invariance: one summation order for a query row, whatever its unit's size and first
+  // position (no transposed scores, key chunks aligned to kKeyChunk, sequential sums).
+  bool fixed_order;
 };
 
 struct Unit {
@@ -120,7 +123,7 @@ void attend(const Problem& p, const Unit& u) {
   const int32_t* table = p.block_tables + int64_t(u.seq) * p.max_pages;
 
   // Many rows (a prefill block): score against a transposed copy of each key chunk.
-  const bool transposed = rows >= kTransposeRows;
+  const bool transposed = !p.fixed_order && rows >= kTransposeRows;
   thread_local std::vector<float> buf;
   buf.resize(rows * (2 * d + 2 + 2 * kKeyChunk) + d * kKeyChunk);
   float* qf = buf.data();               // [rows, d]: row i * groups + g, scaled
@@ -141,7 +144,8 @@ void attend(const Problem& p, const Unit& u) {
   std::fill(l, l + rows, 0.0f);
 
   const int64_t pos0 = new0 + u.first, last = pos0 + u.count - 1;  // first and last query positions
-  const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos0 - p.sliding_window + 1) : 0;
+  int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos0 - p.sliding_window + 1) : 0;
+  if (p.fixed_order) lo -= lo % kKeyChunk;  // the same chunks for every unit (earlier keys masked)
   bool plain_tree = true;  // no tree mask among this unit's tokens
   for (int64_t i = 0; i < u.count; ++i) plain_tree = plain_tree && p.tree_mask[token0 + i] == -1;
   const KT* k_rows[kKeyChunk];
@@ -206,6 +210,10 @@ void attend(const Problem& p, const Unit& u) {
           const float e = sr[c] == kNegInf ? 0.0f : exp_nonpositive(sr[c] - m_new);
           prr[c] = e;
           sum += e;
+        }
+        if (p.fixed_order) {  // the vectorized sum's order depends on n; masked keys add exact zeros
+          sum = 0.0f;
+          for (int64_t c = 0; c < n; ++c) sum += prr[c];
         }
         m[r] = m_new;
         l[r] = l[r] * alpha + sum;
@@ -360,7 +368,8 @@ void zero_rows(void* out, int64_t from, int64_t to, int64_t row) {
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
                      ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> tree_mask,
-                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t sliding_window, float soft_cap) {
+                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t sliding_window, float soft_cap,
+                     bool fixed_order) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("expected q [T, H, D], pages [P, page_size, KV, D], tables [S, max_pages]");
@@ -372,7 +381,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
   Problem p{q.untyped_data(), k_pages.untyped_data(), v_pages.untyped_data(), kv_lens.typed_data(),
             block_tables.typed_data(), query_start_loc.typed_data(), tree_mask.typed_data(),
             out->untyped_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1],
-            sm_scale, soft_cap, sliding_window};
+            sm_scale, soft_cap, sliding_window, fixed_order};
   if (kd[3] != p.head_dim || p.num_heads % p.num_kv_heads || kv_lens.element_count() != size_t(p.num_seqs) ||
       query_start_loc.element_count() != size_t(p.num_seqs + 1) || tree_mask.element_count() != size_t(p.num_tokens))
     return ffi::Error::InvalidArgument("inconsistent shapes for ragged paged attention");
@@ -747,7 +756,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attention,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("fixed_order"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveNormQKV, NormQKV,
                               ffi::Ffi::Bind()

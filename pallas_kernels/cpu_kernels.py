@@ -146,9 +146,12 @@ def ragged_paged_attention(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     tree_mask: jax.Array | None = None,
+    fixed_order: bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
     """`ragged_paged_attention_reference`, computed by the C++ kernel (see the module doc).
-    `query_tile` and `kv_chunk_pages` are the reference's tiling and are ignored here."""
+    `query_tile` and `kv_chunk_pages` are the reference's tiling and are ignored here.
+    `fixed_order`: a query row's sums run in one order whatever the other rows of its
+    sequence's step (batch invariance: a prefill chunk's row equals the decode step's)."""
     del query_tile, kv_chunk_pages
     if k_scales is not None or v_scales is not None:
         raise ValueError(
@@ -169,7 +172,22 @@ def ragged_paged_attention(
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
+        fixed_order=bool(fixed_order),
     )
+
+
+def in_row_blocks(kernel, rows: tuple[jax.Array, ...], *args, **kwargs):
+    """`kernel(*rows, *args, **kwargs)` for any number of rows: blocks of MAX_ROWS rows, one
+    call each (the arrays of `rows` [T, ...] are cut alike; `args` go to every call). The
+    kernels compute each row alone in an order set by K and the machine, so a row's result
+    does not depend on T or on the other rows (batch invariance)."""
+    t = rows[0].shape[0]
+    if t <= MAX_ROWS:
+        return kernel(*rows, *args, **kwargs)
+    blocks, pad = -(-t // MAX_ROWS), -t % MAX_ROWS
+    cut = [jnp.pad(r, [(0, pad)] + [(0, 0)] * (r.ndim - 1)).reshape(blocks, MAX_ROWS, *r.shape[1:]) for r in rows]
+    out = jax.lax.map(lambda block: kernel(*block, *args, **kwargs), tuple(cut))
+    return jax.tree.map(lambda o: o.reshape(blocks * MAX_ROWS, *o.shape[2:])[:t], out)
 
 
 def small_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:

@@ -91,10 +91,12 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
     tp = config.tensor_parallel_size
     check_tensor_parallel(mcfg, tp)
     mesh = make_mesh(tp, config.device_ids)
+    invariant = config.batch_invariant
     attention_backend, attention = select_attention(
-        config.attention_backend, mcfg, dtype, config.block_size, kv_dtype, mesh=mesh
+        config.attention_backend, mcfg, dtype, config.block_size, kv_dtype, mesh=mesh, batch_invariant=invariant
     )
-    matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=mesh)  # before the runner takes it
+    # before the runner takes the model
+    matmul_backend = select_matmul(config.matmul_backend, loaded.model, mesh=mesh, batch_invariant=invariant)
     make_runner = functools.partial(
         ModelRunner,
         loaded.model,

@@ -49,6 +49,10 @@ class FewRowKernels:
 
     layer_rows: int = 0  # a decoder layer's two halves (cpu_kernels.norm_qkv and o_proj_mlp)
     lm_head_rows: int = 0  # a tied LM head's product (cpu_kernels.small_matmul)
+    # Batch invariance: every row of the layers and the LM head (tied or not) through the
+    # kernels, in blocks (cpu_kernels.in_row_blocks): a row's result then depends on its
+    # own values alone, not on how many rows the step has (XLA's dot blocks K by M).
+    batch_invariant: bool = False
 
 
 def _fits(x: jax.Array, w: jax.Array, max_rows: int) -> bool:
@@ -174,12 +178,13 @@ def has_plain_projections(layer: DecoderLayer) -> bool:
 def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
     """`_layer` with each half of the layer as one CPU kernel call (cpu_kernels.norm_qkv and
     o_proj_mlp): XLA runs a few-row layer as a dozen small ops, each paying a dispatch and a
-    wake-up of its thread pool."""
+    wake-up of its thread pool. More rows than a call takes go in blocks (batch invariance)."""
     x, kv, layer_idx = carry
     attn, mlp = layer.self_attn, layer.mlp
     with jax.named_scope("qkv_proj"):
-        q, k, v = cpu_kernels.norm_qkv(
-            x,
+        q, k, v = cpu_kernels.in_row_blocks(
+            cpu_kernels.norm_qkv,
+            (x,),
             layer.input_layernorm.weight[...],
             attn.q_proj.kernel[...],
             attn.k_proj.kernel[...],
@@ -190,9 +195,9 @@ def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, at
             q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
     out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
     with jax.named_scope("mlp"):  # o_proj's time is charged here
-        x = cpu_kernels.o_proj_mlp(
-            out,
-            x,
+        x = cpu_kernels.in_row_blocks(
+            cpu_kernels.o_proj_mlp,
+            (out, x),
             attn.o_proj.kernel[...],
             layer.post_attention_layernorm.weight[...],
             mlp.gate_proj.kernel[...],
@@ -203,11 +208,19 @@ def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, at
     return x, kv, layer_idx + 1
 
 
-def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn, kernel_rows: int = 0):
+def _layer(
+    carry,
+    layer: DecoderLayer,
+    inputs: ModelInputs,
+    inv_freq,
+    attention: AttentionFn,
+    kernel_rows: int = 0,
+    batch_invariant: bool = False,
+):
     """One decoder layer; carry: (x, the cache, layer index). Up to `kernel_rows` rows run
-    through the CPU layer kernels (FewRowKernels.layer_rows)."""
+    through the CPU layer kernels (FewRowKernels.layer_rows), any number with `batch_invariant`."""
     x, kv, layer_idx = carry
-    if kernel_rows and _fits(x, layer.self_attn.q_proj.kernel, kernel_rows):
+    if batch_invariant or (kernel_rows and _fits(x, layer.self_attn.q_proj.kernel, kernel_rows)):
         return _layer_kernels(carry, layer, inputs, inv_freq, attention)
     with jax.named_scope("norm"):
         h = layer.input_layernorm(x)
@@ -220,14 +233,14 @@ def _layer(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention:
 
 
 @functools.cache
-def _jitted_layer(layer_def, attention: AttentionFn, kernel_rows: int):
+def _jitted_layer(layer_def, attention: AttentionFn, kernel_rows: int, batch_invariant: bool):
     """`_layer` as one jitted function of the layer's weights. The unrolled forward pass calls
     it once per layer: jax then traces and lowers a single layer (unrolling 30 layers in
     Python made each program take seconds to trace, even on a compile-cache hit), and XLA
     inlines the calls into one program with each layer's weights read in place."""
     return jax.jit(
         lambda carry, state, inputs, inv_freq: _layer(
-            carry, nnx.merge(layer_def, state), inputs, inv_freq, attention, kernel_rows
+            carry, nnx.merge(layer_def, state), inputs, inv_freq, attention, kernel_rows, batch_invariant
         )
     )
 
@@ -278,7 +291,11 @@ class DecoderLM(nnx.Module):
         """Float32 logits of final hidden states x [S, D] (the final norm, then the LM head)."""
         with jax.named_scope("lm_head"):
             x = self.norm(x)
-            if not self.cfg.tie_word_embeddings:
+            if self.few_row_kernels.batch_invariant:
+                tied = self.cfg.tie_word_embeddings
+                table = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
+                logits = cpu_kernels.in_row_blocks(cpu_kernels.small_matmul, (x,), table, transposed=tied)
+            elif not self.cfg.tie_word_embeddings:
                 logits = self.lm_head(x)
             elif _fits(x, table := self.embed_tokens.embedding[...], self.few_row_kernels.lm_head_rows):
                 logits = cpu_kernels.small_matmul(x, table, transposed=True)
@@ -295,15 +312,22 @@ class DecoderLM(nnx.Module):
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         carry = (x, kv, jnp.int32(0))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
-            rows = self.few_row_kernels.layer_rows
+            rows, invariant = self.few_row_kernels.layer_rows, self.few_row_kernels.batch_invariant
             for layer in self.layers:  # one jitted layer per kind (a MoE model may mix dense and MoE layers)
-                carry = _jitted_layer(nnx.graphdef(layer), attention, rows)(carry, nnx.state(layer), inputs, inv_freq)
+                layer_fn = _jitted_layer(nnx.graphdef(layer), attention, rows, invariant)
+                carry = layer_fn(carry, nnx.state(layer), inputs, inv_freq)
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
             carry, _ = jax.lax.scan(
                 lambda c, state: (
                     _layer(
-                        c, nnx.merge(layer_def, state), inputs, inv_freq, attention, self.few_row_kernels.layer_rows
+                        c,
+                        nnx.merge(layer_def, state),
+                        inputs,
+                        inv_freq,
+                        attention,
+                        self.few_row_kernels.layer_rows,
+                        self.few_row_kernels.batch_invariant,
                     ),
                     None,
                 ),

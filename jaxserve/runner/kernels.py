@@ -11,6 +11,8 @@ kernels (int4 and FP8 matmuls, tree attention) plug into the same switch.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 
@@ -41,6 +43,20 @@ def is_hopper(device: jax.Device) -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
+def _batch_invariant_attention(name: str, dtype, kv_dtype, mesh) -> tuple[str, AttentionFn]:
+    """The CPU attention kernel with fixed_order: a query row's sums do not depend on the other
+    rows of the step (the only attention batch invariance covers so far)."""
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    reason = None if name in ("auto", "cpu") else f"it runs on the CPU attention kernel, not {name!r}"
+    if reason is None and mesh is not None and tensor_parallel_size(mesh) > 1:
+        reason = "it does not run under tensor parallelism"
+    reason = reason or cpu_unsupported_reason(dtype, kv_dtype, device)
+    if reason is not None:
+        raise ValueError(f"batch invariance cannot be kept: {reason}")
+    logger.info("attention backend: cpu on %s, fixed summation order (batch invariant)", device.device_kind)
+    return "cpu", functools.partial(cpu_kernels.ragged_paged_attention, fixed_order=True)
+
+
 def pallas_unsupported_reason(
     cfg: ModelConfig, dtype, block_size: int, device: jax.Device, kv_dtype=None
 ) -> str | None:
@@ -67,14 +83,23 @@ def cpu_unsupported_reason(dtype, kv_dtype, device: jax.Device) -> str | None:
 
 
 def select_attention(
-    name: str | None, cfg: ModelConfig, dtype, block_size: int, kv_dtype=None, mesh: jax.sharding.Mesh | None = None
+    name: str | None,
+    cfg: ModelConfig,
+    dtype,
+    block_size: int,
+    kv_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[str, AttentionFn]:
     """(backend name, attention function) for the flag value `name` (None: env var, else auto),
     for a KV cache of `kv_dtype` (None: the model's dtype), on `mesh`'s devices (None: the
-    first device). Under tensor parallelism the function runs per device on its own heads."""
+    first device). Under tensor parallelism the function runs per device on its own heads.
+    `batch_invariant`: the CPU kernel in its fixed summation order, else an error."""
     name = name or os.environ.get(ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
+    if batch_invariant:
+        return _batch_invariant_attention(name, dtype, kv_dtype, mesh)
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     tp = 1 if mesh is None else tensor_parallel_size(mesh)
     shard_cfg = per_device_config(cfg, tp)  # the kernel sees one device's heads
@@ -192,6 +217,24 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     return "cpu" if use else "reference"
 
 
+def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> str:
+    """Mark a float model with plain projections to run every row of its products through the
+    CPU kernels (FewRowKernels.batch_invariant); the other models raise: XLA's CPU dot blocks
+    its sum over K by the number of rows, so nothing else keeps a row's bits."""
+    reason = None if name in ("auto", "cpu") else f"it runs on the CPU matmul kernels, not {name!r}"
+    if reason is None and quantized_layers(model):
+        reason = "the model is quantized (the CPU kernels take float weights)"
+    layers = model.layers if isinstance(model.layers, nnx.List) else [model.layers]
+    if reason is None and not all(has_plain_projections(layer) for layer in layers):
+        reason = "the model has a mixture of experts or an o_proj bias, which the layer kernels do not compute"
+    reason = reason or dense_matmul_unsupported_reason(model, device, tp)
+    if reason is not None:
+        raise ValueError(f"batch invariance cannot be kept: {reason}")
+    model.few_row_kernels = dataclasses.replace(few_row_kernels(model), batch_invariant=True)
+    logger.info("matmul backend: cpu on %s for every row (batch invariant)", device.device_kind)
+    return "cpu"
+
+
 def few_row_kernels(model) -> FewRowKernels:
     """The products the CPU kernels take in a float model: every layer's up to LAYER_MAX_ROWS
     rows when all its layers have plain projections, and a tied head's up to MAX_ROWS."""
@@ -203,16 +246,19 @@ def few_row_kernels(model) -> FewRowKernels:
     )
 
 
-def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None) -> str:
+def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False) -> str:
     """Choose the matmul backend for `name` (None: env var, else auto) and apply it to
     `model` in place. For a quantized model, "pallas" converts its quantized layers to the
     Mosaic GPU kernels' layout; for a float model, "cpu" sends its few-row products (decode
-    steps) to the CPU kernels (see select_dense_matmul). Returns the backend used."""
+    steps) to the CPU kernels (see select_dense_matmul). `batch_invariant`: every product
+    of the layers and the LM head through the CPU kernels, else an error. Returns the backend used."""
     name = name or os.environ.get(MATMUL_ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"matmul backend {name!r} is not one of {', '.join(BACKENDS)}")
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     tp = 1 if mesh is None else tensor_parallel_size(mesh)
+    if batch_invariant:  # before any layer changes its layout: a model it refuses is left as it was
+        return _batch_invariant_matmul(name, model, device, tp)
     if expert_layers(model):
         select_expert_matmul(name, model, device, tp)
     if not quantized_layers(model):

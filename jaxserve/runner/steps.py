@@ -30,6 +30,9 @@ from jaxserve.sample.tree_verify import TreeVerifyOutput, verify_tree
 from scheduler.draft_tree import DraftTree
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs: tokens whose [rows, V] logits are live at once
+# ... with batch invariance: one group shape for every step. XLA fuses the tables of [rows, V]
+# logits differently by rows (from 64 rows on, a row's logprob moved by an ulp).
+INVARIANT_PROMPT_ROWS = 16
 NULL_SLOT = 0  # the null block's first slot (kv_cache.NULL_BLOCK is 0): where moves that do nothing go
 
 
@@ -45,6 +48,7 @@ class StepStatics:
     num_speculative_tokens: int  # k: with k > 0 the body hands over k + 1 positions per sequence
     tree: DraftTree | None  # drafts shaped as a tree (None: a chain, or no drafts)
     keep_step_hidden: bool  # the body also returns every token's hidden state (an EAGLE head reads them)
+    batch_invariant: bool = False  # a row's results do not depend on the step's other rows
 
 
 @jax.tree_util.register_dataclass
@@ -121,7 +125,8 @@ def prompt_head(s: StepStatics, params, hidden, targets):
     model = nnx.merge(s.graphdef, params)
     # NOTE: groups of rows, not lax.map's batch_size: that vmaps the LM head, and the CPU
     # kernel of a tied head (an FFI call) would then run once per row.
-    num_tokens, rows = hidden.shape[0], min(PROMPT_LOGITS_ROWS, hidden.shape[0])
+    num_tokens = hidden.shape[0]
+    rows = INVARIANT_PROMPT_ROWS if s.batch_invariant else min(PROMPT_LOGITS_ROWS, num_tokens)
     groups, pad = -(-num_tokens // rows), -num_tokens % rows
     hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(groups, rows, -1)
     targets = jnp.pad(targets, (0, pad)).reshape(groups, rows)

@@ -1,0 +1,99 @@
+"""Batch invariance (--batch-invariant): a request's logprobs do not depend on its batch.
+
+Oracle: the same request run alone on an engine with no chunking and no cache pressure.
+Over random batch mates, the target's place among them, a prefill split into chunks
+(long_prefill_token_threshold and a small token budget), prefix-cache hits (mates sharing
+its first blocks, run before it) and preemption (a KV cache too small for the batch), the
+target's tokens, its output logprobs (the sampled token's and the top 20 of a 97-token
+vocabulary, per step) and its prompt logprobs (top 20 per position) must be equal with
+`==` to the solo run's, in float32 and bfloat16. The logprobs are the logits less one
+log-sum-exp per row, so a changed logit shows in them.
+"""
+
+import argparse
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.engine import EngineConfig, LLMEngine
+from jaxserve.flags import add_model_flags, model_engine_kwargs
+from scheduler import SamplingParams
+
+SOLO = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, max_model_len=96, warm_up=False)
+# A budget of 32 tokens and chunks of at most 8: prompts split; 36 blocks of 4: mates preempt each other.
+BUSY = dict(SOLO, max_num_batched_tokens=32, long_prefill_token_threshold=8, num_blocks=36)
+TARGET = SamplingParams(max_tokens=8, temperature=0.0, logprobs=20, prompt_logprobs=20)
+TARGET_PROMPT = [1, *np.random.default_rng(7).integers(3, 97, 21).tolist()]
+
+
+def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]):
+    """Every request's final output, by id; also returns the engine's preemption count."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def observed(out):
+    """What must be bit-stable: tokens, per-step {token: logprob}, per-position prompt {token: logprob}."""
+    sample = out.outputs[0]
+    prompt = [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in out.prompt_logprobs]
+    return sample.token_ids, sample.logprobs, prompt
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engines(request, tiny_llama_dir):
+    from jaxserve.weights import load_model
+
+    loaded = load_model(str(tiny_llama_dir), use_cache=False, progress=False, dtype=request.param)
+    solo = LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True))
+    alone = observed(run(solo, [("target", TARGET_PROMPT, TARGET)])["target"])
+    busy = LLMEngine(loaded, EngineConfig(**BUSY, batch_invariant=True))
+    return alone, busy
+
+
+mate = st.tuples(
+    st.lists(st.integers(3, 96), min_size=1, max_size=26),  # prompt after BOS
+    st.integers(1, 12),  # max_tokens
+    st.booleans(),  # starts with the target's first 12 tokens (3 blocks: a prefix hit for whichever runs later)
+)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mates=st.lists(mate, min_size=0, max_size=6), where=st.integers(0, 6), warm_prefix=st.booleans())
+def test_target_logprobs_equal_its_solo_run(engines, mates, where, warm_prefix):
+    alone, busy = engines
+    requests = []
+    for i, (tail, max_tokens, shares_prefix) in enumerate(mates):
+        prompt = (TARGET_PROMPT[:12] if shares_prefix else [1]) + tail
+        requests.append((f"mate-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    requests.insert(min(where, len(requests)), ("target", TARGET_PROMPT, TARGET))
+    if warm_prefix:  # the target's first blocks cached by an earlier request: its prefill starts at a hit
+        run(busy, [("warm", TARGET_PROMPT[:13], SamplingParams(max_tokens=1))])
+    got = observed(run(busy, requests)["target"])
+    assert got[0] == alone[0]
+    assert got[1] == alone[1], "output logprobs changed with the batch"
+    assert got[2] == alone[2], "prompt logprobs changed with the batch"
+
+
+def test_busy_engine_chunks_hits_and_preempts(engines):
+    """The busy engine's config does produce what the property claims to cover."""
+    _, busy = engines
+    sched = busy.scheduler
+    preempted_before = sched.num_preemptions
+    mates = [(f"p{i}", [1, *range(3 + i, 29 + i)], SamplingParams(max_tokens=12)) for i in range(6)]
+    run(busy, [("target", TARGET_PROMPT, TARGET), *mates])
+    assert sched.num_preemptions > preempted_before
+
+
+def test_flag_reaches_the_engine_config():
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    assert model_engine_kwargs(parser.parse_args(["--batch-invariant"]))["batch_invariant"] is True
+    assert model_engine_kwargs(parser.parse_args([]))["batch_invariant"] is False
