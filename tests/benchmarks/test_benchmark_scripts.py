@@ -287,3 +287,14 @@ def test_disagg_smoke(weights_cache, default_model, tmp_path):
         assert results[setup]["all"]["completed"] == 3 and results[setup]["all"]["failed"] == 0
     assert results["disaggregated"]["kv_mib_per_request"] > 0  # the long prompt's two full blocks at least
     assert "decode group p99 ITL, colocated / disaggregated" in stdout
+
+
+@pytest.mark.slow
+def test_batch_invariance_benchmark_smoke(tiny_llama_dir):
+    result = json.loads(
+        run(
+            "benchmarks/batch_invariance.py",
+            *("--model", str(tiny_llama_dir), "--rounds", "1", "--batch", "2", "--max-tokens", "4", "--json"),
+        )
+    )
+    assert set(result) == {"batch", "single"} and all(row["cpu_ratio"] > 0 for row in result.values())

@@ -97,3 +97,17 @@ def test_flag_reaches_the_engine_config():
     add_model_flags(parser)
     assert model_engine_kwargs(parser.parse_args(["--batch-invariant"]))["batch_invariant"] is True
     assert model_engine_kwargs(parser.parse_args([]))["batch_invariant"] is False
+
+
+def test_prefill_equals_decode(engines):
+    """A token's logprobs are the same computed in a prefill chunk as in a decode step: the
+    target's generated tokens, fed back as a prompt, get the prompt logprobs that the decode
+    steps reported (the top 20 of each position, and the sampled token's)."""
+    (tokens, steps, _), busy = engines  # the solo run: step 0 from its prefill, the rest decode steps
+    again = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20)
+    out = run(busy, [("replay", TARGET_PROMPT + tokens[:-1], again)])["replay"]
+    replayed = observed(out)[2][len(TARGET_PROMPT) :]
+    assert len(replayed) == len(tokens) - 1
+    # position len(prompt) + j of the replay is generated token j given what came before it
+    for step, (decoded, prefilled) in enumerate(zip(steps, replayed)):
+        assert prefilled == decoded, f"step {step}"  # both: the top 20 and the (greedy) token itself
