@@ -111,3 +111,16 @@ def test_prefill_equals_decode(engines):
     # position len(prompt) + j of the replay is generated token j given what came before it
     for step, (decoded, prefilled) in enumerate(zip(steps, replayed)):
         assert prefilled == decoded, f"step {step}"  # both: the top 20 and the (greedy) token itself
+
+
+def test_refused_where_it_cannot_be_kept(tiny_llama, tmp_path):
+    """No silent fallback: an attention or a layer the fixed order does not cover is an error."""
+    from jaxserve.weights import load_model
+    from tests.tiny_models import make_tiny_model
+
+    with pytest.raises(ValueError, match="batch invariance cannot be kept: .*'reference'"):
+        LLMEngine(tiny_llama, EngineConfig(**SOLO, batch_invariant=True, attention_backend="reference"))
+    make_tiny_model("mixtral", tmp_path)
+    moe = load_model(str(tmp_path), use_cache=False, progress=False)
+    with pytest.raises(ValueError, match="batch invariance cannot be kept: .*mixture of experts"):
+        LLMEngine(moe, EngineConfig(**SOLO, batch_invariant=True))
