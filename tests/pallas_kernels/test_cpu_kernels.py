@@ -255,3 +255,46 @@ def test_decoder_layer_blocks_in_bfloat16_and_their_errors():
             ins["wd"],
             eps=1e-6,
         )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("groups,window", [(1, None), (3, None), (3, 5), (8, 40)])
+def test_fixed_order_rows_equal_whatever_the_chunk(dtype, groups, window):
+    """With fixed_order a query row's output is bit-identical computed in a whole prefill
+    (units of 16 queries, the transposed path from 8 rows), in any chunk of it, or alone as a
+    decode step, and with another sequence in the step (batch invariance, prefill = decode)."""
+    rng = np.random.default_rng(groups)
+    length, head_dim = 70, 64
+    case = make_case(rng, [length], [length], num_heads=2 * groups, num_kv_heads=2, head_dim=head_dim, page_size=8)
+    q = jnp.asarray(case.q, dtype)
+    k_pages, v_pages = jnp.asarray(case.k_pages, dtype), jnp.asarray(case.v_pages, dtype)
+    kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=window, fixed_order=True)
+    call = jax.jit(cpu_kernels.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "fixed_order"))
+
+    def chunk(start: int, stop: int, other: int = 0) -> np.ndarray:
+        """Queries [start, stop) of the sequence, after `other` queries of a second sequence."""
+        queries = jnp.concatenate([q[:other], q[start:stop]])
+        tables = np.concatenate([case.block_tables, case.block_tables])[: 1 + bool(other)]
+        lens = np.array([other, stop] if other else [stop], np.int32)
+        qsl = np.array([0, other, other + stop - start] if other else [0, stop - start], np.int32)
+        out = call(queries, k_pages, v_pages, lens, tables, qsl, **kwargs)
+        return np.asarray(out.astype(jnp.float32))[other:]
+
+    whole = chunk(0, length)
+    for start, stop, other in [(69, 70, 0), (37, 38, 0), (0, 9, 0), (9, 30, 0), (30, 70, 0), (50, 51, 20), (20, 45, 7)]:
+        np.testing.assert_array_equal(
+            chunk(start, stop, other), whole[start:stop], err_msg=f"{start=} {stop=} {other=}"
+        )
+
+
+def test_in_row_blocks_rows_equal_alone():
+    """A row through small_matmul in blocks of 16 (of 1 to 70 rows, at any place) equals the row alone."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((96, 130)), jnp.float32)
+    row = rng.standard_normal(96).astype(np.float32)
+    matmul = jax.jit(lambda x: cpu_kernels.in_row_blocks(cpu_kernels.small_matmul, (x,), w))
+    alone = np.asarray(matmul(row[None]))[0]
+    for m, at in [(2, 1), (16, 15), (17, 16), (70, 33), (70, 69)]:
+        x = rng.standard_normal((m, 96)).astype(np.float32)
+        x[at] = row
+        np.testing.assert_array_equal(np.asarray(matmul(jnp.asarray(x)))[at], alone, err_msg=f"{m=} {at=}")
