@@ -60,6 +60,11 @@ def use_expert_parallel(model: nnx.Module, mesh: jax.sharding.Mesh) -> int:
     layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, SparseMoE)]
     for layer in layers:
         layer.experts_runner = runner
+    if layers:
+        e, tp = layers[0].cfg.num_experts, mesh.shape["model"]
+        logger.info(
+            "expert parallel %d: each device holds %d of the %d experts of %d MoE layers", tp, e // tp, e, len(layers)
+        )
     return len(layers)
 
 
