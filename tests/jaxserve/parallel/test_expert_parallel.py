@@ -150,7 +150,7 @@ def test_the_library_loads_experts_straight_into_their_shards_and_generates(moe_
     """LLM(..., enable_expert_parallel=True): the loader places each expert parameter split
     on E, and the engine runs on those very arrays (no second, resharded copy)."""
     llm = LLM(str(moe_dirs["qwen3-moe"]), tensor_parallel_size=4, enable_expert_parallel=True, **SMALL_ENGINE)
-    loaded_kernel = llm.engine.loaded.model.layers[0].mlp.experts.down_proj.kernel.value
+    loaded_kernel = llm.engine.loaded.model.layers[0].mlp.experts.down_proj.kernel.get_value()
     assert {s.data.shape for s in loaded_kernel.addressable_shards} == {(2, 32, 64)}  # [E, F, D]: 2 of 8 experts
     assert expert_params(llm.engine.runner)["down_proj/kernel"] is loaded_kernel
     want, _ = greedy_with_margins(moe_models["qwen3-moe"], 1)
