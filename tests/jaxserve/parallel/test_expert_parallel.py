@@ -162,20 +162,22 @@ def test_the_library_loads_experts_straight_into_their_shards_and_generates(moe_
 
 def test_the_weight_cache_restores_and_derives_experts_into_their_shards(moe_dirs, tmp_path):
     """A first load (plain TP) fills the cache; an EP load restores it onto whole-expert
-    shards, and an fp8 EP load derives from it, placed the same way."""
+    shards, and an int4 EP load derives from it, placed the same way."""
     from jaxserve.engine import builder
 
     folder, kwargs = str(moe_dirs["qwen3-moe"]), dict(progress=False, cache_dir=tmp_path, tensor_parallel_size=4)
     first, _ = builder.load(folder, **kwargs)
     restored, _ = builder.load(folder, **kwargs, enable_expert_parallel=True)
-    derived, _ = builder.load(folder, **kwargs, enable_expert_parallel=True, quantization="fp8")
+    derived, _ = builder.load(folder, **kwargs, enable_expert_parallel=True, quantization="int4")
     assert not first.from_cache and restored.from_cache and derived.from_cache
     kernel = restored.model.layers[0].mlp.experts.down_proj.kernel.get_value()
     assert {s.data.shape for s in kernel.addressable_shards} == {(2, 32, 64)}
     want = np.asarray(first.model.layers[0].mlp.experts.down_proj.kernel.get_value())
     np.testing.assert_array_equal(np.asarray(kernel), want)
-    weight = derived.model.layers[0].mlp.experts.down_proj.weight.get_value()  # e4m3 [E, F, D]
-    assert {s.data.shape for s in weight.addressable_shards} == {(2, 32, 64)}
+    down = derived.model.layers[0].mlp.experts.down_proj
+    for param in (down.packed, down.scales, down.offsets):  # [E, F // 2, D], [E, F // group, D]
+        assert {s.data.shape[0] for s in param.get_value().addressable_shards} == {2}
+    assert {s.data.shape for s in down.packed.get_value().addressable_shards} == {(2, 16, 64)}
 
 
 def test_experts_that_do_not_divide_are_refused_clearly(moe_dirs, moe_models):
