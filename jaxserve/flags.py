@@ -29,8 +29,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--revision, --generation-config, --no-async-scheduling, --dtype, --quantization,
     --kv-cache-dtype, --attention-backend, --matmul-backend, --batch-invariant, --enforce-eager,
-    --speculative-config, --tensor-parallel-size, and the several-hosts flags (--nnodes,
-    --node-rank, --dist-init-addr, --dist-timeout, ...)."""
+    --speculative-config, --tensor-parallel-size, --enable-expert-parallel, and the several-hosts
+    flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout, ...)."""
     p.add_argument(
         "--revision",
         metavar="REV",
@@ -119,6 +119,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="split the model over N devices (heads, MLP and vocabulary; the KV cache on its heads); "
         "--kv-cache-memory is then per device. On the CPU, jax is asked for N devices",
     )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM's flag: a mixture of experts' experts are split whole over the --tensor-parallel-size "
+        "devices (each holds E/N experts; N must divide E), each device runs its own experts' tokens; "
+        "without it each expert is split like a dense MLP. Attention is split on heads either way",
+    )
     g = p.add_argument_group(
         "several hosts",
         "one model over N nodes (jaxserve.parallel.multihost): the same command on "
@@ -204,6 +211,7 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict:
         "warm_up": not args.enforce_eager,
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
     }
 
 

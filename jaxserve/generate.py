@@ -102,7 +102,9 @@ def main(argv=None) -> int:
             cache_dir=args.cache_dir,
             progress=sys.stderr.isatty(),
             quantization=args.quantization,
-            mesh=load_mesh(model, args.tensor_parallel_size),  # weights straight into their shards
+            # weights straight into their shards
+            mesh=load_mesh(model, args.tensor_parallel_size, expert_parallel=args.enable_expert_parallel),
+            expert_parallel=args.enable_expert_parallel,
         )
         # A flag wins over the model's generation config, which wins over the CLI's defaults.
         flags = dict(

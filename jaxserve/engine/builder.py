@@ -32,6 +32,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
 from jaxserve.model.sizing import both_units, plan_kv
 from jaxserve.parallel.devices import ensure_host_devices
+from jaxserve.parallel.experts import check_expert_parallel
 from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh, resident_bytes
 from jaxserve.runner.kernels import select_attention, select_matmul
 from jaxserve.runner.model_runner import ModelRunner, token_buckets
@@ -90,6 +91,8 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
         )
     tp = config.tensor_parallel_size
     check_tensor_parallel(mcfg, tp)
+    if config.enable_expert_parallel:
+        check_expert_parallel(mcfg, tp)
     mesh = make_mesh(tp, config.device_ids)
     invariant = config.batch_invariant
     attention_backend, attention = select_attention(
@@ -111,6 +114,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
         draft_tree=spec and spec.tree,
         keep_step_hidden=spec is not None and spec.method == "eagle",
         mesh=mesh,
+        expert_parallel=config.enable_expert_parallel,
     )
     memory_bytes = kv_memory_bytes(config, make_runner, max_model_len, mesh, progress)
     kv_plan = plan_kv(
@@ -228,6 +232,7 @@ def load(
         quantization=quantization,
         tokenizer=tokenizer,
         mesh=mesh,
+        expert_parallel=config.enable_expert_parallel,
     )
     return loaded, config
 
@@ -270,15 +275,21 @@ def node_fingerprint(model: str | None, *, dtype="auto", quantization: str | Non
 
 
 def load_mesh(
-    model: str | None, tensor_parallel_size: int = 1, device_ids=None, config: EngineConfig | None = None
+    model: str | None,
+    tensor_parallel_size: int = 1,
+    device_ids=None,
+    config: EngineConfig | None = None,
+    expert_parallel: bool = False,
 ) -> jax.sharding.Mesh:
     """The mesh `load_model` places `model`'s weights on, once its config (read without the
-    weights) shows that its heads split over `tensor_parallel_size` devices (and that
-    `config`'s max_model_len is not past the model's): what does not fit is refused before
-    anything heavy is read."""
+    weights) shows that its heads (with `expert_parallel` or config's enable_expert_parallel,
+    its experts) split over `tensor_parallel_size` devices (and that `config`'s max_model_len
+    is not past the model's): what does not fit is refused before anything heavy is read."""
     hf_config, _ = read_hf_config(model)
     model_config = ModelConfig.from_hf_dict(hf_config)
     check_tensor_parallel(model_config, tensor_parallel_size)
+    if expert_parallel or (config is not None and config.enable_expert_parallel):
+        check_expert_parallel(model_config, tensor_parallel_size)
     if config is not None:
         config.resolve_max_model_len(model_config.max_position_embeddings)
     return make_mesh(tensor_parallel_size, device_ids)

@@ -51,6 +51,9 @@ class EngineConfig:
     # cache memory (kv_cache_memory) is per device, as in python -m jaxserve.plan.
     tensor_parallel_size: int = 1
     device_ids: tuple[int, ...] | None = None  # which of jax.devices() (default the first tensor_parallel_size)
+    # vLLM's: a mixture of experts' experts split whole over the tensor_parallel_size devices (E / tp
+    # each, jaxserve.parallel.experts) instead of each expert split on its F axis; other layers as without it
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

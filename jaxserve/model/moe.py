@@ -182,7 +182,12 @@ def expert_layers(model: nnx.Module) -> list[tuple[str, ExpertLinear | Quantized
 
 
 class SparseMoE(nnx.Module):
-    """The MLP of a mixture-of-experts layer: router, experts, and Qwen2-MoE's shared expert."""
+    """The MLP of a mixture-of-experts layer: router, experts, and Qwen2-MoE's shared expert.
+
+    `experts_runner`: how the routed tokens reach the experts, `run_experts`'s signature;
+    jaxserve.parallel.experts sets it to split the experts over a mesh (expert parallelism)."""
+
+    experts_runner = staticmethod(run_experts)
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         self.cfg = cfg
@@ -203,7 +208,7 @@ class SparseMoE(nnx.Module):
                 weights_in_float32=cfg.routing_weights_in_float32,
             )
         with jax.named_scope("moe_experts"):
-            y = run_experts(self.experts, x, weights, chosen, cfg.num_experts)
+            y = self.experts_runner(self.experts, x, weights, chosen, cfg.num_experts)
         if cfg.shared_expert_intermediate_size:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y

@@ -46,12 +46,18 @@ PAGE_SCALES = P(None, "model", None)  # folded 8-bit scales [pages, KV, page_siz
 
 # (parameter path regex, the axis split across "model"): -1 the last axis, 0 the first.
 # Paths are nnx's, e.g. "layers/3/self_attn/q_proj/kernel"; anything unmatched is replicated.
+# A mixture of experts' stacked experts ([E, din, dout], quantized forms alike) come first:
+# under plain tensor parallelism each expert is split like a dense MLP, on its F axis;
+# with expert parallelism (_EXPERT_PARALLEL_RULES) whole experts are split on E.
 _PARAM_RULES = (
+    (r"experts/(gate|up)_proj/(kernel|packed|scales|offsets|weight)$", -1),  # [E, D, F]: F
+    (r"experts/down_proj/(kernel|packed|scales|offsets|weight)$", 1),  # [E, F, D]: F (fp8 scales [E, D]: whole)
     (r"(q|k|v|gate|up)_proj/(kernel|packed|scales|offsets|weight|bias)$", -1),  # column-parallel
     (r"(o|down)_proj/(kernel|packed|scales|offsets|weight)$", 0),  # row-parallel (fp8 scales: 1-D, see below)
     (r"embed_tokens/embedding$", 0),  # [V, D]: vocabulary
     (r"lm_head/kernel$", -1),  # [D, V]: vocabulary
 )
+_EXPERT_PARALLEL_RULES = ((r"experts/\w+_proj/\w+$", 0),)  # every stacked expert parameter: E
 
 
 def make_mesh(tensor_parallel_size: int = 1, device_ids: tuple[int, ...] | None = None) -> jax.sharding.Mesh:
@@ -154,17 +160,19 @@ def is_kv_projection(path) -> bool:
     return re.search(r"(k|v)_proj/\w+$", _path(path)) is not None
 
 
-def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
-    """A NamedSharding for every parameter, from `_PARAM_RULES`."""
+def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh, expert_parallel: bool = False) -> nnx.State:
+    """A NamedSharding for every parameter, from `_PARAM_RULES`; with `expert_parallel`, a
+    mixture of experts' experts are split whole over the devices instead (see check_expert_parallel)."""
     tp = tensor_parallel_size(mesh)
+    rules = _EXPERT_PARALLEL_RULES + _PARAM_RULES if expert_parallel else _PARAM_RULES
     kept_whole = []
 
     def spec(path, x):
         name = _path(path)
-        for pattern, axis in _PARAM_RULES:
+        for pattern, axis in rules:
             if re.search(pattern, name):
-                if x.ndim == 1 and axis == 0:  # a row-parallel layer's per-output fp8 scales
-                    break
+                if axis >= 0 and x.ndim == axis + 1:
+                    break  # a row-parallel layer's per-output fp8 scales ([D], experts' [E, D]): kept whole
                 if x.shape[axis] % tp:
                     kept_whole.append(name)
                     break

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from jaxserve.model.decoder import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, allocate_kv_cache, copy_blocks, read_blocks, write_blocks
+from jaxserve.parallel.experts import use_expert_parallel
 from jaxserve.parallel.sharding import (
     kv_cache_sharding,
     kv_heads_for,
@@ -143,6 +144,7 @@ class ModelRunner:
         draft_tree: DraftTree | None = None,
         keep_step_hidden: bool = False,
         mesh: jax.sharding.Mesh | None = None,
+        expert_parallel: bool = False,
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -170,12 +172,15 @@ class ModelRunner:
         self.kv: KVCache = jit(
             lambda: allocate_kv_cache(kv_config, num_blocks, block_size, kv_dtype), out_shardings=kv_shardings
         )()
-        graphdef, params = nnx.split(unstack_layers(model))
+        model = nnx.merge(*nnx.split(unstack_layers(model)))  # our own copy of the modules (same arrays)
+        if expert_parallel:  # the MoE layers run whole experts per device (jaxserve.parallel.experts)
+            use_expert_parallel(model, mesh)
+        graphdef, params = nnx.split(model)
         params = replicate_kv_heads(params, self.config, tp)
         self.graphdef, self.attention = graphdef, attention
         # A plain nested dict, not an nnx.State: jit flattens a dict in C++, where a State
         # costs about 0.3 ms of host time on every call (two calls a step).
-        self.params = nnx.to_pure_dict(place(params, param_shardings(params, mesh)))
+        self.params = nnx.to_pure_dict(place(params, param_shardings(params, mesh, expert_parallel)))
         rows = max_num_seqs
         self.num_speculative_tokens = k = num_speculative_tokens
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)

@@ -73,7 +73,7 @@ def save(entry: Path, params: dict, tokenizer, hf_config: dict, meta: dict) -> N
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def restore(entry: Path, dtype, quant: QuantConfig | None, mesh) -> Restored:
+def restore(entry: Path, dtype, quant: QuantConfig | None, mesh, expert_parallel: bool = False) -> Restored:
     """The converted weights from the cache; on a mesh each restored straight into its shards
     (K/V projections whose heads must be repeated come to the host first, are repeated there,
     then placed)."""
@@ -91,7 +91,7 @@ def restore(entry: Path, dtype, quant: QuantConfig | None, mesh) -> Restored:
                 return np.empty(x.shape, x.dtype)  # to the host, repeated there before placing
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-        target = jax.tree.map_with_path(restored_as, shapes, param_shardings(shapes, mesh))
+        target = jax.tree.map_with_path(restored_as, shapes, param_shardings(shapes, mesh, expert_parallel))
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(entry.resolve() / "params", target)
     if mesh is not None and repeat:
@@ -99,12 +99,12 @@ def restore(entry: Path, dtype, quant: QuantConfig | None, mesh) -> Restored:
         params = jax.tree.map(
             lambda x, s: place_from_host(x, s) if isinstance(x, np.ndarray) else x,
             params,
-            param_shardings(params, mesh),
+            param_shardings(params, mesh, expert_parallel),
         )
     return Restored(hf_config, config, build_model(graphdef, state, params), _tokenizer_dir(entry))
 
 
-def derive_from(base: Path, dtype, quant: QuantConfig | None, mesh) -> Restored:
+def derive_from(base: Path, dtype, quant: QuantConfig | None, mesh, expert_parallel: bool = False) -> Restored:
     """The variant computed on the host from `base`, a lossless unquantized entry of the same
     checkpoint (jaxserve.weights.derive), then placed as a conversion's result is."""
     import orbax.checkpoint as ocp
@@ -117,7 +117,8 @@ def derive_from(base: Path, dtype, quant: QuantConfig | None, mesh) -> Restored:
     graphdef, state, shapes = _abstract_model(config, dtype, quant)
     host = derive.derive_params(host, dict(_flatten(shapes)), quant)
     logger.info("weights: %s derived from the cached %s copy", quant.label if quant else dtype, base_dtype)
-    return Restored(hf_config, config, place_params(graphdef, state, host, config, mesh), _tokenizer_dir(base))
+    model = place_params(graphdef, state, host, config, mesh, expert_parallel)
+    return Restored(hf_config, config, model, _tokenizer_dir(base))
 
 
 def _entry_config(entry: Path) -> tuple[dict, ModelConfig]:

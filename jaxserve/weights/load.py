@@ -62,12 +62,15 @@ def load_model(
     quantization: str | None = None,
     tokenizer: str | Path | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load `model` (None: the embedded default) as a `DecoderLM` with its tokenizer.
 
     `mesh` (jaxserve.parallel.sharding.make_mesh): each parameter is placed straight into its
     shards on the mesh's devices as it is read, never whole on one device (for tensor
     parallelism; K/V heads repeated when the model has fewer than devices). None: one device.
+    `expert_parallel`: a mixture of experts' experts are split whole over the mesh (each
+    device holds E / tp of them, jaxserve.parallel.experts), not each expert on its F axis.
 
     `quantization` ("int4", "fp8", "gguf"; None: as the checkpoint is) stores the
     attention and MLP projections quantized (see jaxserve.model.quantization). `tokenizer`: a
@@ -84,9 +87,9 @@ def load_model(
         logger.info("several nodes: the converted-weight cache is not used")
         use_cache = False
     entry = cache.checkpoint_dir(cache_root, source) / cache.variant_name(dtype, quant) if use_cache else None
-    loaded = _from_cache(entry, source, dtype, quant, mesh) if use_cache else None
+    loaded = _from_cache(entry, source, dtype, quant, mesh, expert_parallel) if use_cache else None
     if loaded is None:
-        loaded = _convert(source, dtype, quant, progress, mesh, entry)
+        loaded = _convert(source, dtype, quant, progress, mesh, entry, expert_parallel)
         if entry is not None and (entry / "complete").is_file():
             cache.mark_used(entry)
             for gone in cache.evict_to_fit(cache_root, cache.max_bytes_from_env(), keep=entry):
@@ -175,16 +178,18 @@ def weights_digest(source: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _from_cache(entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh) -> LoadedModel | None:
+def _from_cache(
+    entry: Path, source: Path, dtype, quant: QuantConfig | None, mesh, expert_parallel: bool
+) -> LoadedModel | None:
     """The variant restored from `entry`, or derived from a lossless base of the same
     checkpoint; None when neither is there."""
     used = entry
     try:
         if (entry / "complete").is_file():
-            restored = cache_entry.restore(entry, dtype, quant, mesh)
+            restored = cache_entry.restore(entry, dtype, quant, mesh, expert_parallel)
         elif derive.can_derive(quant) and (base := cache.lossless_base(entry.parent, entry.name)):
             used = base
-            restored = cache_entry.derive_from(base, dtype, quant, mesh)
+            restored = cache_entry.derive_from(base, dtype, quant, mesh, expert_parallel)
         else:
             return None
         tokenizer = _fast_tokenizer(restored.tokenizer_dir) if restored.tokenizer_dir else None
@@ -196,7 +201,13 @@ def _from_cache(entry: Path, source: Path, dtype, quant: QuantConfig | None, mes
 
 
 def _convert(
-    source: Path, dtype, quant: QuantConfig | None, progress: bool, mesh, entry_dir: Path | None
+    source: Path,
+    dtype,
+    quant: QuantConfig | None,
+    progress: bool,
+    mesh,
+    entry_dir: Path | None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Read and convert the weights on the host, save them to `entry_dir` (if any), then place them."""
     gguf = GGUFFile(source) if source.is_file() else None
@@ -230,7 +241,8 @@ def _convert(
         lossless = quant is None and derive.holds_exactly(stored or source_dtypes, dtype)
         meta = {"source": str(source), "dtype": str(dtype), "quantization": quant and quant.method}
         cache_entry.save(entry_dir, host, tokenizer, hf_config, {**meta, "lossless": lossless})
-    model = place_params(assembler.graphdef, assembler.state, host, config, mesh)  # unstacked: the serving layout
+    # unstacked: the serving layout
+    model = place_params(assembler.graphdef, assembler.state, host, config, mesh, expert_parallel)
     return LoadedModel(config, model, tokenizer, str(source), False, hf_config, quant)
 
 

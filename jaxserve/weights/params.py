@@ -162,10 +162,10 @@ class ParamAssembler:
             raise WeightError(f"checkpoint is missing {', '.join(missing[:5])}{more}")
         return _unflatten({path: self.params[path] for path in self.specs})
 
-    def build(self, mesh: jax.sharding.Mesh | None = None) -> DecoderLM:
+    def build(self, mesh: jax.sharding.Mesh | None = None, expert_parallel: bool = False) -> DecoderLM:
         """The model with every parameter on the device (on `mesh`: each split across its
         devices as jaxserve.parallel.sharding says); raises if any tensor is missing."""
-        return place_params(self.graphdef, self.state, self.take_host_params(), self.cfg, mesh)
+        return place_params(self.graphdef, self.state, self.take_host_params(), self.cfg, mesh, expert_parallel)
 
     def take_host_params(self) -> dict:
         """`host_params()`, handed over: the assembler keeps no reference, so whoever places
@@ -174,15 +174,17 @@ class ParamAssembler:
         return host
 
 
-def place_params(graphdef, state, host: dict, cfg: ModelConfig, mesh: jax.sharding.Mesh | None) -> DecoderLM:
+def place_params(
+    graphdef, state, host: dict, cfg: ModelConfig, mesh: jax.sharding.Mesh | None, expert_parallel: bool = False
+) -> DecoderLM:
     """The model over `host` (a nested dict of NumPy arrays), moved to the device one array at
     a time, so host memory never holds two copies. On a mesh each array goes straight into its
     shards (K/V heads repeated here on the host first when there are fewer than devices): no
-    device ever holds a whole split parameter."""
+    device ever holds a whole split parameter (`expert_parallel`: experts split whole, on E)."""
     shardings = None
     if mesh is not None:
         host = replicate_kv_heads(host, cfg, tensor_parallel_size(mesh))
-        shardings = dict(_flatten(param_shardings(host, mesh)))
+        shardings = dict(_flatten(param_shardings(host, mesh, expert_parallel)))
     flat = dict(_flatten(host))
     del host  # each array is dropped from the host as it is placed
     placed = {}

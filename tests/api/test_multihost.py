@@ -196,18 +196,15 @@ def test_a_node_with_another_setting_refuses_at_connect_naming_it(tiny_folder, t
         assert "weights:" not in text  # refused before the weights load (load_model logs that line)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nnodes", [2, 3])
-def test_generate_over_several_processes_prints_what_one_device_generates(six_head_folder, nnodes, tmp_path):
-    from jaxserve.weights import load_model
-
+def generate_over_nodes(folder, nnodes: int, tmp_path, *flags: str) -> list[str]:
+    """What `python -m jaxserve.generate` prints for PROMPTS, run as `nnodes` processes of one CPU device each."""
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(PROMPTS) + "\n")
     port = free_port()
 
     def cmd(rank):
         return [
-            *(sys.executable, "-m", "jaxserve.generate", "--model", str(six_head_folder)),
+            *(sys.executable, "-m", "jaxserve.generate", "--model", str(folder), *flags),
             *("--prompts-file", str(prompts_file), "--max-tokens", str(MAX_TOKENS)),
             *("--cache-dir", str(tmp_path / "cache"), *node_flags(rank, port, nnodes=nnodes, tp=nnodes)),
         ]
@@ -224,7 +221,32 @@ def test_generate_over_several_processes_prints_what_one_device_generates(six_he
         header = f"--- [{i}] {p!r}\n"
         assert header in printed, printed[-3000:]
         got.append(printed.split(header, 1)[1].split("\n", 1)[0])
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nnodes", [2, 3])
+def test_generate_over_several_processes_prints_what_one_device_generates(six_head_folder, nnodes, tmp_path):
+    from jaxserve.weights import load_model
+
+    got = generate_over_nodes(six_head_folder, nnodes, tmp_path)
     loaded = load_model(str(six_head_folder), use_cache=False, progress=False)
+    assert_same_where_clear(got, greedy_where_clear(loaded, PROMPTS, MAX_TOKENS))
+
+
+@pytest.mark.slow
+def test_experts_split_over_two_processes_generate_what_one_device_generates(tmp_path):
+    """--enable-expert-parallel across hosts: the tiny Mixtral's 4 experts, 2 on each node."""
+    from jaxserve.weights import load_model
+
+    folder = tmp_path / "tiny-mixtral"
+    make_tiny_model("mixtral", folder)
+    make_tiny_tokenizer(folder)
+    got = generate_over_nodes(folder, 2, tmp_path, "--enable-expert-parallel", "--verbose")
+    for rank in (0, 1):
+        log = (tmp_path / f"node{rank}.log").read_text()
+        assert "expert parallel 2: each device holds 2 of the 4 experts of 3 MoE layers" in log, log[-3000:]
+    loaded = load_model(str(folder), use_cache=False, progress=False)
     assert_same_where_clear(got, greedy_where_clear(loaded, PROMPTS, MAX_TOKENS))
 
 

@@ -34,10 +34,10 @@ def engine(loaded, tp: int, **kwargs) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(**{**config, **kwargs}))
 
 
-def mixed_step_logits(loaded, tp: int):
+def mixed_step_logits(loaded, tp: int, **kwargs):
     """Logits of every token of a ragged step (two decode rows and a prefill chunk), after a
-    first step prefilled the decode rows, and the compiled body's HLO."""
-    eng = engine(loaded, tp, warm_up=False, async_scheduling=False, enable_prefix_caching=False)
+    first step prefilled the decode rows, and the compiled body's HLO (`kwargs`: more EngineConfig fields)."""
+    eng = engine(loaded, tp, warm_up=False, async_scheduling=False, enable_prefix_caching=False, **kwargs)
     for i, prompt in enumerate(PROMPTS[:2]):
         eng.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4))
     eng.step()
