@@ -9,7 +9,8 @@ axis (`ExpertLinear` [E, D, F]; `QuantizedExpertLinear` per expert in the int4 /
 layouts of jaxserve.model.quantization). The T * k (token, expert) pairs are sorted by
 expert, so each expert's rows are contiguous, and run as grouped matmuls
 (pallas_kernels.grouped_matmul); the results are put back in token order and summed.
-Parameter names follow Hugging Face's per-expert tensors
+A step of few tokens (a decode step, up to EXPERT_LOOP_MAX_TOKENS) runs the experts its tokens
+touched one after another instead (`run_touched_experts`). Parameter names follow Hugging Face's per-expert tensors
 (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` is row e of `experts.gate_proj.kernel`,
 transposed; Mixtral's `block_sparse_moe.experts.{e}.w1` is the same, see weights.params).
 """
@@ -109,6 +110,41 @@ def run_experts(experts: Experts, x: jax.Array, weights: jax.Array, chosen: jax.
     return jnp.sum(y.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=1).astype(x.dtype)
 
 
+# Tokens up to which a float MoE layer runs `run_touched_experts` rather than `run_experts`:
+# decode-sized steps, where reading the weights is the cost (benchmarks/moe_decode.py).
+EXPERT_LOOP_MAX_TOKENS = 64
+
+
+def run_touched_experts(
+    experts: Experts, x: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int
+) -> jax.Array:
+    """`run_experts` for few tokens and float experts: a loop over the E experts in which each
+    expert some token chose runs on all T tokens, its output weighted by each token's routing
+    weight for it (zero where the token did not choose it), and the others are skipped.
+
+    NOTE: XLA's CPU ragged_dot computes every expert on every sorted row (a dense product over
+    E weights and T * k rows, masked), so a decode step read all E experts' weights and did
+    E * k times the work; here only the touched experts' weights are read, each once."""
+    t = x.shape[0]
+    routed = (
+        jnp.zeros((t, num_experts), jnp.float32).at[jnp.arange(t)[:, None], chosen].add(weights.astype(jnp.float32))
+    )
+    touched = jnp.zeros((num_experts,), jnp.bool_).at[chosen.reshape(-1)].set(True)
+    gate, up, down = experts.gate_proj.kernel[...], experts.up_proj.kernel[...], experts.down_proj.kernel[...]
+
+    def project(h, w):  # as grouped_matmul_reference: float32 accumulation, x's dtype out
+        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
+
+    def add_expert(e, y):  # y [T, D] float32
+        def run(y):
+            h = jax.nn.silu(project(x, gate[e])) * project(x, up[e])
+            return y + project(h, down[e]).astype(jnp.float32) * routed[:, e, None]
+
+        return jax.lax.cond(touched[e], run, lambda y: y, y)
+
+    return jax.lax.fori_loop(0, num_experts, add_expert, jnp.zeros(x.shape, jnp.float32)).astype(x.dtype)
+
+
 class SparseMoE(nnx.Module):
     """The MLP of a mixture-of-experts layer: router, experts, and Qwen2-MoE's shared expert."""
 
@@ -131,7 +167,8 @@ class SparseMoE(nnx.Module):
                 weights_in_float32=cfg.routing_weights_in_float32,
             )
         with jax.named_scope("moe_experts"):
-            y = run_experts(self.experts, x, weights, chosen, cfg.num_experts)
+            few = x.shape[0] <= EXPERT_LOOP_MAX_TOKENS and isinstance(self.experts.gate_proj, ExpertLinear)
+            y = (run_touched_experts if few else run_experts)(self.experts, x, weights, chosen, cfg.num_experts)
         if cfg.shared_expert_intermediate_size:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
