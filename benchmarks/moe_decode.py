@@ -139,7 +139,7 @@ def make_engine(loaded, args, matmul_backend: str | None):
     max_len = args.context + args.steps + 8
     blocks_per_seq = -(-max_len // BLOCK_SIZE)
     top = max(args.batches)
-    prefill = top * args.context if args.smoke else 128  # the largest step: decodes and a few prompts
+    prefill = max(top, args.context)  # the largest step: the decodes, or prompt chunks while prefilling
     return LLMEngine(
         loaded,
         EngineConfig(
@@ -201,15 +201,19 @@ def summarize(runs: list[dict], batch: int) -> dict:
 def run(args) -> dict:
     import numpy as np
 
+    from jaxserve.model.config import ModelConfig
+
     configs = hf_configs(args.shape, args.experts, args.top_k)
     start = time.perf_counter()
-    loaded = {"moe": random_model(configs["moe"], 0), "dense": random_model(configs["dense"], 0)}
-    if not args.no_dense_xla:
-        loaded["dense-xla"] = random_model(configs["dense"], 0)
+    if args.moe_path == "grouped":  # every MoE step through the sorted grouped matmul (ragged_dot)
+        from jaxserve.model import moe
+
+        moe.EXPERT_LOOP_MAX_TOKENS = 0
+    loaded = {name: random_model(configs[name.removesuffix("-xla")], 0) for name in args.models}
     backends = {"moe": None, "dense": None, "dense-xla": "reference"}
     engines = {name: make_engine(m, args, backends[name]) for name, m in loaded.items()}
     print(f"models built and compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    cfgs = {name: m.config for name, m in loaded.items()}
+    cfgs = {name: ModelConfig.from_hf_dict(hf) for name, hf in configs.items()}
     rng = np.random.default_rng(0)
     raw: dict[tuple[str, int], list[dict]] = {(n, b): [] for n in engines for b in args.batches}
     order = list(engines)
@@ -222,9 +226,9 @@ def run(args) -> dict:
     for batch in args.batches:
         row = {"batch": batch, **{name: summarize(raw[name, batch], batch) for name in engines}}
         dense_bytes = step_bytes(cfgs["dense"], batch, args.context)
-        row["moe_over_dense"] = row["moe"]["step_ms"] / row["dense"]["step_ms"]
-        if "dense-xla" in row:
-            row["moe_over_dense_xla"] = row["moe"]["step_ms"] / row["dense-xla"]["step_ms"]
+        for name in ("dense", "dense-xla"):
+            if "moe" in row and name in row:
+                row[f"moe_over_{name}"] = row["moe"]["step_ms"] / row[name]["step_ms"]
         row["experts_touched"] = expected_experts_touched(args.experts, args.top_k, batch)
         row["bytes_ratio"] = step_bytes(cfgs["moe"], batch, args.context) / dense_bytes
         rows.append(row)
@@ -235,11 +239,12 @@ def run(args) -> dict:
         "context": args.context,
         "steps": args.steps,
         "rounds": args.rounds,
+        "moe_path": args.moe_path,
         "params": {name: param_counts(cfgs[name]) for name in ("moe", "dense")},
         "backends": {name: e.matmul_backend for name, e in engines.items()},
         "rows": rows,
     }
-    if args.profile:
+    if args.profile and "moe" in engines:
         result["moe_profile"] = profile(engines["moe"], args, rng)
     return result
 
@@ -262,7 +267,7 @@ def print_result(result: dict) -> None:
     print(
         f"MoE: {result['experts']} experts, top {result['top_k']}, Mixtral layout; dense: Llama; "
         f"{result['shape']} shape, float32, prompts of {result['context']} tokens, "
-        f"{result['steps']} decode steps x {result['rounds']} rounds"
+        f"{result['steps']} decode steps x {result['rounds']} rounds; MoE experts path: {result['moe_path']}"
     )
     for name in ("moe", "dense"):
         print(
@@ -277,8 +282,8 @@ def print_result(result: dict) -> None:
         for name in names:
             r = row[name]
             spread = f"{r['step_ms']:.1f} ({min(r['step_ms_rounds']):.1f}-{max(r['step_ms_rounds']):.1f})"
-            ratio = {"dense": row["moe_over_dense"], "dense-xla": row.get("moe_over_dense_xla")}.get(name)
-            justify = f"{row['bytes_ratio']:.2f}" if name == "dense" else ""
+            ratio = row.get(f"moe_over_{name}")
+            justify = f"{row['bytes_ratio']:.2f}" if name == "moe" else ""
             print(
                 f"| {row['batch']:>5} | {name:<9} | {spread:>22} | {r['tokens_per_s']:>8.1f} | "
                 f"{r['cpu_ms_per_token']:>12.2f} | {f'{ratio:.2f}' if ratio else '':>10} | {justify:>13} |"
@@ -303,12 +308,21 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="rounds over all batches and models, alternated")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch, model and round")
     p.add_argument("--context", type=int, default=32, help="prompt tokens per sequence")
-    p.add_argument("--no-dense-xla", action="store_true", help="leave out the dense model on XLA layers")
+    p.add_argument("--models", default="dense,dense-xla,moe", help="which of dense, dense-xla and moe to run")
+    p.add_argument(
+        "--moe-path",
+        choices=["auto", "grouped"],
+        default="auto",
+        help="auto: as served (moe.run_touched_experts for few tokens); grouped: always the grouped matmul",
+    )
     p.add_argument("--profile", action="store_true", help="the MoE's step by model part at each batch")
     p.add_argument("--smoke", action="store_true", help="tiny models (2 layers), 1 round, 2 steps")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.models = args.models.split(",")
+    if unknown := set(args.models) - {"dense", "dense-xla", "moe"}:
+        p.error(f"--models: unknown {', '.join(sorted(unknown))}")
     args.shape = "smoke" if args.smoke else "default"
     if args.smoke:
         args.rounds, args.steps, args.context = 1, 2, 8
