@@ -133,10 +133,16 @@ def step_bytes(cfg, batch: int, context: int) -> float:
     return 4.0 * (weights + kv)
 
 
+def max_model_len(args) -> int:
+    """Room for a prompt, the tokens a sequence decodes while the batch's other prompts are
+    prefilled (at most one step per sequence), and the timed steps."""
+    return args.context + max(args.batches) + args.steps + 4
+
+
 def make_engine(loaded, args, matmul_backend: str | None):
     from jaxserve.engine import EngineConfig, LLMEngine
 
-    max_len = args.context + args.steps + 8
+    max_len = max_model_len(args)
     blocks_per_seq = -(-max_len // BLOCK_SIZE)
     top = max(args.batches)
     prefill = max(top, args.context)  # the largest step: the decodes, or prompt chunks while prefilling
@@ -161,7 +167,7 @@ def time_decode(engine, batch: int, args, rng, profiler=None) -> dict:
     from scheduler.sampling_params import SamplingParams
 
     vocab = engine.loaded.config.vocab_size
-    params = SamplingParams(max_tokens=args.steps + 4, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=max_model_len(args) - args.context, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", rng.integers(3, vocab, args.context).tolist(), params)
     while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
