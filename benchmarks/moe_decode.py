@@ -145,7 +145,9 @@ def make_engine(loaded, args, matmul_backend: str | None):
     max_len = max_model_len(args)
     blocks_per_seq = -(-max_len // BLOCK_SIZE)
     top = max(args.batches)
-    prefill = max(top, args.context)  # the largest step: the decodes, or prompt chunks while prefilling
+    # Each step has room for every decode and one whole prompt, so a batch is prefilled within
+    # as many steps as it has sequences (hence max_model_len).
+    prefill = top + args.context
     return LLMEngine(
         loaded,
         EngineConfig(
