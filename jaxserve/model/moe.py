@@ -124,7 +124,8 @@ def run_touched_experts(
 
     NOTE: XLA's CPU ragged_dot computes every expert on every sorted row (a dense product over
     E weights and T * k rows, masked), so a decode step read all E experts' weights and did
-    E * k times the work; here only the touched experts' weights are read, each once."""
+    E * k times the work; here only the touched experts' weights are read, each once (but each
+    runs on all T tokens: touched * T rows of work, where a grouped kernel would do k * T)."""
     t = x.shape[0]
     routed = (
         jnp.zeros((t, num_experts), jnp.float32).at[jnp.arange(t)[:, None], chosen].add(weights.astype(jnp.float32))
