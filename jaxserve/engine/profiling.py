@@ -10,7 +10,8 @@ dispatched) add up to the device-idle fraction.
 Device: `device_breakdown` replays one step under `jax.profiler`, reads the per-op
 events of XLA's trace, and charges each op to the model part whose `jax.named_scope`
 (jaxserve/model/decoder.py) its HLO metadata names: embed, norm, qkv_proj, rope, kv_write,
-attention, o_proj, mlp, lm_head; the sampler is its own program.
+attention, o_proj, mlp (or a mixture of experts' moe_router and moe_experts), lm_head; the
+sampler is its own program.
 """
 
 from __future__ import annotations
@@ -26,7 +27,19 @@ import time
 
 import jax
 
-PARTS = ("embed", "norm", "qkv_proj", "rope", "kv_write", "attention", "o_proj", "mlp", "lm_head")
+PARTS = (
+    "embed",
+    "norm",
+    "qkv_proj",
+    "rope",
+    "kv_write",
+    "attention",
+    "o_proj",
+    "mlp",
+    "moe_router",
+    "moe_experts",
+    "lm_head",
+)
 HOST_PHASES = ("schedule", "dispatch", "wait", "update", "detokenize")
 
 

@@ -9,7 +9,8 @@ axis (`ExpertLinear` [E, D, F]; `QuantizedExpertLinear` per expert in the int4 /
 layouts of jaxserve.model.quantization). The T * k (token, expert) pairs are sorted by
 expert, so each expert's rows are contiguous, and run as grouped matmuls
 (pallas_kernels.grouped_matmul); the results are put back in token order and summed.
-Parameter names follow Hugging Face's per-expert tensors
+A step of few tokens (a decode step, up to EXPERT_LOOP_MAX_TOKENS) runs the experts its tokens
+touched one after another instead (`run_touched_experts`). Parameter names follow Hugging Face's per-expert tensors
 (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` is row e of `experts.gate_proj.kernel`,
 transposed; Mixtral's `block_sparse_moe.experts.{e}.w1` is the same, see weights.params).
 """
@@ -181,13 +182,58 @@ def expert_layers(model: nnx.Module) -> list[tuple[str, ExpertLinear | Quantized
     return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, kinds)]
 
 
+# Tokens up to which a float MoE layer on the CPU runs `run_touched_experts` rather than
+# `run_experts`: decode-sized steps, where reading the weights is the cost
+# (benchmarks/moe_decode.py). jaxserve.runner.kernels.select_matmul sets it per layer.
+EXPERT_LOOP_MAX_TOKENS = 64
+
+
+def run_touched_experts(
+    experts: Experts, x: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int
+) -> jax.Array:
+    """`run_experts` for few tokens and float experts: a loop over the E experts in which each
+    expert some token chose runs on all T tokens, its output weighted by each token's routing
+    weight for it (zero where the token did not choose it), and the others are skipped.
+
+    NOTE: XLA's CPU ragged_dot computes every expert on every sorted row (a dense product over
+    E weights and T * k rows, masked), so a decode step read all E experts' weights and did
+    E * k times the work; here only the touched experts' weights are read, each once (but each
+    runs on all T tokens: touched * T rows of work, where a grouped kernel would do k * T)."""
+    t = x.shape[0]
+    routed = (
+        jnp.zeros((t, num_experts), jnp.float32).at[jnp.arange(t)[:, None], chosen].add(weights.astype(jnp.float32))
+    )
+    touched = jnp.zeros((num_experts,), jnp.bool_).at[chosen.reshape(-1)].set(True)
+    gate, up, down = experts.gate_proj.kernel[...], experts.up_proj.kernel[...], experts.down_proj.kernel[...]
+
+    def project(h, w):  # as grouped_matmul_reference: float32 accumulation, x's dtype out
+        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
+
+    def add_expert(e, y):  # y [T, D] float32
+        def run(y):
+            h = jax.nn.silu(project(x, gate[e])) * project(x, up[e])
+            return y + project(h, down[e]).astype(jnp.float32) * routed[:, e, None]
+
+        return jax.lax.cond(touched[e], run, lambda y: y, y)
+
+    return jax.lax.fori_loop(0, num_experts, add_expert, jnp.zeros(x.shape, jnp.float32)).astype(x.dtype)
+
+
+def moe_layers(model: nnx.Module) -> list[tuple[str, SparseMoE]]:
+    """(path, layer) of every mixture-of-experts MLP in the model."""
+    return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)]
+
+
 class SparseMoE(nnx.Module):
     """The MLP of a mixture-of-experts layer: router, experts, and Qwen2-MoE's shared expert.
 
     `experts_runner`: how the routed tokens reach the experts, `run_experts`'s signature;
-    jaxserve.parallel.experts sets it to split the experts over a mesh (expert parallelism)."""
+    jaxserve.parallel.experts sets it to split the experts over a mesh (expert parallelism).
+    `expert_loop_max_tokens`: steps of up to that many tokens run `run_touched_experts`
+    instead (float experts on one CPU device; select_matmul sets it, 0: never)."""
 
     experts_runner = staticmethod(run_experts)
+    expert_loop_max_tokens = 0
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         self.cfg = cfg
@@ -208,7 +254,9 @@ class SparseMoE(nnx.Module):
                 weights_in_float32=cfg.routing_weights_in_float32,
             )
         with jax.named_scope("moe_experts"):
-            y = self.experts_runner(self.experts, x, weights, chosen, cfg.num_experts)
+            few = x.shape[0] <= self.expert_loop_max_tokens and isinstance(self.experts.gate_proj, ExpertLinear)
+            run = run_touched_experts if few else self.experts_runner
+            y = run(self.experts, x, weights, chosen, cfg.num_experts)
         if cfg.shared_expert_intermediate_size:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y

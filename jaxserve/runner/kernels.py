@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import AttentionFn, FewRowKernels, has_plain_projections
-from jaxserve.model.moe import expert_layers
+from jaxserve.model.moe import EXPERT_LOOP_MAX_TOKENS, expert_layers, moe_layers
 from jaxserve.model.quantization import quantized_layers, use_kernel_layout
 from jaxserve.model.sizing import per_device_config
 from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
@@ -167,8 +167,13 @@ def expert_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str 
 def select_expert_matmul(name: str, model, device: jax.Device, tp: int) -> None:
     """For a mixture of experts: "auto" and "pallas" run its experts' grouped matmuls through
     the Mosaic GPU kernels where they can (pallas_kernels.grouped_matmul_mgpu), converting
-    quantized experts once to their layout; otherwise (and for "cpu", "reference") the
-    pure-JAX references (jax.lax.ragged_dot)."""
+    quantized experts once to their layout; otherwise the pure-JAX references
+    (jax.lax.ragged_dot). On one CPU device ("auto", "cpu"), steps of up to
+    EXPERT_LOOP_MAX_TOKENS tokens run only the experts they touch (moe.run_touched_experts):
+    XLA's CPU ragged_dot computes every expert on every row."""
+    loop = name in ("auto", "cpu") and device.platform == "cpu" and tp == 1
+    for _, moe in moe_layers(model):
+        moe.expert_loop_max_tokens = EXPERT_LOOP_MAX_TOKENS if loop else 0
     reason = "not asked for" if name in ("cpu", "reference") else expert_matmul_unsupported_reason(model, device, tp)
     if reason is None:
         layers = expert_layers(model)
@@ -176,7 +181,8 @@ def select_expert_matmul(name: str, model, device: jax.Device, tp: int) -> None:
             layer.use_kernel_layout()
         logger.info("experts: Mosaic GPU grouped matmul on %s (%d projections)", device.device_kind, len(layers))
     else:
-        logger.info("experts: grouped matmul reference (jax.lax.ragged_dot) on %s: %s", device.device_kind, reason)
+        few = f"; the touched experts alone for steps of up to {EXPERT_LOOP_MAX_TOKENS} tokens" if loop else ""
+        logger.info("experts: grouped matmul reference (ragged_dot) on %s%s (%s)", device.device_kind, few, reason)
 
 
 def dense_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str | None:

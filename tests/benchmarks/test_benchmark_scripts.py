@@ -124,6 +124,35 @@ def test_kernels_error_is_recorded_and_an_interrupt_keeps_the_rows(tmp_path, mon
     assert len(json.loads(path.read_text())["cases"]) == 5
 
 
+def test_moe_decode_smoke_on_tiny_models(tmp_path):
+    """Both tiny models decode at each batch through the engine; the MoE has the dense model's
+    active parameters plus its routers, and its profile charges time to its experts."""
+    path = tmp_path / "moe.json"
+    stdout = run(
+        "benchmarks/moe_decode.py",
+        "--smoke",
+        "--batches",
+        "1,4",
+        "--models",
+        "dense,moe",
+        "--profile",
+        "--json",
+        str(path),
+    )
+    result = json.loads(path.read_text())
+    params, layers, hidden = result["params"], 2, 64
+    assert params["moe"]["active"] == params["dense"]["active"] + layers * hidden * 8
+    assert params["moe"]["total"] > 3 * params["dense"]["total"] // 2
+    one, four = result["rows"]
+    assert (one["batch"], four["batch"]) == (1, 4)
+    assert one["experts_touched"] == 2 and four["experts_touched"] == 8 * (1 - 0.75**4)
+    assert 1 < one["bytes_ratio"] < 1.1 < four["bytes_ratio"]
+    assert all(row[m]["step_ms"] > 0 and "moe_over_dense" in row for row in (one, four) for m in ("dense", "moe"))
+    assert set(result["moe_profile"]) == {"1", "4"}
+    assert all(parts["moe_experts"] > 0 for parts in result["moe_profile"].values())
+    assert "|     4 | moe       |" in stdout and "MoE decode step, batch 4, by model part" in stdout
+
+
 def test_gpu_e2e_smoke_on_a_random_model(tmp_path):
     path = tmp_path / "e2e.json"
     stdout = run("benchmarks/gpu_e2e.py", "--smoke", "--variants", "none,int4,fp8,kv-fp8", "--json", str(path))
