@@ -226,9 +226,9 @@ def test_gpu_check_dry_run(tmp_path):
     summary = (tmp_path / "dry-run" / "summary.txt").read_text().splitlines()
     names = [line.split()[0] for line in summary]
     assert names[:3] == ["versions", "compile", "numerics_attention_production"]
-    assert names[-3:] == ["speed_attention", "speed_matmul", "e2e"]
+    assert names[-4:] == ["speed_attention", "speed_matmul", "speed_gmm", "e2e"]
     assert all(line.split()[1] == "ok" for line in summary), summary
-    for name in ("speed_attention.json", "speed_matmul.json", "e2e.json"):
+    for name in ("speed_attention.json", "speed_matmul.json", "speed_gmm.json", "e2e.json"):
         assert json.loads((tmp_path / "dry-run" / name).read_text())
 
 
