@@ -9,6 +9,7 @@ cache is switched on only once jax is loaded.
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,22 +39,37 @@ def compilation_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def no_cache_writes_in_the_interpreter(request):
-    """Tests of the Mosaic GPU interpreter write nothing to the persistent XLA cache. The
-    interpreter compiles each simulated thread's program in a Python thread of its own, and
-    jax writing those to the cache from several threads at once crashed the whole run (a
-    segfault in compilation_cache.put_executable_and_time, CI 2026-12-04)."""
+def interpreter_threads_compile_one_at_a_time(request, monkeypatch):
+    """Tests of the Mosaic GPU interpreter compile its simulated threads' programs one at a
+    time, without the persistent XLA cache. The interpreter (jax's thread_map) traces and
+    compiles each thread's program in a Python thread of its own, all at once; on a busy
+    2-core machine that crashed the whole run twice (segfaults in CI 2026-12-04: once in
+    compilation_cache.put_executable_and_time, once with writes already off). A lock around
+    the compile leaves one compile that the other threads find in jax's in-memory cache;
+    the threads still run together, as the kernels' barriers need."""
     if request.node.get_closest_marker("interpret") is None or "jax" not in sys.modules:
         yield
         return
     import jax
+    from jax._src.pallas.mosaic.interpret import thread_map
+    from jax.experimental.compilation_cache import compilation_cache
 
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # no program compiles that long
+    compile_lock = threading.Lock()
+
+    def run_jaxpr(jaxpr, consts, *args):
+        with compile_lock:
+            compiled = jax.jit(thread_map._run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+        compiled(consts, *args)
+
+    monkeypatch.setattr(thread_map, "_run_jaxpr", run_jaxpr)  # raises if jax renames it
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+        jax.config.update("jax_enable_compilation_cache", cache_was_on)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session")
