@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import jax
 
 from jaxserve.spec_decode.config import SpeculativeConfig
-from jaxserve.spec_decode.ngram import propose_ngram
+from jaxserve.spec_decode.ngram import NgramIndex
 from scheduler import Request, StepBatch
 
 if TYPE_CHECKING:
@@ -63,17 +63,23 @@ def sampled_rows(batch: StepBatch) -> dict[str, int]:
 
 
 class NgramProposer:
-    """Prompt lookup in each request's own tokens (see spec_decode.ngram)."""
+    """Prompt lookup in each request's own tokens (see spec_decode.ngram), through an index
+    per running request that is fed only the tokens that arrived since the last step."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.indexes: dict[str, NgramIndex] = {}
 
     def propose(self, running: list[Request]) -> None:
         c = self.config
         for req in decoding(running, c):
-            req.spec_token_ids = propose_ngram(
-                req.all_token_ids, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max
-            )
+            index = self.indexes.get(req.request_id)
+            if index is None or len(index) > len(req.all_token_ids):
+                index = self.indexes[req.request_id] = NgramIndex(min(c.prompt_lookup_min, 2))
+            index.extend(req.all_token_ids[len(index) :])
+            req.spec_token_ids = index.propose(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
+        ids = {r.request_id for r in running}  # forget finished and preempted requests (rebuilt on resume)
+        self.indexes = {rid: index for rid, index in self.indexes.items() if rid in ids}
 
     def draft_probs(self, batch: StepBatch) -> None:
         return None

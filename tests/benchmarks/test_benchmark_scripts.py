@@ -32,6 +32,11 @@ def test_scheduler_overhead_json():
     assert 0 <= result["kv_waste"]["paged_waste"] < result["kv_waste"]["contiguous_waste"] < 1
 
 
+def test_ngram_lookup_json():
+    (row,) = json.loads(run("benchmarks/ngram_lookup.py", "--contexts", "600", "--steps", "20", "--json"))
+    assert row["context"] == 600 and row["steps"] == 20  # the script asserts the two lookups agree
+
+
 @pytest.mark.slow
 def test_kernel_benchmark_smoke_on_cpu(tmp_path):
     run("benchmarks/kernels.py", "--smoke", "--runs", "2", "--json", str(tmp_path / "k.json"))
