@@ -29,6 +29,7 @@ from jaxserve.sample.sampler import (
     adjust_logits,
     apply_grammar_mask,
     draw_uniforms,
+    greedy_argmax,
     invert_cdf,
     probabilities,
 )
@@ -64,7 +65,7 @@ def verify(
     position = jnp.arange(k)[None, :]
     is_draft = position < num_drafts[:, None]  # [R, K]
 
-    greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32).reshape(num_rows, k + 1)
+    greedy = greedy_argmax(adjusted).reshape(num_rows, k + 1)
     greedy_accepted = _leading(is_draft & (draft_ids == greedy[:, :k]))
     greedy_last = jnp.take_along_axis(greedy, greedy_accepted[:, None], axis=1)[:, 0]
 

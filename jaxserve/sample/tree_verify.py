@@ -47,6 +47,7 @@ from jaxserve.sample.sampler import (
     adjust_logits,
     apply_grammar_mask,
     draw_uniforms,
+    greedy_argmax,
     invert_cdf,
     probabilities,
 )
@@ -85,9 +86,7 @@ def verify_tree(
     vocab = logits.shape[-1]
     logits = apply_grammar_mask(logits, meta)  # the logprobs below too
     adjusted = adjust_logits(logits, meta)
-    greedy_path, greedy_last = _greedy_path(
-        tree, jnp.argmax(adjusted, axis=-1).reshape(num_rows, width), draft_ids, valid
-    )
+    greedy_path, greedy_last = _greedy_path(tree, greedy_argmax(adjusted).reshape(num_rows, width), draft_ids, valid)
 
     def sampled():
         p = probabilities(adjusted, meta).reshape(num_rows, width, vocab)

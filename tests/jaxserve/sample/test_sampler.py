@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sample.sampler import MAX_LOGPROBS, apply_penalties, sample
+from jaxserve.sample.sampler import MAX_LOGPROBS, adjust_logits, apply_penalties, greedy_argmax, sample
 from tests.sampling_oracle import kept_by_documentation, meta, seed_words, softmax
 
 V = 12
@@ -223,3 +223,29 @@ def test_filters_keep_exactly_the_documented_set_when_logits_tie(dtype):
         if s.get("top_k"):
             kth = np.sort(logits[row])[::-1][s["top_k"] - 1]
             assert (logits[row] == kth).sum() > 1
+
+
+@pytest.mark.parametrize("vocab", [7, 49152])
+def test_greedy_argmax_is_numpys_argmax_with_ties_infinities_and_nans(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.integers(-3, 3, size=(12, vocab)).astype(np.float32)  # many ties for the max
+    logits[1] = -np.inf  # every token banned: the first
+    logits[2, vocab // 2] = np.inf
+    logits[3, [1, vocab - 1]] = np.nan  # NumPy (and jnp.argmax): the first NaN wins
+    logits[4, vocab - 1] = np.nan
+    logits[5, 0] = np.nan
+    logits[6, [0, 3]] = np.inf
+    logits[7] = 0.0  # all tied
+    logits[8, 2:5] = 1e38
+    got = np.asarray(jax.jit(greedy_argmax)(logits))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(got, np.asarray(jax.numpy.argmax(logits, axis=-1)))
+
+
+def test_banned_ids_past_the_vocabulary_and_unbanned_rows_leave_the_logits_bit_for_bit():
+    logits = np.random.default_rng(0).standard_normal((3, V)).astype(np.float32)
+    m = meta(3, banned_token_ids=np.array([[2, V], [5, 7], [0, 1]]), ban=np.array([True, False, True]))
+    out = np.asarray(jax.jit(adjust_logits)(logits, m))
+    expected = logits.copy()
+    expected[0, 2] = expected[2, [0, 1]] = -np.inf
+    np.testing.assert_array_equal(out, expected)
