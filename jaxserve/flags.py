@@ -29,7 +29,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--revision, --generation-config, --no-async-scheduling, --dtype, --quantization,
     --kv-cache-dtype, --attention-backend, --matmul-backend, --batch-invariant, --enforce-eager,
-    --speculative-config, --tensor-parallel-size, --enable-expert-parallel, and the several-hosts
+    --speculative-config, --tensor-parallel-size, --enable-expert-parallel, --expert-dispatch, and the several-hosts
     flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout, ...)."""
     p.add_argument(
         "--revision",
@@ -126,6 +126,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "devices (each holds E/N experts; N must divide E), each device runs its own experts' tokens; "
         "without it each expert is split like a dense MLP. Attention is split on heads either way",
     )
+    p.add_argument(
+        "--expert-dispatch",
+        choices=("all-reduce", "all-to-all"),  # EngineConfig's EXPERT_DISPATCHES (not imported: jax would start)
+        default="all-reduce",
+        help="with --enable-expert-parallel, how tokens reach their experts: all-reduce (each device runs its "
+        "experts on the whole batch's rows for them, one all-reduce combines; the faster as measured) or "
+        "all-to-all (each device sends its share of the tokens to their experts' devices and back)",
+    )
     g = p.add_argument_group(
         "several hosts",
         "one model over N nodes (jaxserve.parallel.multihost): the same command on "
@@ -212,6 +220,7 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "expert_dispatch": args.expert_dispatch,
     }
 
 

@@ -354,7 +354,7 @@ def make_plan(args) -> dict:
         "flags": engine_flags(args, setup, kv, workspace, budget),
         "not_modelled": [
             "tensor-parallel communication (all-reduces per layer)" if args.tp > 1 else "tensor-parallel communication",
-            *(["expert parallelism's token dispatch (all-to-all)"] if setup.expert_parallel else []),
+            *(["expert parallelism's token dispatch (all-reduce or all-to-all)"] if setup.expert_parallel else []),
             *(["routing imbalance (experts read assume uniform routing)"] if cfg.is_moe else []),
             "kernel efficiency (the bound assumes the roofs)",
             "the host's time between steps",

@@ -115,6 +115,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
         keep_step_hidden=spec is not None and spec.method == "eagle",
         mesh=mesh,
         expert_parallel=config.enable_expert_parallel,
+        expert_dispatch=config.expert_dispatch,
     )
     memory_bytes = kv_memory_bytes(config, make_runner, max_model_len, mesh, progress)
     kv_plan = plan_kv(

@@ -12,6 +12,8 @@ from jaxserve.spec_decode.config import SpeculativeConfig
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+# How expert parallelism's tokens reach their experts (jaxserve.parallel.experts; the first is the default)
+EXPERT_DISPATCHES = ("all-reduce", "all-to-all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +56,18 @@ class EngineConfig:
     # vLLM's: a mixture of experts' experts split whole over the tensor_parallel_size devices (E / tp
     # each, jaxserve.parallel.experts) instead of each expert split on its F axis; other layers as without it
     enable_expert_parallel: bool = False
+    # With it, how tokens reach their experts' devices: "all-reduce" (every device runs its experts'
+    # rows of the whole batch, one psum combines) or "all-to-all" (each device sends its slice of the
+    # tokens to their experts' devices and back); same results, docs/benchmarks.md measures them
+    expert_dispatch: str = EXPERT_DISPATCHES[0]
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         u = self.gpu_memory_utilization
         if u is not None and not (isinstance(u, (int, float)) and 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
+            raise ValueError(f"expert_dispatch must be one of {EXPERT_DISPATCHES}, got {self.expert_dispatch!r}")
         if self.device_ids is not None:
             object.__setattr__(self, "device_ids", tuple(self.device_ids))
         if self.tensor_parallel_size > 1:

@@ -145,6 +145,7 @@ class ModelRunner:
         keep_step_hidden: bool = False,
         mesh: jax.sharding.Mesh | None = None,
         expert_parallel: bool = False,
+        expert_dispatch: str = "all-reduce",
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -174,7 +175,7 @@ class ModelRunner:
         )()
         model = nnx.merge(*nnx.split(unstack_layers(model)))  # our own copy of the modules (same arrays)
         if expert_parallel:  # the MoE layers run whole experts per device (jaxserve.parallel.experts)
-            use_expert_parallel(model, mesh)
+            use_expert_parallel(model, mesh, expert_dispatch)
         graphdef, params = nnx.split(model)
         params = replicate_kv_heads(params, self.config, tp)
         self.graphdef, self.attention = graphdef, attention

@@ -158,6 +158,22 @@ def test_moe_decode_smoke_on_tiny_models(tmp_path):
     assert "|     4 | moe       |" in stdout and "MoE decode step, batch 4, by model part" in stdout
 
 
+def test_expert_dispatch_smoke_on_a_tiny_layer(tmp_path):
+    """Both dispatches run the tiny MoE layer over 2 and 4 forced CPU devices (the script
+    checks they agree before timing), at a token count 4 does not divide."""
+    path = tmp_path / "dispatch.json"
+    stdout = run(
+        "benchmarks/expert_dispatch.py",
+        *("--smoke", "--tps", "2,4", "--tokens", "1,6", "--rounds", "2", "--calls", "1", "--json", str(path)),
+    )
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["tp"], r["tokens"]) for r in rows] == [(2, 1), (2, 6), (4, 1), (4, 6)]
+    for row in rows:
+        assert row["all-reduce"]["call_ms"] > 0 and row["all-to-all"]["cpu_ms_per_token"] > 0
+        assert row["a2a_over_allreduce"] == row["all-to-all"]["call_ms"] / row["all-reduce"]["call_ms"]
+    assert "|  4 |      6 | all-to-all |" in stdout
+
+
 def test_gpu_e2e_smoke_on_a_random_model(tmp_path):
     path = tmp_path / "e2e.json"
     stdout = run("benchmarks/gpu_e2e.py", "--smoke", "--variants", "none,int4,fp8,kv-fp8", "--json", str(path))

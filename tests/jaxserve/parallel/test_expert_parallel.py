@@ -12,9 +12,11 @@ the slice of the whole array that device should hold.
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxserve.engine import LLM, EngineConfig
 from jaxserve.engine.builder import node_fingerprint
+from jaxserve.engine.config import EXPERT_DISPATCHES
 from jaxserve.flags import add_model_flags, model_engine_kwargs
 from jaxserve.parallel import multihost
 from jaxserve.parallel.experts import check_expert_parallel
@@ -52,8 +54,8 @@ def one_device_logits(moe_models):
     return {name: tp_mixed_step_logits(loaded, 1)[0] for name, loaded in moe_models.items()}
 
 
-def mixed_step_logits(loaded, tp: int, expert_parallel: bool):
-    return tp_mixed_step_logits(loaded, tp, enable_expert_parallel=expert_parallel)
+def mixed_step_logits(loaded, tp: int, expert_parallel: bool, **kwargs):
+    return tp_mixed_step_logits(loaded, tp, enable_expert_parallel=expert_parallel, **kwargs)
 
 
 def expert_gathers(hlo: str) -> list[str]:
@@ -88,22 +90,75 @@ def test_logits_split_over_devices_equal_one_device(moe_models, one_device_logit
     assert "all-gather" not in hlo
 
 
-def test_an_uneven_load_every_token_to_the_same_experts(moe_dirs):
+@pytest.mark.parametrize("dispatch", EXPERT_DISPATCHES)
+def test_an_uneven_load_every_token_to_the_same_experts(moe_dirs, dispatch):
     """A router of zeros ties every expert: each token takes experts 0 and 1 (ties go to the
-    lower index), all on device 0 at EP 2 (devices 2 and 3 idle at EP 4)."""
+    lower index), all on device 0 at EP 2 (devices 2 and 3 idle at EP 4). all-to-all: every
+    device sends all its pairs to device 0, the worst case its buffers are sized for."""
     loaded = load_model(str(moe_dirs["mixtral"]), use_cache=False, progress=False)
     for layer in loaded.model.layers:
         layer.mlp.gate.kernel[...] = jax.numpy.zeros_like(layer.mlp.gate.kernel[...])
     want, _ = tp_mixed_step_logits(loaded, 1)
     for tp in (2, 4):
-        got, _ = mixed_step_logits(loaded, tp, expert_parallel=True)
+        got, _ = mixed_step_logits(loaded, tp, expert_parallel=True, expert_dispatch=dispatch)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name, tp", [("mixtral", 2), ("qwen3-moe", 4)])
-def test_greedy_tokens_equal_one_device_and_nothing_compiles_after_warm_up(moe_models, name, tp):
+@pytest.mark.parametrize("name, tp", [("mixtral", 2), ("mixtral", 4), ("qwen2-moe", 2), ("qwen3-moe", 4)])
+def test_all_to_all_dispatch_equals_one_device_and_the_all_reduce(moe_models, one_device_logits, name, tp):
+    """A ragged step (decode rows and a prefill chunk) with tokens sent to their experts'
+    devices and back: the logits of one device and of the psum dispatch, to float tolerance."""
+    logits, hlo = mixed_step_logits(moe_models[name], tp, True, expert_dispatch="all-to-all")
+    psum_logits, psum_hlo = mixed_step_logits(moe_models[name], tp, True)
+    np.testing.assert_allclose(logits, one_device_logits[name], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, psum_logits, atol=1e-4, rtol=0)
+    assert "all-to-all" in hlo and "all-to-all" not in psum_hlo  # each really takes its own way
+    # The only gathers are of the token slices ([T', D], replicated again), never of expert weights.
+    for line in expert_gathers(hlo):
+        assert f"[{hlo_tokens(line)},{moe_models[name].config.hidden_size}]" in line, line
+
+
+def hlo_tokens(line: str) -> int:
+    """The leading dimension of an HLO instruction's result shape, e.g. f32[16,64]{1,0} -> 16."""
+    return int(line.split("=", 1)[1].split("[", 1)[1].split(",", 1)[0])
+
+
+@pytest.mark.parametrize("tp, tokens", [(2, 1), (2, 5), (4, 1), (4, 6), (4, 16)])
+def test_all_to_all_runner_pads_tokens_to_a_multiple_of_the_devices(moe_models, tp, tokens):
+    """The runner alone on Qwen3-MoE's first layer's experts, at token counts tp does not
+    divide: the same output as run_experts on one device, for random and for uneven routing."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.model.moe import route, run_experts
+    from jaxserve.parallel.experts import all_to_all_runner
+    from jaxserve.parallel.sharding import make_mesh
+
+    cfg = moe_models["qwen3-moe"].config
+    experts = moe_models["qwen3-moe"].model.layers[0].mlp.experts
+    mesh = make_mesh(tp)
+    split = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("model"))), nnx.state(experts))
+    ep_experts = nnx.merge(nnx.graphdef(experts), split)
+    keys = jax.random.split(jax.random.key(tokens), 2)
+    x = jax.random.normal(keys[0], (tokens, cfg.hidden_size), jax.numpy.float32)
+    logits = jax.random.normal(keys[1], (tokens, cfg.num_experts), jax.numpy.float32)
+    weights, chosen = route(logits, cfg.num_experts_per_tok, norm_topk_prob=True, weights_in_float32=True)
+    run = jax.jit(lambda e, x, w, c: all_to_all_runner(mesh)(e, x, w, c, cfg.num_experts))
+    for routed in (chosen, jax.numpy.broadcast_to(jax.numpy.arange(chosen.shape[1]), chosen.shape)):
+        want = run_experts(experts, x, weights, routed, cfg.num_experts)
+        got = run(ep_experts, x, weights, routed)
+        assert got.shape == (tokens, cfg.hidden_size)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "name, tp, dispatch", [("mixtral", 2, "all-reduce"), ("qwen3-moe", 4, "all-reduce"), ("qwen3-moe", 4, "all-to-all")]
+)
+def test_greedy_tokens_equal_one_device_and_nothing_compiles_after_warm_up(moe_models, name, tp, dispatch):
     want, _ = greedy_with_margins(moe_models[name], 1)
-    got, compiled_after_warm_up = greedy_with_margins(moe_models[name], tp, enable_expert_parallel=True)
+    got, compiled_after_warm_up = greedy_with_margins(
+        moe_models[name], tp, enable_expert_parallel=True, expert_dispatch=dispatch
+    )
     assert_same_greedy_where_clear(got, want)
     assert compiled_after_warm_up == 0
 
@@ -205,6 +260,27 @@ def test_the_flag_reaches_the_engine_and_every_node_must_agree_on_it(moe_dirs):
     on = node_fingerprint(folder, tensor_parallel_size=2, enable_expert_parallel=True)
     off = node_fingerprint(folder, tensor_parallel_size=2)
     assert multihost.differences(on, off, 1) == ["enable_expert_parallel: node 0 has True, node 1 has False"]
+
+
+def test_the_dispatch_flag_reaches_the_engine_and_every_node_must_agree_on_it(moe_dirs):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    flag = parser._option_string_actions["--expert-dispatch"]
+    assert tuple(flag.choices) == EXPERT_DISPATCHES and flag.default == EngineConfig().expert_dispatch
+    kwargs = model_engine_kwargs(
+        parser.parse_args(["-tp", "2", "--enable-expert-parallel", "--expert-dispatch", "all-to-all"])
+    )
+    assert EngineConfig(**kwargs).expert_dispatch == "all-to-all"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--expert-dispatch", "ring"])
+    with pytest.raises(ValueError, match=r"expert_dispatch must be one of \('all-reduce', 'all-to-all'\), got 'ring'"):
+        EngineConfig(expert_dispatch="ring")
+    folder = str(moe_dirs["mixtral"])
+    a2a = node_fingerprint(folder, tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all-to-all")
+    psum = node_fingerprint(folder, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert multihost.differences(a2a, psum, 1) == ["expert_dispatch: node 0 has 'all-to-all', node 1 has 'all-reduce'"]
 
 
 def test_the_tiny_moe_configs_are_what_these_tests_assume():
