@@ -9,7 +9,7 @@ a floor is still a dependency that runs up.
       engine/                  LLMEngine, LLM, outputs, detokenizer, tokenization
       spec_decode/             proposers and heads (see the target through ProposerContext)
       runner/                  ModelRunner, kernel selection
-      weights/ sample/ structured/
+      weights/ sample/ structured/ lora/
       parallel/                sharding, several hosts, KV transfer
       model/                   decoder, config, inputs, KV-cache layout, quantized layers
     scheduler, pallas_kernels  import nothing of ours
@@ -30,7 +30,7 @@ FLOORS = [
     {"scheduler", "pallas_kernels"},
     {"jaxserve.model"},
     {"jaxserve.parallel"},
-    {"jaxserve.weights", "jaxserve.sample", "jaxserve.structured"},
+    {"jaxserve.weights", "jaxserve.sample", "jaxserve.structured", "jaxserve.lora"},
     {"jaxserve.runner"},
     {"jaxserve.spec_decode"},
     {"jaxserve.engine"},

@@ -21,6 +21,7 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
+from jaxserve.model.lora import lora_layer
 from jaxserve.model.mlp import MLP, linear
 from jaxserve.model.moe import SparseMoE
 from jaxserve.model.quantization import QuantConfig
@@ -220,6 +221,8 @@ def _layer(
     """One decoder layer; carry: (x, the cache, layer index). Up to `kernel_rows` rows run
     through the CPU layer kernels (FewRowKernels.layer_rows), any number with `batch_invariant`."""
     x, kv, layer_idx = carry
+    if inputs.lora_slots is not None:  # adapters on (jaxserve.lora): each projection adds its delta
+        return lora_layer(carry, layer, inputs, inv_freq, attention)
     if batch_invariant or (kernel_rows and _fits(x, layer.self_attn.q_proj.kernel, kernel_rows)):
         return _layer_kernels(carry, layer, inputs, inv_freq, attention)
     with jax.named_scope("norm"):

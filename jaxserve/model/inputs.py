@@ -25,6 +25,7 @@ class ModelInputs:
     block_tables: jax.Array  # int32 [S, max_blocks]
     logits_indices: jax.Array  # int32 [S]: flat index of the token whose logits we want
     tree_mask: jax.Array | None = None  # int32 [T]: speculating with a tree (see StepBatch.tree_mask)
+    lora_slots: jax.Array | None = None  # int32 [T]: each token's LoRA slot (0: none); only with LoRA on
 
     @classmethod
     def from_numpy(cls, **arrays: np.ndarray) -> ModelInputs:

@@ -1,0 +1,20 @@
+"""vLLM's `LoRARequest`: which adapter a request runs with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """An adapter by name, a unique positive integer id, and its PEFT folder (vLLM's fields)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if not self.lora_name:
+            raise ValueError("lora_name must be a non-empty string")
