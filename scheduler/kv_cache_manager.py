@@ -131,7 +131,9 @@ class KVCacheManager:
 
     @staticmethod
     def _extra(request: Request) -> ExtraKeys:
-        return (request.cache_salt,) if request.cache_salt is not None else ()
+        # NOTE: the adapter id goes in as a tuple, which no string salt can equal.
+        salt = (request.cache_salt,) if request.cache_salt is not None else ()
+        return salt + ((("lora", request.lora_id),) if request.lora_id is not None else ())
 
     def _digests(self, request: Request, num_blocks: int) -> list[bytes]:
         digests = self.block_digests.setdefault(request.request_id, [])

@@ -74,6 +74,7 @@ class Request:
         fork_of: Request | None = None,
         sample_index: int = 0,
         cache_salt: str | None = None,
+        lora_id: int | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -93,6 +94,7 @@ class Request:
         self.seed = seed % 2**SEED_BITS
         self.sample_index = sample_index
         self.cache_salt = cache_salt  # requests with different salts never share cached KV
+        self.lora_id = lora_id  # the LoRA adapter it runs with (None: the base model); part of its cache key
         self.output_token_ids: list[int] = []
         # Draft tokens proposed to follow the last token (speculative decoding), verified by
         # the next step that runs this request; the scheduler clears them once it has.

@@ -24,6 +24,7 @@ import numpy.typing as npt
 from scheduler.batch_builder import banned_token_ids, build_step_batch
 from scheduler.draft_tree import DraftTree
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.lora_slots import LoRASlots
 from scheduler.request import Request, RequestStatus
 from scheduler.step_batch import MAX_BANNED_TOKENS, StepBatch
 
@@ -42,6 +43,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # Their shape: a tree of candidates (None: a chain of num_speculative_tokens).
     draft_tree: DraftTree | None = None
+    # LoRA adapters resident on the device at once (0: LoRA off; see scheduler/lora_slots.py).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -135,6 +138,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.spec_stats = SpecDecodingStats()
         self._tree = config.tree
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
 
     # -- requests in and out ----------------------------------------------------------
 
@@ -165,6 +169,8 @@ class Scheduler:
                 f"the prompt has {n} tokens, but the model's context is {cfg.max_model_len} tokens "
                 "(prompt plus at least one generated token)"
             )
+        if request.lora_id is not None and self.lora_slots is None:
+            raise ValueError("the request asks for a LoRA adapter, but LoRA is not enabled (max_loras=0)")
         if request.sampling_params.min_tokens and len(banned_token_ids(request)) > MAX_BANNED_TOKENS:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop_token_ids (with eos) are supported")
 
@@ -225,6 +231,8 @@ class Scheduler:
         # Admit waiting requests in service order while there is room.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if req.lora_id is not None and self.lora_slots and not self.lora_slots.can_acquire(req.lora_id):
+                break  # every adapter slot is pinned by running requests: it waits for one (first come first served)
             holds_blocks = bool(self.kv.tables.get(req.request_id))  # a forked sample
             # Prompt logprobs need every prompt position's logits: computed, not taken from the cache.
             cached = [] if holds_blocks or req.needs_prompt_logprobs else self.kv.find_cached_prefix(req)
@@ -238,6 +246,8 @@ class Scheduler:
             if allocated is None:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.pop(0)
+            if req.lora_id is not None and self.lora_slots:
+                self.lora_slots.acquire(req.lora_id)
             req.spec_token_ids = []
             req.num_computed_tokens += num_cached
             if self.kv.enable_prefix_caching and not holds_blocks:
@@ -256,6 +266,10 @@ class Scheduler:
         tables = [self.kv.tables[r.request_id] for r, _ in rows]
         self._step_id += 1
         batch = build_step_batch(self._step_id, rows, tables, cfg.block_size, self.kv.take_copies(), self._tree)
+        if self.lora_slots is not None:
+            row_slots = [0 if r.lora_id is None else self.lora_slots.slot_of(r.lora_id) for r, _ in rows]
+            batch.lora_slots = np.repeat(np.asarray(row_slots, np.int32), batch.num_scheduled_tokens)
+            batch.lora_loads = self.lora_slots.take_loads()
         # The step's tokens count as computed now, and a row that reaches the end of its
         # request samples a pending token: the next step can be scheduled at once. Draft
         # tokens count once they are verified (update()); rejected ones are simply
@@ -387,6 +401,7 @@ class Scheduler:
         self.num_preemptions += 1
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._unpin_lora(req)
             req.status = RequestStatus.PREEMPTED
             self._enqueue(req)
 
@@ -396,6 +411,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._unpin_lora(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         else:  # a sample still waiting for its parent's prompt
@@ -406,6 +422,11 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         del self.requests[req.request_id]
+
+    def _unpin_lora(self, req: Request) -> None:
+        """A request leaves the running set: its adapter's slot may be reused once nobody runs it."""
+        if req.lora_id is not None and self.lora_slots:
+            self.lora_slots.release(req.lora_id)
 
     def _release_forks(self, parent: Request, fork: bool) -> None:
         """Start the samples waiting on `parent`: sharing its prompt's blocks once the prompt
@@ -441,6 +462,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Assert the invariants the property tests rely on."""
         self.kv.check_integrity()
+        if self.lora_slots is not None:
+            self.lora_slots.check_integrity()
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
         assert len(self.running) <= self.config.max_num_seqs

@@ -152,6 +152,10 @@ class StepBatch:
     # reports (-1: none wanted); None when no row wants any.
     prompt_logprob_targets: np.ndarray | None = None  # int32 [T]
     num_prompt_logprobs: int = 0  # the most top alternatives any of them asked for
+    # LoRA (only when enabled): each token's adapter slot (0: the base model), and the slots
+    # filled for this step, (slot, adapter id), whose weights go to the device before it runs.
+    lora_slots: np.ndarray | None = None  # int32 [T]
+    lora_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
