@@ -116,6 +116,8 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
         mesh=mesh,
         expert_parallel=config.enable_expert_parallel,
         expert_dispatch=config.expert_dispatch,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
     )
     memory_bytes = kv_memory_bytes(config, make_runner, max_model_len, mesh, progress)
     kv_plan = plan_kv(
@@ -157,6 +159,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
             enable_prefix_caching=config.enable_prefix_caching,
             num_speculative_tokens=num_spec,
             draft_tree=spec and spec.tree,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
     )
     runner = make_runner(num_blocks=num_blocks, max_model_len=max_model_len)

@@ -60,6 +60,13 @@ class EngineConfig:
     # rows of the whole batch, one psum combines) or "all-to-all" (each device sends its slice of the
     # tokens to their experts' devices and back); same results, docs/benchmarks.md measures them
     expert_dispatch: str = EXPERT_DISPATCHES[0]
+    # LoRA adapters (jaxserve.lora), vLLM's names and defaults: requests may name a PEFT adapter;
+    # max_loras of them sit in device slots at once, each of rank up to max_lora_rank, and
+    # max_cpu_loras (None: max_loras) stay read in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -68,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
         if self.expert_dispatch not in EXPERT_DISPATCHES:
             raise ValueError(f"expert_dispatch must be one of {EXPERT_DISPATCHES}, got {self.expert_dispatch!r}")
+        if self.enable_lora:
+            self._check_lora()
         if self.device_ids is not None:
             object.__setattr__(self, "device_ids", tuple(self.device_ids))
         if self.tensor_parallel_size > 1:
@@ -76,6 +85,18 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative decoding with {spec.method!r} does not run with tensor parallelism yet; ngram does"
                 )
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras={self.max_loras} and max_lora_rank={self.max_lora_rank} must be >= 1")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not run with tensor parallelism yet (tensor_parallel_size > 1)")
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora does not run with speculative decoding yet (speculative_config)")
 
     def resolve_max_model_len(self, model_len: int) -> int:
         """max_model_len, or the model's own length (`model_len`: max_position_embeddings);

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.tokenization import encode_chat
+from jaxserve.lora.request import LoRARequest
 from scheduler import SamplingParams
 
 
@@ -45,9 +46,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. One SamplingParams for all, or one per prompt;
         None: the model's defaults (its generation config, else SamplingParams()).
+        `lora_request`: one LoRA adapter for all prompts, or one (or None) per prompt (vLLM's).
 
         A prompt is text, a list of token ids, or as in vLLM `{"prompt_token_ids": [...]}`
         or `{"prompt": "text"}`; one list may mix them."""
@@ -58,14 +61,17 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} lora requests")
         for p in params:  # all grammars compile at once, in the background
             if p.structured_outputs is not None:
                 self.engine.compile_grammar(p.structured_outputs)
         ids = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             ids.append(f"llm-{self._counter}")
             self._counter += 1
-            self.engine.add_request(ids[-1], prompt, p)
+            self.engine.add_request(ids[-1], prompt, p, lora_request=lora)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():

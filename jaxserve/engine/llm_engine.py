@@ -41,6 +41,8 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.profiling import NullProfiler, StepProfiler
 from jaxserve.engine.tokenization import encode_prompt
+from jaxserve.lora.host_cache import LoRAHostCache
+from jaxserve.lora.request import LoRARequest
 from jaxserve.model.kv_cache import KVHandoff, kv_dtype_label
 from jaxserve.parallel.sharding import resident_bytes
 from jaxserve.runner.model_runner import StepHandle
@@ -77,6 +79,12 @@ class LLMEngine:
         self._exports: dict[str, tuple[list[int], str | None]] = {}  # add_request(export_kv=True): prompt, salt
         # Set a jaxserve.engine.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
+        # LoRA: the adapters requests named, read on the host (device slots: the scheduler's LoRASlots).
+        self.loras = (
+            LoRAHostCache(loaded.config, config.max_lora_rank, config.max_cpu_loras, loaded.model.dtype)
+            if config.enable_lora
+            else None
+        )
 
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache's settings, as /metrics shows them (vLLM's cache_config_info labels)."""
@@ -149,6 +157,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         kv_handoff: KVHandoff | None = None,
         export_kv: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Raises ValueError for bad input; nothing is queued then.
 
@@ -159,7 +168,8 @@ class LLMEngine:
         A text prompt gets the tokenizer's special tokens (its BOS) unless
         `add_special_tokens` is False; token ids are used as they are. Requests with
         different `cache_salt`s never share prefix-cache blocks. `params` None means
-        the model's defaults (`default_sampling_params`).
+        the model's defaults (`default_sampling_params`). `lora_request`: the LoRA adapter it
+        runs with (needs enable_lora; an adapter that cannot be served is a ValueError here).
         """
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
@@ -178,6 +188,7 @@ class LLMEngine:
             params = params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        lora_id = self._register_lora(lora_request)
         # Waits for the grammar unless it is compiled already (the server's case, see compile_grammar).
         grammar = self.compile_grammar(params.structured_outputs).result() if params.structured_outputs else None
         prompt_ids = encode_prompt(self.tokenizer, prompt, vocab, add_special_tokens=add_special_tokens)
@@ -196,6 +207,7 @@ class LLMEngine:
                     fork_of=samples[0] if i else None,
                     sample_index=i,
                     cache_salt=cache_salt,
+                    lora_id=lora_id,
                 )
             )
         for req in samples:  # validate all before queueing any
@@ -216,6 +228,14 @@ class LLMEngine:
         self.outputs.add(request_id, prompt_text, prompt_ids, samples, arrival)
         for req in samples:
             self.scheduler.add_request(req)
+
+    def _register_lora(self, lora_request: LoRARequest | None) -> int | None:
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError("a lora_request needs LoRA enabled (enable_lora=True, --enable-lora)")
+        self.loras.register(lora_request)
+        return lora_request.lora_int_id
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults, then `overrides`."""
@@ -325,6 +345,8 @@ class LLMEngine:
         if batch is None:
             return InFlight(None, None)
         with profiler.phase("dispatch"):
+            for slot, lora_id in batch.lora_loads:  # adapters the scheduler gave a device slot this step
+                self.runner.load_lora(slot, self.loras.slot_arrays(lora_id))
             draft_probs = self.proposer.draft_probs(batch) if self.proposer is not None else None
             handle = self.runner.dispatch(batch, draft_probs)
             if self.proposer is not None:

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from jaxserve.model.decoder import AttentionFn, DecoderLM, unstack_layers
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, allocate_kv_cache, copy_blocks, read_blocks, write_blocks
+from jaxserve.model.lora import attach_lora, write_slot
 from jaxserve.parallel.experts import use_expert_parallel
 from jaxserve.parallel.sharding import (
     kv_cache_sharding,
@@ -146,6 +147,8 @@ class ModelRunner:
         mesh: jax.sharding.Mesh | None = None,
         expert_parallel: bool = False,
         expert_dispatch: str = "all-reduce",
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
     ):
         self.config = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -176,12 +179,19 @@ class ModelRunner:
         model = nnx.merge(*nnx.split(unstack_layers(model)))  # our own copy of the modules (same arrays)
         if expert_parallel:  # the MoE layers run whole experts per device (jaxserve.parallel.experts)
             use_expert_parallel(model, mesh, expert_dispatch)
+        # LoRA: every layer gets slot stacks (jaxserve.model.lora), and every step's inputs a slot per token.
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        if max_loras:
+            attach_lora(model, max_loras, max_lora_rank)
         graphdef, params = nnx.split(model)
         params = replicate_kv_heads(params, self.config, tp)
         self.graphdef, self.attention = graphdef, attention
         # A plain nested dict, not an nnx.State: jit flattens a dict in C++, where a State
         # costs about 0.3 ms of host time on every call (two calls a step).
         self.params = nnx.to_pure_dict(place(params, param_shardings(params, mesh, expert_parallel)))
+        if max_loras:  # committed, as the slot write returns them: the programs then see one placement
+            for layer in self.params["layers"].values():
+                layer["lora"] = jax.device_put(layer["lora"], self.replicated)
         rows = max_num_seqs
         self.num_speculative_tokens = k = num_speculative_tokens
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)
@@ -222,6 +232,8 @@ class ModelRunner:
         self._copy_blocks = jit(copy_blocks, donate_argnames=("kv",))
         self._read_blocks = jit(read_blocks)
         self._write_blocks = jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
+        # The stacks come back placed as they went in (replicated), so the step programs see no new sharding.
+        self._write_lora_slot = jit(write_slot, donate_argnums=0, out_shardings=self.replicated)
         self.compilations = CompileCounter()
         # Over several nodes (jaxserve.parallel.multihost), node 0's runner hands each step's plan
         # here before running it, so that every node runs the same programs.
@@ -260,6 +272,9 @@ class ModelRunner:
             )
 
     def _warm_up(self, heads: bool, bar: tqdm) -> None:
+        if self.max_loras:  # the slot write's program: slot 0 (no adapter) holds zeros, and zeros go in
+            stacks = {i: layer["lora"] for i, layer in self.params["layers"].items()}
+            self.load_lora(0, [{k: np.zeros(v.shape[1:], v.dtype) for k, v in stacks[i].items()} for i in stacks])
         for t in self.buckets:
             bar.set_postfix_str(f"{t} tokens")
             inputs, pending = self.pad_inputs(None, *self.bucket_for(t))
@@ -307,6 +322,17 @@ class ModelRunner:
         rows[: len(writes)], block_ids[: len(writes)] = zip(*writes)
         blocks = jax.device_put(blocks, self.replicated)  # a few blocks; the write splits them as the cache is
         self.kv = self._write_blocks(self.kv, blocks, rows, block_ids)
+
+    # -- LoRA adapters --------------------------------------------------------------------
+
+    def load_lora(self, slot: int, layers: list[dict[str, np.ndarray]]) -> None:
+        """Copy one adapter into device slot `slot` of every layer's stacks, in place (one
+        compiled program for every slot and adapter). `layers`: LoRAAdapter.slot_arrays."""
+        stacks = {i: layer["lora"] for i, layer in self.params["layers"].items()}
+        values = jax.device_put({i: layers[i] for i in stacks}, self.replicated)
+        stacks = self._write_lora_slot(stacks, jax.device_put(np.int32(slot), self.replicated), values)
+        for i, layer_stacks in stacks.items():
+            self.params["layers"][i]["lora"] = layer_stacks
 
     # -- one step -----------------------------------------------------------------------
 
@@ -433,7 +459,12 @@ class ModelRunner:
             tree_mask = np.full(t, -1, np.int32)
             if batch is not None and batch.tree_mask is not None:
                 tree_mask[: batch.num_tokens] = batch.tree_mask
-        inputs = ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at, tree_mask)
+        lora_slots = None
+        if self.max_loras:  # every step: one compiled program per bucket, not two
+            lora_slots = np.zeros(t, np.int32)  # padding: slot 0, no adapter
+            if batch is not None and batch.lora_slots is not None:
+                lora_slots[: batch.num_tokens] = batch.lora_slots
+        inputs = ModelInputs(ids, pos, slots, qsl, seq_lens, tables, logits_at, tree_mask, lora_slots)
         return inputs, PendingTokens(pending_at, pending_rows)
 
     def _pad_sampling(self, b: SamplingBatch, s: int) -> SamplingMetadata:
