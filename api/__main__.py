@@ -25,7 +25,16 @@ from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUE
 from api.replica_processes import REPLICA_ENV, die_with_parent
 from api.router import add_router_flags
 from jaxserve.config_file import add_config_flag, parse_with_config
-from jaxserve.flags import HelpFormatter, add_model_flags, model_engine_kwargs, parse_bytes, start_devices
+from jaxserve.flags import (
+    HelpFormatter,
+    add_lora_flags,
+    add_model_flags,
+    lora_engine_kwargs,
+    lora_requests,
+    model_engine_kwargs,
+    parse_bytes,
+    start_devices,
+)
 from jaxserve.logs import configure_logging, say_loading
 from scheduler import SamplingParams
 
@@ -144,6 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="largest request body, e.g. 1MiB; larger is a 413",
     )
     add_model_flags(p)
+    add_lora_flags(p)
     p.add_argument(
         "--data-parallel-size",
         "-dp",
@@ -305,6 +315,9 @@ def main(argv=None) -> int:
         if args.role and not args.enable_prefix_caching:
             raise ValueError("--role hands KV over through the prefix cache: drop --no-enable-prefix-caching")
         check_reply_parsers(args)  # before the model loads: a misspelt name fails at once
+        lora_requests(args)
+        if args.enable_lora and (args.data_parallel_size > 1 or args.nnodes > 1):
+            raise ValueError("--enable-lora does not run with --data-parallel-size or --nnodes > 1 yet")
         check_model_reference(args.model, args.revision)
         if args.node_rank == 0 and args.port != 0:  # a busy port fails now, not after loading and compiling
             check_port_free(args.host, args.port)
@@ -341,8 +354,10 @@ def main(argv=None) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         **model_engine_kwargs(args),
+        **lora_engine_kwargs(args),
     )
     try:
+        loras = lora_requests(args)
         hub_model = args.model and not os.path.exists(args.model) and parse_hub_reference(args.model)
         if args.served_model_name is None and hub_model:
             args.served_model_name = [args.model]  # as vLLM names it, not its download folder's name
@@ -392,6 +407,7 @@ def main(argv=None) -> int:
         app = create_app(
             engine,
             model_name=args.served_model_name,
+            lora_modules=loras,
             api_key=args.api_key,
             max_waiting=args.max_waiting,
             max_request_sequences=args.max_request_sequences,

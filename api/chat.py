@@ -149,6 +149,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, call_id: s
             param_names=names,
             prompt_param="messages",
             cache_salt=body.cache_salt,
+            model=body.model,
             kv_transfer_params=body.kv_transfer_params,
             stream=body.stream,
         )

@@ -65,6 +65,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             priority=body.priority,
             prompt_param="prompt",
             cache_salt=body.cache_salt,
+            model=body.model,
             kv_transfer_params=body.kv_transfer_params,
             stream=body.stream,
         )

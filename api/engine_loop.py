@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
 from api.metrics import Metrics
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.lora.request import LoRARequest
 from scheduler import SamplingParams, SchedulerStats
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class _Add:
     future: asyncio.Future
     kv_handoff: KVHandoff | None = None  # the prompt's KV from a prefill server (api.disagg)
     export_kv: bool = False  # hand the prompt's KV over when done
+    lora_request: LoRARequest | None = None  # the LoRA adapter the request's `model` names
 
 
 @dataclasses.dataclass
@@ -233,6 +235,7 @@ class EngineLoop:
         cache_salt: str | None,
         kv_handoff: KVHandoff | None = None,
         export_kv: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> asyncio.Future:
         """Send a request to the engine thread now; the future fails with ValueError (bad
         input) or EngineDeadError, and then nothing runs."""
@@ -241,7 +244,19 @@ class EngineLoop:
             future.set_exception(self.dead_error())
             return future
         self._commands.put(
-            _Add(request_id, prompt, params, arrival_time, priority, cache_salt, queue, future, kv_handoff, export_kv)
+            _Add(
+                request_id,
+                prompt,
+                params,
+                arrival_time,
+                priority,
+                cache_salt,
+                queue,
+                future,
+                kv_handoff,
+                export_kv,
+                lora_request,
+            )
         )
         if self.error is not None:  # fail() ran meanwhile, from another thread
             self._refuse_queued()
@@ -313,6 +328,7 @@ class EngineLoop:
                 cache_salt=command.cache_salt,
                 kv_handoff=command.kv_handoff,
                 export_kv=command.export_kv,
+                lora_request=command.lora_request,
             )
         except Exception as e:  # ValueError is the client's fault; anything else is reported as ours
             self._resolve(command.future, e)
@@ -383,6 +399,7 @@ class Generation:
         cache_salt: str | None = None,
         kv_handoff: KVHandoff | None = None,
         export_kv: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue one engine request per prompt, in the room `reservation` holds for them;
         raises the first error (the rest are aborted on exit). `kv_handoff`, `export_kv`:
@@ -401,6 +418,7 @@ class Generation:
                 cache_salt=cache_salt,
                 kv_handoff=kv_handoff,
                 export_kv=export_kv,
+                lora_request=lora_request,
             )
             for rid, prompt in zip(self.request_ids, prompts)
         ]

@@ -52,6 +52,7 @@ from api.reasoning import get_reasoning_parser
 from api.serving import ServerState
 from api.stats_log import log_stats
 from api.tool_parsers import TOOL_PARSERS, get_tool_parser, parser_for_template
+from jaxserve.lora.request import LoRARequest
 from scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def create_app(
     engine,
     *,
     model_name: str | Sequence[str] | None = None,
+    lora_modules: Sequence[LoRARequest] = (),
     api_key: str | None = None,
     max_waiting: int | None = None,
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
@@ -90,7 +92,9 @@ def create_app(
     """An app serving `engine` (an LLMEngine); its engine thread starts with the app's lifespan.
 
     `model_name`: the name clients pass as `model`, or several (the first is the one
-    responses report); `chat_template` replaces the tokenizer's; `enable_prompt_tokens_details`:
+    responses report); `lora_modules`: LoRA adapters a request's `model` may name instead (the
+    engine needs enable_lora; each is read and checked now, a ValueError if it cannot be served);
+    `chat_template` replaces the tokenizer's; `enable_prompt_tokens_details`:
     report usage.prompt_tokens_details.cached_tokens (the prefix cache's hits); `cors`: CORSMiddleware's
     arguments (allow_origins, ...), None for no CORS headers;
     `disagg`: the server's part in prefill/decode disaggregation (api.disagg);
@@ -113,6 +117,10 @@ def create_app(
     )
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
+    for lora in lora_modules:
+        if lora.lora_name == model_name or lora.lora_name in aliases:
+            raise ValueError(f"the LoRA adapter name {lora.lora_name!r} is already the model's name")
+        engine.register_lora(lora)
     metrics = Metrics(model_name, engine.cache_config_info(), device_bytes=engine.device_bytes())
     engine_loop = EngineLoop(engine, metrics, max_waiting=max_waiting)
 
@@ -140,6 +148,7 @@ def create_app(
         TokenText(engine.tokenizer),
         max_request_sequences,
         aliases=aliases,
+        lora_modules={lora.lora_name: lora for lora in lora_modules},
         chat_template=chat_template,
         trust_request_chat_template=trust_request_chat_template,
         max_logprobs=max_logprobs,
@@ -211,7 +220,8 @@ def create_app(
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})
     async def list_models(request: Request):
         state: ServerState = request.app.state.server
-        return {"object": "list", "data": [_model_card(state, name) for name in (state.model_name, *state.aliases)]}
+        cards = [_model_card(state, name) for name in (state.model_name, *state.aliases, *state.lora_modules)]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model:path}", responses={200: {"model": openapi.ModelCard}, **openapi.errors(404)})
     async def retrieve_model(model: str, request: Request):
@@ -240,13 +250,17 @@ def _reply_parsers(tokenizer, chat_template, enable_auto_tool_choice, tool_call_
 
 
 def _model_card(state: ServerState, name: str) -> dict:
-    return {
+    card = {
         "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "jaxserve",
         "max_model_len": state.max_model_len,
     }
+    lora = state.lora_modules.get(name)
+    if lora is not None:  # vLLM's card of an adapter: its folder as root, the base model as parent
+        card.update(root=lora.lora_path, parent=state.model_name)
+    return card
 
 
 class APIKeyMiddleware:

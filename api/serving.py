@@ -34,6 +34,7 @@ from api.protocol import invalid_constraint
 from api.reasoning import ReasoningParser
 from api.tool_parsers import ToolParser
 from jaxserve.engine.tokenization import PromptError
+from jaxserve.lora.request import LoRARequest
 from jaxserve.structured import GrammarError
 from scheduler import SamplingParams
 from scheduler.sampling_params import StructuredOutputsParams
@@ -57,6 +58,7 @@ class ServerState:
     max_request_sequences: int  # prompts x n of one call
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()  # more names clients may pass as `model` (--served-model-name a b)
+    lora_modules: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)  # --lora-modules, by name
     chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     max_logprobs: int = SamplingParams.MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask for
@@ -84,8 +86,13 @@ class ServerState:
         return {} if self.disagg is None else await self.disagg.response_fields(tally.kv_handoff)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.aliases:
+        names = (self.model_name, *self.aliases, *self.lora_modules)
+        if model is not None and model not in names:
             raise model_not_found(model)
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return self.lora_modules.get(model) if model is not None else None
 
     def truncate_prompt(self, prompt: list[int], keep: int | None, side: str | None = None) -> list[int]:
         """vLLM's truncate_prompt_tokens: `keep` tokens (-1: the context length), the last ones
@@ -225,6 +232,7 @@ async def start_generation(
     priority: int,
     prompt_param: str,
     cache_salt: str | None,
+    model: str | None = None,
     param_names: dict[str, str] | None = None,
     kv_transfer_params: dict | None = None,
     stream: bool = False,
@@ -235,6 +243,7 @@ async def start_generation(
     The sampling fields were checked already, so the engine's other ValueErrors are about
     the prompt (`prompt_param`: empty, too long, token ids out of range). With
     `kv_transfer_params` (api.disagg), the prompt's KV is pulled first, or handed over after.
+    `model`: the request's, which may name a LoRA adapter (--lora-modules).
     """
     if state.disagg is None:
         check_colocated(kv_transfer_params)
@@ -260,6 +269,7 @@ async def start_generation(
             cache_salt=cache_salt,
             kv_handoff=handoff,
             export_kv=export_kv,
+            lora_request=state.lora_for(model),
         )
     except BaseException as e:
         generation.close()

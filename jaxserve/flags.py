@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+from jaxserve.lora.request import LoRARequest
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.weights.sizes import parse_bytes  # noqa: F401 (the flags' size parser, kept here for callers)
 
@@ -163,6 +164,56 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a file holding the control channel's shared key, the same on every node (or set $JAXSERVE_DIST_KEY)",
     )
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags: --enable-lora, --lora-modules, --max-loras, --max-lora-rank, --max-cpu-loras."""
+    g = p.add_argument_group("LoRA adapters", "PEFT adapters over the base model, many in one batch (docs/lora.md)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters: a request's `model` names one")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to serve, each a name (the `model` a request passes) and a PEFT folder "
+        "(adapter_config.json + adapter_model.safetensors)",
+    )
+    g.add_argument("--max-loras", type=int, default=1, metavar="N", help="adapters on the device at once")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="the largest adapter rank served")
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        metavar="N",
+        help="adapters kept read in host memory (default: --max-loras); others are read again when needed",
+    )
+
+
+def lora_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the LoRA flags set."""
+    return {
+        "enable_lora": args.enable_lora,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
+    }
+
+
+def lora_requests(args: argparse.Namespace) -> list[LoRARequest]:
+    """--lora-modules as LoRARequests, ids 1, 2, ... in the order given; a ValueError without --enable-lora."""
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    names = [name for name, _ in args.lora_modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: each adapter needs its own name, got {names}")
+    return [LoRARequest(name, i, path) for i, (name, path) in enumerate(args.lora_modules, start=1)]
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def start_devices(args: argparse.Namespace, host_devices: int):

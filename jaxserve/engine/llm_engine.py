@@ -229,12 +229,16 @@ class LLMEngine:
         for req in samples:
             self.scheduler.add_request(req)
 
-    def _register_lora(self, lora_request: LoRARequest | None) -> int | None:
-        if lora_request is None:
-            return None
+    def register_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (a ValueError if it cannot be served), before a request names it."""
         if self.loras is None:
             raise ValueError("a lora_request needs LoRA enabled (enable_lora=True, --enable-lora)")
         self.loras.register(lora_request)
+
+    def _register_lora(self, lora_request: LoRARequest | None) -> int | None:
+        if lora_request is None:
+            return None
+        self.register_lora(lora_request)
         return lora_request.lora_int_id
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
