@@ -16,6 +16,7 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
+    "LoRARequest",
 ]
 
 
@@ -29,4 +30,8 @@ def __getattr__(name):
         import scheduler
 
         return getattr(scheduler, name)
+    if name == "LoRARequest":
+        from jaxserve.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
