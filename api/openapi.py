@@ -194,6 +194,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder (--lora-modules)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

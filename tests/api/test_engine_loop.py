@@ -63,6 +63,7 @@ class ScriptedEngine:
         cache_salt=None,
         kv_handoff=None,
         export_kv=False,
+        lora_request=None,
     ):
         if not prompt:
             raise ValueError("the prompt is empty")
