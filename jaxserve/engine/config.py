@@ -97,6 +97,8 @@ class EngineConfig:
             raise ValueError("enable_lora does not run with tensor parallelism yet (tensor_parallel_size > 1)")
         if self.speculative_config is not None:
             raise ValueError("enable_lora does not run with speculative decoding yet (speculative_config)")
+        if self.batch_invariant:  # the adapters' products run through XLA, not the fixed-order kernels
+            raise ValueError("enable_lora does not run with batch_invariant yet")
 
     def resolve_max_model_len(self, model_len: int) -> int:
         """max_model_len, or the model's own length (`model_len`: max_position_embeddings);

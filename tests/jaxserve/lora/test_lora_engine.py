@@ -99,6 +99,13 @@ def test_bad_adapters_and_lora_off_are_refused_when_added(tiny, tmp_path):
         off.add_request("x", PROMPTS[0], GREEDY, lora_request=requests[1])
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+    for other in [
+        dict(tensor_parallel_size=2),
+        dict(batch_invariant=True),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    ]:
+        with pytest.raises(ValueError, match="enable_lora does not run with"):
+            EngineConfig(enable_lora=True, **other)
 
 
 def test_llm_generate_takes_one_lora_request_or_one_per_prompt(tiny):
