@@ -672,9 +672,82 @@ void o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, const T* wo, c
   });
 }
 
+// ---- A mixture of experts for a few tokens: JaxserveMoeExperts ----
+//
+// y[t] = sum over token t's choices j of weights[t, j] * expert_{chosen[t, j]}(x[t]), each expert
+// down(silu(gate(x)) * up(x)) on weights stacked [E, D, F] (gate, up) and [E, F, D] (down), as
+// moe.run_touched_experts computes it: float32 sums, each projection rounded to the model's dtype,
+// and a token's weighted outputs added in ascending expert order. Only the experts some token
+// chose are read, each once per kMaxRows of its tokens. Phases: gate and up with the activation,
+// by (expert's block of rows, block of F columns); down, by (block of rows, block of D columns);
+// the weighted sums, by token. A row's result depends only on its token (batch invariance).
+
+constexpr int64_t kExpertColumns = 128;  // output columns per unit: F = 768 gives 6 units per expert
+
+struct RowBlock {  // rows [first, first + count) of the pairs sorted by expert, all of `expert`
+  int64_t expert, first, count;
+};
+
+template <typename T>
+void moe_experts(ffi::ThreadPool& pool, const T* x, const int32_t* chosen, const float* weights, const T* wg,
+                 const T* wu, const T* wd, int64_t t, int64_t k, int64_t e, int64_t d, int64_t f, T* y) {
+  // The (token, choice) pairs sorted by expert, tokens in order within an expert (a counting sort).
+  std::vector<int64_t> starts(e + 1, 0), pair_row(t * k, -1);
+  for (int64_t i = 0; i < t * k; ++i)
+    if (chosen[i] >= 0 && chosen[i] < e) ++starts[chosen[i] + 1];
+  for (int64_t ex = 0; ex < e; ++ex) starts[ex + 1] += starts[ex];
+  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+  const int64_t rows = starts[e];
+  std::vector<float> xs(rows * d);  // x's rows in sorted order
+  for (int64_t i = 0; i < t * k; ++i) {
+    if (chosen[i] < 0 || chosen[i] >= e) continue;  // no such expert: the pair adds nothing
+    const int64_t r = pair_row[i] = fill[chosen[i]]++;
+    for (int64_t c = 0; c < d; ++c) xs[r * d + c] = load(x[(i / k) * d + c]);
+  }
+  std::vector<RowBlock> blocks;
+  for (int64_t ex = 0; ex < e; ++ex)
+    for (int64_t r = starts[ex]; r < starts[ex + 1]; r += kMaxRows)
+      blocks.push_back({ex, r, std::min(kMaxRows, starts[ex + 1] - r)});
+  std::vector<float> gate(rows * f), up(rows * f), act(rows * f), down(rows * d);
+  const int64_t f_units = (f + kExpertColumns - 1) / kExpertColumns, d_units = (d + kExpertColumns - 1) / kExpertColumns;
+  const int64_t nb = int64_t(blocks.size());
+  run_phases(pool, {nb * f_units, nb * d_units, t}, [&](size_t phase, int64_t i) {
+    if (phase == 2) {  // token i's weighted sum, in ascending expert order as the expert loop adds them
+      std::vector<std::pair<int32_t, int64_t>> mine;  // (expert, pair)
+      for (int64_t j = 0; j < k; ++j)
+        if (pair_row[i * k + j] >= 0) mine.push_back({chosen[i * k + j], i * k + j});
+      std::sort(mine.begin(), mine.end());
+      for (int64_t c = 0; c < d; ++c) {
+        float sum = 0.0f;
+        for (const auto& [ex, pair] : mine) sum += down[pair_row[pair] * d + c] * weights[pair];
+        store(sum, y + i * d + c);
+      }
+      return;
+    }
+    const int64_t n = phase == 0 ? f : d, units = phase == 0 ? f_units : d_units;
+    const RowBlock& b = blocks[i / units];
+    const int64_t col0 = (i % units) * kExpertColumns, cols = std::min(kExpertColumns, n - col0);
+    if (phase == 1) {
+      matmul_columns(act.data() + b.first * f, wd + b.expert * f * d, down.data() + b.first * d, b.count, f, d, col0,
+                     cols);
+      for (int64_t r = b.first; r < b.first + b.count; ++r)
+        for (int64_t c = col0; c < col0 + cols; ++c) down[r * d + c] = rounded<T>(down[r * d + c]);
+      return;
+    }
+    matmul_columns(xs.data() + b.first * d, wg + b.expert * d * f, gate.data() + b.first * f, b.count, d, f, col0, cols);
+    matmul_columns(xs.data() + b.first * d, wu + b.expert * d * f, up.data() + b.first * f, b.count, d, f, col0, cols);
+    for (int64_t r = b.first; r < b.first + b.count; ++r)
+      for (int64_t c = col0; c < col0 + cols; ++c) {  // rounded where the model's dtype rounds, as o_proj_mlp
+        const float g = rounded<T>(gate[r * f + c]), u = rounded<T>(up[r * f + c]);
+        act[r * f + c] = rounded<T>(rounded<T>(g / (1.0f + std::exp(-g))) * u);
+      }
+  });
+}
+
 bool is_float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
-bool shape_is(const ffi::AnyBuffer& b, std::initializer_list<int64_t> dims) {
+template <typename Buffer>
+bool shape_is(const Buffer& b, std::initializer_list<int64_t> dims) {
   auto got = b.dimensions();
   return got.size() == dims.size() && std::equal(dims.begin(), dims.end(), got.begin());
 }
@@ -733,6 +806,30 @@ ffi::Error OProjMLP(ffi::ThreadPool pool, ffi::AnyBuffer attn, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> chosen,
+                      ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  const auto t = x.element_type();
+  for (auto type : {wg.element_type(), wu.element_type(), wd.element_type(), y->element_type()})
+    if (!is_float(t) || type != t) return ffi::Error::InvalidArgument("x, the experts and y must be float32, or bfloat16");
+  auto xd = x.dimensions(), cd = chosen.dimensions(), gd = wg.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || gd.size() != 3)
+    return ffi::Error::InvalidArgument("expected x [T, D], chosen and weights [T, k], experts [E, D, F]");
+  const int64_t n = xd[0], d = xd[1], k = cd[1], e = gd[0], f = gd[2];
+  if (cd[0] != n || !shape_is(weights, {n, k}) || !shape_is(wg, {e, d, f}) || !shape_is(wu, {e, d, f}) ||
+      !shape_is(wd, {e, f, d}) || !shape_is(*y, {n, d}))
+    return ffi::Error::InvalidArgument("inconsistent shapes for moe_experts");
+  if (t == ffi::DataType::F32)
+    moe_experts<float>(pool, x.typed_data<float>(), chosen.typed_data(), weights.typed_data(), wg.typed_data<float>(),
+                       wu.typed_data<float>(), wd.typed_data<float>(), n, k, e, d, f, y->typed_data<float>());
+  else {
+    auto in = [](const ffi::AnyBuffer& b) { return static_cast<const uint16_t*>(b.untyped_data()); };
+    moe_experts<uint16_t>(pool, in(x), chosen.typed_data(), weights.typed_data(), in(wg), in(wu), in(wd), n, k, e, d, f,
+                          static_cast<uint16_t*>(y->untyped_data()));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
@@ -784,3 +881,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveOProjMLP, OProjMLP,
                                   .Arg<ffi::AnyBuffer>()  // w_down
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeExperts, MoeExperts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // chosen experts [T, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // their routing weights [T, k]
+                                  .Arg<ffi::AnyBuffer>()  // gate [E, D, F]
+                                  .Arg<ffi::AnyBuffer>()  // up [E, D, F]
+                                  .Arg<ffi::AnyBuffer>()  // down [E, F, D]
+                                  .Ret<ffi::AnyBuffer>());
