@@ -678,69 +678,75 @@ void o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, const T* wo, c
 // down(silu(gate(x)) * up(x)) on weights stacked [E, D, F] (gate, up) and [E, F, D] (down), as
 // moe.run_touched_experts computes it: float32 sums, each projection rounded to the model's dtype,
 // and a token's weighted outputs added in ascending expert order. Only the experts some token
-// chose are read, each once per kMaxRows of its tokens. Phases: gate and up with the activation,
-// by (expert's block of rows, block of F columns); down, by (block of rows, block of D columns);
-// the weighted sums, by token. A row's result depends only on its token (batch invariance).
-
-constexpr int64_t kExpertColumns = 128;  // output columns per unit: F = 768 gives 6 units per expert
-
-struct RowBlock {  // rows [first, first + count) of the pairs sorted by expert, all of `expert`
-  int64_t expert, first, count;
-};
-
+// chose are read, each once, on its own tokens. As o_proj_mlp, each projection is K-split over
+// the cores (contiguous weight rows per unit). Phases: gate and up of every touched expert; the
+// activation, by (expert, block of F columns); down; the weighted sums, by token. A row's result
+// depends only on its token (batch invariance).
 template <typename T>
 void moe_experts(ffi::ThreadPool& pool, const T* x, const int32_t* chosen, const float* weights, const T* wg,
                  const T* wu, const T* wd, int64_t t, int64_t k, int64_t e, int64_t d, int64_t f, T* y) {
   // The (token, choice) pairs sorted by expert, tokens in order within an expert (a counting sort).
   std::vector<int64_t> starts(e + 1, 0), pair_row(t * k, -1);
   for (int64_t i = 0; i < t * k; ++i)
-    if (chosen[i] >= 0 && chosen[i] < e) ++starts[chosen[i] + 1];
+    if (chosen[i] >= 0 && chosen[i] < e) ++starts[chosen[i] + 1];  // no such expert: the pair adds nothing
   for (int64_t ex = 0; ex < e; ++ex) starts[ex + 1] += starts[ex];
   std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
   const int64_t rows = starts[e];
-  std::vector<float> xs(rows * d);  // x's rows in sorted order
-  for (int64_t i = 0; i < t * k; ++i) {
-    if (chosen[i] < 0 || chosen[i] >= e) continue;  // no such expert: the pair adds nothing
-    const int64_t r = pair_row[i] = fill[chosen[i]]++;
-    for (int64_t c = 0; c < d; ++c) xs[r * d + c] = load(x[(i / k) * d + c]);
+  std::vector<T> xs(rows * d);  // x's rows in sorted order
+  for (int64_t i = 0; i < t * k; ++i)
+    if (chosen[i] >= 0 && chosen[i] < e) {
+      pair_row[i] = fill[chosen[i]]++;
+      std::copy(x + (i / k) * d, x + (i / k + 1) * d, xs.begin() + pair_row[i] * d);
+    }
+  std::vector<float> act(rows * f);
+  std::vector<int64_t> touched;
+  std::vector<Projection<T, T>> gate, up;
+  std::vector<Projection<float, T>> down;
+  gate.reserve(e), up.reserve(e), down.reserve(e);
+  for (int64_t ex = 0; ex < e; ++ex) {
+    const int64_t m = starts[ex + 1] - starts[ex];
+    if (m == 0) continue;
+    touched.push_back(ex);
+    gate.emplace_back(xs.data() + starts[ex] * d, wg + ex * d * f, m, d, f);
+    up.emplace_back(xs.data() + starts[ex] * d, wu + ex * d * f, m, d, f);
+    down.emplace_back(act.data() + starts[ex] * f, wd + ex * f * d, m, f, d);
   }
-  std::vector<RowBlock> blocks;
-  for (int64_t ex = 0; ex < e; ++ex)
-    for (int64_t r = starts[ex]; r < starts[ex + 1]; r += kMaxRows)
-      blocks.push_back({ex, r, std::min(kMaxRows, starts[ex + 1] - r)});
-  std::vector<float> gate(rows * f), up(rows * f), act(rows * f), down(rows * d);
-  const int64_t f_units = (f + kExpertColumns - 1) / kExpertColumns, d_units = (d + kExpertColumns - 1) / kExpertColumns;
-  const int64_t nb = int64_t(blocks.size());
-  run_phases(pool, {nb * f_units, nb * d_units, t}, [&](size_t phase, int64_t i) {
-    if (phase == 2) {  // token i's weighted sum, in ascending expert order as the expert loop adds them
-      std::vector<std::pair<int32_t, int64_t>> mine;  // (expert, pair)
-      for (int64_t j = 0; j < k; ++j)
-        if (pair_row[i * k + j] >= 0) mine.push_back({chosen[i * k + j], i * k + j});
-      std::sort(mine.begin(), mine.end());
-      for (int64_t c = 0; c < d; ++c) {
-        float sum = 0.0f;
-        for (const auto& [ex, pair] : mine) sum += down[pair_row[pair] * d + c] * weights[pair];
-        store(sum, y + i * d + c);
+  const int64_t n = int64_t(touched.size()), split = split_count(d), down_split = split_count(f);
+  const int64_t act_blocks = (f + kReduceBlock - 1) / kReduceBlock;
+  run_phases(pool, {2 * n * split, n * act_blocks, n * down_split, t}, [&](size_t phase, int64_t i) {
+    switch (phase) {
+      case 0: return (i % 2 ? up : gate)[i / 2 / split].run(i / 2 % split);
+      case 1: {
+        const int64_t j = i / act_blocks, block = i % act_blocks, first = starts[touched[j]];
+        for (int64_t r = 0; r < gate[j].m; ++r)
+          for (int64_t c = block * kReduceBlock; c < std::min(f, (block + 1) * kReduceBlock); ++c) {
+            const float g = rounded<T>(gate[j].sum(r, c)), u = rounded<T>(up[j].sum(r, c));
+            act[(first + r) * f + c] = rounded<T>(rounded<T>(g / (1.0f + std::exp(-g))) * u);
+          }
+        return;
       }
-      return;
-    }
-    const int64_t n = phase == 0 ? f : d, units = phase == 0 ? f_units : d_units;
-    const RowBlock& b = blocks[i / units];
-    const int64_t col0 = (i % units) * kExpertColumns, cols = std::min(kExpertColumns, n - col0);
-    if (phase == 1) {
-      matmul_columns(act.data() + b.first * f, wd + b.expert * f * d, down.data() + b.first * d, b.count, f, d, col0,
-                     cols);
-      for (int64_t r = b.first; r < b.first + b.count; ++r)
-        for (int64_t c = col0; c < col0 + cols; ++c) down[r * d + c] = rounded<T>(down[r * d + c]);
-      return;
-    }
-    matmul_columns(xs.data() + b.first * d, wg + b.expert * d * f, gate.data() + b.first * f, b.count, d, f, col0, cols);
-    matmul_columns(xs.data() + b.first * d, wu + b.expert * d * f, up.data() + b.first * f, b.count, d, f, col0, cols);
-    for (int64_t r = b.first; r < b.first + b.count; ++r)
-      for (int64_t c = col0; c < col0 + cols; ++c) {  // rounded where the model's dtype rounds, as o_proj_mlp
-        const float g = rounded<T>(gate[r * f + c]), u = rounded<T>(up[r * f + c]);
-        act[r * f + c] = rounded<T>(rounded<T>(g / (1.0f + std::exp(-g))) * u);
+      case 2: return down[i / down_split].run(i % down_split);
+      default: {  // token i's weighted sum, in ascending expert order as the expert loop adds them
+        struct Pick {
+          int64_t at, row;  // index among the touched experts, row among its tokens
+          float weight;
+          bool operator<(const Pick& o) const { return at < o.at; }
+        };
+        std::vector<Pick> mine;
+        for (int64_t j = 0; j < k; ++j)
+          if (pair_row[i * k + j] >= 0) {
+            const int64_t ex = chosen[i * k + j];
+            const int64_t at = std::lower_bound(touched.begin(), touched.end(), ex) - touched.begin();
+            mine.push_back({at, pair_row[i * k + j] - starts[ex], weights[i * k + j]});
+          }
+        std::sort(mine.begin(), mine.end());
+        for (int64_t c = 0; c < d; ++c) {
+          float sum = 0.0f;
+          for (const Pick& p : mine) sum += rounded<T>(down[p.at].sum(p.row, c)) * p.weight;
+          store(sum, y + i * d + c);
+        }
       }
+    }
   });
 }
 
