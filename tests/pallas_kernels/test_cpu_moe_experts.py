@@ -25,7 +25,7 @@ def built():
 
 
 def make_experts(num_experts: int, dtype, seed: int) -> moe.Experts:
-    """D 200 and F 300: several column blocks per projection (128 columns each), the last ragged."""
+    """D 200 and F 300: the projections split over K unevenly, activation blocks (256 columns) ragged."""
     cfg = ModelConfig(
         architecture="MixtralForCausalLM",
         vocab_size=97,
@@ -65,7 +65,7 @@ def kernel(experts: moe.Experts, x, weights, chosen):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("tokens", "k"), [(1, 1), (1, 2), (3, 2), (3, 8), (64, 1), (64, 2), (64, 8)])
 def test_kernel_equals_float64_and_the_expert_loop(tokens, k, dtype):
-    """k 8 of 8 experts touches all; 64 tokens give an expert more than 16 rows (several row blocks)."""
+    """k 8 of 8 experts touches all; k 1 and 2 leave some untouched (their weights NaN)."""
     experts = make_experts(8, dtype, seed=tokens * 10 + k)
     x, weights, chosen = routed(tokens, 8, k, seed=k, dtype=dtype)
     loop = np.asarray(moe.run_touched_experts(experts, x, weights, chosen, 8), np.float64)
@@ -85,7 +85,7 @@ def test_kernel_equals_float64_and_the_expert_loop(tokens, k, dtype):
 
 
 def test_one_expert_chosen_by_every_token():
-    """All 40 tokens chose expert 6 (40 rows: three row blocks), half of them expert 1 too."""
+    """All 40 tokens chose expert 6, half of them expert 1 too, the other half expert 2."""
     experts = make_experts(8, jnp.float32, seed=5)
     x, weights, _ = routed(40, 8, 2, seed=5, dtype=jnp.float32)
     chosen = jnp.asarray([[6, 1] if t % 2 else [2, 6] for t in range(40)], jnp.int32)
