@@ -672,9 +672,88 @@ void o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, const T* wo, c
   });
 }
 
+// ---- A mixture of experts for a few tokens: JaxserveMoeExperts ----
+//
+// y[t] = sum over token t's choices j of weights[t, j] * expert_{chosen[t, j]}(x[t]), each expert
+// down(silu(gate(x)) * up(x)) on weights stacked [E, D, F] (gate, up) and [E, F, D] (down), as
+// moe.run_touched_experts computes it: float32 sums, each projection rounded to the model's dtype,
+// and a token's weighted outputs added in ascending expert order. Only the experts some token
+// chose are read, each once, on its own tokens. As o_proj_mlp, each projection is K-split over
+// the cores (contiguous weight rows per unit). Phases: gate and up of every touched expert; the
+// activation, by (expert, block of F columns); down; the weighted sums, by token. A row's result
+// depends only on its token (batch invariance).
+template <typename T>
+void moe_experts(ffi::ThreadPool& pool, const T* x, const int32_t* chosen, const float* weights, const T* wg,
+                 const T* wu, const T* wd, int64_t t, int64_t k, int64_t e, int64_t d, int64_t f, T* y) {
+  // The (token, choice) pairs sorted by expert, tokens in order within an expert (a counting sort).
+  std::vector<int64_t> starts(e + 1, 0), pair_row(t * k, -1);
+  for (int64_t i = 0; i < t * k; ++i)
+    if (chosen[i] >= 0 && chosen[i] < e) ++starts[chosen[i] + 1];  // no such expert: the pair adds nothing
+  for (int64_t ex = 0; ex < e; ++ex) starts[ex + 1] += starts[ex];
+  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+  const int64_t rows = starts[e];
+  std::vector<T> xs(rows * d);  // x's rows in sorted order
+  for (int64_t i = 0; i < t * k; ++i)
+    if (chosen[i] >= 0 && chosen[i] < e) {
+      pair_row[i] = fill[chosen[i]]++;
+      std::copy(x + (i / k) * d, x + (i / k + 1) * d, xs.begin() + pair_row[i] * d);
+    }
+  std::vector<float> act(rows * f);
+  std::vector<int64_t> touched;
+  std::vector<Projection<T, T>> gate, up;
+  std::vector<Projection<float, T>> down;
+  gate.reserve(e), up.reserve(e), down.reserve(e);
+  for (int64_t ex = 0; ex < e; ++ex) {
+    const int64_t m = starts[ex + 1] - starts[ex];
+    if (m == 0) continue;
+    touched.push_back(ex);
+    gate.emplace_back(xs.data() + starts[ex] * d, wg + ex * d * f, m, d, f);
+    up.emplace_back(xs.data() + starts[ex] * d, wu + ex * d * f, m, d, f);
+    down.emplace_back(act.data() + starts[ex] * f, wd + ex * f * d, m, f, d);
+  }
+  const int64_t n = int64_t(touched.size()), split = split_count(d), down_split = split_count(f);
+  const int64_t act_blocks = (f + kReduceBlock - 1) / kReduceBlock;
+  run_phases(pool, {2 * n * split, n * act_blocks, n * down_split, t}, [&](size_t phase, int64_t i) {
+    switch (phase) {
+      case 0: return (i % 2 ? up : gate)[i / 2 / split].run(i / 2 % split);
+      case 1: {
+        const int64_t j = i / act_blocks, block = i % act_blocks, first = starts[touched[j]];
+        for (int64_t r = 0; r < gate[j].m; ++r)
+          for (int64_t c = block * kReduceBlock; c < std::min(f, (block + 1) * kReduceBlock); ++c) {
+            const float g = rounded<T>(gate[j].sum(r, c)), u = rounded<T>(up[j].sum(r, c));
+            act[(first + r) * f + c] = rounded<T>(rounded<T>(g / (1.0f + std::exp(-g))) * u);
+          }
+        return;
+      }
+      case 2: return down[i / down_split].run(i % down_split);
+      default: {  // token i's weighted sum, in ascending expert order as the expert loop adds them
+        struct Pick {
+          int64_t at, row;  // index among the touched experts, row among its tokens
+          float weight;
+          bool operator<(const Pick& o) const { return at < o.at; }
+        };
+        std::vector<Pick> mine;
+        for (int64_t j = 0; j < k; ++j)
+          if (pair_row[i * k + j] >= 0) {
+            const int64_t ex = chosen[i * k + j];
+            const int64_t at = std::lower_bound(touched.begin(), touched.end(), ex) - touched.begin();
+            mine.push_back({at, pair_row[i * k + j] - starts[ex], weights[i * k + j]});
+          }
+        std::sort(mine.begin(), mine.end());
+        for (int64_t c = 0; c < d; ++c) {
+          float sum = 0.0f;
+          for (const Pick& p : mine) sum += rounded<T>(down[p.at].sum(p.row, c)) * p.weight;
+          store(sum, y + i * d + c);
+        }
+      }
+    }
+  });
+}
+
 bool is_float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
-bool shape_is(const ffi::AnyBuffer& b, std::initializer_list<int64_t> dims) {
+template <typename Buffer>
+bool shape_is(const Buffer& b, std::initializer_list<int64_t> dims) {
   auto got = b.dimensions();
   return got.size() == dims.size() && std::equal(dims.begin(), dims.end(), got.begin());
 }
@@ -733,6 +812,30 @@ ffi::Error OProjMLP(ffi::ThreadPool pool, ffi::AnyBuffer attn, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> chosen,
+                      ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  const auto t = x.element_type();
+  for (auto type : {wg.element_type(), wu.element_type(), wd.element_type(), y->element_type()})
+    if (!is_float(t) || type != t) return ffi::Error::InvalidArgument("x, the experts and y must be float32, or bfloat16");
+  auto xd = x.dimensions(), cd = chosen.dimensions(), gd = wg.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || gd.size() != 3)
+    return ffi::Error::InvalidArgument("expected x [T, D], chosen and weights [T, k], experts [E, D, F]");
+  const int64_t n = xd[0], d = xd[1], k = cd[1], e = gd[0], f = gd[2];
+  if (cd[0] != n || !shape_is(weights, {n, k}) || !shape_is(wg, {e, d, f}) || !shape_is(wu, {e, d, f}) ||
+      !shape_is(wd, {e, f, d}) || !shape_is(*y, {n, d}))
+    return ffi::Error::InvalidArgument("inconsistent shapes for moe_experts");
+  if (t == ffi::DataType::F32)
+    moe_experts<float>(pool, x.typed_data<float>(), chosen.typed_data(), weights.typed_data(), wg.typed_data<float>(),
+                       wu.typed_data<float>(), wd.typed_data<float>(), n, k, e, d, f, y->typed_data<float>());
+  else {
+    auto in = [](const ffi::AnyBuffer& b) { return static_cast<const uint16_t*>(b.untyped_data()); };
+    moe_experts<uint16_t>(pool, in(x), chosen.typed_data(), weights.typed_data(), in(wg), in(wu), in(wd), n, k, e, d, f,
+                          static_cast<uint16_t*>(y->untyped_data()));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
@@ -784,3 +887,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveOProjMLP, OProjMLP,
                                   .Arg<ffi::AnyBuffer>()  // w_down
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeExperts, MoeExperts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // chosen experts [T, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // their routing weights [T, k]
+                                  .Arg<ffi::AnyBuffer>()  // gate [E, D, F]
+                                  .Arg<ffi::AnyBuffer>()  // up [E, D, F]
+                                  .Arg<ffi::AnyBuffer>()  // down [E, F, D]
+                                  .Ret<ffi::AnyBuffer>());

@@ -12,6 +12,9 @@
   step, in blocks of output columns over XLA's thread pool. The engine uses it for a tied
   LM head, `x @ table.T`, where XLA's CPU dot is slow (17.8 against 3.3 ms alone, for
   SmolLM2-135M's table and one row).
+- `moe_experts` is a mixture of SwiGLU experts for the few tokens of a decode step, as
+  jaxserve.model.moe.run_touched_experts computes it, in one call that reads only the
+  experts the tokens chose (XLA runs the loop over experts as a chain of small ops).
 
 `build(cache_dir)` compiles the source with the system C++ compiler (`$CXX`, else `c++`)
 against the FFI headers that jaxlib ships. It writes `cache_dir/cpu_kernels/<key>.so`, the
@@ -47,6 +50,7 @@ ATTENTION_TARGET = "jaxserve_ragged_paged_attention"
 MATMUL_TARGET = "jaxserve_small_matmul"
 NORM_QKV_TARGET = "jaxserve_norm_qkv"
 O_PROJ_MLP_TARGET = "jaxserve_o_proj_mlp"
+MOE_EXPERTS_TARGET = "jaxserve_moe_experts"
 MAX_ROWS = 16  # the most rows of x small_matmul takes
 # The most rows the decoder-layer kernels (norm_qkv, o_proj_mlp) serve in the engine. For
 # SmolLM2-135M's 30 layers on two cores they take 18.7 / 22.8 / 26.8 / 36.0 / 59.2 ms at
@@ -107,6 +111,7 @@ def _build(cache_dir: Path) -> str | None:
         (MATMUL_TARGET, lib.JaxserveSmallMatmul),
         (NORM_QKV_TARGET, lib.JaxserveNormQKV),
         (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP),
+        (MOE_EXPERTS_TARGET, lib.JaxserveMoeExperts),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _built["library"] = lib  # keep it loaded
@@ -267,3 +272,23 @@ def o_proj_mlp(
     _check_block("o_proj_mlp", attn, x, wo, norm_weight, w_gate, w_up, w_down)
     call = jax.ffi.ffi_call(O_PROJ_MLP_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
     return call(attn, x, wo, norm_weight, w_gate, w_up, w_down, eps=np.float32(eps))
+
+
+def moe_experts(
+    x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = chosen[t, j], for
+    x [T, D]; chosen int32 and weights [T, k]; gate and up [E, D, F], down [E, F, D] (ExpertLinear's
+    kernels). float32 or bfloat16 x and experts, one dtype; the result [T, D] in x's dtype, rounded
+    as moe.run_touched_experts rounds. Any T, but each expert's weights are read once per 16 of
+    its tokens: meant for decode steps. Not differentiable."""
+    _check_built()
+    if x.ndim != 2 or chosen.ndim != 2 or chosen.shape != weights.shape or chosen.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"moe_experts takes x [T, D], chosen and weights [T, k], got {x.shape}, {chosen.shape}, {weights.shape}"
+        )
+    dtypes = sorted({str(a.dtype) for a in (x, gate, up, down)})
+    if x.dtype not in KV_DTYPES or len(dtypes) > 1:
+        raise ValueError(f"moe_experts takes float32 or bfloat16 x and experts of one dtype, got {dtypes}")
+    call = jax.ffi.ffi_call(MOE_EXPERTS_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
+    return call(x, chosen.astype(jnp.int32), weights.astype(jnp.float32), gate, up, down)

@@ -10,7 +10,8 @@ layouts of jaxserve.model.quantization). The T * k (token, expert) pairs are sor
 expert, so each expert's rows are contiguous, and run as grouped matmuls
 (pallas_kernels.grouped_matmul); the results are put back in token order and summed.
 A step of few tokens (a decode step, up to EXPERT_LOOP_MAX_TOKENS) runs the experts its tokens
-touched one after another instead (`run_touched_experts`). Parameter names follow Hugging Face's per-expert tensors
+touched one after another instead (`run_touched_experts`, or the same in one C++ call on the
+CPU). Parameter names follow Hugging Face's per-expert tensors
 (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` is row e of `experts.gate_proj.kernel`,
 transposed; Mixtral's `block_sparse_moe.experts.{e}.w1` is the same, see weights.params).
 """
@@ -24,6 +25,7 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.mlp import MLP
 from jaxserve.model.quantization import QuantConfig
+from pallas_kernels import cpu_kernels
 from pallas_kernels.grouped_matmul import (
     fp8_grouped_matmul_reference,
     grouped_matmul_reference,
@@ -219,6 +221,17 @@ def run_touched_experts(
     return jax.lax.fori_loop(0, num_experts, add_expert, jnp.zeros(x.shape, jnp.float32)).astype(x.dtype)
 
 
+def run_touched_experts_in_cpp(
+    experts: Experts, x: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int
+) -> jax.Array:
+    """`run_touched_experts` as one call of the C++ CPU kernel (pallas_kernels.cpu_kernels.moe_experts,
+    built and registered first): each touched expert runs on its own tokens only, over both cores.
+    XLA runs the loop as many small ops, each paying a dispatch and a wake-up of its thread pool."""
+    del num_experts  # the kernel reads E from the stacked weights
+    gate, up, down = experts.gate_proj.kernel[...], experts.up_proj.kernel[...], experts.down_proj.kernel[...]
+    return cpu_kernels.moe_experts(x, chosen, weights, gate, up, down)
+
+
 def moe_layers(model: nnx.Module) -> list[tuple[str, SparseMoE]]:
     """(path, layer) of every mixture-of-experts MLP in the model."""
     return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)]
@@ -229,11 +242,13 @@ class SparseMoE(nnx.Module):
 
     `experts_runner`: how the routed tokens reach the experts, `run_experts`'s signature;
     jaxserve.parallel.experts sets it to split the experts over a mesh (expert parallelism).
-    `expert_loop_max_tokens`: steps of up to that many tokens run `run_touched_experts`
-    instead (float experts on one CPU device; select_matmul sets it, 0: never)."""
+    `expert_loop_max_tokens`: steps of up to that many tokens run `few_tokens_runner`
+    instead (float experts on one CPU device; select_matmul sets it, 0: never):
+    `run_touched_experts`, or `run_touched_experts_in_cpp` where the CPU kernels build."""
 
     experts_runner = staticmethod(run_experts)
     expert_loop_max_tokens = 0
+    few_tokens_runner = staticmethod(run_touched_experts)
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         self.cfg = cfg
@@ -255,7 +270,7 @@ class SparseMoE(nnx.Module):
             )
         with jax.named_scope("moe_experts"):
             few = x.shape[0] <= self.expert_loop_max_tokens and isinstance(self.experts.gate_proj, ExpertLinear)
-            run = run_touched_experts if few else self.experts_runner
+            run = self.few_tokens_runner if few else self.experts_runner
             y = run(self.experts, x, weights, chosen, cfg.num_experts)
         if cfg.shared_expert_intermediate_size:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -22,7 +22,14 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import AttentionFn, FewRowKernels, has_plain_projections
-from jaxserve.model.moe import EXPERT_LOOP_MAX_TOKENS, expert_layers, moe_layers
+from jaxserve.model.moe import (
+    EXPERT_LOOP_MAX_TOKENS,
+    ExpertLinear,
+    expert_layers,
+    moe_layers,
+    run_touched_experts,
+    run_touched_experts_in_cpp,
+)
 from jaxserve.model.quantization import quantized_layers, use_kernel_layout
 from jaxserve.model.sizing import per_device_config
 from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
@@ -169,11 +176,16 @@ def select_expert_matmul(name: str, model, device: jax.Device, tp: int) -> None:
     the Mosaic GPU kernels where they can (pallas_kernels.grouped_matmul_mgpu), converting
     quantized experts once to their layout; otherwise the pure-JAX references
     (jax.lax.ragged_dot). On one CPU device ("auto", "cpu"), steps of up to
-    EXPERT_LOOP_MAX_TOKENS tokens run only the experts they touch (moe.run_touched_experts):
-    XLA's CPU ragged_dot computes every expert on every row."""
+    EXPERT_LOOP_MAX_TOKENS tokens run only the experts they touch: XLA's CPU ragged_dot
+    computes every expert on every row. They run in the C++ kernel (moe.run_touched_experts_in_cpp)
+    where the CPU kernels serve the dense products too, else as a lax loop (moe.run_touched_experts)."""
     loop = name in ("auto", "cpu") and device.platform == "cpu" and tp == 1
-    for _, moe in moe_layers(model):
-        moe.expert_loop_max_tokens = EXPERT_LOOP_MAX_TOKENS if loop else 0
+    float_experts = any(isinstance(layer, ExpertLinear) for _, layer in expert_layers(model))
+    cpp_reason = "the experts are quantized" if not float_experts else None
+    cpp_reason = cpp_reason or (dense_matmul_unsupported_reason(model, device, tp) if loop else "not on one CPU device")
+    for _, layer in moe_layers(model):
+        layer.expert_loop_max_tokens = EXPERT_LOOP_MAX_TOKENS if loop else 0
+        layer.few_tokens_runner = run_touched_experts if cpp_reason else run_touched_experts_in_cpp
     reason = "not asked for" if name in ("cpu", "reference") else expert_matmul_unsupported_reason(model, device, tp)
     if reason is None:
         layers = expert_layers(model)
@@ -181,7 +193,10 @@ def select_expert_matmul(name: str, model, device: jax.Device, tp: int) -> None:
             layer.use_kernel_layout()
         logger.info("experts: Mosaic GPU grouped matmul on %s (%d projections)", device.device_kind, len(layers))
     else:
-        few = f"; the touched experts alone for steps of up to {EXPERT_LOOP_MAX_TOKENS} tokens" if loop else ""
+        few = ""
+        if loop:
+            how = "C++ kernel" if cpp_reason is None else f"lax loop; C++ kernel not used: {cpp_reason}"
+            few = f"; the touched experts alone for steps of up to {EXPERT_LOOP_MAX_TOKENS} tokens ({how})"
         logger.info("experts: grouped matmul reference (ragged_dot) on %s%s (%s)", device.device_kind, few, reason)
 
 
