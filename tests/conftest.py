@@ -36,6 +36,12 @@ def compilation_cache(tmp_path_factory):
     from jaxserve.engine.builder import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("JAXSERVE_CACHE") or tmp_path_factory.mktemp("jaxserve-cache"))
+    import jax
+
+    # NOTE: only programs that took a second to compile are written. Writing serializes the
+    # executable, and XLA's CPU serialize() segfaulted late in full CI runs (twice in
+    # put_executable_and_time, 2026-12-04 and 12-05); the slow compiles are what the cache saves.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 @pytest.fixture(autouse=True)
