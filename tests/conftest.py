@@ -7,9 +7,9 @@ collects the folder, before any of its test modules is imported; the session's c
 cache is switched on only once jax is loaded.
 """
 
+import gc
 import os
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -36,46 +36,41 @@ def compilation_cache(tmp_path_factory):
     from jaxserve.engine.builder import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("JAXSERVE_CACHE") or tmp_path_factory.mktemp("jaxserve-cache"))
-    import jax
-
-    # NOTE: only programs that took a second to compile are written. Writing serializes the
-    # executable, and XLA's CPU serialize() segfaulted late in full CI runs (twice in
-    # put_executable_and_time, 2026-12-04 and 12-05); the slow compiles are what the cache saves.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-@pytest.fixture(autouse=True)
-def interpreter_threads_compile_one_at_a_time(request, monkeypatch):
-    """Tests of the Mosaic GPU interpreter compile its simulated threads' programs one at a
-    time, without the persistent XLA cache. The interpreter (jax's thread_map) traces and
-    compiles each thread's program in a Python thread of its own, all at once; on a busy
-    2-core machine that crashed the whole run twice (segfaults in CI 2026-12-04: once in
-    compilation_cache.put_executable_and_time, once with writes already off). A lock around
-    the compile leaves one compile that the other threads find in jax's in-memory cache;
-    the threads still run together, as the kernels' barriers need."""
-    if request.node.get_closest_marker("interpret") is None or "jax" not in sys.modules:
-        yield
+@pytest.fixture(scope="module", autouse=True)
+def free_compiled_programs():
+    """Each test module's compiled XLA programs are freed when it ends. Every executable
+    jax keeps maps a few memory regions, and a full run compiles thousands: the process
+    passed Linux's limit of 65530 maps (vm.max_map_count) about two thirds of the way
+    through, and the next compile or cache write segfaulted when its mmap failed. The
+    persistent cache makes the next module's recompiles cheap."""
+    yield
+    if "jax" not in sys.modules:
         return
     import jax
-    from jax._src.pallas.mosaic.interpret import thread_map
-    from jax.experimental.compilation_cache import compilation_cache
 
-    compile_lock = threading.Lock()
+    jax.clear_caches()
+    gc.collect()
+    maps = _memory_map_count()
+    if maps is not None and maps > _MAX_MAPS_AFTER_A_MODULE:
+        raise RuntimeError(
+            f"{maps} memory maps are still held after freeing the compiled programs, near Linux's "
+            "limit of 65530 (vm.max_map_count): something keeps executables alive, and the run "
+            "would segfault in a later compile"
+        )
 
-    def run_jaxpr(jaxpr, consts, *args):
-        with compile_lock:
-            compiled = jax.jit(thread_map._run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-        compiled(consts, *args)
 
-    monkeypatch.setattr(thread_map, "_run_jaxpr", run_jaxpr)  # raises if jax renames it
-    cache_was_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+# Half the kernel's default vm.max_map_count: one module's compiles must fit in the rest.
+_MAX_MAPS_AFTER_A_MODULE = 32768
+
+
+def _memory_map_count() -> int | None:
     try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was_on)
-        compilation_cache.reset_cache()
+        with open(f"/proc/{os.getpid()}/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return None
 
 
 @pytest.fixture(scope="session")
@@ -201,8 +196,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("hf")
         if item.get_closest_marker("default_model"):
             item.add_marker("slow")
-    # The Mosaic GPU interpreter's tests first, in a process nothing else has run in yet: CI
-    # crashed three times inside them (segfaults in XLA's compile and cache code, called from
-    # the interpreter's threads), always late in a full run at about 85 %, never in a run of
-    # them alone. See interpreter_threads_compile_one_at_a_time.
-    items.sort(key=lambda item: item.get_closest_marker("interpret") is None)  # stable: the rest keep their order
