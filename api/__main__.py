@@ -155,6 +155,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_flags(p)
     add_lora_flags(p)
     p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key when set); "
+        "on by default where VLLM_ALLOW_RUNTIME_LORA_UPDATING is true, as in vLLM",
+    )
+    p.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,
@@ -316,6 +323,8 @@ def main(argv=None) -> int:
             raise ValueError("--role hands KV over through the prefix cache: drop --no-enable-prefix-caching")
         check_reply_parsers(args)  # before the model loads: a misspelt name fails at once
         lora_requests(args)
+        if args.allow_runtime_lora_updating and not args.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
         if args.enable_lora and (args.data_parallel_size > 1 or args.nnodes > 1):
             raise ValueError("--enable-lora does not run with --data-parallel-size or --nnodes > 1 yet")
         check_model_reference(args.model, args.revision)
@@ -408,6 +417,7 @@ def main(argv=None) -> int:
             engine,
             model_name=args.served_model_name,
             lora_modules=loras,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             api_key=args.api_key,
             max_waiting=args.max_waiting,
             max_request_sequences=args.max_request_sequences,

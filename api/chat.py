@@ -48,7 +48,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         "id": run.call_id,
         "object": "chat.completion",
         "created": run.created,
-        "model": state.model_name,
+        "model": state.reported_model(body.model),
         "system_fingerprint": None,
     }
 

@@ -70,7 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             stream=body.stream,
         )
     echo = prompt_texts if body.echo else None
-    header = {"id": call_id, "object": "text_completion", "created": created, "model": state.model_name}
+    header = {"id": call_id, "object": "text_completion", "created": created, "model": state.reported_model(body.model)}
 
     if body.stream:
         events = stream_events(generation, tally, header, body, _chunk_choice(tally, body, state, echo, prompts))

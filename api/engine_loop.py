@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
 from api.metrics import Metrics
@@ -87,6 +87,12 @@ class _Add:
 @dataclasses.dataclass
 class _Abort:
     request_id: str
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Any], Any]  # called with the engine, between steps
+    future: asyncio.Future
 
 
 @dataclasses.dataclass
@@ -172,7 +178,7 @@ class EngineLoop:
             if command is _STOP:  # for the engine thread
                 self._commands.put(_STOP)
                 return
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Call)):
                 self._resolve(command.future, dead)
 
     @property
@@ -266,6 +272,18 @@ class EngineLoop:
         """Stop a request (if it still runs) and free its blocks; does not wait."""
         self._commands.put(_Abort(request_id))
 
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread between two steps (the engine is not
+        thread-safe); the future gets its result or its exception."""
+        future = self._loop.create_future()
+        if self.error is not None:
+            future.set_exception(self.dead_error())
+            return future
+        self._commands.put(_Call(fn, future))
+        if self.error is not None:  # fail() ran meanwhile, from another thread
+            self._refuse_queued()
+        return future
+
     def generation(self, request_ids: list[str]) -> Generation:
         return Generation(self, request_ids)
 
@@ -317,6 +335,14 @@ class EngineLoop:
                 self.metrics.request_aborted(command.request_id)
             self._streams.pop(command.request_id, None)
             return
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as e:  # the caller's to report
+                self._resolve(command.future, e)
+            else:
+                self._loop.call_soon_threadsafe(_settle, command.future, None, result)
+            return
         self._taken += command.params.n  # queued or refused below, it is no longer in transit
         try:
             self.engine.add_request(
@@ -359,7 +385,7 @@ class EngineLoop:
         batch = [(s.queue, dead) for s in self._streams.values()]
         self._streams.clear()
         for command in commands:  # adds of this batch not answered yet (_settle skips answered ones)
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Call)):
                 self._resolve(command.future, dead)
         if batch:
             self._loop.call_soon_threadsafe(_put_all, batch)
@@ -368,7 +394,7 @@ class EngineLoop:
         """After a failure: answer the adds queued behind it, and any that come later."""
         dead = self.dead_error()
         while (command := self._commands.get()) is not _STOP:
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Call)):
                 self._resolve(command.future, dead)
 
     def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
@@ -485,10 +511,10 @@ def _put_all(batch) -> None:
         q.put_nowait(item)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if future.done():  # the caller went away while waiting
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

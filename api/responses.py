@@ -282,7 +282,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     except APIError as e:
         e.param = _param(e.param)
         raise
-    shell = _response_shell(body, state.model_name, response_id, run.created)
+    shell = _response_shell(body, state.reported_model(body.model), response_id, run.created)
 
     def finished(response: dict) -> dict:
         if body.store:

@@ -4,7 +4,8 @@
     uvicorn.run(app)            # or: python -m api
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], vLLM's
-POST /tokenize, POST /detokenize and GET /version (api.tokenize_routes),
+POST /tokenize, POST /detokenize and GET /version (api.tokenize_routes), vLLM's
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (api.lora_routes, when allowed),
 GET /health (200 while the engine thread is alive, 503 after it failed), GET /metrics
 (Prometheus text), GET /openapi.json (their schema: api.openapi). With an API key, every /v1
 request needs `Authorization: Bearer <key>`, checked before its body is read; the routes outside
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from api import chat, completions, openapi, responses, router_compat, tokenize_routes
+from api import chat, completions, lora_routes, openapi, responses, router_compat, tokenize_routes
 from api.disagg import DisaggRole
 from api.disagg import router as disagg_routes
 from api.engine_loop import EngineLoop
@@ -71,6 +73,7 @@ def create_app(
     *,
     model_name: str | Sequence[str] | None = None,
     lora_modules: Sequence[LoRARequest] = (),
+    allow_runtime_lora_updating: bool = False,
     api_key: str | None = None,
     max_waiting: int | None = None,
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES,
@@ -94,6 +97,7 @@ def create_app(
     `model_name`: the name clients pass as `model`, or several (the first is the one
     responses report); `lora_modules`: LoRA adapters a request's `model` may name instead (the
     engine needs enable_lora; each is read and checked now, a ValueError if it cannot be served);
+    `allow_runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter;
     `chat_template` replaces the tokenizer's; `enable_prompt_tokens_details`:
     report usage.prompt_tokens_details.cached_tokens (the prefix cache's hits); `cors`: CORSMiddleware's
     arguments (allow_origins, ...), None for no CORS headers;
@@ -117,6 +121,8 @@ def create_app(
     )
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     model_name, aliases = (names[0], tuple(names[1:])) if names else (default_model_name(engine), ())
+    if allow_runtime_lora_updating and engine.loras is None:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     for lora in lora_modules:
         if lora.lora_name == model_name or lora.lora_name in aliases:
             raise ValueError(f"the LoRA adapter name {lora.lora_name!r} is already the model's name")
@@ -149,6 +155,8 @@ def create_app(
         max_request_sequences,
         aliases=aliases,
         lora_modules={lora.lora_name: lora for lora in lora_modules},
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
+        lora_ids=itertools.count(max((lora.lora_int_id for lora in lora_modules), default=0) + 1),
         chat_template=chat_template,
         trust_request_chat_template=trust_request_chat_template,
         max_logprobs=max_logprobs,
@@ -181,6 +189,7 @@ def create_app(
     app.include_router(responses.router)
     app.state.responses = responses.ResponseStore()  # for previous_response_id
     app.include_router(tokenize_routes.router)
+    app.include_router(lora_routes.router)
     if disagg is not None:  # offers are bound to the name clients use; decode servers claim them here
         disagg.model_name = model_name
         app.include_router(disagg_routes)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -59,6 +60,9 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()  # more names clients may pass as `model` (--served-model-name a b)
     lora_modules: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)  # --lora-modules, by name
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (api.lora_routes)
+    allow_runtime_lora_updating: bool = False
+    lora_ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))  # for adapters loaded later
     chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     max_logprobs: int = SamplingParams.MAX_LOGPROBS  # most logprobs/top_logprobs a request may ask for
@@ -89,6 +93,10 @@ class ServerState:
         names = (self.model_name, *self.aliases, *self.lora_modules)
         if model is not None and model not in names:
             raise model_not_found(model)
+
+    def reported_model(self, model: str | None) -> str:
+        """The `model` a reply reports: the adapter's name for an adapter, as vLLM, else the served name."""
+        return model if model is not None and model in self.lora_modules else self.model_name
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""

@@ -42,6 +42,7 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.profiling import NullProfiler, StepProfiler
 from jaxserve.engine.tokenization import encode_prompt
 from jaxserve.lora.host_cache import LoRAHostCache
+from jaxserve.lora.peft_adapter import LoRAAdapter
 from jaxserve.lora.request import LoRARequest
 from jaxserve.model.kv_cache import KVHandoff, kv_dtype_label
 from jaxserve.parallel.sharding import resident_bytes
@@ -229,11 +230,12 @@ class LLMEngine:
         for req in samples:
             self.scheduler.add_request(req)
 
-    def register_lora(self, lora_request: LoRARequest) -> None:
-        """Read and check an adapter now (a ValueError if it cannot be served), before a request names it."""
+    def register_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Read and check an adapter now (a ValueError if it cannot be served), before a request
+        names it; `adapter`: read already (`self.loras.read`, from any thread)."""
         if self.loras is None:
             raise ValueError("a lora_request needs LoRA enabled (enable_lora=True, --enable-lora)")
-        self.loras.register(lora_request)
+        self.loras.register(lora_request, adapter)
 
     def _register_lora(self, lora_request: LoRARequest | None) -> int | None:
         if lora_request is None:
