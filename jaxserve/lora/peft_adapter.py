@@ -142,3 +142,47 @@ def load_peft_adapter(folder: str | Path, base: ModelConfig, max_lora_rank: int)
     if not weights:
         raise LoRAConfigError(f"{weights_path} holds no LoRA weights")
     return LoRAAdapter(rank, tuple(sorted({m for _, m in weights})), weights)
+
+
+def write_peft_adapter(
+    folder: str | Path,
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]],
+    *,
+    lora_alpha: float,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write a PEFT LoRA folder that `peft` and this engine load: `weights` by (layer, module),
+    each (lora_A [r, d_in], lora_B [d_out, r]) in PEFT's own orientation and unscaled."""
+    from safetensors.numpy import save_file
+
+    ranks = {a.shape[0] for a, _ in weights.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"every module needs the same rank, got {sorted(ranks)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": ranks.pop(),
+        "lora_alpha": lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted({module for _, module in weights}),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for (layer, module), (a, b) in weights.items():
+        prefix = f"base_model.model.model.layers.{layer}.{_block(module)}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+    return folder
+
+
+def _block(module: str) -> str:
+    return "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"

@@ -158,6 +158,17 @@ def test_moe_decode_smoke_on_tiny_models(tmp_path):
     assert "|     4 | moe       |" in stdout and "MoE decode step, batch 4, by model part" in stdout
 
 
+def test_lora_throughput_smoke(tmp_path):
+    """The base model, the LoRA path with no adapter in use (the script checks it gives the
+    base model's tokens) and mixes of 1 and 3 adapters (which must change tokens)."""
+    path = tmp_path / "lora.json"
+    stdout = run("benchmarks/lora_throughput.py", "--smoke", "--adapters", "1,3", "--json", str(path))
+    rows = json.loads(path.read_text())
+    assert [(r["config"], r["adapters"]) for r in rows] == [("base", None), ("lora-0", 0), ("lora-1", 1), ("lora-3", 3)]
+    assert rows[0]["ratio_to_base"] == 1.0 and all(r["tokens_per_s"] > 0 and r["cpu_ms_per_token"] > 0 for r in rows)
+    assert "lora-3" in stdout and "vs base" in stdout
+
+
 def test_expert_dispatch_smoke_on_a_tiny_layer(tmp_path):
     """Both dispatches run the tiny MoE layer over 2 and 4 forced CPU devices (the script
     checks they agree before timing), at a token count 4 does not divide."""

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from jaxserve.lora.peft_adapter import LoRAConfigError, load_peft_adapter, lora_scaling
+from jaxserve.lora.peft_adapter import LoRAConfigError, load_peft_adapter, lora_scaling, write_peft_adapter
 from jaxserve.weights import load_model
 from tests.tiny_lora import make_peft_adapter
 from tests.tiny_models import make_tiny_model
@@ -72,3 +72,36 @@ def test_scaling_is_peft_s(base):
         want = layer.lora_B["default"].weight.detach().numpy().T * layer.scaling["default"]
         torch.testing.assert_close(torch.tensor(b), torch.tensor(want))
         torch.testing.assert_close(torch.tensor(a), layer.lora_A["default"].weight.detach().T)
+
+
+def test_written_adapter_is_read_by_peft_as_written(base, tmp_path):
+    """write_peft_adapter's folder, loaded by peft itself: each module's lora_A and lora_B are
+    the arrays written (peft found every key), and load_peft_adapter reads the same ones."""
+    import numpy as np
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.model.lora import projection_shapes
+
+    root, _, _, config = base
+    rng = np.random.default_rng(3)
+    shapes = projection_shapes(config)
+    weights = {
+        (layer, module): (rng.standard_normal((4, shapes[module][0])), rng.standard_normal((shapes[module][1], 4)))
+        for layer in range(config.num_layers)
+        for module in ("q_proj", "v_proj", "down_proj")
+    }
+    folder = write_peft_adapter(tmp_path / "written", weights, lora_alpha=8)
+    hf = AutoModelForCausalLM.from_pretrained(root / "base", torch_dtype=torch.float32).eval()
+    layers = PeftModel.from_pretrained(hf, folder).base_model.model.model.layers
+    adapter = load_peft_adapter(folder, config, max_lora_rank=16)
+    assert adapter.rank == 4 and adapter.target_modules == ("down_proj", "q_proj", "v_proj")
+    for (layer, module), (a, b) in weights.items():
+        block = layers[layer].mlp if module == "down_proj" else layers[layer].self_attn
+        lora = getattr(block, module)
+        np.testing.assert_allclose(lora.lora_A["default"].weight.detach().numpy(), a, rtol=1e-6)
+        np.testing.assert_allclose(lora.lora_B["default"].weight.detach().numpy(), b, rtol=1e-6)
+        assert lora.scaling["default"] == 2.0  # lora_alpha / r
+        ours_a, ours_b = adapter.weights[layer, module]
+        np.testing.assert_allclose(ours_a, a.T, rtol=1e-6)
+        np.testing.assert_allclose(ours_b, b.T * 2.0, rtol=1e-6)
