@@ -93,8 +93,6 @@ class EngineConfig:
             object.__setattr__(self, "max_cpu_loras", self.max_loras)
         elif self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora does not run with tensor parallelism yet (tensor_parallel_size > 1)")
         if self.speculative_config is not None:
             raise ValueError("enable_lora does not run with speculative decoding yet (speculative_config)")
         if self.batch_invariant:  # the adapters' products run through XLA, not the fixed-order kernels

@@ -52,6 +52,10 @@ PAGE_SCALES = P(None, "model", None)  # folded 8-bit scales [pages, KV, page_siz
 _PARAM_RULES = (
     (r"experts/(gate|up)_proj/(kernel|packed|scales|offsets|weight)$", -1),  # [E, D, F]: F
     (r"experts/down_proj/(kernel|packed|scales|offsets|weight)$", 1),  # [E, F, D]: F (fp8 scales [E, D]: whole)
+    # LoRA slot stacks (jaxserve.model.lora) split as their projections: B [n, r, d_out] of a
+    # column-parallel one on d_out, A [n, d_in, r] of a row-parallel one on d_in; the rest whole.
+    (r"lora/(q|k|v|gate|up)_proj_b$", -1),
+    (r"lora/(o|down)_proj_a$", 1),
     (r"(q|k|v|gate|up)_proj/(kernel|packed|scales|offsets|weight|bias)$", -1),  # column-parallel
     (r"(o|down)_proj/(kernel|packed|scales|offsets|weight)$", 0),  # row-parallel (fp8 scales: 1-D, see below)
     (r"embed_tokens/embedding$", 0),  # [V, D]: vocabulary
@@ -157,7 +161,7 @@ def replicate_kv_heads(state, cfg: ModelConfig, tp: int):
 
 def is_kv_projection(path) -> bool:
     """Whether the parameter at tree `path` belongs to a K or V projection (its outputs are KV heads)."""
-    return re.search(r"(k|v)_proj/\w+$", _path(path)) is not None
+    return re.search(r"(k|v)_proj/\w+$|lora/(k|v)_proj_b$", _path(path)) is not None  # a LoRA B stack's too
 
 
 def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh, expert_parallel: bool = False) -> nnx.State:

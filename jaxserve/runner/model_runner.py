@@ -188,10 +188,15 @@ class ModelRunner:
         self.graphdef, self.attention = graphdef, attention
         # A plain nested dict, not an nnx.State: jit flattens a dict in C++, where a State
         # costs about 0.3 ms of host time on every call (two calls a step).
-        self.params = nnx.to_pure_dict(place(params, param_shardings(params, mesh, expert_parallel)))
-        if max_loras:  # committed, as the slot write returns them: the programs then see one placement
-            for layer in self.params["layers"].values():
-                layer["lora"] = jax.device_put(layer["lora"], self.replicated)
+        shardings = param_shardings(params, mesh, expert_parallel)
+        self.params = nnx.to_pure_dict(place(params, shardings))
+        # The LoRA stacks' placement (split as their projections under tensor parallelism): the
+        # slot write returns them placed so, and the step programs see one placement.
+        self.lora_shardings = None
+        if max_loras:  # committed (place keeps a fresh one-device array as it is), as the slot write returns them
+            self.lora_shardings = {i: layer["lora"] for i, layer in nnx.to_pure_dict(shardings)["layers"].items()}
+            for i, layer in self.params["layers"].items():
+                layer["lora"] = jax.device_put(layer["lora"], self.lora_shardings[i])
         rows = max_num_seqs
         self.num_speculative_tokens = k = num_speculative_tokens
         self.draft_distributions = draft_distributions  # verify against draft probabilities (not point masses)
@@ -233,7 +238,7 @@ class ModelRunner:
         self._read_blocks = jit(read_blocks)
         self._write_blocks = jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
         # The stacks come back placed as they went in (replicated), so the step programs see no new sharding.
-        self._write_lora_slot = jit(write_slot, donate_argnums=0, out_shardings=self.replicated)
+        self._write_lora_slot = jit(write_slot, donate_argnums=0, out_shardings=self.lora_shardings)
         self.compilations = CompileCounter()
         # Over several nodes (jaxserve.parallel.multihost), node 0's runner hands each step's plan
         # here before running it, so that every node runs the same programs.
@@ -329,7 +334,10 @@ class ModelRunner:
         """Copy one adapter into device slot `slot` of every layer's stacks, in place (one
         compiled program for every slot and adapter). `layers`: LoRAAdapter.slot_arrays."""
         stacks = {i: layer["lora"] for i, layer in self.params["layers"].items()}
-        values = jax.device_put({i: layers[i] for i in stacks}, self.replicated)
+        # K/V heads repeated for tensor parallelism (replicate_kv_heads) are repeated in B too.
+        values = {"layers": {i: {"lora": layers[i]} for i in stacks}}
+        values = replicate_kv_heads(values, self.config, tensor_parallel_size(self.mesh))
+        values = jax.device_put({i: layer["lora"] for i, layer in values["layers"].items()}, self.replicated)
         stacks = self._write_lora_slot(stacks, jax.device_put(np.int32(slot), self.replicated), values)
         for i, layer_stacks in stacks.items():
             self.params["layers"][i]["lora"] = layer_stacks

@@ -100,7 +100,6 @@ def test_bad_adapters_and_lora_off_are_refused_when_added(tiny, tmp_path):
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
     for other in [
-        dict(tensor_parallel_size=2),
         dict(batch_invariant=True),
         dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     ]:
@@ -115,3 +114,21 @@ def test_llm_generate_takes_one_lora_request_or_one_per_prompt(tiny):
     assert [list(o.outputs[0].token_ids) for o in outs] == want[1][:2]
     outs = llm.generate(PROMPTS[:3], GREEDY, lora_request=[requests[3], None, requests[2]], use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [want[3][0], want[None][1], want[2][2]]
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4 devices over the tiny model's 2 KV heads: K/V (and their B) repeated
+def test_tensor_parallel_adapters_give_peft_s_tokens_from_split_stacks(tiny, tp):
+    _, loaded, requests, want = tiny
+    eng = engine(loaded, tensor_parallel_size=tp)
+    jobs = [(lora, p) for p in range(len(PROMPTS)) for lora in [None, *ADAPTERS]]
+    for n, (lora, p) in enumerate(jobs):
+        eng.add_request(str(n), PROMPTS[p], GREEDY, lora_request=requests.get(lora))
+    outs = {o.request_id: o.outputs[0].token_ids for o in eng.generate_all()}
+    for n, (lora, p) in enumerate(jobs):
+        assert list(outs[str(n)]) == want[lora][p], f"prompt {p} with adapter {lora}"
+    # Split as their projections: B of a column-parallel one on d_out, A of a row-parallel one on d_in.
+    stacks = eng.runner.params["layers"][0]["lora"]
+    for name, axis in [("q_proj_b", 2), ("k_proj_b", 2), ("up_proj_b", 2), ("o_proj_a", 1), ("down_proj_a", 1)]:
+        shard = stacks[name].addressable_shards[0].data.shape
+        assert shard[axis] * tp == stacks[name].shape[axis], (name, shard, stacks[name].shape)
+    assert stacks["q_proj_a"].addressable_shards[0].data.shape == stacks["q_proj_a"].shape  # whole
