@@ -1,8 +1,10 @@
 """Logits of the decoder with LoRA adapters in its slots against transformers + peft.
 
 One step holds a base row and rows of adapters of different ranks and targets, each row
-through its own slot (the BGMV reference): every row must equal peft's model for its adapter."""
+through its own slot (the BGMV reference): every row must equal peft's model for its adapter,
+unmerged and merged."""
 
+import copy
 import dataclasses
 
 import jax
@@ -80,6 +82,10 @@ def test_mixed_batch_matches_peft_row_by_row(tiny):
         assert err <= 1e-4, f"row {row} (slot {slot}): max abs error {err:.2e}"
         if slot:  # the adapter really changes the logits: the comparison is not with the base by accident
             assert np.abs(want - logits_of(hf_base, prompts[row])).max() > 0.05
+            # peft's merged model too (W + scaling * B A folded into each weight): the same function.
+            merged = copy.deepcopy(peft_models[slot]).merge_and_unload()
+            err = np.abs(got[row] - logits_of(merged, prompts[row])).max()
+            assert err <= 1e-4, f"row {row} (slot {slot}), merged: max abs error {err:.2e}"
 
 
 def test_bgmv_reference_is_a_per_row_gather_matmul():
