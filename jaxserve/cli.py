@@ -30,6 +30,9 @@ COMMANDS = {
     "plan": Command("jaxserve.plan", "size the KV cache and roofline of a model on a device (python -m jaxserve.plan)"),
     "bench": Command("", "benchmarks from the source checkout's benchmarks/ folder", "{throughput,latency,serve}"),
     "train-draft": Command("jaxserve.train_draft", "train speculative-decoding heads (python -m jaxserve.train_draft)"),
+    "train-lora": Command(
+        "jaxserve.train_lora", "train a LoRA adapter, written as a PEFT folder (python -m jaxserve.train_lora)"
+    ),
     "cache": Command("jaxserve.weights.cache_admin", "list and prune the converted-weight cache", "{ls,prune}"),
 }
 BENCHMARKS = {

@@ -5,7 +5,7 @@ CONTRIBUTING.md and docs/**/*.md (a `\\` joins lines; in a console block only `$
 are commands, the rest is output). Each of our commands is parsed by that command's own
 argparse parser, so a renamed or removed flag or a bad choice fails its test case:
 
-    python -m jaxserve.generate / jaxserve.plan / jaxserve.train_draft / api / api.router
+    python -m jaxserve.generate / jaxserve.plan / jaxserve.train_draft / train_lora / api / api.router
     jaxserve-generate, jaxserve-serve           the console scripts of the same modules
     jaxserve COMMAND (bench KIND)               the module jaxserve.cli's table runs for it
     --config NAME.yaml                          the pages' ```yaml block that starts `# NAME.yaml`
@@ -54,6 +54,7 @@ MODULE_COMMANDS = {
     "jaxserve.generate": "jaxserve.generate",
     "jaxserve.plan": "jaxserve.plan",
     "jaxserve.train_draft": "jaxserve.train_draft",
+    "jaxserve.train_lora": "jaxserve.train_lora",
     "api": "api.__main__",
     "api.router": "api.router",
     "jaxserve.weights.cache_admin": "jaxserve.weights.cache_admin",
