@@ -8,11 +8,12 @@
 #                     47 s on 2 busy CPU cores);
 #   numerics   130 s  every kernel against its reference, compiled on the GPU
 #                     (JAXSERVE_MGPU_ON_GPU=1 pytest over test_ragged_paged_attention_mgpu.py,
-#                     test_quantized_matmul_mgpu.py and test_grouped_matmul_mgpu.py): the interpreter's cases and the
+#                     test_quantized_matmul_mgpu.py, test_grouped_matmul_mgpu.py and test_sgmv_mgpu.py,
+#                     LoRA's SGMV): the interpreter's cases and the
 #                     production-shape ones (not decode_b64_window_cap, 64 sequences of up to
 #                     63k tokens, whose test data takes a minute to draw on the host: `speed`
 #                     times decode at 64 x 32k),
-#                     not the CUDA-lowering tests (`compile` does better). Ten pytest shards
+#                     not the CUDA-lowering tests (`compile` does better). Eleven pytest shards
 #                     run side by side (compiling is CPU work, and the machine has 16 cores),
 #                     each with its own 130 s limit and JUnit XML;
 #   speed       90 + 90 + 30 s  benchmarks/kernels.py --quick --only attention, --only matmul,
@@ -183,6 +184,7 @@ if wanted numerics; then
   att=tests/pallas_kernels/test_ragged_paged_attention_mgpu.py
   mm=tests/pallas_kernels/test_quantized_matmul_mgpu.py
   gmm=tests/pallas_kernels/test_grouped_matmul_mgpu.py
+  sgmv=tests/pallas_kernels/test_sgmv_mgpu.py
   # (name, file, -k selection): about 10-30 kernel configurations each, at 2-5 s of
   # compiling per configuration on the GPU.
   interp_a="test_mixed_prefill_and_decode or test_flash_decoding_splits or test_page_sizes_head_dim_128"
@@ -197,6 +199,7 @@ if wanted numerics; then
     gmm_production_gate_up "$gmm" "on_gpu and moe_gate_up"
     gmm_production_down "$gmm" "on_gpu and moe_down"
     gmm_compiled "$gmm" "not lowers and not on_gpu"
+    sgmv_compiled "$sgmv" "not lowers"
   )
   echo "== numerics: $(( ${#shards[@]} / 3 )) pytest shards side by side (time limit 130s each)"
   start=$SECONDS

@@ -50,7 +50,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STANDIN_SOURCE = HERE / "libcuda_standin.c"
 SUBSETS = ("all", "ci")
-KERNELS = ("attention", "matmul", "gmm")  # gmm: the grouped (MoE expert) matmul
+KERNELS = ("attention", "matmul", "gmm", "sgmv")  # gmm: the grouped (MoE expert) matmul; sgmv: LoRA's
 
 
 # -- the cases ---------------------------------------------------------------------------
@@ -183,9 +183,20 @@ def grouped_cases() -> list[Case]:
     return cases
 
 
+def sgmv_cases() -> list[Case]:
+    """LoRA's SGMV (the grouped matmul's shrink and expand) at Llama-3-8B's projections."""
+    from benchmarks.mosaic_lowering import LLAMA3_8B_LORA, LORA_TOKENS, lower_sgmv
+
+    return [
+        Case("sgmv", f"{name}_t{tokens}", lambda t=tokens, i=d_in, o=d_out: lower_sgmv(t, i, o)[1])
+        for name, d_in, d_out in LLAMA3_8B_LORA
+        for tokens in LORA_TOKENS
+    ]
+
+
 def all_cases(only: list[str] | None = None) -> list[Case]:
     families = only or list(KERNELS)
-    makers = {"attention": attention_cases, "matmul": matmul_cases, "gmm": grouped_cases}
+    makers = {"attention": attention_cases, "matmul": matmul_cases, "gmm": grouped_cases, "sgmv": sgmv_cases}
     return [case for family in KERNELS if family in families for case in makers[family]()]
 
 

@@ -215,3 +215,24 @@ class record_smem:
     def __exit__(self, *exc):
         if self.original is not None:
             self.core._smem_tree_size = self.original
+
+
+# -- LoRA's segmented gather matmul (SGMV) ---------------------------------------------------
+
+# Llama-3-8B's projections an adapter targets most (name, d_in, d_out), 8 adapters of rank 16
+# (rounded up to the kernel's 64) and the empty slot 0.
+LLAMA3_8B_LORA = [("q_proj", 4096, 4096), ("k_proj", 4096, 1024), ("down_proj", 14336, 4096)]
+LORA_TOKENS = (8, 256, 2048)
+LORA_SLOTS = 9
+
+
+def lower_sgmv(tokens, d_in, d_out, *, slots=LORA_SLOTS, rank=16, dtype=jnp.bfloat16):
+    """jax.export of `sgmv` (its shrink and expand kernels) for CUDA; returns (exported, smem)."""
+    from pallas_kernels import sgmv_mgpu
+
+    r = sgmv_mgpu.kernel_rank(rank)
+    s = jax.ShapeDtypeStruct
+    args = (s((tokens, d_in), dtype), s((slots, d_in, r), dtype), s((slots, r, d_out), dtype), s((tokens,), jnp.int32))
+    with record_smem() as smem:
+        exported = jax.export.export(jax.jit(sgmv_mgpu.sgmv), platforms=["cuda"])(*args)
+    return exported, smem

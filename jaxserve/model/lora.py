@@ -43,9 +43,19 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class LayerLoRA(nnx.Module):
-    """One layer's A and B slot stacks, one pair per target module."""
+    """One layer's A and B slot stacks, one pair per target module.
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype):
+    `kernel`: the products run on the Mosaic GPU SGMV kernel (pallas_kernels.sgmv_mgpu) for
+    every step shape it takes, the reference for the others; the stacks' rank is then
+    rounded up to the kernel's tile (sgmv_mgpu.kernel_rank), the extra columns zeros.
+    `interpret`: the kernel in the Mosaic GPU interpreter (tests)."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, *, kernel=False, interpret=False):
+        if kernel:
+            from pallas_kernels import sgmv_mgpu  # NOTE: imported where used, as the other kernels
+
+            max_rank = sgmv_mgpu.kernel_rank(max_rank)
+        self.layout, self.interpret = ("mgpu" if kernel else "canonical"), interpret
         shapes = projection_shapes(cfg)
         for module in TARGET_MODULES:
             d_in, d_out = shapes[module]
@@ -54,7 +64,13 @@ class LayerLoRA(nnx.Module):
 
     def delta(self, module: str, x: jax.Array, slots: jax.Array) -> jax.Array:
         """What the adapters add to `module`'s output for x [T, d_in], slots int32 [T]."""
-        return bgmv_reference(x, getattr(self, f"{module}_a")[...], getattr(self, f"{module}_b")[...], slots)
+        a, b = getattr(self, f"{module}_a")[...], getattr(self, f"{module}_b")[...]
+        if self.layout == "mgpu":
+            from pallas_kernels import sgmv_mgpu
+
+            if sgmv_mgpu.unsupported_reason(x, a, b) is None:  # decided per step shape, at trace time
+                return sgmv_mgpu.sgmv(x, a, b, slots, interpret=True if self.interpret else None)
+        return bgmv_reference(x, a, b, slots)
 
 
 def bgmv_reference(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
@@ -69,9 +85,10 @@ def bgmv_reference(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -
     return out.astype(x.dtype)
 
 
-def attach_lora(model, max_loras: int, max_rank: int) -> None:
+def attach_lora(model, max_loras: int, max_rank: int, *, kernel: bool = False, interpret: bool = False) -> None:
     """Give every layer of `model` (a DecoderLM with separate layers, see unstack_layers) empty
-    slot stacks; its forward pass then takes `ModelInputs.lora_slots`."""
+    slot stacks; its forward pass then takes `ModelInputs.lora_slots`. `kernel`, `interpret`:
+    LayerLoRA's (jaxserve.runner.kernels.lora_kernel_unsupported_reason decides)."""
     if not isinstance(model.layers, nnx.List):
         raise ValueError("LoRA needs a model with separate layers (jaxserve.model.decoder.unstack_layers)")
     if model.cfg.is_moe:
@@ -79,15 +96,19 @@ def attach_lora(model, max_loras: int, max_rank: int) -> None:
     if model.quantization is not None:
         raise ValueError("LoRA adapters on a quantized base model are not supported yet")
     for layer in model.layers:
-        layer.lora = LayerLoRA(model.cfg, max_loras, max_rank, model.dtype)
+        layer.lora = LayerLoRA(model.cfg, max_loras, max_rank, model.dtype, kernel=kernel, interpret=interpret)
 
 
 def write_slot(stacks, slot, values):
     """The stacks (a pytree of [n, ...] arrays) with `slot` replaced by `values` (the same tree
-    of [...] arrays). Jitted with the stacks donated: an in-place update, one program for every slot."""
-    return jax.tree.map(
-        lambda stack, v: jax.lax.dynamic_update_index_in_dim(stack, v.astype(stack.dtype), slot, 0), stacks, values
-    )
+    of [...] arrays, zero padded up to the stacks' rank where the kernel rounded it up).
+    Jitted with the stacks donated: an in-place update, one program for every slot."""
+
+    def write(stack, v):
+        v = jnp.pad(v.astype(stack.dtype), [(0, s - n) for s, n in zip(stack.shape[1:], v.shape)])
+        return jax.lax.dynamic_update_index_in_dim(stack, v, slot, 0)
+
+    return jax.tree.map(write, stacks, values)
 
 
 def lora_layer(carry, layer, inputs: ModelInputs, inv_freq, attention):

@@ -155,6 +155,28 @@ def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
 EXPERT_CHECK_ROWS = (8, 256, 4096)
 
 
+def lora_kernel_unsupported_reason(cfg, dtype, device: jax.Device, tp: int) -> str | None:
+    """Why the Mosaic GPU SGMV kernel (pallas_kernels.sgmv_mgpu) cannot serve LoRA's products
+    for this model, or None. Checked at the kernel's rank, one slot, the step sizes above."""
+    from jaxserve.model.lora import projection_shapes
+    from pallas_kernels import sgmv_mgpu
+
+    if not is_hopper(device):
+        return f"it needs a Hopper GPU (sm_90); this device is {device.device_kind}"
+    if tp > 1:  # NOTE: a Pallas call is opaque to GSPMD, as for the other kernels
+        return "the SGMV kernel does not run under tensor parallelism yet"
+    dtype = jnp.dtype(dtype)
+    if dtype not in KERNEL_DTYPES:
+        return f"it needs a bf16 or f16 model, this one is {dtype.name}"
+    rank, s = sgmv_mgpu.kernel_rank(1), jax.ShapeDtypeStruct
+    for module, (d_in, d_out) in projection_shapes(cfg).items():
+        for rows in EXPERT_CHECK_ROWS:
+            x, a, b = s((rows, d_in), dtype), s((2, d_in, rank), dtype), s((2, rank, d_out), dtype)
+            if (reason := sgmv_mgpu.unsupported_reason(x, a, b)) is not None:
+                return f"{module} at {rows} rows: {reason}"
+    return None
+
+
 def expert_matmul_unsupported_reason(model, device: jax.Device, tp: int) -> str | None:
     """Why the Mosaic GPU grouped matmuls cannot serve this MoE model's experts, or None."""
     if not is_hopper(device):

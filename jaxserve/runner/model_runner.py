@@ -58,6 +58,7 @@ from jaxserve.parallel.sharding import (
 )
 from jaxserve.runner import steps
 from jaxserve.runner.compile_options import engine_compiler_options
+from jaxserve.runner.kernels import lora_kernel_unsupported_reason
 from jaxserve.runner.steps import NULL_SLOT, PendingTokens
 from jaxserve.sample.rejection_sampler import VerifyOutput
 from jaxserve.sample.sampler import SamplerOutput, SamplingMetadata
@@ -182,7 +183,12 @@ class ModelRunner:
         # LoRA: every layer gets slot stacks (jaxserve.model.lora), and every step's inputs a slot per token.
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         if max_loras:
-            attach_lora(model, max_loras, max_lora_rank)
+            device = mesh.devices.flat[0]
+            reason = lora_kernel_unsupported_reason(self.config, model.dtype, device, tp)
+            attach_lora(model, max_loras, max_lora_rank, kernel=reason is None)
+            logger.info(
+                "LoRA: %s on %s", "Mosaic GPU SGMV kernel" if reason is None else f"BGMV reference ({reason})", device
+            )
         graphdef, params = nnx.split(model)
         params = replicate_kv_heads(params, self.config, tp)
         self.graphdef, self.attention = graphdef, attention

@@ -49,6 +49,8 @@ RUNTIME_RULES = {
     # input: items of a type this server cannot read, or a conversation the template refuses;
     # tool_choice and text.format as chat's tool_choice and response_format.
     "/v1/responses": {"input", "tool_choice", "text.format", "tools", "structured_outputs"},
+    # a folder that is not an adapter this model can serve; a name already served
+    "/v1/load_lora_adapter": {"lora_path", "lora_name"},
 }
 # ... and parameters with an index, as regular expressions.
 RUNTIME_RULE_PATTERNS = {

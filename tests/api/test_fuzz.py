@@ -6,8 +6,10 @@ be accepted unless a rule no schema can state refuses it. Afterwards the engine 
 serves, and no KV block is held.
 
 The server runs a tiny random model with a real tokenizer and a 32-token context, so a
-request that reaches the engine costs milliseconds; a quarter of the requests carry the
-served model's name (a schemathesis dictionary), so they get past the 404 to the engine.
+request that reaches the engine costs milliseconds; most requests carry the served model's
+name (a schemathesis dictionary), so they get past the 404 to the engine. LoRA is on with
+runtime loading: the load and unload routes get a real adapter's folder and name most of the
+time, so they reach past the 404 and 400 to the engine too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.api.conftest import run_server
+from tests.tiny_lora import make_peft_adapter
 
 MAX_EXAMPLES = 50
 SEED = 20261201  # fixed, so a failure reproduces; change it to explore further
@@ -45,12 +48,27 @@ database = "none"
 [dictionaries.served_model]
 values = ["{name}"]
 
+[dictionaries.adapter_name]
+values = ["sql", "sql2"]
+
+[dictionaries.adapter_path]
+values = ["{adapter}"]
+
 [parameters]
 "body.model" = {{ dictionary = "served_model", probability = 0.9 }}
+"body.lora_name" = {{ dictionary = "adapter_name", probability = 0.3 }}
+"body.lora_path" = {{ dictionary = "adapter_path", probability = 0.9 }}
 
 [[operations]]
-include-path-regex = "^/(v1/(chat/)?completions|v1/responses|tokenize)$"
+include-path-regex = "^/(v1/(chat/)?completions|v1/responses|tokenize|v1/load_lora_adapter)$"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404"]
+
+# A name is loaded once (vLLM's rule), and the fuzzed names repeat, so most loads are the
+# runtime 400 "has already been loaded" and schemathesis warns of a schema mismatch; the
+# responses are still checked. test_lora_server.py loads and unloads real adapters.
+[[operations]]
+include-path = "/v1/load_lora_adapter"
+warnings = false
 
 # A stored response's id cannot be guessed, so every fuzzed GET is a 404 (schemathesis warns
 # that it found no test data): test_responses.py retrieves real ones.
@@ -63,6 +81,12 @@ warnings = false
 @pytest.fixture(scope="module")
 def fuzzed(tiny_folder, tmp_path_factory):
     """A tiny-model server, and the schemathesis run against it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    work = tmp_path_factory.mktemp("fuzz")
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder, torch_dtype=torch.float32)
+    make_peft_adapter(base, work / "sql", r=4, seed=0)
     api_key = "fuzz-key"
     args = [
         "--model",
@@ -81,12 +105,13 @@ def fuzzed(tiny_folder, tmp_path_factory):
         "128",
         "--max-request-sequences",
         "16",
+        *("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora-updating"),
+        *("--lora-modules", f"sql={work / 'sql'}"),
     ]
-    work = tmp_path_factory.mktemp("fuzz")
     with run_server(work, *args, api_key=api_key) as server:
         config = work / "schemathesis.toml"
         hooks = Path(__file__).with_name("schemathesis_checks.py")
-        config.write_text(CONFIG.format(hooks=hooks, api_key=api_key, name=NAME))
+        config.write_text(CONFIG.format(hooks=hooks, api_key=api_key, name=NAME, adapter=work / "sql"))
         cmd = [
             sys.executable,
             "-m",
@@ -139,7 +164,7 @@ def test_schemathesis_finds_nothing(fuzzed):
     assert "No issues found" in run.stdout
     cases, checks, statuses = tally(events)
     operations = {op for op, _ in cases if op != "Stateful tests"}
-    assert len(operations) == 11, operations
+    assert len(operations) == 13, operations
     # Operations with parameters get MAX_EXAMPLES fuzzed examples (the others have one to make).
     for op in ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models/{model}"):
         assert cases[op, "fuzzing"] >= MAX_EXAMPLES, cases
@@ -161,6 +186,8 @@ def test_schemathesis_finds_nothing(fuzzed):
     # And the fuzzing reached the engine, not only the validator.
     for op in ("POST /v1/completions", "POST /v1/chat/completions"):
         assert statuses[op, 200] >= 20, statuses
+    for op in ("POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"):  # past the 404 and 400
+        assert statuses[op, 200] >= 1, statuses
     print(
         f"\nschemathesis: {sum(cases.values())} test cases, {len(ran)} checks; "
         + ", ".join(f"{op} {phase}: {n}" for (op, phase), n in sorted(cases.items()))

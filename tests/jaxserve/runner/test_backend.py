@@ -1,5 +1,6 @@
 """The attention backend switch (on this CPU: the C++ kernel, else the reference)."""
 
+import dataclasses
 import logging
 
 import jax.numpy as jnp
@@ -60,3 +61,16 @@ def test_the_kernel_serves_bf16_models_and_8bit_caches_on_hopper(kv_dtype):
     assert pallas_unsupported_reason(CFG, jnp.bfloat16, 16, FakeHopper(), kv_dtype) is None
     # A float32 model is refused, with or without an 8-bit cache.
     assert "bf16" in pallas_unsupported_reason(CFG, jnp.float32, 16, FakeHopper(), kv_dtype)
+
+
+def test_lora_takes_the_sgmv_kernel_on_hopper_with_a_bf16_model_on_one_device():
+    import jax
+
+    from jaxserve.runner.kernels import lora_kernel_unsupported_reason
+
+    assert lora_kernel_unsupported_reason(CFG, jnp.bfloat16, FakeHopper(), tp=1) is None
+    assert "bf16" in lora_kernel_unsupported_reason(CFG, jnp.float32, FakeHopper(), tp=1)
+    assert "tensor parallelism" in lora_kernel_unsupported_reason(CFG, jnp.bfloat16, FakeHopper(), tp=2)
+    assert "Hopper" in lora_kernel_unsupported_reason(CFG, jnp.bfloat16, jax.devices()[0], tp=1)
+    odd = dataclasses.replace(CFG, intermediate_size=96)  # gate/up outputs not a multiple of 64
+    assert "gate_proj" in lora_kernel_unsupported_reason(odd, jnp.bfloat16, FakeHopper(), tp=1)
