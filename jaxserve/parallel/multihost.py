@@ -243,7 +243,10 @@ class Leader:
         poll = min(1.0, self.config.heartbeat_timeout / 5, self.config.step_timeout / 5)
         while self.failure is None:
             try:
-                while peer.conn.poll(poll):
+                # One frame a turn, then the deadlines: a peer that sends heartbeats faster than
+                # `poll` must not keep the checks below from running (CI 2026-12-05: a hung
+                # step was named after 5 s, not its 0.5 s bound).
+                if peer.conn.poll(poll):
                     frame = self.codec.decode(peer.conn.recv_bytes(1 << 16))
                     peer.heard = time.monotonic()
                     if frame.kind == "ack":
