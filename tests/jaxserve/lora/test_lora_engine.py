@@ -53,16 +53,21 @@ def engine(loaded, **kw):
     return LLMEngine(loaded, EngineConfig(**{**cfg, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, **kw}))
 
 
-def test_mixed_batch_of_more_adapters_than_slots_gives_peft_s_tokens(tiny):
-    _, loaded, requests, want = tiny
-    eng = engine(loaded)
-    compiles_after_warm_up = eng.compilations
+def check_mixed_batch(eng, requests, want):
+    """Every prompt with the base model and each adapter, all queued at once: peft's greedy tokens."""
     jobs = [(lora, p) for p in range(len(PROMPTS)) for lora in [None, *ADAPTERS]]
     for n, (lora, p) in enumerate(jobs):
         eng.add_request(str(n), PROMPTS[p], GREEDY, lora_request=requests.get(lora))
     outs = {o.request_id: o.outputs[0].token_ids for o in eng.generate_all()}
     for n, (lora, p) in enumerate(jobs):
         assert list(outs[str(n)]) == want[lora][p], f"prompt {p} with adapter {lora}"
+
+
+def test_mixed_batch_of_more_adapters_than_slots_gives_peft_s_tokens(tiny):
+    _, loaded, requests, want = tiny
+    eng = engine(loaded)
+    compiles_after_warm_up = eng.compilations
+    check_mixed_batch(eng, requests, want)
     assert eng.compilations == compiles_after_warm_up, "a program was compiled after warm-up"
     eng.scheduler.check_integrity()
     assert eng.scheduler.kv.num_free_blocks == eng.scheduler.config.num_blocks - 1, "blocks leaked"
@@ -120,12 +125,7 @@ def test_llm_generate_takes_one_lora_request_or_one_per_prompt(tiny):
 def test_tensor_parallel_adapters_give_peft_s_tokens_from_split_stacks(tiny, tp):
     _, loaded, requests, want = tiny
     eng = engine(loaded, tensor_parallel_size=tp)
-    jobs = [(lora, p) for p in range(len(PROMPTS)) for lora in [None, *ADAPTERS]]
-    for n, (lora, p) in enumerate(jobs):
-        eng.add_request(str(n), PROMPTS[p], GREEDY, lora_request=requests.get(lora))
-    outs = {o.request_id: o.outputs[0].token_ids for o in eng.generate_all()}
-    for n, (lora, p) in enumerate(jobs):
-        assert list(outs[str(n)]) == want[lora][p], f"prompt {p} with adapter {lora}"
+    check_mixed_batch(eng, requests, want)
     # Split as their projections: B of a column-parallel one on d_out, A of a row-parallel one on d_in.
     stacks = eng.runner.params["layers"][0]["lora"]
     for name, axis in [("q_proj_b", 2), ("k_proj_b", 2), ("up_proj_b", 2), ("o_proj_a", 1), ("down_proj_a", 1)]:
