@@ -25,6 +25,7 @@ from jaxserve.model.lora import lora_layer
 from jaxserve.model.mlp import MLP, linear
 from jaxserve.model.moe import SparseMoE
 from jaxserve.model.quantization import QuantConfig
+from jaxserve.model.row_blocks import in_fixed_row_blocks
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -293,18 +294,22 @@ class DecoderLM(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """Float32 logits of final hidden states x [S, D] (the final norm, then the LM head)."""
         with jax.named_scope("lm_head"):
+            if self.few_row_kernels.batch_invariant:  # the norm's sums too: see row_blocks
+                return in_fixed_row_blocks(self._invariant_logits, x)
             x = self.norm(x)
-            if self.few_row_kernels.batch_invariant:
-                tied = self.cfg.tie_word_embeddings
-                table = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
-                logits = cpu_kernels.in_row_blocks(cpu_kernels.small_matmul, (x,), table, transposed=tied)
-            elif not self.cfg.tie_word_embeddings:
+            if not self.cfg.tie_word_embeddings:
                 logits = self.lm_head(x)
             elif _fits(x, table := self.embed_tokens.embedding[...], self.few_row_kernels.lm_head_rows):
                 logits = cpu_kernels.small_matmul(x, table, transposed=True)
             else:
                 logits = self.embed_tokens.attend(x)
         return logits.astype(jnp.float32)
+
+    def _invariant_logits(self, x: jax.Array) -> jax.Array:
+        """`logits` of one block of INVARIANT_ROWS rows, the head through the CPU kernel."""
+        tied = self.cfg.tie_word_embeddings
+        table = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
+        return cpu_kernels.small_matmul(self.norm(x), table, transposed=tied).astype(jnp.float32)
 
     def hidden_states(
         self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference

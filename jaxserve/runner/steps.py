@@ -23,6 +23,7 @@ from flax import nnx
 from jaxserve.model.decoder import AttentionFn
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, move_slots
+from jaxserve.model.row_blocks import INVARIANT_ROWS
 from jaxserve.parallel.sharding import replicated
 from jaxserve.sample.rejection_sampler import verify
 from jaxserve.sample.sampler import MAX_LOGPROBS, SamplingMetadata, sample
@@ -30,9 +31,6 @@ from jaxserve.sample.tree_verify import TreeVerifyOutput, verify_tree
 from scheduler.draft_tree import DraftTree
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs: tokens whose [rows, V] logits are live at once
-# ... with batch invariance: one group shape for every step. XLA fuses the tables of [rows, V]
-# logits differently by rows (from 64 rows on, a row's logprob moved by an ulp).
-INVARIANT_PROMPT_ROWS = 16
 NULL_SLOT = 0  # the null block's first slot (kv_cache.NULL_BLOCK is 0): where moves that do nothing go
 
 
@@ -63,6 +61,11 @@ class PendingTokens:
         return input_ids.at[self.positions].set(last_tokens[self.rows], mode="drop")
 
 
+def row_block(s: StepStatics) -> int:
+    """The sampler's logprob tables in fixed blocks under batch invariance (else 0: all rows at once)."""
+    return INVARIANT_ROWS if s.batch_invariant else 0
+
+
 def whole(s: StepStatics, logits: jax.Array) -> jax.Array:
     """Logits gathered whole on every device (under tensor parallelism the LM head splits
     the vocabulary): the sampler, penalties and grammar masks see the full vocabulary."""
@@ -91,7 +94,7 @@ def head(s: StepStatics, params, hidden, meta: SamplingMetadata):
     """Sample the first R rows of `hidden` (R: meta's rows); also keep the tokens on the device."""
     r, k = meta.temperature.shape[0], s.num_speculative_tokens
     last = hidden[:r, -1] if k else hidden[:r]  # with speculation, a plain step's positions are all its last
-    out = sample(whole(s, nnx.merge(s.graphdef, params).logits(last)), meta)
+    out = sample(whole(s, nnx.merge(s.graphdef, params).logits(last)), meta, row_block=row_block(s))
     return out, by_row(out.token_ids, s.rows), by_row(last, s.rows) if k else None  # only heads read it
 
 
@@ -100,7 +103,7 @@ def verify_head(s: StepStatics, params, hidden, meta: SamplingMetadata, draft_id
     r, k, tree = draft_ids.shape[0], s.num_speculative_tokens, s.tree
     logits = whole(s, nnx.merge(s.graphdef, params).logits(hidden[:r].reshape(r * (k + 1), -1)))
     if tree is None:
-        out = verify(logits, meta, draft_ids, num_drafts, draft_probs)
+        out = verify(logits, meta, draft_ids, num_drafts, draft_probs, row_block=row_block(s))
     else:  # column 0 is the root (not a draft); a request keeps a BFS prefix of the tree
         valid = jnp.arange(k + 1)[None, :] <= num_drafts[:, None]
         out = verify_tree(
@@ -110,6 +113,7 @@ def verify_head(s: StepStatics, params, hidden, meta: SamplingMetadata, draft_id
             jnp.pad(draft_ids, ((0, 0), (1, 0))),
             valid,
             None if draft_probs is None else jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))),
+            row_block=row_block(s),
         )
     last = jnp.take_along_axis(out.token_ids, out.num_tokens[:, None] - 1, axis=1)[:, 0]
     # The position the last token was drawn at: its hidden state is what draft heads read.
@@ -126,7 +130,9 @@ def prompt_head(s: StepStatics, params, hidden, targets):
     # NOTE: groups of rows, not lax.map's batch_size: that vmaps the LM head, and the CPU
     # kernel of a tied head (an FFI call) would then run once per row.
     num_tokens = hidden.shape[0]
-    rows = INVARIANT_PROMPT_ROWS if s.batch_invariant else min(PROMPT_LOGITS_ROWS, num_tokens)
+    # with batch invariance one group shape for every step (XLA fuses the tables of [rows, V]
+    # logits differently by rows: from 64 rows on, a row's logprob moved by an ulp)
+    rows = INVARIANT_ROWS if s.batch_invariant else min(PROMPT_LOGITS_ROWS, num_tokens)
     groups, pad = -(-num_tokens // rows), -num_tokens % rows
     hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(groups, rows, -1)
     targets = jnp.pad(targets, (0, pad)).reshape(groups, rows)

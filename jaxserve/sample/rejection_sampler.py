@@ -24,13 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sample.sampler import (
-    MAX_LOGPROBS,
     SamplingMetadata,
     adjust_logits,
     apply_grammar_mask,
     draw_uniforms,
     greedy_argmax,
     invert_cdf,
+    logprob_tables,
+    no_logprob_tables,
     probabilities,
 )
 
@@ -53,11 +54,14 @@ def verify(
     draft_ids: jax.Array,
     num_drafts: jax.Array,
     draft_probs: jax.Array | None = None,
+    *,
+    row_block: int = 0,
 ) -> VerifyOutput:
     """logits: f32 [R*(K+1), V], row r*(K+1)+j for position j of request r; meta: as many
     rows; draft_ids: i32 [R, K]; num_drafts: i32 [R] (positions past them are ignored);
     draft_probs: f32 [R, K, V], the distributions the drafts were drawn from (None: point
-    masses, as n-gram drafts are)."""
+    masses, as n-gram drafts are). `row_block`: the logprob tables in blocks of that many
+    rows (batch invariance: the same blocks as a plain step's, see sampler.logprob_tables)."""
     num_rows, k = draft_ids.shape
     vocab = logits.shape[-1]
     logits = apply_grammar_mask(logits, meta)  # the logprobs below too
@@ -101,26 +105,15 @@ def verify(
     padded_drafts = jnp.pad(draft_ids, ((0, 0), (0, 1)))
     token_ids = jnp.where(all_positions < accepted[:, None], padded_drafts, last[:, None])
 
-    width = min(MAX_LOGPROBS, vocab)
-
-    def logprob_tables():
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        values, ids = jax.lax.top_k(raw, width)
-        chosen = jnp.take_along_axis(raw, token_ids.reshape(-1, 1), axis=1)[:, 0]
-        return (
-            chosen.reshape(num_rows, k + 1),
-            ids.astype(jnp.int32).reshape(num_rows, k + 1, width),
-            values.reshape(num_rows, k + 1, width),
-        )
+    def tables():
+        chosen, ids, values = logprob_tables(logits, token_ids.reshape(-1), row_block=row_block)
+        return chosen.reshape(num_rows, k + 1), ids.reshape(num_rows, k + 1, -1), values.reshape(num_rows, k + 1, -1)
 
     def no_tables():
-        return (
-            jnp.zeros((num_rows, k + 1)),
-            jnp.zeros((num_rows, k + 1, width), jnp.int32),
-            jnp.zeros((num_rows, k + 1, width)),
-        )
+        chosen, ids, values = no_logprob_tables(num_rows * (k + 1), vocab)
+        return chosen.reshape(num_rows, k + 1), ids.reshape(num_rows, k + 1, -1), values.reshape(num_rows, k + 1, -1)
 
-    chosen, top_ids, top_values = jax.lax.cond(meta.want_logprobs, logprob_tables, no_tables)
+    chosen, top_ids, top_values = jax.lax.cond(meta.want_logprobs, tables, no_tables)
     return VerifyOutput(token_ids, accepted + 1, chosen, top_ids, top_values)
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model.row_blocks import in_fixed_row_blocks
 from scheduler.sampling_params import SamplingParams
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs are always computed this wide, then cut per request
@@ -73,8 +74,9 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32 [S, min(MAX_LOGPROBS, V)]
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
-    """logits: f32 [S, V] straight from the model."""
+def sample(logits: jax.Array, meta: SamplingMetadata, *, row_block: int = 0) -> SamplerOutput:
+    """logits: f32 [S, V] straight from the model. `row_block`: the logprob tables in blocks
+    of exactly that many rows (batch invariance: see `logprob_tables`)."""
     logits = apply_grammar_mask(logits, meta)
     raw_logits = logits
     logits = adjust_logits(logits, meta)
@@ -84,23 +86,37 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         lambda: greedy,
         lambda: jnp.where(meta.temperature == 0, greedy, _draw(logits, meta)),
     )
+    # NOTE: a normalizer over the whole vocabulary, which costs about as much as the rest of
+    # the sampler: only computed when some row asks for logprobs.
+    chosen, top_ids, top_values = jax.lax.cond(
+        meta.want_logprobs,
+        lambda: logprob_tables(raw_logits, token_ids, row_block=row_block),
+        lambda: no_logprob_tables(*logits.shape),
+    )
+    return SamplerOutput(token_ids, chosen, top_ids, top_values)
 
-    width = min(MAX_LOGPROBS, logits.shape[1])
 
-    def logprob_tables():
-        # NOTE: a normalizer over the whole vocabulary, which costs about as much as the rest
-        # of the sampler: only computed when some row asks for logprobs.
-        raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
-        values, ids = jax.lax.top_k(raw_logprobs, width)
-        chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=1)[:, 0]
+def logprob_tables(raw_logits: jax.Array, token_ids: jax.Array, *, row_block: int = 0):
+    """Per row of raw_logits f32 [S, V]: log_softmax at token_ids i32 [S], and the top
+    MAX_LOGPROBS ids and values. `row_block`: in blocks of exactly that many rows, so that a
+    row's sums do not depend on how many rows there are (jaxserve.model.row_blocks)."""
+    width = min(MAX_LOGPROBS, raw_logits.shape[-1])
+
+    def tables(logits, tokens):
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        values, ids = jax.lax.top_k(logprobs, width)
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
         return chosen, ids.astype(jnp.int32), values
 
-    def no_tables():
-        rows = logits.shape[0]
-        return jnp.zeros(rows), jnp.zeros((rows, width), jnp.int32), jnp.zeros((rows, width))
+    if row_block:
+        return in_fixed_row_blocks(tables, raw_logits, token_ids, rows=row_block)
+    return tables(raw_logits, token_ids)
 
-    chosen, top_ids, top_values = jax.lax.cond(meta.want_logprobs, logprob_tables, no_tables)
-    return SamplerOutput(token_ids, chosen, top_ids, top_values)
+
+def no_logprob_tables(rows: int, vocab: int):
+    """`logprob_tables`' zeros, for steps where no row asks for logprobs."""
+    width = min(MAX_LOGPROBS, vocab)
+    return jnp.zeros(rows), jnp.zeros((rows, width), jnp.int32), jnp.zeros((rows, width))
 
 
 def adjust_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:

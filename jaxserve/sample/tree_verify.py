@@ -42,13 +42,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sample.sampler import (
-    MAX_LOGPROBS,
     SamplingMetadata,
     adjust_logits,
     apply_grammar_mask,
     draw_uniforms,
     greedy_argmax,
     invert_cdf,
+    logprob_tables,
+    no_logprob_tables,
     probabilities,
 )
 from scheduler.draft_tree import DraftTree
@@ -74,12 +75,15 @@ def verify_tree(
     draft_ids: jax.Array,
     valid: jax.Array,
     draft_probs: jax.Array | None = None,
+    *,
+    row_block: int = 0,
 ) -> TreeVerifyOutput:
     """logits: f32 [R*(N+1), V], row r*(N+1)+i for tree position i of request r; meta: as
     many rows; draft_ids: i32 [R, N+1], each position's token (column 0, the root's, is not
     read); valid: bool [R, N+1], a request's pruned tree (an invalid node's descendants are
     invalid too); draft_probs: f32 [R, N+1, V], the q each position's children were drawn
-    from without replacement (None: point masses). D is tree.max_depth."""
+    from without replacement (None: point masses). D is tree.max_depth. `row_block`: the
+    logprob tables in blocks of that many rows (see sampler.logprob_tables)."""
     num_rows, width = draft_ids.shape
     if width != tree.num_nodes + 1 or logits.shape[0] != num_rows * width:
         raise ValueError(f"{tree.num_nodes=} does not fit {draft_ids.shape=} and {logits.shape=}")
@@ -106,7 +110,8 @@ def verify_tree(
     accepted = jnp.asarray(tree.depth)[path[:, -1]]
     on_path = jnp.pad(jnp.take_along_axis(draft_ids, path[:, 1:], axis=1), ((0, 0), (0, 1)))
     token_ids = jnp.where(jnp.arange(tree.max_depth + 1)[None, :] < accepted[:, None], on_path, last[:, None])
-    chosen, top_ids, top_values = _logprobs(logits.reshape(num_rows, width, vocab), path, token_ids, meta)
+    logits = logits.reshape(num_rows, width, vocab)
+    chosen, top_ids, top_values = _logprobs(logits, path, token_ids, meta, row_block)
     return TreeVerifyOutput(token_ids.astype(jnp.int32), accepted + 1, path, chosen, top_ids, top_values)
 
 
@@ -190,23 +195,18 @@ def _sibling_test(p: jax.Array, q: jax.Array | None, token: jax.Array, u: jax.Ar
     return u * q_t < p_t, p_next, q_next  # u < p/q, without dividing
 
 
-def _logprobs(logits: jax.Array, path: jax.Array, token_ids: jax.Array, meta: SamplingMetadata):
+def _logprobs(logits: jax.Array, path: jax.Array, token_ids: jax.Array, meta: SamplingMetadata, row_block: int):
     """Each output token's log-probability under the raw logits at the position it was
     drawn from (path[k] for token k), and the top tables; zeros unless some row asks."""
     num_rows, steps = path.shape
-    width = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def shaped(tables):
+        return tuple(t.reshape(num_rows, steps, *t.shape[1:]) for t in tables)
 
     def tables():
-        raw = jax.nn.log_softmax(logits[jnp.arange(num_rows)[:, None], path], axis=-1)  # [R, D+1, V]
-        values, ids = jax.lax.top_k(raw, width)
-        chosen = jnp.take_along_axis(raw, token_ids[..., None], axis=-1)[..., 0]
-        return chosen, ids.astype(jnp.int32), values
+        drawn_from = logits[jnp.arange(num_rows)[:, None], path].reshape(num_rows * steps, -1)  # [R*(D+1), V]
+        return shaped(logprob_tables(drawn_from, token_ids.reshape(-1), row_block=row_block))
 
-    def no_tables():
-        return (
-            jnp.zeros((num_rows, steps)),
-            jnp.zeros((num_rows, steps, width), jnp.int32),
-            jnp.zeros((num_rows, steps, width)),
-        )
-
-    return jax.lax.cond(meta.want_logprobs, tables, no_tables)
+    return jax.lax.cond(
+        meta.want_logprobs, tables, lambda: shaped(no_logprob_tables(num_rows * steps, logits.shape[-1]))
+    )

@@ -124,3 +124,49 @@ def test_refused_where_it_cannot_be_kept(tiny_llama, tmp_path):
     moe = load_model(str(tmp_path), use_cache=False, progress=False)
     with pytest.raises(ValueError, match="batch invariance cannot be kept: .*mixture of experts"):
         LLMEngine(moe, EngineConfig(**SOLO, batch_invariant=True))
+
+
+# Hidden size 576 (SmolLM2-135M's): XLA's CPU RMSNorm sums such a row in another order from 8
+# rows on, so a decode step of 8+ sequences moved the target's logits by an ulp until the final
+# norm and the logprob tables ran in fixed row blocks (jaxserve.model.row_blocks).
+WIDE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    from jaxserve.weights import load_model
+    from tests.tiny_models import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-wide")
+    make_tiny_model("llama", folder, **WIDE)
+    return load_model(str(folder), use_cache=False, progress=False)
+
+
+def test_many_sequences_in_a_step(wide_model):
+    """Eleven mates decode beside the target: its steps hold 8 to 12 rows."""
+    config = EngineConfig(**dict(SOLO, max_num_seqs=16, max_num_batched_tokens=512), batch_invariant=True)
+    engine = LLMEngine(wide_model, config)
+    alone = observed(run(engine, [("alone", TARGET_PROMPT, TARGET)])["alone"])
+    rng = np.random.default_rng(3)
+    mates = [(f"m{i}", [1, *rng.integers(3, 97, 5 + i).tolist()], SamplingParams(max_tokens=8)) for i in range(11)]
+    got = observed(run(engine, [("target", TARGET_PROMPT, TARGET), *mates])["target"])
+    assert got == alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_verify_equals_decode(tiny_llama_dir, dtype):
+    """A token's logprobs are the same when an n-gram draft of it is verified as when it is decoded:
+    the target with speculation (drafts accepted) reports the plain engine's tokens and logprobs."""
+    from jaxserve.weights import load_model
+
+    loaded = load_model(str(tiny_llama_dir), use_cache=False, progress=False, dtype=dtype)
+    prompt = [1, *[5, 6, 7, 8, 9] * 6]  # repetitive: the n-gram proposer finds drafts
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=20)
+    ngram = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    plain = LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True))
+    speculative = LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True, speculative_config=ngram))
+    expected = run(plain, [("t", prompt, params)])["t"].outputs[0]
+    got = run(speculative, [("t", prompt, params)])["t"].outputs[0]
+    assert speculative.scheduler.spec_stats.num_accepted_tokens > 0
+    assert got.token_ids == expected.token_ids
+    assert got.logprobs == expected.logprobs
