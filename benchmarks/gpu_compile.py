@@ -7,7 +7,7 @@ here with `cc`) answers "compute capability 9.0" and counts the cubin it is then
 load, which is how a case is known to have compiled. The table shows what ptxas made of
 each kernel:
 
-    kernel      what ran (attention; int4 / fp8 matmul; gmm: the grouped MoE matmul, bf16 /
+    kernel      what ran (attention; int4 / fp8 / bf16 (dense) matmul; gmm: the grouped MoE matmul, bf16 /
                 int4 / fp8 experts) and the case's shapes
     regs        registers per thread at launch (`ptxas -v`)
     spill       bytes of spill stores / loads per thread (0 / 0 is what we want)
@@ -23,7 +23,7 @@ with `must_not_spill=False`; its spills are listed after the table. `--subset ci
 CI compiles (tests/pallas_kernels/test_gpu_compile.py); the default is every case.
 
     pip install -e ".[gpu-compile]"   # the CUDA plugin of our jaxlib version, ptxas, nvdisasm
-    python benchmarks/gpu_compile.py                 # every case (107 kernels, 3 minutes on 2 cores)
+    python benchmarks/gpu_compile.py                 # every case (135 kernels, 3 minutes on 2 cores)
     python benchmarks/gpu_compile.py --subset ci --json report.json
     python benchmarks/gpu_compile.py --only attention --case 'decode_b64.*' --keep-sass sass/
 
@@ -58,7 +58,7 @@ KERNELS = ("attention", "matmul", "gmm", "sgmv")  # gmm: the grouped (MoE expert
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    kernel: str  # "attention", "int4 matmul", "fp8 matmul", "gmm", "int4 gmm", "fp8 gmm"
+    kernel: str  # "attention", "int4 matmul", "fp8 matmul", "bf16 matmul", "gmm", "int4 gmm", "fp8 gmm"
     name: str
     lower: Callable[[], list[int]]  # exports for CUDA; returns the shared-memory bytes allocated
     must_not_spill: bool = True  # every case today: none spills since block_kv 64 for 8-bit caches
@@ -79,6 +79,8 @@ MATMUL_TOKENS = (1, 16, 64, 128, 512)
 CI_ATTENTION = {"decode_b64_8k", "decode_b64_8k_window_cap", "mixed_512_tokens_64_seqs", "prefill_8k_tokens_4_seqs"}
 CI_KV8 = {("fp8", "decode_b64_8k_window_cap"), ("int8", "prefill_8k_tokens_4_seqs")}
 CI_MATMUL = {("int4", "qkv", 1), ("int4", "gate_up", 128), ("fp8", "down", 16), ("fp8", "qkv", 512)}
+DENSE_TOKENS = (1, 512)  # the dense kernel's cases: a decode step and a prefill chunk
+CI_DENSE = {("llama1b_up", 512)}
 CI_GROUPED = {("float", "moe_gate_up", 8), ("int4", "moe_down", 256), ("fp8", "moe_gate_up", 2048)}
 
 
@@ -130,7 +132,7 @@ def attention_cases() -> list[Case]:
 def matmul_cases() -> list[Case]:
     import jax.numpy as jnp
 
-    from benchmarks.mosaic_lowering import LLAMA3_8B_PROJECTIONS, lower_matmul
+    from benchmarks.mosaic_lowering import DENSE_PROJECTIONS, LLAMA3_8B_PROJECTIONS, lower_matmul
     from pallas_kernels import quantized_matmul_mgpu as mgpu
 
     def lower(*args, **kwargs):
@@ -155,7 +157,28 @@ def matmul_cases() -> list[Case]:
             f = lower(kind, 8, k, n, group=group, dtype=jnp.float16)
             cases.append(Case(f"{kind} matmul", f"smollm2_{k}x{n}_t8_f16", f))
     cases.append(Case("int4 matmul", "qkv_t8_group32", lower("int4", 8, 4096, 6144, group=32)))  # GGUF Q4 blocks
-    return cases
+    for name, k, n, transposed in DENSE_PROJECTIONS:
+        for tokens in DENSE_TOKENS:
+            f = lower("dense", tokens, k, n, transposed=transposed)
+            cases.append(Case("bf16 matmul", f"{name}_t{tokens}", f, ci=(name, tokens) in CI_DENSE))
+    f = lower("dense", 64, 2048, 8192, transposed=True)
+    cases.append(Case("bf16 matmul", "llama1b_up_n_k_t64", f))  # the [N, K] layout at a larger K
+    return cases + invariant_matmul_cases()
+
+
+def invariant_matmul_cases() -> list[Case]:
+    """`batch_invariant=True` (token tile 64, no K split), one case per kind: a decode step,
+    where the default would split K."""
+    from benchmarks.mosaic_lowering import lower_matmul
+
+    def lower(kind, k, n, **kwargs):
+        return lambda: lower_matmul(kind, 1, k, n, batch_invariant=True, **kwargs)[1]
+
+    return [
+        Case("int4 matmul", "qkv_t1_invariant", lower("int4", 4096, 6144)),
+        Case("fp8 matmul", "qkv_t1_invariant", lower("fp8", 4096, 6144)),
+        Case("bf16 matmul", "smollm2_lm_head_t1_invariant", lower("dense", 576, 49152, transposed=True)),
+    ]
 
 
 def grouped_cases() -> list[Case]:

@@ -15,8 +15,9 @@ head_dim 128, pages of 16, bf16) and three prefill cases, each checked against
 
 Quantized matmuls (`--only matmul`): at Llama-3-8B's projection shapes (fused QKV
 4096 x 6144, gate/up 4096 x 14336, down 14336 x 4096) for 1..256 tokens, the bf16 XLA dot
-against the W4A16 (int4, group 128) and FP8 W8A8 Mosaic GPU kernels (each with the plain
-and the warp-specialized pipeline), each checked against its reference first: time, achieved
+against the W4A16 (int4, group 128), FP8 W8A8 and dense bf16 Mosaic GPU kernels (each with the
+plain and the warp-specialized pipeline; the dense one also batch-invariant, "dense_inv"),
+each checked against its reference (the dense one against XLA's dot) first: time, achieved
 GB/s (weights + x + output) and its share of the copy bandwidth, TFLOP/s, and the speed-up over bf16 per token count.
 The random weights are made on the device (jitted), canonical and in the kernel layout.
 
@@ -500,8 +501,9 @@ def make_matmul_weights(key, *, kind: str, k: int, n: int, kernel_layout: bool):
     """A random [K, N] weight of `kind` made on the device: (its canonical arrays, the
     references' arguments; its kernel layout, or None)."""
     k1, k2 = jax.random.split(key)
-    if kind == "bf16":
-        return (jax.random.normal(k1, (k, n), jnp.bfloat16) * 0.02,), None
+    if kind == "bf16":  # the dense kernel takes the weight as stored: its "layout" is the weight itself
+        w = jax.random.normal(k1, (k, n), jnp.bfloat16) * 0.02
+        return (w,), w if kernel_layout else None
     if kind == "int4":
         packed = jax.random.randint(k1, (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
         scales = jax.random.uniform(k2, (k // INT4_GROUP, n), jnp.float32, 1e-3, 2e-3)
@@ -524,7 +526,7 @@ def _bf16_dot(x, w):
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-REFERENCES = {"int4": int4_matmul_reference, "fp8": fp8_matmul_reference}
+REFERENCES = {"int4": int4_matmul_reference, "fp8": fp8_matmul_reference, "bf16": _bf16_dot}
 
 
 def matmul_variants(run_kernel: bool, interpret: bool) -> dict[str, tuple]:
@@ -533,7 +535,7 @@ def matmul_variants(run_kernel: bool, interpret: bool) -> dict[str, tuple]:
     the CPU the references the kernels replace."""
     variants = {"bf16": ("bf16", _bf16_dot, False)}
     if not run_kernel:
-        return variants | {kind: (kind, ref, False) for kind, ref in REFERENCES.items()}
+        return variants | {kind: (kind, ref, False) for kind, ref in REFERENCES.items() if kind != "bf16"}
     interp = True if interpret else None
     for ws in (False, True):
         config = qmgpu.TuningConfig(warp_specialized=ws)
@@ -544,6 +546,13 @@ def matmul_variants(run_kernel: bool, interpret: bool) -> dict[str, tuple]:
             True,
         )
         variants["fp8" + suffix] = ("fp8", functools.partial(qmgpu.fp8_matmul, config=config, interpret=interp), True)
+        variants["dense" + suffix] = (
+            "bf16",
+            functools.partial(qmgpu.dense_matmul, config=config, interpret=interp),
+            True,
+        )
+    invariant = functools.partial(qmgpu.dense_matmul, batch_invariant=True, interpret=interp)
+    variants["dense_inv"] = ("bf16", invariant, True)
     return variants
 
 

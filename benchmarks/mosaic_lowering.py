@@ -134,6 +134,14 @@ def lower_attention(
 # (name, K, N): Llama-3-8B's fused QKV, gate/up and down projections.
 LLAMA3_8B_PROJECTIONS = [("qkv", 4096, 6144), ("gate_up", 4096, 14336), ("down", 14336, 4096)]
 
+# The dense (bf16 weight) kernel: (name, K, N, transposed) at SmolLM2-135M's MLP up projection and
+# tied LM head ([N, K]: the embedding table), and a Llama-3.2-1B-like MLP up projection.
+DENSE_PROJECTIONS = [
+    ("smollm2_up", 576, 1536, False),
+    ("smollm2_lm_head", 576, 49152, True),
+    ("llama1b_up", 2048, 8192, False),
+]
+
 
 def int4_weight_shapes(k, n, group):
     s = jax.ShapeDtypeStruct
@@ -147,14 +155,21 @@ def fp8_weight_shapes(k, n):
     return matmul_mgpu.Fp8KernelWeights(s((n, k), jnp.float8_e4m3fn), s((n,), jnp.float32), n)
 
 
-def lower_matmul(kind, tokens, k, n, *, group=128, config=None, dtype=jnp.bfloat16):
-    """jax.export of the int4 or fp8 matmul kernel for CUDA; returns (exported, shared-memory
-    bytes Mosaic GPU allocated). `config` None is what the engine picks for this many tokens."""
+def lower_matmul(
+    kind, tokens, k, n, *, group=128, config=None, dtype=jnp.bfloat16, transposed=False, batch_invariant=False
+):
+    """jax.export of the int4, fp8 or dense (16-bit weight [K, N], or [N, K] when `transposed`)
+    matmul kernel for CUDA; returns (exported, shared-memory bytes Mosaic GPU allocated).
+    `config` None is what the engine picks for this many tokens (or the batch-invariant one)."""
     x = jax.ShapeDtypeStruct((tokens, k), dtype)
+    options = dict(config=config, batch_invariant=batch_invariant)
     if kind == "int4":
-        fn, weights = functools.partial(matmul_mgpu.int4_matmul, config=config), int4_weight_shapes(k, n, group)
+        fn, weights = functools.partial(matmul_mgpu.int4_matmul, **options), int4_weight_shapes(k, n, group)
+    elif kind == "fp8":
+        fn, weights = functools.partial(matmul_mgpu.fp8_matmul, **options), fp8_weight_shapes(k, n)
     else:
-        fn, weights = functools.partial(matmul_mgpu.fp8_matmul, config=config), fp8_weight_shapes(k, n)
+        fn = functools.partial(matmul_mgpu.dense_matmul, transposed=transposed, **options)
+        weights = jax.ShapeDtypeStruct((n, k) if transposed else (k, n), dtype)
     with record_smem() as smem:
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(x, weights)
     return exported, smem

@@ -51,7 +51,10 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, of
 def quantize_fp8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Dynamic per-row activation quantization: (e4m3 [M, K], float32 scales [M])."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    # NOTE: times the reciprocal, not / FP8_MAX: XLA rewrites a division by a constant into
+    # this product under jit but not always eagerly (a 1-row call divided exactly), and a
+    # row's scale must not depend on how many rows the call has (batch invariance).
+    scale = jnp.where(amax > 0, amax * (1 / FP8_MAX), 1.0)
     q = jnp.clip(x.astype(jnp.float32) / scale[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return q, scale
 

@@ -1,9 +1,13 @@
-"""Quantized matmuls as Pallas Mosaic GPU kernels for Hopper: W4A16 (int4 groups) and FP8 W8A8.
+"""Matmuls as Pallas Mosaic GPU kernels for Hopper: W4A16 (int4 groups), FP8 W8A8 and dense
+bf16 / f16 weights.
 
 Same results as `int4_matmul_reference` / `fp8_matmul_reference` (see
 `pallas_kernels.quantized_matmul`), but on weights converted once, at load time, into a
 kernel layout (`Int4KernelWeights`, `Fp8KernelWeights`; built by `prepare_int4` /
 `prepare_fp8`). The canonical layouts stay what loaders, caches and the references use.
+The dense kernel (`dense_matmul`) takes a float weight as the model stores it, with no
+copy: [K, N] (a linear layer's kernel, read by wgmma as an N-major A operand) or [N, K]
+(a tied embedding table as the LM head, K-major like fp8's weight).
 
 Swapped operands. A decode step has 1..16 tokens, far fewer than wgmma's 64-row M. So
 the kernels compute the transposed product  y^T [N, T] = W^T [N, K] @ x^T [K, T]: the
@@ -36,6 +40,18 @@ K splits (flash-decoding for matmuls): with few output tiles (N = 4096 gives 64 
 half an H100), K is cut into `k_splits` parts whose float32 partial products are summed
 by XLA, so every SM streams weights.
 
+Batch invariance (`batch_invariant=True`, `invariant_config`): the default config follows
+the token count T (tile_t, and a K split for T <= 32), and both change the order in which
+a token's row is summed, so a row's bits depend on how many rows share the call. The
+invariant config fixes tile_t = 64 and k_splits = 1 whatever T is: every token's row is
+one column of a [64, 64]-output wgmma chain over K in the same tile_k steps, so y[t]
+depends only on x[t] and the weights (fp8's per-token quantization of x is row-wise too).
+Why 64: a decode step of up to 64 sequences is one token tile (a single token pads to
+64 columns; decode streams the weights, and the x tile is no larger than a dense
+weight tile), while a prefill re-reads the weights T / 64 times instead of T / 128
+(mostly from L2), and the 64 x 64 float32 accumulator keeps 32 registers per thread.
+The cost is the K split: a decode step of a narrow layer (N = 576: 9 CTAs) runs on few SMs.
+
 Two pipelines (`TuningConfig.warp_specialized`): plain `emit_pipeline` (one warpgroup
 issues the copies of later stages and does the math; the default) or
 `emit_pipeline_warp_specialized` (a memory warpgroup with 40 registers issues the
@@ -46,7 +62,8 @@ lower for sm_90; which is faster is for benchmarks/kernels.py on a GPU to say.
 it to wgmma from registers; the Mosaic GPU interpreter needs it (its wgmma takes A from
 shared memory only).
 
-Not done yet: two compute warpgroups per CTA, overlapping one step's int4 dequant with
+Not done yet: dense weights whose N is not a multiple of 64 (the weight is used as stored,
+so it cannot be padded), two compute warpgroups per CTA, overlapping one step's int4 dequant with
 the previous step's wgmma (each waits for its wgmma), fp8 activation quantization fused
 into the kernel, and tuning on a GPU (none was available when this was written).
 """
@@ -67,6 +84,7 @@ from pallas_kernels.quantized_matmul import quantize_fp8_per_token, unpack_int4
 
 TILE_N = 64  # output channels per CTA: the M of one warpgroup's wgmma
 MAX_TILE_T = 128  # tokens per CTA: wgmma's N
+INVARIANT_TILE_T = 64  # the batch-invariant token tile (see the module docstring)
 H100_SMS = 132
 SMEM_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -170,14 +188,35 @@ def default_config(num_tokens: int, n: int, k: int, tile_k: int = 128, **kwargs)
     return TuningConfig(tile_t=tile_t, tile_k=tile_k, k_splits=splits, **kwargs)
 
 
+def invariant_config(tile_k: int = 128, **kwargs) -> TuningConfig:
+    """The batch-invariant config: a token tile of INVARIANT_TILE_T and no K split, whatever
+    the token count, so a row's sum over K runs in the same order in every call. tile_k is
+    the default's for this K (and int4 group); `batch_invariant=True` fills it in."""
+    return TuningConfig(tile_t=INVARIANT_TILE_T, tile_k=tile_k, k_splits=1, **kwargs)
+
+
+def is_invariant(config: TuningConfig) -> bool:
+    """Whether a config gives every row the same summation order whatever the token count."""
+    return config.tile_t is not None and config.k_splits == 1
+
+
+def _default_or_invariant(num_tokens: int, n_pad: int, k: int, tile_k: int, batch_invariant: bool) -> TuningConfig:
+    if batch_invariant:
+        return invariant_config(tile_k)
+    return default_config(num_tokens, n_pad, k, tile_k=tile_k)
+
+
 def smem_bytes(kind: str, config: TuningConfig, out_itemsize: int) -> int:
     """Shared memory a kernel with this config allocates (an upper bound): its pipeline
     stages and their barriers, the output tile, for fp8 the epilogue's scales, and 2 KiB
-    for the padding of small buffers to 1 KiB boundaries (swizzled tiles' alignment)."""
+    for the padding of small buffers to 1 KiB boundaries (swizzled tiles' alignment).
+    `kind`: "int4", "fp8" or "dense" (16-bit weights)."""
     tt, tk, stages = config.tile_t or MAX_TILE_T, config.tile_k, config.max_concurrent_steps
     if kind == "int4":
         stage = TILE_N * tk // 2 + tt * tk * 2 + 2 * TILE_N * 4
         extra = TILE_N * tk * 2 if config.a_via_smem else 0
+    elif kind == "dense":
+        stage, extra = (TILE_N + tt) * tk * 2, 0
     else:
         stage = TILE_N * tk + tt * tk
         extra = (TILE_N + tt) * 4 + 8
@@ -194,7 +233,15 @@ def _common_reason(x, k: int, config: TuningConfig | None) -> str | None:
     return None
 
 
-def int4_unsupported_reason(x, weights: Int4KernelWeights, config: TuningConfig | None = None) -> str | None:
+def _invariance_reason(config: TuningConfig | None, batch_invariant: bool) -> str | None:
+    if batch_invariant and config is not None and not is_invariant(config):
+        return f"batch_invariant needs a fixed tile_t and k_splits=1, got {config}"
+    return None
+
+
+def int4_unsupported_reason(
+    x, weights: Int4KernelWeights, config: TuningConfig | None = None, batch_invariant: bool = False
+) -> str | None:
     """Why the W4A16 kernel cannot run x [T, K] @ these weights, or None."""
     if not isinstance(weights, Int4KernelWeights):
         return "the weights are not in the kernel layout (use prepare_int4)"
@@ -207,7 +254,9 @@ def int4_unsupported_reason(x, weights: Int4KernelWeights, config: TuningConfig 
     group = k // groups
     if group % 32:
         return f"group size {group} is not a multiple of 32"
-    config = _int4_config(x.shape[0] if x.ndim == 2 else 1, weights, config)
+    if (reason := _invariance_reason(config, batch_invariant)) is not None:
+        return reason
+    config = _int4_config(x.shape[0] if x.ndim == 2 else 1, weights, config, batch_invariant)
     if (reason := _common_reason(x, k, config)) is not None:
         return reason
     if (smem := smem_bytes("int4", config, 4)) > SMEM_BYTES:
@@ -215,14 +264,18 @@ def int4_unsupported_reason(x, weights: Int4KernelWeights, config: TuningConfig 
     return None
 
 
-def fp8_unsupported_reason(x, weights: Fp8KernelWeights, config: TuningConfig | None = None) -> str | None:
+def fp8_unsupported_reason(
+    x, weights: Fp8KernelWeights, config: TuningConfig | None = None, batch_invariant: bool = False
+) -> str | None:
     """Why the FP8 W8A8 kernel cannot run x [T, K] @ these weights, or None."""
     if not isinstance(weights, Fp8KernelWeights):
         return "the weights are not in the kernel layout (use prepare_fp8)"
     if weights.weight.ndim != 2 or jnp.dtype(weights.weight.dtype) != jnp.dtype(jnp.float8_e4m3fn):
         return f"weights must be e4m3 [N, K], got {weights.weight.dtype} {weights.weight.shape}"
     n_pad, k = weights.weight.shape
-    config = config or default_config(x.shape[0] if x.ndim == 2 else 1, n_pad, k, tile_k=_fp8_tile_k(k))
+    if (reason := _invariance_reason(config, batch_invariant)) is not None:
+        return reason
+    config = config or _default_or_invariant(x.shape[0] if x.ndim == 2 else 1, n_pad, k, _k_step(k), batch_invariant)
     if (reason := _common_reason(x, k, config)) is not None:
         return reason
     if (smem := smem_bytes("fp8", config, 4)) > SMEM_BYTES:
@@ -230,17 +283,43 @@ def fp8_unsupported_reason(x, weights: Fp8KernelWeights, config: TuningConfig | 
     return None
 
 
-def _fp8_tile_k(k: int) -> int:
-    """The largest K step (128, 64 or 32) dividing K."""
+def _dense_shape(w, transposed: bool) -> tuple[int, int]:
+    """(K, N) of a dense weight stored [K, N], or [N, K] when transposed."""
+    return (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
+
+
+def dense_unsupported_reason(
+    x, w, transposed: bool = False, config: TuningConfig | None = None, batch_invariant: bool = False
+) -> str | None:
+    """Why the dense kernel cannot run x [T, K] @ w ([K, N], or [N, K] when transposed), or None."""
+    if w.ndim != 2 or jnp.dtype(w.dtype) != jnp.dtype(x.dtype):
+        return f"w must be 2-D in x's dtype {jnp.dtype(x.dtype).name}, got {jnp.dtype(w.dtype).name} {w.shape}"
+    k, n = _dense_shape(w, transposed)
+    if n % TILE_N:  # used as stored: no padded copy
+        return f"N={n} is not a multiple of {TILE_N}"
+    if (reason := _invariance_reason(config, batch_invariant)) is not None:
+        return reason
+    config = config or _default_or_invariant(x.shape[0] if x.ndim == 2 else 1, n, k, _k_step(k), batch_invariant)
+    if (reason := _common_reason(x, k, config)) is not None:
+        return reason
+    if (smem := smem_bytes("dense", config, 4)) > SMEM_BYTES:
+        return f"{config} needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
+    return None
+
+
+def _k_step(k: int) -> int:
+    """The largest K step (128, 64 or 32) dividing K: fp8's and the dense kernel's tile_k."""
     return next((t for t in (128, 64, 32) if k % t == 0), 128)
 
 
-def _int4_config(num_tokens: int, weights: Int4KernelWeights, config: TuningConfig | None) -> TuningConfig:
+def _int4_config(
+    num_tokens: int, weights: Int4KernelWeights, config: TuningConfig | None, batch_invariant: bool = False
+) -> TuningConfig:
     n_pad, k = weights.q.shape[-2:]
     group = k // weights.scales.shape[-2]
     tile_k = min(group, 128) if group % 128 else 128
     if config is None:
-        return default_config(num_tokens, n_pad, k, tile_k=tile_k)
+        return _default_or_invariant(num_tokens, n_pad, k, tile_k, batch_invariant)
     return dataclasses.replace(config, tile_k=min(config.tile_k, tile_k))
 
 
@@ -430,6 +509,40 @@ def _fp8_kernel(plan: _Plan, out_dtype, config: TuningConfig, interpret):
     return _kernel_call(body, plan, out_dtype, scratch, config, interpret)
 
 
+def _dense_kernel(plan: _Plan, out_dtype, transposed: bool, config: TuningConfig, interpret):
+    """The fp8 kernel without scales: 16-bit weights as stored, both operands in smem."""
+    tk, tt = plan.tile_k, plan.tile_t
+    in_flight = 0 if config.warp_specialized else 1  # as in the fp8 kernel
+
+    def body(w_gmem, x_gmem, out_gmem, out_smem):
+        ni, ti, si = lax.axis_index("n"), lax.axis_index("t"), lax.axis_index("k")
+        k0 = si * plan.k_steps
+
+        def step(idx, w_smem, x_smem, acc_ref):
+            # [N, K] tiles are K-major as wgmma's A; [K, N] tiles are read transposed (N-major A).
+            a = w_smem if transposed else w_smem.transpose((1, 0))
+            plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(in_flight)
+            return acc_ref
+
+        if transposed:
+            w_spec = plgpu.BlockSpec((TILE_N, tk), lambda k: (ni, k0 + k), delay_release=in_flight)
+        else:
+            w_spec = plgpu.BlockSpec((tk, TILE_N), lambda k: (k0 + k, ni), delay_release=in_flight)
+        in_specs = [w_spec, plgpu.BlockSpec((tt, tk), lambda k: (ti, k0 + k), delay_release=in_flight)]
+        _pipelined(
+            step,
+            in_specs,
+            (w_gmem, x_gmem),
+            plan=plan,
+            config=config,
+            prologue=lambda: None,
+            epilogue=lambda acc: _store_tile(acc, out_smem, out_gmem, ni, ti, si, plan),
+        )
+
+    return _kernel_call(body, plan, out_dtype, [plgpu.SMEM((TILE_N, tt), out_dtype)], config, interpret)
+
+
 def _pad_tokens(x: jax.Array, tile_t: int) -> jax.Array:
     t = x.shape[0]
     return jnp.pad(x, ((0, -t % tile_t), (0, 0)))
@@ -446,17 +559,23 @@ def _interpret_params(interpret):
 
 
 def int4_matmul(
-    x: jax.Array, weights: Int4KernelWeights, *, config: TuningConfig | None = None, interpret=None
+    x: jax.Array,
+    weights: Int4KernelWeights,
+    *,
+    config: TuningConfig | None = None,
+    batch_invariant: bool = False,
+    interpret=None,
 ) -> jax.Array:
     """`int4_matmul_reference(x, packed, scales, offsets)` for weights = prepare_int4(packed,
-    scales, offsets): x [T, K] bf16/f16 -> [T, N] in x's dtype."""
-    if (reason := int4_unsupported_reason(x, weights, config)) is not None:
+    scales, offsets): x [T, K] bf16/f16 -> [T, N] in x's dtype. `batch_invariant`: row t
+    depends on x[t] alone, whatever T (`invariant_config`; a config given must be invariant)."""
+    if (reason := int4_unsupported_reason(x, weights, config, batch_invariant)) is not None:
         raise NotImplementedError(f"int4_matmul (Mosaic GPU): {reason}")
     interpret = _interpret_params(interpret)
     t, k = x.shape
     n_pad = weights.q.shape[0]
     group = k // weights.scales.shape[0]
-    config = _finish_config(_int4_config(t, weights, config), t, n_pad, k)
+    config = _finish_config(_int4_config(t, weights, config, batch_invariant), t, n_pad, k)
     if interpret:  # the interpreter's wgmma takes its A operand from smem only
         config = dataclasses.replace(config, a_via_smem=True)
     xp = _pad_tokens(x, config.tile_t)
@@ -468,16 +587,22 @@ def int4_matmul(
 
 
 def fp8_matmul(
-    x: jax.Array, weights: Fp8KernelWeights, *, config: TuningConfig | None = None, interpret=None
+    x: jax.Array,
+    weights: Fp8KernelWeights,
+    *,
+    config: TuningConfig | None = None,
+    batch_invariant: bool = False,
+    interpret=None,
 ) -> jax.Array:
     """`fp8_matmul_reference(x, weight, scales)` for weights = prepare_fp8(weight, scales):
-    x [T, K] bf16/f16 -> [T, N] in x's dtype (x quantized per token first, in XLA)."""
-    if (reason := fp8_unsupported_reason(x, weights, config)) is not None:
+    x [T, K] bf16/f16 -> [T, N] in x's dtype (x quantized per token first, in XLA: each row
+    by its own absmax, so `batch_invariant` holds for it as for `int4_matmul`)."""
+    if (reason := fp8_unsupported_reason(x, weights, config, batch_invariant)) is not None:
         raise NotImplementedError(f"fp8_matmul (Mosaic GPU): {reason}")
     interpret = _interpret_params(interpret)
     t, k = x.shape
     n_pad = weights.weight.shape[0]
-    config = _finish_config(config or default_config(t, n_pad, k, tile_k=_fp8_tile_k(k)), t, n_pad, k)
+    config = _finish_config(config or _default_or_invariant(t, n_pad, k, _k_step(k), batch_invariant), t, n_pad, k)
     # NOTE: the barrier keeps x rounded to its dtype before quantizing, as the reference
     # does (its barrier); else XLA may fuse the producer (e.g. RMSNorm) into the
     # quantization in float32, and a few activations then round to another e4m3 value.
@@ -488,3 +613,28 @@ def fp8_matmul(
     out_dtype = x.dtype if plan.k_splits == 1 else jnp.float32
     out = _fp8_kernel(plan, out_dtype, config, interpret)(weights.weight, weights.scales, xq, x_scale)
     return _finish(out, t, weights.n, x.dtype)
+
+
+def dense_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    transposed: bool = False,
+    config: TuningConfig | None = None,
+    batch_invariant: bool = False,
+    interpret=None,
+) -> jax.Array:
+    """x [T, K] @ w -> [T, N] in x's dtype (float32 accumulation, one rounding), w in x's dtype
+    as stored: [K, N], or [N, K] with `transposed` (y = x @ w.T, a tied LM head).
+    `batch_invariant`: row t depends on x[t] alone, whatever T (see `int4_matmul`)."""
+    if (reason := dense_unsupported_reason(x, w, transposed, config, batch_invariant)) is not None:
+        raise NotImplementedError(f"dense_matmul (Mosaic GPU): {reason}")
+    interpret = _interpret_params(interpret)
+    t = x.shape[0]
+    k, n = _dense_shape(w, transposed)
+    config = _finish_config(config or _default_or_invariant(t, n, k, _k_step(k), batch_invariant), t, n, k)
+    xp = _pad_tokens(x, config.tile_t)
+    plan = _plan(config, xp.shape[0], n, k)
+    out_dtype = x.dtype if plan.k_splits == 1 else jnp.float32
+    out = _dense_kernel(plan, out_dtype, transposed, config, interpret)(w, xp)
+    return _finish(out, t, n, x.dtype)

@@ -78,7 +78,7 @@ def test_ci_subset_compiles_to_sm90a_without_spills(tmp_path):
         if row["must_not_spill"]:
             assert row["spill_stores"] == row["spill_loads"] == 0, row
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"attention", "int4 matmul", "fp8 matmul", "gmm", "int4 gmm", "fp8 gmm"}
+    assert kernels == {"attention", "int4 matmul", "fp8 matmul", "bf16 matmul", "gmm", "int4 gmm", "fp8 gmm"}
     assert "compiled to sm_90a" in result.stdout
 
 
