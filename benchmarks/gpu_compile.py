@@ -121,6 +121,11 @@ def attention_cases() -> list[Case]:
         f = lower(tokens, seqs, 8192, 16, head_dim, None, None, num_heads=heads, num_kv_heads=kv_heads)
         cases.append(Case("attention", name, f, ci=name == "smollm2_decode"))
     cases.append(Case("attention", "decode_b64_8k_f16", lower(64, 64, 8192, 16, 128, None, None, dtype=jnp.float16)))
+    # --batch-invariant: 64-key blocks whatever the bucket, fixed splits, the rescale's select.
+    f = lower(64, 64, 8192, 16, 64, None, None, num_heads=9, num_kv_heads=3, batch_invariant=True)
+    cases.append(Case("attention", "smollm2_decode_invariant", f, ci=True))
+    f = lower(8192, 4, 32768, 16, 128, None, None, batch_invariant=True)
+    cases.append(Case("attention", "prefill_8k_tokens_4_seqs_invariant", f))
     for tokens in ENGINE_ATTENTION_TOKENS:  # Llama-3-8B and the default model in the engine's buckets
         seqs = min(tokens, ENGINE_MAX_SEQS)
         cases.append(Case("attention", f"engine_t{tokens}", lower(tokens, seqs, 8192, 16, 128, None, None)))

@@ -89,15 +89,24 @@ def lower_attention(
     dtype=jnp.bfloat16,
     kv_dtype=None,
     tree=False,
+    batch_invariant=False,
 ):
     """jax.export of the attention kernel for CUDA; returns (exported, config, shared-memory
     bytes Mosaic GPU allocated). `config` None is what the engine picks for this bucket;
     `kv_dtype` uint8 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales);
-    `tree` with a tree mask."""
+    `tree` with a tree mask; `batch_invariant` in that mode (fixed blocks and splits)."""
     max_pages = -(-context // page_size)
     num_pages = num_seqs * max_pages + 1
     config = config or attention_mgpu.default_config(
-        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size, kv_dtype=kv_dtype, tree=tree
+        num_tokens,
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        kv_dtype=kv_dtype,
+        tree=tree,
+        batch_invariant=batch_invariant,
     )
     optional = (("k_scales", "v_scales") if kv_dtype is not None else ()) + (("tree_mask",) if tree else ())
 

@@ -76,6 +76,40 @@ read, and V rows past the context are zeroed in shared memory before P V (8-bit:
 each WG's upcast copy, and their v_scale by a select), so 0 * NaN never reaches the
 output.
 
+Batch-invariant mode (`batch_invariant=True`, `TuningConfig.batch_invariant`; what the
+engine's --batch-invariant needs on Hopper, not yet wired there: jaxserve/runner/kernels.py):
+a token's output rows are bit for bit the same whatever else the call holds (alone, in any
+batch at any place, in any bucket, its prompt in one chunk or several).
+By default three things depend on the step, and this mode fixes each:
+
+- block_kv (the online softmax's blocking) came from the bucket, tree and kv dtype: it is
+  max(64, page_size), always (`default_config`);
+- the split length came from the whole step's work and splits were even: split j is now
+  blocks [j * c, (j + 1) * c) of the context, c = `split_blocks` (a constant), clipped to
+  the tile's own blocks (`_fixed_splits`);
+- segment sums merged a tile's items in an order XLA picks: `_combine_in_split_order`
+  takes the max of the splits' lse, then folds w * o and w split by split, elementwise.
+
+The query tile still follows the bucket. That is harmless because each query row is
+computed on its own (its own row of each wgmma, a row-wise max and sum; a mask select
+keeps a visible score as it is) and a block wholly masked for a row leaves its state bit
+for bit: every score is -inf, so the row max stays (m_new == m), the rescale is exactly 1
+(a select: not left to ex2.approx of 0), p = exp2(-inf) = +0, so l + 0 = l and
+acc * 1 + 0 * V = acc (V past the context is zeroed: no NaN; at most the sign of a zero
+in acc can flip, which the combine absorbs: its sums start at +0, so are never -0). A
+token in a prefill tile meets only such extra blocks beside its own: past its position
+(the tile's later queries) and before its window (the tile's earlier ones); and extra
+splits wholly masked for it (o = 0, lse = -inf), which add +0 in the combine, just as the
+splits it lacks alone.
+
+Cost: the work list is static, sized for the worst case, every tile meeting
+`max_splits(config, max_pages * page_size, window)` splits; the partial outputs (q's
+dtype, plus a float32 lse per row) take that many times the tiles' rows. At c = 32
+blocks (2048 keys) a decode at context 32K still gets 16 splits per head, and the buffer
+costs (Llama-3-8B heads, 132 CTAs): decode b64 at 8K 4 MiB (default 3 MiB), the engine's
+512-token bucket at 8K 32 MiB (25), a 8192-token prefill with 32K block tables 1 GiB
+(99 MiB) or 263 MiB under a 4096 window. Halving c doubles the splits and the buffer.
+
 Supported: bf16 / f16 (q, and the pages unless 8-bit), head_dim 64 or 128, page sizes
 that are multiples of 8 dividing 256, any GQA ratio up to 128 query heads per KV head.
 `unsupported_reason` says why a call is not supported; the kernel raises it.
@@ -85,6 +119,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +163,11 @@ class TuningConfig:
     # P V takes P from registers (as FlashAttention 3) unless this stages P through
     # shared memory; the Mosaic GPU interpreter supports only the latter.
     p_via_smem: bool = False
+    # A token's output bits depend on its own sequence only (see "Batch-invariant mode" in
+    # the module docstring): splits of `split_blocks` blocks at absolute block boundaries
+    # (max_waves and min_split_blocks unused), combined in a fixed order.
+    batch_invariant: bool = False
+    split_blocks: int = 32
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -140,6 +180,8 @@ class TuningConfig:
             raise ValueError(f"{self.query_tile=} must be positive")
         if self.num_ctas < 1 or self.max_waves < 1 or self.min_split_blocks < 1:
             raise ValueError(f"{self.num_ctas=}, {self.max_waves=} and {self.min_split_blocks=} must be positive")
+        if self.split_blocks < 1:
+            raise ValueError(f"{self.split_blocks=} must be positive")
 
     def with_query_tile(self, query_tile: int, groups: int) -> TuningConfig:
         """This config with `query_tile` tokens per tile (at most two warpgroups' rows) and
@@ -213,6 +255,7 @@ def default_config(
     p_via_smem: bool = False,
     kv_dtype=None,
     tree: bool = False,
+    batch_invariant: bool = False,
 ) -> TuningConfig:
     """A config for a (token, sequence) bucket and model shape.
 
@@ -222,7 +265,9 @@ def default_config(
     masks with two compute warpgroups, take 64-key blocks (fewer live registers: no spills
     on sm_90a). `kv_dtype` is the pages' dtype when it is 8-bit (the ring then costs half,
     the upcast buffers more);
-    `tree` is for calls with a tree mask.
+    `tree` is for calls with a tree mask. `batch_invariant` fixes block_kv at max(64,
+    page_size) whatever the bucket, tree or kv dtype: the online softmax's blocking then
+    never depends on the step (the query tile still does, which the kernel makes harmless).
     """
     kv_itemsize = jnp.dtype(kv_dtype).itemsize if kv_dtype is not None else 2
 
@@ -231,7 +276,9 @@ def default_config(
 
     cfg = TuningConfig(block_kv=max(128, page_size), num_ctas=num_ctas or device_sm_count(), p_via_smem=p_via_smem)
     cfg = cfg.with_query_tile(query_tile or default_query_tile(num_tokens, num_seqs), num_heads // num_kv_heads)
-    if kv_itemsize == 1 or (tree and cfg.num_compute_wgs == 2):
+    if batch_invariant:
+        cfg = dataclasses.replace(cfg, block_kv=max(64, page_size), batch_invariant=True)
+    elif kv_itemsize == 1 or (tree and cfg.num_compute_wgs == 2):
         # The upcast of an 8-bit block, and the tree words beside two warpgroups' rows, keep
         # more registers live next to the [64, block_kv] float32 scores: at 128 keys ptxas
         # spilled 8-136 bytes per thread in the inner loop; at 64 none
@@ -347,15 +394,29 @@ class WorkPlan:
     tile_tokens: jax.Array  # int32 [NT, TQ]: flat token of each tile slot; T where empty
     token_row: jax.Array  # int32 [T]: the token's slot in the flattened [NT * TQ] tiles
     token_valid: jax.Array  # bool [T]: False for padding tokens
+    # int32 [NT, max_splits], batch-invariant plans only (else None): the item of each of a
+    # tile's splits in kv order; max_items past the tile's last split.
+    split_item: jax.Array | None
     config: TuningConfig  # static: the tiles this plan was cut for
     sliding_window: int | None  # static
 
 
 jax.tree_util.register_dataclass(
     WorkPlan,
-    data_fields=["work", "num_items", "item_tile", "tile_tokens", "token_row", "token_valid"],
+    data_fields=["work", "num_items", "item_tile", "tile_tokens", "token_row", "token_valid", "split_item"],
     meta_fields=["config", "sliding_window"],
 )
+
+
+class _Items(NamedTuple):
+    """A tile's kv blocks cut into work items (a prefix of `max_items` rows in use)."""
+
+    tile: jax.Array  # int32 [max_items]: the item's tile (clamped for unused items)
+    blk_begin: jax.Array  # int32 [max_items]
+    blk_end: jax.Array  # int32 [max_items]: == blk_begin for unused items
+    valid: jax.Array  # bool [max_items]
+    num_items: jax.Array  # int32 []
+    split_item: jax.Array | None  # see WorkPlan
 
 
 def _searchsorted_right(sorted_ends, values):
@@ -371,8 +432,15 @@ def plan_work(
     num_kv_heads: int,
     config: TuningConfig,
     sliding_window: int | None = None,
+    max_context: int | None = None,
 ) -> WorkPlan:
-    """Query tiles of every sequence and the flash-decoding work items over their kv blocks."""
+    """Query tiles of every sequence and the flash-decoding work items over their kv blocks.
+
+    `max_context` (static: block_tables' width times page_size) bounds a sequence's context;
+    a batch-invariant config needs it to size the work list.
+    """
+    if config.batch_invariant and max_context is None:
+        raise ValueError("a batch-invariant plan needs max_context (max_pages * page_size)")
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     qsl = jnp.asarray(query_start_loc, jnp.int32)
     num_seqs = kv_lens.shape[0]
@@ -400,6 +468,36 @@ def plan_work(
     blk_begin = key_begin // bkv
     num_blocks = jnp.where(key_end > 0, (key_end + bkv - 1) // bkv - blk_begin, 0)  # [NT]
 
+    if config.batch_invariant:
+        items = _fixed_splits(blk_begin, num_blocks, config, max_splits(config, max_context, sliding_window))
+    else:
+        items = _even_splits(blk_begin, num_blocks, num_kv_heads, config)
+    tile = items.tile
+    fields = [tile, seq[tile], items.blk_begin, items.blk_end, pos0[tile], kv_lens[seq[tile]], num_q[tile], new0[tile]]
+    work = jnp.stack(fields, axis=1)
+
+    # -- where each flat token's output row lives ------------------------------------
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = jnp.minimum(_searchsorted_right(qsl[1:], token), num_seqs - 1)
+    offset = token - qsl[token_seq]
+    token_tile = tile_end[token_seq] - tiles_per_seq[token_seq] + offset // tq
+    return WorkPlan(
+        work=work.astype(jnp.int32),
+        num_items=items.num_items.astype(jnp.int32).reshape(1),
+        item_tile=jnp.where(items.valid, tile, num_tiles).astype(jnp.int32),
+        tile_tokens=tile_tokens.astype(jnp.int32),
+        token_row=(token_tile * tq + offset % tq).astype(jnp.int32),
+        token_valid=token < qsl[-1],
+        split_item=items.split_item,
+        config=config,
+        sliding_window=sliding_window,
+    )
+
+
+def _even_splits(blk_begin, num_blocks, num_kv_heads: int, config: TuningConfig) -> _Items:
+    """Each tile's blocks split evenly into items of at most `_split_chunk` blocks (picked
+    from the whole step's work)."""
+    num_tiles = blk_begin.shape[0]
     chunk = _split_chunk(num_blocks, num_kv_heads, config)
     # sum(cdiv(n, chunk)) <= sum(n) / chunk + NT, and chunk >= sum(n) * KV / (ctas * max_waves)
     max_items = num_tiles + -(-config.num_ctas * config.max_waves // num_kv_heads)
@@ -414,23 +512,53 @@ def plan_work(
     n, k = num_blocks[tile], jnp.maximum(splits[tile], 1)
     b0 = blk_begin[tile] + part * n // k  # an even split of the tile's blocks
     b1 = jnp.where(item_valid, blk_begin[tile] + (part + 1) * n // k, b0)
-    work = jnp.stack([tile, seq[tile], b0, b1, pos0[tile], kv_lens[seq[tile]], num_q[tile], new0[tile]], axis=1)
+    return _Items(tile, b0, b1, item_valid, num_items, None)
 
-    # -- where each flat token's output row lives ------------------------------------
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_seq = jnp.minimum(_searchsorted_right(qsl[1:], token), num_seqs - 1)
-    offset = token - qsl[token_seq]
-    token_tile = tile_end[token_seq] - tiles_per_seq[token_seq] + offset // tq
-    return WorkPlan(
-        work=work.astype(jnp.int32),
-        num_items=num_items.astype(jnp.int32).reshape(1),
-        item_tile=jnp.where(item_valid, tile, num_tiles).astype(jnp.int32),
-        tile_tokens=tile_tokens.astype(jnp.int32),
-        token_row=(token_tile * tq + offset % tq).astype(jnp.int32),
-        token_valid=token < qsl[-1],
-        config=config,
-        sliding_window=sliding_window,
-    )
+
+def max_splits(config: TuningConfig, max_context: int, sliding_window: int | None = None) -> int:
+    """Most fixed splits (`config.split_blocks` blocks at absolute boundaries) one tile can touch.
+
+    A tile's keys run from its first visible key to its last query: from key 0 (at most
+    max_context keys), or under a window at most window + query_tile - 1 keys starting anywhere.
+    """
+    bkv, c = config.block_kv, config.split_blocks
+    blocks = -(-max_context // bkv)
+    splits = -(-blocks // c)  # blocks [0, n) meet cdiv(n, c) splits
+    if sliding_window is not None:
+        keys = sliding_window + config.query_tile - 1
+        blocks = -(-(keys - 1) // bkv) + 1  # keys [a, a + keys) meet this many blocks at most
+        splits = min(splits, -(-(blocks - 1) // c) + 1)
+    return max(1, splits)
+
+
+def _fixed_splits(blk_begin, num_blocks, config: TuningConfig, splits_bound: int) -> _Items:
+    """Batch-invariant items: split j covers blocks [j * c, (j + 1) * c) of the context,
+    clipped to the tile's own range, c = config.split_blocks whatever the step.
+
+        tile's blocks:        [b_lo ..................... b_hi)
+        fixed splits:   | j*c        | (j+1)*c      | (j+2)*c      |
+        items:                [b_lo, (j+1)*c), [.., (j+2)*c), [.., b_hi)
+
+    Items are listed tile by tile, splits in kv order; `split_item` maps each tile's k-th
+    split back to its item, the fixed order in which `_combine_in_split_order` folds them.
+    """
+    num_tiles, c = blk_begin.shape[0], config.split_blocks
+    blk_end = blk_begin + num_blocks
+    first = blk_begin // c
+    splits = jnp.where(num_blocks > 0, (blk_end + c - 1) // c - first, 0)  # [NT], <= splits_bound
+    item_end = jnp.cumsum(splits)
+    item_begin = item_end - splits
+    max_items = num_tiles * splits_bound
+
+    item = jnp.arange(max_items, dtype=jnp.int32)
+    item_valid = item < item_end[-1]
+    tile = jnp.minimum(_searchsorted_right(item_end, item), num_tiles - 1)
+    j = first[tile] + item - item_begin[tile]  # the absolute split
+    b0 = jnp.maximum(j * c, blk_begin[tile])
+    b1 = jnp.where(item_valid, jnp.minimum((j + 1) * c, blk_end[tile]), b0)
+    k = jnp.arange(splits_bound, dtype=jnp.int32)
+    split_item = jnp.where(k < splits[:, None], item_begin[:, None] + k, max_items).astype(jnp.int32)
+    return _Items(tile, b0, b1, item_valid, item_end[-1], split_item)
 
 
 _UNIT_OVERHEAD_BLOCKS = 0.5  # a unit's fixed cost (queries in, result out), in kv blocks
@@ -737,6 +865,10 @@ def _build_kernel(
                 s = lax.cond(holds_tree(blk, f), lambda x: apply_tree_mask(x, blk, f, words), lambda x: x, s)
             m_new = jnp.maximum(m, s.max(axis=1) * log2_scale)
             alpha = jnp.exp2(m - m_new)
+            if cfg.batch_invariant:
+                # Exactly 1 when the max stays, whatever ex2.approx(0) gives: a block wholly
+                # masked for a row must leave its state bit for bit (module docstring).
+                alpha = jnp.where(m_new == m, jnp.ones_like(alpha), alpha)
             p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
 
@@ -979,6 +1111,30 @@ def _combine(o_part, lse, plan: WorkPlan, rows: int, num_kv_heads: int, head_dim
     return num / jnp.where(den > 0, den, 1.0)
 
 
+def _combine_in_split_order(o_part, lse, plan: WorkPlan, rows: int, num_kv_heads: int, head_dim: int):
+    """`_combine` for batch-invariant plans: each tile's splits folded in kv order with
+    elementwise ops only (no reduction whose order a backend picks) -> [NT, rows, KV, D] f32.
+
+    A split the tile does not have, or one wholly masked for a row (lse = -inf), adds
+    exactly +0 to sums that start at +0 and so are never -0: it changes no bit.
+    """
+    max_items = plan.item_tile.shape[0]
+    o = o_part.reshape(max_items, rows, num_kv_heads, head_dim)
+    lse = lse.reshape(num_kv_heads, max_items, rows).transpose(1, 2, 0)  # [I, rows, KV]
+    has_split = plan.split_item < max_items  # [NT, S]; the rows of other items were never written
+    item = jnp.minimum(plan.split_item, max_items - 1)
+    lse = jnp.where(has_split[..., None, None], lse[item], -jnp.inf)  # [NT, S, rows, KV]
+    m = jnp.max(lse, axis=1)  # a max is exact in any order
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    num = jnp.zeros((*m.shape, head_dim), jnp.float32)
+    den = jnp.zeros((*m.shape, 1), jnp.float32)
+    for k in range(item.shape[1]):
+        w = jnp.exp2(lse[:, k] - m)[..., None]
+        o_k = jnp.where(has_split[:, k, None, None, None], o[item[:, k]].astype(jnp.float32), 0.0)
+        num, den = num + w * o_k, den + w
+    return num / jnp.where(den > 0, den, 1.0)
+
+
 def _tiles_to_tokens(out_tiles, plan: WorkPlan, groups: int, dtype):
     """[NT, rows, KV, D] tile rows -> [T, H, D] in flat token order (padding tokens 0)."""
     num_tiles, _, num_kv_heads, head_dim = out_tiles.shape
@@ -1007,6 +1163,7 @@ def ragged_paged_attention(
     config: TuningConfig | None = None,
     plan: WorkPlan | None = None,
     tree_mask: jax.Array | None = None,  # int32 [T]: a tree mask word per token (see the reference)
+    batch_invariant: bool = False,
     interpret=None,
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
     """`ragged_paged_attention_reference` on a Hopper GPU (see the module docstring).
@@ -1019,6 +1176,8 @@ def ragged_paged_attention(
     With `k_scales` and `v_scales` the pages are an 8-bit cache (`quantized_kv`),
     dequantized inside the kernel. `tree_mask` limits which of its sequence's first 32
     new tokens each token sees, as in `ragged_paged_attention_reference`.
+    `batch_invariant` makes a token's output bits independent of the rest of the call
+    (module docstring); a given `config` or `plan` must then be batch-invariant itself.
     """
     del kv_chunk_pages
     tree = tree_mask is not None
@@ -1049,9 +1208,16 @@ def ragged_paged_attention(
             p_via_smem=bool(interpret),
             kv_dtype=k_pages.dtype,
             tree=tree,
+            batch_invariant=batch_invariant,
         )
     elif query_tile is not None:
         config = config.with_query_tile(query_tile, groups)
+    if batch_invariant and not config.batch_invariant:
+        raise ValueError("batch_invariant=True needs a batch-invariant config / plan (TuningConfig.batch_invariant)")
+    max_context = max_pages * page_size
+    if plan is not None and config.batch_invariant:
+        if plan.split_item.shape[1] < (need := max_splits(config, max_context, sliding_window)):
+            raise ValueError(f"the plan has {plan.split_item.shape[1]} splits per tile, these block tables {need}")
     if interpret:  # the interpreter's wgmma takes its A operand from smem only
         config = dataclasses.replace(config, p_via_smem=True)
     if (reason := unsupported_reason(q, k_pages, v_pages, **optional, config=config)) is not None:
@@ -1064,6 +1230,7 @@ def ragged_paged_attention(
             num_kv_heads=num_kv_heads,
             config=config,
             sliding_window=sliding_window,
+            max_context=max_context,
         )
 
     rows = config.rows_per_tile(groups)
@@ -1103,5 +1270,6 @@ def ragged_paged_attention(
         kv += (k_scales.reshape(num_pages, -1), v_scales.reshape(num_pages, -1))
     o_part, lse = kernel(plan.work, plan.num_items, jnp.asarray(block_tables, jnp.int32), q_tiles, *tree_rows, *kv)
 
-    out_tiles = _combine(o_part, lse, plan, rows, num_kv_heads, head_dim)
+    combine = _combine_in_split_order if config.batch_invariant else _combine
+    out_tiles = combine(o_part, lse, plan, rows, num_kv_heads, head_dim)
     return _tiles_to_tokens(out_tiles, plan, groups, q.dtype)

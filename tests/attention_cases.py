@@ -88,6 +88,46 @@ def make_case(
     return AttentionCase(q, k_pages, v_pages, lens, tables, qsl, dense_k, dense_v)
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceData:
+    """One sequence's new tokens' queries and its whole context, to be packed by `pack_case`."""
+
+    q: np.ndarray  # [q_len, H, D]: the last q_len positions of the context
+    k: np.ndarray  # [kv_len, KV, D]
+    v: np.ndarray
+
+
+def random_sequence(rng: np.random.Generator, q_len: int, kv_len: int, *, num_heads, num_kv_heads, head_dim, dtype):
+    """A sequence of standard normal q / K / V: q_len new tokens at the end of kv_len positions."""
+    assert 0 < q_len <= kv_len
+    k, v = (rng.standard_normal((kv_len, num_kv_heads, head_dim)).astype(dtype) for _ in range(2))
+    return SequenceData(rng.standard_normal((q_len, num_heads, head_dim)).astype(dtype), k, v)
+
+
+def pack_case(
+    rng: np.random.Generator, seqs: list[SequenceData], *, page_size: int, pad_tokens: int = 0
+) -> AttentionCase:
+    """These sequences as one batch, in this order: pages scrambled, a few owned by nobody,
+    NaN in every slot no sequence uses; `pad_tokens` random queries at the end."""
+    pages_needed = [-(-len(s.k) // page_size) for s in seqs]
+    num_pages = sum(pages_needed) + 3
+    _, num_kv_heads, head_dim = seqs[0].k.shape
+    k_pages = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan, seqs[0].k.dtype)
+    v_pages = np.full_like(k_pages, np.nan)
+    free = list(rng.permutation(num_pages))
+    tables = np.zeros((len(seqs), max(pages_needed)), np.int32)
+    for i, seq in enumerate(seqs):
+        for j in range(pages_needed[i]):
+            rows = slice(j * page_size, min(len(seq.k), (j + 1) * page_size))
+            page = tables[i, j] = free.pop()
+            k_pages[page, : rows.stop - rows.start], v_pages[page, : rows.stop - rows.start] = seq.k[rows], seq.v[rows]
+    qsl = np.concatenate([[0], np.cumsum([len(s.q) for s in seqs])]).astype(np.int32)
+    pad = rng.standard_normal((pad_tokens, *seqs[0].q.shape[1:])).astype(seqs[0].q.dtype)
+    q = np.concatenate([s.q for s in seqs] + [pad])
+    kv_lens = np.array([len(s.k) for s in seqs], np.int32)
+    return AttentionCase(q, k_pages, v_pages, kv_lens, tables, qsl, [s.k for s in seqs], [s.v for s in seqs])
+
+
 def dense_attention(
     case: AttentionCase,
     *,

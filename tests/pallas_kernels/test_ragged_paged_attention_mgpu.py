@@ -7,7 +7,8 @@
    flash-decoding splits, one and two compute warpgroups. Unused pages and slots are NaN.
    An 8-bit cache (e4m3 / int8 with per-token scales; unused int8 slots hold random
    bytes, unused scales NaN) is checked against both on the dequantized pages. Draft
-   trees (a tree mask word per token) in mixed batches.
+   trees (a tree mask word per token) in mixed batches. Batch-invariant mode: a token's
+   rows == alone and in random batches (hypothesis), prefill chunks == decode.
 2. Lowered for CUDA with `jax.export` at production shapes (bf16, e4m3 and int8 caches,
    with and without a tree mask);
    Mosaic GPU targets sm_90 when no GPU is present and checks the shared-memory budget
@@ -26,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.mosaic_lowering import (
@@ -38,7 +41,16 @@ from benchmarks.mosaic_lowering import (
 )
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.attention_cases import batch_tree_mask, dense_attention, kary_tree, make_case, quantize_case
+from tests.attention_cases import (
+    batch_tree_mask,
+    dense_attention,
+    kary_tree,
+    make_case,
+    pack_case,
+    quantize_case,
+    random_sequence,
+    tree_words,
+)
 
 ON_GPU = os.environ.get("JAXSERVE_MGPU_ON_GPU") == "1"
 if ON_GPU and jax.devices()[0].platform != "gpu":
@@ -345,7 +357,197 @@ def test_tree_verification_two_compute_warpgroups():
     check(case, config=small_config(query_tile=16, num_compute_wgs=2), sm_scale=0.125, tree_mask=mask)
 
 
+# -- batch-invariant mode ------------------------------------------------------------
+# A token's output must be bit for bit the same alone or in any batch. Shapes: GQA 3, 16-token
+# pages, 64-key blocks and 2-block splits (128 keys), so short contexts are already split.
+
+INV_SHAPE = dict(num_heads=6, num_kv_heads=2, head_dim=64)
+INV_PAGE = 16
+
+
+def invariant_config(case, tree=False):
+    """What the engine picks for this bucket in batch-invariant mode, with short splits and
+    few CTAs (quick to interpret)."""
+    tokens, seqs = case.q.shape[0], len(case.kv_lens)
+    config = mgpu.default_config(tokens, seqs, 6, 2, 64, INV_PAGE, num_ctas=4, tree=tree, batch_invariant=True)
+    return dataclasses.replace(config, split_blocks=2)
+
+
+def run_raw(case, **kwargs):
+    """The kernel's own bf16 / f16 output in batch-invariant mode, for == comparisons."""
+    interpret = None if ON_GPU else plgpu.InterpretGPUParams()
+    config = invariant_config(case, tree=kwargs.get("tree_mask") is not None)
+    out = mgpu.ragged_paged_attention(
+        *(jnp.asarray(getattr(case, a)) for a in ARGS),
+        config=config,
+        batch_invariant=True,
+        interpret=interpret,
+        **kwargs,
+    )
+    return np.asarray(out)
+
+
+def rows_of(out, case, index, seq):
+    start = case.query_start_loc[index]
+    return out[start : start + len(seq.q)]
+
+
+decode_shape = st.tuples(st.just(1), st.integers(1, 400))  # (new tokens, context)
+prefill_shape = st.integers(2, 24).flatmap(lambda q: st.tuples(st.just(q), st.integers(q, 300)))
+sequence_shape = st.one_of(decode_shape, prefill_shape)
+
+
+@pytest.mark.interpret
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
+    target=sequence_shape,
+    mates=st.lists(sequence_shape, min_size=1, max_size=4),
+    where=st.integers(0, 4),
+    pad_tokens=st.integers(0, 5),
+    window=st.sampled_from([None, 100]),
+    seed=st.integers(0, 2**16),
+)
+def test_batch_invariant_alone_or_in_any_batch(dtype, target, mates, where, pad_tokens, window, seed):
+    """The target's rows are == alone and among random prefill / decode mates, at any place,
+    in another token bucket (so other query tiles), with padding tokens."""
+    rng = np.random.default_rng(seed)
+    target = random_sequence(rng, *target, **INV_SHAPE, dtype=dtype)
+    batch = [random_sequence(rng, *m, **INV_SHAPE, dtype=dtype) for m in mates]
+    where = min(where, len(batch))
+    batch.insert(where, target)
+    kwargs = dict(sm_scale=0.125, sliding_window=window)
+    alone = run_raw(pack_case(rng, [target], page_size=INV_PAGE), **kwargs)
+    case = pack_case(rng, batch, page_size=INV_PAGE, pad_tokens=pad_tokens)
+    assert np.array_equal(rows_of(run_raw(case, **kwargs), case, where, target), alone)
+
+
+@pytest.mark.interpret
+def test_batch_invariant_with_a_tree_in_the_step():
+    """A draft tree's verification tokens and a decode token: alone (the decode without any
+    tree mask) and in a step with another tree, a prefill chunk and decodes."""
+    rng = np.random.default_rng(4)
+    make = functools.partial(random_sequence, rng, **INV_SHAPE, dtype=jnp.bfloat16)
+    verify, decode = make(len(BUSHY), 150), make(1, 200)
+    words = np.array(tree_words(BUSHY), np.int32)
+    verify_alone = run_raw(pack_case(rng, [verify], page_size=INV_PAGE), sm_scale=0.125, tree_mask=words)
+    decode_alone = run_raw(pack_case(rng, [decode], page_size=INV_PAGE), sm_scale=0.125)
+    batch = [make(13, 70), verify, make(1, 9), decode, make(len(CHAIN), 90)]
+    case = pack_case(rng, batch, page_size=INV_PAGE, pad_tokens=2)
+    got = run_raw(case, sm_scale=0.125, tree_mask=batch_tree_mask(case, {1: BUSHY, 4: CHAIN}))
+    assert np.array_equal(rows_of(got, case, 1, verify), verify_alone)
+    assert np.array_equal(rows_of(got, case, 3, decode), decode_alone)
+
+
+@pytest.mark.interpret
+def test_batch_invariant_prefill_chunks_and_decode_agree():
+    """A 150-token prompt as one prefill chunk, as chunks of 64 and 86, and its last token
+    as a lone decode: each token's rows are ==."""
+    rng = np.random.default_rng(6)
+    prompt = random_sequence(rng, 150, 150, **INV_SHAPE, dtype=jnp.bfloat16)
+
+    def part(lo, hi):  # tokens [lo, hi) as a chunk over context [0, hi)
+        return dataclasses.replace(prompt, q=prompt.q[lo:hi], k=prompt.k[:hi], v=prompt.v[:hi])
+
+    def run(lo, hi):
+        return run_raw(pack_case(rng, [part(lo, hi)], page_size=INV_PAGE, pad_tokens=1), sm_scale=0.125)[:-1]
+
+    whole = run(0, 150)
+    assert np.array_equal(np.concatenate([run(0, 64), run(64, 150)]), whole)
+    assert np.array_equal(run(149, 150), whole[149:])
+
+
+@pytest.mark.interpret
+def test_batch_invariant_is_still_attention():
+    """Against the float64 oracle and the reference: splits, window, soft-cap, padding."""
+    rng = np.random.default_rng(12)
+    case = make_case(
+        rng,
+        [13, 5, 1, 1, 3],
+        [70, 350, 9, 64, 200],
+        **INV_SHAPE,
+        page_size=INV_PAGE,
+        pad_tokens=3,
+        pad_seqs=1,
+        dtype=jnp.bfloat16,
+    )
+    check(case, config=invariant_config(case), sm_scale=0.125, sliding_window=150, soft_cap=3.0)
+
+
 # -- plan and validation (no kernel) ------------------------------------------------
+
+
+def test_batch_invariant_plan_cuts_the_context_at_fixed_blocks():
+    """A decode at context 5000 alone and beside 7 others: the default plan splits it by the
+    whole step's work (so its blocks part differently), the invariant one at multiples of c."""
+
+    def target_items(config, batch):
+        kv_lens = np.full(batch, 5000, np.int32)
+        qsl = np.arange(batch + 1, dtype=np.int32)
+        plan = mgpu.plan_work(kv_lens, qsl, num_tokens=batch, num_kv_heads=8, config=config, max_context=8192)
+        work = np.asarray(plan.work)[: int(plan.num_items[0])]
+        return [(lo, hi) for tile, _, lo, hi, *_ in work if tile == 0]
+
+    default = mgpu.TuningConfig(num_ctas=132)
+    assert target_items(default, 1) != target_items(default, 8)
+    invariant = mgpu.default_config(1, 1, 32, 8, 128, 16, num_ctas=132, batch_invariant=True)
+    c = invariant.split_blocks
+    assert (
+        target_items(invariant, 1)
+        == target_items(invariant, 8)
+        == [(lo, min(lo + c, -(-5000 // 64))) for lo in range(0, -(-5000 // 64), c)]
+    )
+
+
+def test_batch_invariant_plan_bound():
+    """Each tile's blocks once, in items inside one fixed split each, listed in kv order; the
+    static work list (tiles x max_splits) is exactly full in the worst case: every tile as
+    long as the block tables allow."""
+    config = mgpu.TuningConfig(block_kv=64, query_tile=8, split_blocks=3, batch_invariant=True)
+    q_lens, kv_lens = np.array([8, 8, 8, 1, 1]), np.array([1000, 999, 513, 1000, 77])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    for window in (None, 200):
+
+        def plan_for(config):
+            plan = mgpu.plan_work(
+                kv_lens, qsl, num_tokens=30, num_kv_heads=2, config=config, sliding_window=window, max_context=1000
+            )
+            return jax.tree.map(np.asarray, plan)
+
+        plan, default = plan_for(config), plan_for(dataclasses.replace(config, batch_invariant=False))
+        work, splits = plan.work[: int(plan.num_items[0])], plan.split_item.shape[1]
+        assert splits == mgpu.max_splits(config, 1000, window) == (6 if window is None else 3)
+        for tile, tile_items in enumerate(plan.split_item):
+            items = [i for i in tile_items if i < len(plan.work)]
+            assert all(work[i, 0] == tile and work[i, 2] // 3 == (work[i, 3] - 1) // 3 for i in items)
+            blocks = [b for i in items for b in range(work[i, 2], work[i, 3])]
+            # The blocks the default plan gives the tile (test_plan_covers_every_block_once), each once, in kv order.
+            default_items = default.work[: int(default.num_items[0])]
+            assert blocks == sorted(b for t, _, lo, hi, *_ in default_items if t == tile for b in range(lo, hi))
+    # 4 sequences, 32 tokens: at most 7 tiles of 8 (1 + 1 + 1 + 4), each meeting 6 splits.
+    qsl = np.array([0, 1, 2, 3, 32], np.int32)
+    worst = mgpu.plan_work(np.full(4, 1000), qsl, num_tokens=32, num_kv_heads=2, config=config, max_context=1000)
+    assert int(worst.num_items[0]) == len(worst.work) == 7 * 6
+
+
+def test_batch_invariant_config_and_inputs():
+    # One block_kv whatever the bucket, tree or kv dtype.
+    blocks = {
+        mgpu.default_config(t, s, 32, 8, 128, 16, kv_dtype=kv, tree=tree, batch_invariant=True).block_kv
+        for t, s in [(1, 1), (64, 64), (2048, 4)]
+        for kv in (None, jnp.int8)
+        for tree in (False, True)
+    }
+    assert blocks == {64}
+    with pytest.raises(ValueError, match="max_context"):
+        mgpu.plan_work([5], [0, 1], num_tokens=1, num_kv_heads=1, config=mgpu.TuningConfig(batch_invariant=True))
+    with pytest.raises(ValueError, match="split_blocks"):
+        mgpu.TuningConfig(split_blocks=0)
+    z = jnp.zeros
+    args = (z((1, 8, 64), jnp.bfloat16), z((2, 16, 2, 64), jnp.bfloat16), z((2, 16, 2, 64), jnp.bfloat16))
+    args += (jnp.ones(1, jnp.int32), z((1, 1), jnp.int32), jnp.array([0, 1], jnp.int32))
+    with pytest.raises(ValueError, match="batch-invariant config"):
+        mgpu.ragged_paged_attention(*args, sm_scale=1.0, config=mgpu.TuningConfig(), batch_invariant=True)
 
 
 def test_plan_covers_every_block_once():
@@ -528,6 +730,19 @@ def test_lowers_other_head_groupings(name, tokens, seqs, heads, kv_heads, head_d
         tokens, seqs, 8192, 16, head_dim, None, None, num_heads=heads, num_kv_heads=kv_heads
     )
     assert config.query_tile * heads // kv_heads <= 64 * config.num_compute_wgs
+    if smem:
+        assert smem == [config.smem_bytes(head_dim)]
+
+
+@pytest.mark.parametrize(
+    "tokens,seqs,context,heads,kv_heads,head_dim", [(64, 64, 8192, 9, 3, 64), (8192, 4, 32768, 32, 8, 128)]
+)
+def test_batch_invariant_lowers_for_hopper(tokens, seqs, context, heads, kv_heads, head_dim):
+    """SmolLM2's decode bucket and a long prefill (two compute warpgroups) at 64-key blocks."""
+    _, config, smem = lower_attention(
+        tokens, seqs, context, 16, head_dim, None, None, num_heads=heads, num_kv_heads=kv_heads, batch_invariant=True
+    )
+    assert config.batch_invariant and config.block_kv == 64
     if smem:
         assert smem == [config.smem_bytes(head_dim)]
 
