@@ -8,12 +8,16 @@
 #                     47 s on 2 busy CPU cores);
 #   numerics   130 s  every kernel against its reference, compiled on the GPU
 #                     (JAXSERVE_MGPU_ON_GPU=1 pytest over test_ragged_paged_attention_mgpu.py,
-#                     test_quantized_matmul_mgpu.py, test_grouped_matmul_mgpu.py and test_sgmv_mgpu.py,
-#                     LoRA's SGMV): the interpreter's cases and the
+#                     test_quantized_matmul_mgpu.py, test_grouped_matmul_mgpu.py, test_sgmv_mgpu.py
+#                     (LoRA's SGMV), test_dense_matmul_mgpu.py; and batch invariance:
+#                     test_batch_invariant_matmul_mgpu.py, a row's bits in any batch, and
+#                     test_batch_invariant_kernels.py, the whole model marked as --batch-invariant
+#                     marks it, a 1500-token target alone, in a batch, chunked: `==`):
+#                     the interpreter's cases and the
 #                     production-shape ones (not decode_b64_window_cap, 64 sequences of up to
 #                     63k tokens, whose test data takes a minute to draw on the host: `speed`
 #                     times decode at 64 x 32k),
-#                     not the CUDA-lowering tests (`compile` does better). Eleven pytest shards
+#                     not the CUDA-lowering tests (`compile` does better). Fifteen pytest shards
 #                     run side by side (compiling is CPU work, and the machine has 16 cores),
 #                     each with its own 130 s limit and JUnit XML;
 #   speed       90 + 90 + 30 s  benchmarks/kernels.py --quick --only attention, --only matmul,
@@ -185,6 +189,9 @@ if wanted numerics; then
   mm=tests/pallas_kernels/test_quantized_matmul_mgpu.py
   gmm=tests/pallas_kernels/test_grouped_matmul_mgpu.py
   sgmv=tests/pallas_kernels/test_sgmv_mgpu.py
+  dense=tests/pallas_kernels/test_dense_matmul_mgpu.py
+  invariant_mm=tests/pallas_kernels/test_batch_invariant_matmul_mgpu.py
+  invariant_model=tests/jaxserve/runner/test_batch_invariant_kernels.py
   # (name, file, -k selection): about 10-30 kernel configurations each, at 2-5 s of
   # compiling per configuration on the GPU.
   interp_a="test_mixed_prefill_and_decode or test_flash_decoding_splits or test_page_sizes_head_dim_128"
@@ -200,6 +207,10 @@ if wanted numerics; then
     gmm_production_down "$gmm" "on_gpu and moe_down"
     gmm_compiled "$gmm" "not lowers and not on_gpu"
     sgmv_compiled "$sgmv" "not lowers"
+    dense_compiled "$dense" "not lowers"
+    invariance_matmul "$invariant_mm" "not lowers"
+    invariance_model_untied "$invariant_model" "untied"
+    invariance_model_tied "$invariant_model" "not untied"
   )
   echo "== numerics: $(( ${#shards[@]} / 3 )) pytest shards side by side (time limit 130s each)"
   start=$SECONDS

@@ -90,8 +90,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action="store_true",
         help="a request's logits and logprobs bit-identical whatever its batch mates, its place in the batch, "
-        "chunked prefill, prefix hits or preemption: every product and attention sum through the CPU kernels "
-        "in a fixed order (CPU, float models with plain projections; see docs/batch-invariance.md)",
+        "chunked prefill, prefix hits or preemption: every product and attention sum through kernels in a "
+        "fixed order (CPU: float models with plain projections; Hopper GPU: bf16/f16 models, float, int4 or "
+        "fp8; see docs/batch-invariance.md)",
     )
     p.add_argument(
         "--enforce-eager",

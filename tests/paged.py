@@ -20,18 +20,26 @@ class PagedSequences:
             self.tables[s, :n] = [free.pop() for _ in range(n)]
 
     def step(
-        self, tokens: list[list[int]], spans: list[tuple[int, int]], pad_to: int | None = None, all_logits: bool = False
+        self,
+        tokens: list[list[int]],
+        spans: list[tuple[int, int]],
+        pad_to: int | None = None,
+        all_logits: bool = False,
+        sequences: list[int] | None = None,
     ) -> ModelInputs:
-        """Inputs for one step: sequence s runs tokens[s][start:end] for (start, end) = spans[s].
+        """Inputs for one step: row i runs tokens[i][start:end] for (start, end) = spans[i], as
+        sequence sequences[i] (default i: its block table's row).
 
         Logits are taken at each sequence's last new token, or at every token.
         """
+        sequences = list(range(len(spans))) if sequences is None else sequences
         ids, pos, slots, qsl, logits_at = [], [], [], [0], []
-        for s, (start, end) in enumerate(spans):
+        for i, (start, end) in enumerate(spans):
             p = np.arange(start, end)
-            ids += tokens[s][start:end]
+            table = self.tables[sequences[i]]
+            ids += tokens[i][start:end]
             pos += list(p)
-            slots += list(self.tables[s, p // self.block_size] * self.block_size + p % self.block_size)
+            slots += list(table[p // self.block_size] * self.block_size + p % self.block_size)
             logits_at += list(range(qsl[-1], qsl[-1] + end - start)) if all_logits else [qsl[-1] + end - start - 1]
             qsl.append(qsl[-1] + end - start)
         pad = (pad_to or len(ids)) - len(ids)
@@ -41,6 +49,6 @@ class PagedSequences:
             slot_mapping=slots + [0] * pad,
             query_start_loc=qsl,
             seq_lens=[end for _, end in spans],
-            block_tables=self.tables,
+            block_tables=self.tables[sequences],
             logits_indices=logits_at,
         )

@@ -38,8 +38,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     attention_backend: str | None = None  # None: $JAXSERVE_ATTENTION_BACKEND or auto
     matmul_backend: str | None = None  # quantized matmuls; None: $JAXSERVE_MATMUL_BACKEND or auto
-    # Every row's logits independent of its batch mates, chunking and prefix hits (CPU kernels
-    # in a fixed summation order; docs/batch-invariance.md); off: XLA's faster dots for many rows.
+    # Every row's logits independent of its batch mates, chunking and prefix hits (kernels in a
+    # fixed summation order, CPU or Hopper GPU; docs/batch-invariance.md); off: the faster defaults.
     batch_invariant: bool = False
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
     warm_up: bool = True  # compile every step program at start-up; False (--enforce-eager): each on first use

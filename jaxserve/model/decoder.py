@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.fixed_order import fixed_order_sum, in_fixed_row_blocks
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model.lora import lora_layer
 from jaxserve.model.mlp import MLP, linear
 from jaxserve.model.moe import SparseMoE
 from jaxserve.model.quantization import QuantConfig
-from jaxserve.model.row_blocks import in_fixed_row_blocks
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -33,13 +33,21 @@ AttentionFn = Callable[..., jax.Array]  # the signature of ragged_paged_attentio
 
 
 class RMSNorm(nnx.Module):
+    # Batch invariance on a GPU (runner.kernels marks it): the sum of squares in an order set
+    # by the row's length alone (fixed_order_sum), not by XLA's reduction for the array's shape.
+    fixed_order = False
+
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        if self.fixed_order:
+            mean_square = (fixed_order_sum(h * h) / h.shape[-1])[..., None]
+        else:
+            mean_square = jnp.mean(h * h, axis=-1, keepdims=True)
+        h = h * jax.lax.rsqrt(mean_square + self.eps)
         return self.weight[...] * h.astype(x.dtype)
 
 
@@ -262,6 +270,10 @@ class DecoderLM(nnx.Module):
     """
 
     few_row_kernels = FewRowKernels()
+    batch_invariant = False  # marked to keep a row's bits whatever its batch (runner.kernels, either device)
+    # Batch invariance on a GPU: a tied LM head's (x [S, D], table [V, D]) -> [S, V] product in a
+    # fixed order (the Mosaic GPU dense kernel); None: XLA's. runner.kernels sets it.
+    tied_head_matmul: Callable | None = None
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization: QuantConfig | None = None):
         self.cfg = cfg
@@ -294,11 +306,13 @@ class DecoderLM(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """Float32 logits of final hidden states x [S, D] (the final norm, then the LM head)."""
         with jax.named_scope("lm_head"):
-            if self.few_row_kernels.batch_invariant:  # the norm's sums too: see row_blocks
+            if self.few_row_kernels.batch_invariant:  # the norm's sums too: see fixed_order
                 return in_fixed_row_blocks(self._invariant_logits, x)
             x = self.norm(x)
             if not self.cfg.tie_word_embeddings:
                 logits = self.lm_head(x)
+            elif self.tied_head_matmul is not None:
+                logits = self.tied_head_matmul(x, self.embed_tokens.embedding[...])
             elif _fits(x, table := self.embed_tokens.embedding[...], self.few_row_kernels.lm_head_rows):
                 logits = cpu_kernels.small_matmul(x, table, transposed=True)
             else:

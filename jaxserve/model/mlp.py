@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.quantization import QuantConfig, QuantizedLinear
+
+
+def _kernel_dot_general(x, kernel, dimension_numbers, precision=None, *, interpret: bool, **_):
+    """nnx.Linear's product x [..., K] @ kernel [K, N] through the Mosaic GPU dense kernel in its
+    batch-invariant config (a row's sum over K in one order whatever the rows)."""
+    from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+    del dimension_numbers, precision  # always x's last axis with kernel's first
+    y = mgpu.dense_matmul(x.reshape(-1, x.shape[-1]), kernel, batch_invariant=True, interpret=interpret or None)
+    return y.reshape(*x.shape[:-1], kernel.shape[-1])
+
+
+# One object per mode, so every layer's graph (which holds it) stays equal and compiles once.
+KERNEL_DOT_GENERAL = {mode: functools.partial(_kernel_dot_general, interpret=mode) for mode in (False, True)}
 
 
 def linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):

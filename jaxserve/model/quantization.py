@@ -89,6 +89,7 @@ class QuantizedLinear(nnx.Module):
         self.din, self.dout = din, dout
         self.layout = "canonical"  # or "mgpu" (see use_kernel_layout)
         self.interpret = False  # mgpu layout only: run the kernels in the Mosaic GPU interpreter (tests)
+        self.batch_invariant = False  # mgpu layout only: the kernels' fixed-order config (batch invariance)
         if quant.kind == "int4":
             if din % 2:
                 raise ValueError(f"int4 packs two values per byte along K; K={din} is odd")
@@ -118,16 +119,15 @@ class QuantizedLinear(nnx.Module):
         # for attention: Pallas' Mosaic GPU adds start-up time where no kernel runs.
         from pallas_kernels import quantized_matmul_mgpu as mgpu
 
-        interpret = True if self.interpret else None
+        options = dict(interpret=True if self.interpret else None, batch_invariant=self.batch_invariant)
         if self.kind == "int4":
             weights = mgpu.Int4KernelWeights(self.q[...], self.scales[...], self.offsets[...], self.dout)
-            return mgpu.int4_matmul(x, weights, interpret=interpret)
-        return mgpu.fp8_matmul(
-            x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout), interpret=interpret
-        )
+            return mgpu.int4_matmul(x, weights, **options)
+        return mgpu.fp8_matmul(x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout), **options)
 
-    def kernel_unsupported_reason(self, dtype) -> str | None:
-        """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype`, or None."""
+    def kernel_unsupported_reason(self, dtype, batch_invariant: bool = False) -> str | None:
+        """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype` (in its
+        fixed-order config with `batch_invariant`), or None."""
         from pallas_kernels import quantized_matmul_mgpu as mgpu
 
         x = jax.ShapeDtypeStruct((mgpu.MAX_TILE_T, self.din), jnp.dtype(dtype))  # the largest token tile
@@ -140,21 +140,23 @@ class QuantizedLinear(nnx.Module):
                 jax.ShapeDtypeStruct((groups, n_pad), jnp.float32),
                 self.dout,
             )
-            return mgpu.int4_unsupported_reason(x, weights)
+            return mgpu.int4_unsupported_reason(x, weights, batch_invariant=batch_invariant)
         n_pad = mgpu.padded_n(self.dout)
         weights = mgpu.Fp8KernelWeights(
             jax.ShapeDtypeStruct((n_pad, self.din), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((n_pad,), jnp.float32),
             self.dout,
         )
-        return mgpu.fp8_unsupported_reason(x, weights)
+        return mgpu.fp8_unsupported_reason(x, weights, batch_invariant=batch_invariant)
 
-    def use_kernel_layout(self, *, interpret: bool = False) -> None:
+    def use_kernel_layout(self, *, interpret: bool = False, batch_invariant: bool = False) -> None:
         """Convert the parameters, once, into the Mosaic GPU kernels' layout (in place; the
         canonical arrays are dropped). Works on stacked layers (leading axes) too.
-        `interpret` runs the kernels in the Mosaic GPU interpreter (for tests on a CPU)."""
+        `interpret` runs the kernels in the Mosaic GPU interpreter (for tests on a CPU);
+        `batch_invariant` in their fixed-order config."""
         from pallas_kernels import quantized_matmul_mgpu as mgpu
 
+        self.batch_invariant = batch_invariant
         if self.layout == "mgpu":
             return
         if self.kind == "int4":
@@ -173,12 +175,12 @@ def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
     return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
 
 
-def use_kernel_layout(model: nnx.Module, *, interpret: bool = False) -> int:
+def use_kernel_layout(model: nnx.Module, *, interpret: bool = False, batch_invariant: bool = False) -> int:
     """Convert every QuantizedLinear of the model to the Mosaic GPU kernels' layout (see
     `QuantizedLinear.use_kernel_layout`); returns how many layers were converted."""
     layers = quantized_layers(model)
     for _, layer in layers:
-        layer.use_kernel_layout(interpret=interpret)
+        layer.use_kernel_layout(interpret=interpret, batch_invariant=batch_invariant)
     return len(layers)
 
 

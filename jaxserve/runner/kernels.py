@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import AttentionFn, FewRowKernels, has_plain_projections
+from jaxserve.model.decoder import AttentionFn, FewRowKernels, RMSNorm, has_plain_projections
+from jaxserve.model.mlp import KERNEL_DOT_GENERAL
 from jaxserve.model.moe import (
     EXPERT_LOOP_MAX_TOKENS,
     ExpertLinear,
@@ -30,7 +31,7 @@ from jaxserve.model.moe import (
     run_touched_experts,
     run_touched_experts_in_cpp,
 )
-from jaxserve.model.quantization import quantized_layers, use_kernel_layout
+from jaxserve.model.quantization import QuantizedLinear, quantized_layers, use_kernel_layout
 from jaxserve.model.sizing import per_device_config
 from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
 from jaxserve.weights.load import default_cache_dir
@@ -50,16 +51,27 @@ def is_hopper(device: jax.Device) -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def _batch_invariant_attention(name: str, dtype, kv_dtype, mesh) -> tuple[str, AttentionFn]:
-    """The CPU attention kernel with fixed_order: a query row's sums do not depend on the other
-    rows of the step (the only attention batch invariance covers so far)."""
+def _batch_invariant_attention(
+    name: str, cfg: ModelConfig, dtype, block_size: int, kv_dtype, mesh
+) -> tuple[str, AttentionFn]:
+    """An attention kernel in its fixed order, where a query row's sums do not depend on the
+    other rows of the step: the Mosaic GPU kernel's fixed splits on a Hopper GPU, the CPU
+    kernel's fixed_order on the CPU; else an error."""
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-    reason = None if name in ("auto", "cpu") else f"it runs on the CPU attention kernel, not {name!r}"
+    wanted = "pallas" if is_hopper(device) else "cpu"
+    reason = None if name in ("auto", wanted) else f"it runs on the {wanted} attention kernel here, not {name!r}"
     if reason is None and mesh is not None and tensor_parallel_size(mesh) > 1:
         reason = "it does not run under tensor parallelism"
-    reason = reason or cpu_unsupported_reason(dtype, kv_dtype, device)
+    if wanted == "pallas":
+        reason = reason or pallas_unsupported_reason(cfg, dtype, block_size, device, kv_dtype)
+    reason = reason or (cpu_unsupported_reason(dtype, kv_dtype, device) if wanted == "cpu" else None)
     if reason is not None:
         raise ValueError(f"batch invariance cannot be kept: {reason}")
+    if wanted == "pallas":
+        from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention
+
+        logger.info("attention backend: pallas on %s, fixed splits (batch invariant)", device.device_kind)
+        return "pallas", functools.partial(ragged_paged_attention, batch_invariant=True)
     logger.info("attention backend: cpu on %s, fixed summation order (batch invariant)", device.device_kind)
     return "cpu", functools.partial(cpu_kernels.ragged_paged_attention, fixed_order=True)
 
@@ -101,12 +113,12 @@ def select_attention(
     """(backend name, attention function) for the flag value `name` (None: env var, else auto),
     for a KV cache of `kv_dtype` (None: the model's dtype), on `mesh`'s devices (None: the
     first device). Under tensor parallelism the function runs per device on its own heads.
-    `batch_invariant`: the CPU kernel in its fixed summation order, else an error."""
+    `batch_invariant`: a kernel in its fixed order (see _batch_invariant_attention), else an error."""
     name = name or os.environ.get(ENV_VAR) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
     if batch_invariant:
-        return _batch_invariant_attention(name, dtype, kv_dtype, mesh)
+        return _batch_invariant_attention(name, cfg, dtype, block_size, kv_dtype, mesh)
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     tp = 1 if mesh is None else tensor_parallel_size(mesh)
     shard_cfg = per_device_config(cfg, tp)  # the kernel sees one device's heads
@@ -261,9 +273,19 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
 
 
 def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> str:
-    """Mark a float model with plain projections to run every row of its products through the
-    CPU kernels (FewRowKernels.batch_invariant); the other models raise: XLA's CPU dot blocks
-    its sum over K by the number of rows, so nothing else keeps a row's bits."""
+    """Mark the model so that every product of its layers and its LM head runs in a fixed
+    order: on a Hopper GPU through the Mosaic GPU kernels (use_invariant_mgpu_kernels), on the
+    CPU through the C++ kernels (FewRowKernels.batch_invariant); the other models raise:
+    XLA's dot blocks its sum over K by the number of rows, so nothing else keeps a row's bits."""
+    if is_hopper(device):
+        reason = None if name in ("auto", "pallas") else f"it runs on the Pallas matmul kernels here, not {name!r}"
+        reason = reason or invariant_mgpu_unsupported_reason(model, tp)
+        if reason is not None:
+            raise ValueError(f"batch invariance cannot be kept: {reason}")
+        use_invariant_mgpu_kernels(model)
+        model.batch_invariant = True
+        logger.info("matmul backend: pallas on %s, fixed-order kernels (batch invariant)", device.device_kind)
+        return "pallas"
     reason = None if name in ("auto", "cpu") else f"it runs on the CPU matmul kernels, not {name!r}"
     if reason is None and quantized_layers(model):
         reason = "the model is quantized (the CPU kernels take float weights)"
@@ -274,8 +296,67 @@ def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> st
     if reason is not None:
         raise ValueError(f"batch invariance cannot be kept: {reason}")
     model.few_row_kernels = dataclasses.replace(few_row_kernels(model), batch_invariant=True)
+    model.batch_invariant = True
     logger.info("matmul backend: cpu on %s for every row (batch invariant)", device.device_kind)
     return "cpu"
+
+
+def invariant_mgpu_unsupported_reason(model, tp: int) -> str | None:
+    """Why the Mosaic GPU kernels cannot run every product of this model in their fixed-order
+    configs (checked at a decode step's and a prefill's rows), or None."""
+    from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+    if tp > 1:  # NOTE: a Pallas call is opaque to GSPMD, as for the other kernels
+        return "it does not run under tensor parallelism"
+    dtype = jnp.dtype(model.dtype)
+    if dtype not in KERNEL_DTYPES:
+        return f"on a GPU it needs a bf16 or f16 model, this one is {dtype.name}"
+    if expert_layers(model):  # the grouped matmul's rows per expert change with the batch
+        return "the model has a mixture of experts, whose grouped matmuls have no fixed-order mode yet"
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, QuantizedLinear):
+            reason = module.kernel_unsupported_reason(dtype, batch_invariant=True)
+        elif isinstance(module, nnx.Linear):
+            kernel = jax.ShapeDtypeStruct(module.kernel.shape[-2:], dtype)  # stacked layers: one layer's
+            reason = _dense_reason(mgpu, kernel, transposed=False)
+        else:
+            continue
+        if reason is not None:
+            return f"layer {'/'.join(map(str, path))}: {reason}"
+    if model.cfg.tie_word_embeddings:
+        table = jax.ShapeDtypeStruct(model.embed_tokens.embedding.shape, dtype)
+        if (reason := _dense_reason(mgpu, table, transposed=True)) is not None:
+            return f"the tied LM head: {reason}"
+    return None
+
+
+def _dense_reason(mgpu, w, transposed: bool) -> str | None:
+    k = w.shape[1] if transposed else w.shape[0]
+    for rows in (1, 512):
+        x = jax.ShapeDtypeStruct((rows, k), w.dtype)
+        if (reason := mgpu.dense_unsupported_reason(x, w, transposed, batch_invariant=True)) is not None:
+            return reason
+    return None
+
+
+def use_invariant_mgpu_kernels(model, *, interpret: bool = False) -> None:
+    """Mark `model`, in place, to run in a fixed order on the Mosaic GPU kernels: every float
+    projection (and an untied LM head) through the dense kernel, quantized ones through theirs,
+    a tied LM head through the dense kernel on the table as stored, and every RMSNorm's sum in
+    fixed_order_sum's order. `interpret`: the kernels in the Mosaic GPU interpreter (tests)."""
+    from pallas_kernels import quantized_matmul_mgpu as mgpu
+
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, RMSNorm):
+            module.fixed_order = True
+        elif isinstance(module, QuantizedLinear):
+            module.use_kernel_layout(interpret=interpret, batch_invariant=True)
+        elif isinstance(module, nnx.Linear):
+            module.dot_general = KERNEL_DOT_GENERAL[interpret]
+    if model.cfg.tie_word_embeddings:
+        model.tied_head_matmul = functools.partial(
+            mgpu.dense_matmul, transposed=True, batch_invariant=True, interpret=True if interpret else None
+        )
 
 
 def few_row_kernels(model) -> FewRowKernels:

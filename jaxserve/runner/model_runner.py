@@ -219,7 +219,7 @@ class ModelRunner:
             num_speculative_tokens=k,
             tree=self.tree,
             keep_step_hidden=keep_step_hidden,
-            batch_invariant=model.few_row_kernels.batch_invariant,
+            batch_invariant=model.batch_invariant,
         )
 
         # jit is applied here, once; the step functions (runner/steps.py) stay plain functions.

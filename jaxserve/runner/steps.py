@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.decoder import AttentionFn
+from jaxserve.model.fixed_order import INVARIANT_ROWS
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, move_slots
-from jaxserve.model.row_blocks import INVARIANT_ROWS
 from jaxserve.parallel.sharding import replicated
 from jaxserve.sample.rejection_sampler import verify
 from jaxserve.sample.sampler import MAX_LOGPROBS, SamplingMetadata, sample

@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model.row_blocks import in_fixed_row_blocks
+from jaxserve.model.fixed_order import in_fixed_row_blocks
 from scheduler.sampling_params import SamplingParams
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs are always computed this wide, then cut per request
@@ -75,8 +75,11 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, row_block: int = 0) -> SamplerOutput:
-    """logits: f32 [S, V] straight from the model. `row_block`: the logprob tables in blocks
-    of exactly that many rows (batch invariance: see `logprob_tables`)."""
+    """logits: f32 [S, V] straight from the model. `row_block`: all of it in blocks of exactly
+    that many rows, so that no row's sums depend on how many rows there are (batch invariance,
+    jaxserve.model.fixed_order)."""
+    if row_block:
+        return _sample_in_row_blocks(logits, meta, row_block)
     logits = apply_grammar_mask(logits, meta)
     raw_logits = logits
     logits = adjust_logits(logits, meta)
@@ -90,16 +93,31 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, row_block: int = 0) -> 
     # the sampler: only computed when some row asks for logprobs.
     chosen, top_ids, top_values = jax.lax.cond(
         meta.want_logprobs,
-        lambda: logprob_tables(raw_logits, token_ids, row_block=row_block),
+        lambda: logprob_tables(raw_logits, token_ids),
         lambda: no_logprob_tables(*logits.shape),
     )
     return SamplerOutput(token_ids, chosen, top_ids, top_values)
 
 
+def _sample_in_row_blocks(logits: jax.Array, meta: SamplingMetadata, rows: int) -> SamplerOutput:
+    """`sample` on blocks of `rows` rows: meta's per-row arrays are cut with the logits (padding
+    rows are greedy), its scalars (want_logprobs) go whole to every block."""
+    leaves, treedef = jax.tree.flatten(meta)
+    per_row = [i for i, leaf in enumerate(leaves) if leaf.ndim and leaf.shape[0] == logits.shape[0]]
+
+    def one_block(block_logits, *block_leaves):
+        block = list(leaves)
+        for i, leaf in zip(per_row, block_leaves):
+            block[i] = leaf
+        return sample(block_logits, jax.tree.unflatten(treedef, block))
+
+    return in_fixed_row_blocks(one_block, logits, *(leaves[i] for i in per_row), rows=rows)
+
+
 def logprob_tables(raw_logits: jax.Array, token_ids: jax.Array, *, row_block: int = 0):
     """Per row of raw_logits f32 [S, V]: log_softmax at token_ids i32 [S], and the top
     MAX_LOGPROBS ids and values. `row_block`: in blocks of exactly that many rows, so that a
-    row's sums do not depend on how many rows there are (jaxserve.model.row_blocks)."""
+    row's sums do not depend on how many rows there are (jaxserve.model.fixed_order)."""
     width = min(MAX_LOGPROBS, raw_logits.shape[-1])
 
     def tables(logits, tokens):

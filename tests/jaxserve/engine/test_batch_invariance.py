@@ -128,7 +128,7 @@ def test_refused_where_it_cannot_be_kept(tiny_llama, tmp_path):
 
 # Hidden size 576 (SmolLM2-135M's): XLA's CPU RMSNorm sums such a row in another order from 8
 # rows on, so a decode step of 8+ sequences moved the target's logits by an ulp until the final
-# norm and the logprob tables ran in fixed row blocks (jaxserve.model.row_blocks).
+# norm and the logprob tables ran in fixed row blocks (jaxserve.model.fixed_order).
 WIDE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_hidden_layers=1)
 
 
