@@ -44,7 +44,9 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         if self.fixed_order:
-            mean_square = (fixed_order_sum(h * h) / h.shape[-1])[..., None]
+            # NOTE: the squares apart: fused, LLVM may contract square-and-add into an FMA in one
+            # code path and not another (on the CPU a vector loop and its scalar tail did).
+            mean_square = (fixed_order_sum(jax.lax.optimization_barrier(h * h)) / h.shape[-1])[..., None]
         else:
             mean_square = jnp.mean(h * h, axis=-1, keepdims=True)
         h = h * jax.lax.rsqrt(mean_square + self.eps)
@@ -99,9 +101,22 @@ class Attention(nnx.Module):
         with jax.named_scope("o_proj"):
             return self.o_proj(out), kv
 
-    def attend(self, q, k, v, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
+    def attend(
+        self,
+        q,
+        k,
+        v,
+        inputs: ModelInputs,
+        kv: KVCache,
+        layer_idx,
+        inv_freq,
+        attention: AttentionFn,
+        fixed_rows: bool = False,
+    ):
         """From the projected q [T, H * Dh], k and v [T, KV * Dh] to attention's output
-        [T, H * Dh] (before o_proj), and the cache with this step's K/V."""
+        [T, H * Dh] (before o_proj), and the cache with this step's K/V. `fixed_rows`: the
+        q/k norms and RoPE in fixed row blocks (batch invariance on the CPU: XLA computes a
+        row's cos, sin and norms by the array's shape, so a token's K moved with the step)."""
         cfg = self.cfg
         t = q.shape[0]
         with jax.named_scope("qkv_proj"):
@@ -110,11 +125,17 @@ class Attention(nnx.Module):
             # (jaxserve.parallel.sharding).
             k = k.reshape(t, -1, cfg.head_dim)
             v = v.reshape(t, -1, cfg.head_dim)
+
+        def normed_and_rotated(q, k, positions):
             if cfg.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
+            return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
         with jax.named_scope("rope"):
-            q = apply_rope(q, inputs.positions, inv_freq)
-            k = apply_rope(k, inputs.positions, inv_freq)
+            if fixed_rows:
+                q, k = in_fixed_row_blocks(normed_and_rotated, q, k, inputs.positions)
+            else:
+                q, k = normed_and_rotated(q, k, inputs.positions)
 
         # Write this step's K/V first; attention then reads the whole context from the pages
         # of every layer folded into one pool (layer l's pages start at l * num_blocks).
@@ -171,24 +192,49 @@ def unstack_layers(model: DecoderLM) -> DecoderLM:
 
 def has_plain_projections(layer: DecoderLayer) -> bool:
     """What the layer kernels compute: float (unquantized) projections, no o_proj bias, a dense MLP."""
-    if not isinstance(layer.mlp, MLP):
+    if not isinstance(layer.mlp, MLP) or not has_plain_attention(layer):
         return False
-    projections = (
-        layer.self_attn.q_proj,
-        layer.self_attn.k_proj,
-        layer.self_attn.v_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_proj,
-        layer.mlp.up_proj,
-        layer.mlp.down_proj,
+    mlp = (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+    return all(isinstance(p, nnx.Linear) for p in mlp) and layer.self_attn.o_proj.bias is None
+
+
+def has_plain_attention(layer: DecoderLayer) -> bool:
+    """Float (unquantized) q/k/v/o projections: what the CPU kernels' attention half computes."""
+    attn = layer.self_attn
+    return all(isinstance(p, nnx.Linear) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+
+
+def _moe_layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
+    """A mixture-of-experts layer with every row in a fixed order (batch invariance on the CPU):
+    the attention half through the CPU kernels as `_layer_kernels`, the post-attention norm in
+    fixed row blocks, the experts through SparseMoE.in_fixed_order."""
+    x, kv, layer_idx = carry
+    attn = layer.self_attn
+    q, k, v = cpu_kernels.in_row_blocks(
+        cpu_kernels.norm_qkv,
+        (x,),
+        layer.input_layernorm.weight[...],
+        attn.q_proj.kernel[...],
+        attn.k_proj.kernel[...],
+        attn.v_proj.kernel[...],
+        eps=layer.input_layernorm.eps,
     )
-    return all(isinstance(p, nnx.Linear) for p in projections) and layer.self_attn.o_proj.bias is None
+    if attn.q_proj.bias is not None:
+        q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
+    out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention, fixed_rows=True)
+    out = cpu_kernels.in_row_blocks(cpu_kernels.small_matmul, (out,), attn.o_proj.kernel[...])
+    x = x + (out if attn.o_proj.bias is None else out + attn.o_proj.bias[...])
+    h = in_fixed_row_blocks(layer.post_attention_layernorm, x)
+    return x + layer.mlp.in_fixed_order(h), kv, layer_idx + 1
 
 
-def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
+def _layer_kernels(
+    carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn, fixed_rows: bool = False
+):
     """`_layer` with each half of the layer as one CPU kernel call (cpu_kernels.norm_qkv and
     o_proj_mlp): XLA runs a few-row layer as a dozen small ops, each paying a dispatch and a
-    wake-up of its thread pool. More rows than a call takes go in blocks (batch invariance)."""
+    wake-up of its thread pool. More rows than a call takes go in blocks; `fixed_rows`
+    (batch invariance): the row-wise work between the kernels too (Attention.attend)."""
     x, kv, layer_idx = carry
     attn, mlp = layer.self_attn, layer.mlp
     with jax.named_scope("qkv_proj"):
@@ -203,7 +249,7 @@ def _layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, at
         )
         if attn.q_proj.bias is not None:
             q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
-    out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
+    out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention, fixed_rows)
     with jax.named_scope("mlp"):  # o_proj's time is charged here
         x = cpu_kernels.in_row_blocks(
             cpu_kernels.o_proj_mlp,
@@ -232,8 +278,10 @@ def _layer(
     x, kv, layer_idx = carry
     if inputs.lora_slots is not None:  # adapters on (jaxserve.lora): each projection adds its delta
         return lora_layer(carry, layer, inputs, inv_freq, attention)
+    if batch_invariant and isinstance(layer.mlp, SparseMoE):
+        return _moe_layer_kernels(carry, layer, inputs, inv_freq, attention)
     if batch_invariant or (kernel_rows and _fits(x, layer.self_attn.q_proj.kernel, kernel_rows)):
-        return _layer_kernels(carry, layer, inputs, inv_freq, attention)
+        return _layer_kernels(carry, layer, inputs, inv_freq, attention, fixed_rows=batch_invariant)
     with jax.named_scope("norm"):
         h = layer.input_layernorm(x)
     h, kv = layer.self_attn(h, inputs, kv, layer_idx, inv_freq, attention)

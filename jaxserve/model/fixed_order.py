@@ -8,7 +8,9 @@ moves by an ulp when batch mates join it. Two ways out, both used:
   one padded): every call compiles the same [INVARIANT_ROWS, ...] program whatever the step
   holds (the LM head and the logprob tables; a lax.map, so a loop over the blocks);
 - `fixed_order_sum`: a sum written as elementwise adds in an order set by the row's length
-  alone (the RMSNorms on a GPU): XLA never reorders float adds, so no shape can change it.
+  alone (the RMSNorms on a GPU): XLA never reorders float adds, so no shape can change it,
+  provided no multiply is fused into the adds (LLVM may contract it into an FMA in one code
+  path and not in another: RMSNorm materializes its squares first).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.fixed_order import in_fixed_row_blocks
 from jaxserve.model.mlp import MLP
 from jaxserve.model.quantization import QuantConfig
 from pallas_kernels import cpu_kernels
@@ -258,6 +259,41 @@ class SparseMoE(nnx.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, dtype, rngs, quant, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nnx.Linear(d, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def in_fixed_order(self, x: jax.Array) -> jax.Array:
+        """`self(x)` with a row's result independent of the other rows (batch invariance, float
+        experts on the CPU): the router's and the shared expert's products through the C++
+        small_matmul in blocks, the routing in fixed 16-row blocks, the experts through the C++
+        kernel, which sums each token on its own in ascending expert order."""
+        cfg = self.cfg
+
+        def product(h, linear: nnx.Linear):
+            return cpu_kernels.in_row_blocks(cpu_kernels.small_matmul, (h,), linear.kernel[...])
+
+        def routing(logits):
+            return route(
+                logits,
+                cfg.num_experts_per_tok,
+                norm_topk_prob=cfg.norm_topk_prob,
+                weights_in_float32=cfg.routing_weights_in_float32,
+            )
+
+        weights, chosen = in_fixed_row_blocks(routing, product(x, self.gate))
+        experts = self.experts
+        y = cpu_kernels.moe_experts(
+            x,
+            chosen,
+            weights,
+            experts.gate_proj.kernel[...],
+            experts.up_proj.kernel[...],
+            experts.down_proj.kernel[...],
+        )
+        if cfg.shared_expert_intermediate_size:
+            mlp = self.shared_expert
+            up = product(x, mlp.up_proj)
+            shared = product(jax.nn.silu(product(x, mlp.gate_proj)) * up, mlp.down_proj)
+            y = y + jax.nn.sigmoid(product(x, self.shared_expert_gate)) * shared
+        return y
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import AttentionFn, FewRowKernels, RMSNorm, has_plain_projections
+from jaxserve.model.decoder import AttentionFn, FewRowKernels, RMSNorm, has_plain_attention, has_plain_projections
 from jaxserve.model.mlp import KERNEL_DOT_GENERAL
 from jaxserve.model.moe import (
     EXPERT_LOOP_MAX_TOKENS,
     ExpertLinear,
+    SparseMoE,
     expert_layers,
     moe_layers,
     run_touched_experts,
@@ -287,11 +288,13 @@ def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> st
         logger.info("matmul backend: pallas on %s, fixed-order kernels (batch invariant)", device.device_kind)
         return "pallas"
     reason = None if name in ("auto", "cpu") else f"it runs on the CPU matmul kernels, not {name!r}"
-    if reason is None and quantized_layers(model):
+    quantized_experts = any(not isinstance(layer, ExpertLinear) for _, layer in expert_layers(model))
+    if reason is None and (quantized_layers(model) or quantized_experts):
         reason = "the model is quantized (the CPU kernels take float weights)"
     layers = model.layers if isinstance(model.layers, nnx.List) else [model.layers]
-    if reason is None and not all(has_plain_projections(layer) for layer in layers):
-        reason = "the model has a mixture of experts or an o_proj bias, which the layer kernels do not compute"
+    if reason is None and not all(_invariant_on_cpu(layer) for layer in layers):
+        reason = "a layer has an o_proj bias beside a dense MLP, which the layer kernels do not compute"
+    reason = reason or _qwen_reason(model)
     reason = reason or dense_matmul_unsupported_reason(model, device, tp)
     if reason is not None:
         raise ValueError(f"batch invariance cannot be kept: {reason}")
@@ -299,6 +302,23 @@ def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> st
     model.batch_invariant = True
     logger.info("matmul backend: cpu on %s for every row (batch invariant)", device.device_kind)
     return "cpu"
+
+
+def _qwen_reason(model) -> str | None:
+    # NOTE: with Qwen2's q/k/v biases or Qwen3's q/k norms a row's logprobs still moved by an ulp
+    # with its batch mates in the CPU engine test, though each step's hidden states kept their
+    # bits in a model-level check: refused (on both devices) until the cause is found.
+    if model.cfg.attention_bias or model.cfg.qk_norm:
+        return "q/k/v biases and q/k norms (Qwen2, Qwen3) are not covered yet"
+    return None
+
+
+def _invariant_on_cpu(layer) -> bool:
+    """A layer the CPU kernels run in a fixed order: plain projections, or float attention
+    beside a mixture of float experts (decoder._moe_layer_kernels)."""
+    if isinstance(layer.mlp, SparseMoE):
+        return has_plain_attention(layer)
+    return has_plain_projections(layer)
 
 
 def invariant_mgpu_unsupported_reason(model, tp: int) -> str | None:
@@ -313,6 +333,8 @@ def invariant_mgpu_unsupported_reason(model, tp: int) -> str | None:
         return f"on a GPU it needs a bf16 or f16 model, this one is {dtype.name}"
     if expert_layers(model):  # the grouped matmul's rows per expert change with the batch
         return "the model has a mixture of experts, whose grouped matmuls have no fixed-order mode yet"
+    if (reason := _qwen_reason(model)) is not None:
+        return reason
     for path, module in nnx.iter_modules(model):
         if isinstance(module, QuantizedLinear):
             reason = module.kernel_unsupported_reason(dtype, batch_invariant=True)

@@ -121,8 +121,8 @@ def test_refused_where_it_cannot_be_kept(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="batch invariance cannot be kept: .*'reference'"):
         LLMEngine(tiny_llama, EngineConfig(**SOLO, batch_invariant=True, attention_backend="reference"))
     make_tiny_model("mixtral", tmp_path)
-    moe = load_model(str(tmp_path), use_cache=False, progress=False)
-    with pytest.raises(ValueError, match="batch invariance cannot be kept: .*mixture of experts"):
+    moe = load_model(str(tmp_path), use_cache=False, progress=False, quantization="fp8")
+    with pytest.raises(ValueError, match="batch invariance cannot be kept: the model is quantized"):
         LLMEngine(moe, EngineConfig(**SOLO, batch_invariant=True))
 
 
@@ -170,3 +170,45 @@ def test_speculative_verify_equals_decode(tiny_llama_dir, dtype):
     assert speculative.scheduler.spec_stats.num_accepted_tokens > 0
     assert got.token_ids == expected.token_ids
     assert got.logprobs == expected.logprobs
+
+
+def test_qwen_families_are_refused_on_the_cpu(tmp_path):
+    """Qwen2's q/k/v biases and Qwen3's q/k norms are not covered yet: an error, no silent drift."""
+    from jaxserve.weights import load_model
+    from tests.tiny_models import make_tiny_model
+
+    for name in ("qwen2", "qwen3-moe"):
+        make_tiny_model(name, tmp_path / name)
+        loaded = load_model(str(tmp_path / name), use_cache=False, progress=False)
+        with pytest.raises(ValueError, match="q/k/v biases and q/k norms .* not covered yet"):
+            LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True))
+
+
+def test_mixture_of_experts(tmp_path):
+    """Float experts on the CPU: the target beside mates (two sharing its first blocks) on the
+    busy engine (chunks, preemption) equals its solo run, and its logprobs are the default
+    mode's to float32 rounding (the fixed order is still the model)."""
+    from jaxserve.weights import load_model
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path), use_cache=False, progress=False)
+    solo = LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True))
+    alone = observed(run(solo, [("target", TARGET_PROMPT, TARGET)])["target"])
+    rng = np.random.default_rng(11)
+    mates = [
+        (
+            f"m{i}",
+            (TARGET_PROMPT[:12] if i < 2 else [1]) + rng.integers(3, 97, 4 + 3 * i).tolist(),
+            SamplingParams(max_tokens=6),
+        )
+        for i in range(6)
+    ]
+    busy = LLMEngine(loaded, EngineConfig(**BUSY, batch_invariant=True))
+    got = observed(run(busy, [*mates[:3], ("target", TARGET_PROMPT, TARGET), *mates[3:]])["target"])
+    assert got == alone
+    tokens, steps, _ = observed(run(LLMEngine(loaded, EngineConfig(**SOLO)), [("d", TARGET_PROMPT, TARGET)])["d"])
+    assert tokens == alone[0]
+    for step, (mine, theirs) in enumerate(zip(alone[1], steps)):
+        assert mine.keys() == theirs.keys(), f"step {step}: another top 20"
+        np.testing.assert_allclose([mine[t] for t in mine], [theirs[t] for t in mine], rtol=0, atol=1e-4)
