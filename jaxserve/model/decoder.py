@@ -129,6 +129,8 @@ class Attention(nnx.Module):
         def normed_and_rotated(q, k, positions):
             if cfg.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
+                if fixed_rows:  # NOTE: fused with RoPE, the norm's products moved a row's bits with T
+                    q, k = jax.lax.optimization_barrier((q, k))
             return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
         with jax.named_scope("rope"):
