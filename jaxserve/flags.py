@@ -91,8 +91,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a request's logits and logprobs bit-identical whatever its batch mates, its place in the batch, "
         "chunked prefill, prefix hits or preemption: every product and attention sum through kernels in a "
-        "fixed order (CPU: Llama/Mistral and float-expert MoE models; Hopper GPU: bf16/f16 Llama/Mistral, "
-        "float, int4 or fp8; not Qwen2/Qwen3 yet; see docs/batch-invariance.md)",
+        "fixed order (CPU: float models, float experts; Hopper GPU: bf16/f16 dense models, float, int4 or fp8; "
+        "see docs/batch-invariance.md)",
     )
     p.add_argument(
         "--enforce-eager",

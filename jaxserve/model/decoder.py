@@ -44,8 +44,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         if self.fixed_order:
-            # NOTE: the squares apart: fused, LLVM may contract square-and-add into an FMA in one
-            # code path and not another (on the CPU a vector loop and its scalar tail did).
+            # NOTE: the squares apart, as a precaution: fused into the adds, LLVM may contract a
+            # square and an add into one FMA (rounded once) in one code path and not another.
             mean_square = (fixed_order_sum(jax.lax.optimization_barrier(h * h)) / h.shape[-1])[..., None]
         else:
             mean_square = jnp.mean(h * h, axis=-1, keepdims=True)
@@ -129,13 +129,11 @@ class Attention(nnx.Module):
         def normed_and_rotated(q, k, positions):
             if cfg.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-                if fixed_rows:  # NOTE: fused with RoPE, the norm's products moved a row's bits with T
-                    q, k = jax.lax.optimization_barrier((q, k))
             return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
         with jax.named_scope("rope"):
             if fixed_rows:
-                q, k = in_fixed_row_blocks(normed_and_rotated, q, k, inputs.positions)
+                q, k = in_fixed_row_blocks(normed_and_rotated, q, k, inputs.positions, min_blocks=2)
             else:
                 q, k = normed_and_rotated(q, k, inputs.positions)
 

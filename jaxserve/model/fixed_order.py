@@ -24,11 +24,16 @@ INVARIANT_ROWS = 16  # the CPU kernels' block too (cpu_kernels.MAX_ROWS)
 LANES = 64  # fixed_order_sum's partial sums per row
 
 
-def in_fixed_row_blocks(fn: Callable, *arrays, rows: int = INVARIANT_ROWS):
+def in_fixed_row_blocks(fn: Callable, *arrays, rows: int = INVARIANT_ROWS, min_blocks: int = 1):
     """`fn(*arrays)` for arrays [T, ...] cut alike into blocks of exactly `rows` rows (padded
-    with zeros, one lax.map step each), results [T, ...] (a pytree of them) put back together."""
+    with zeros, one lax.map step each), results [T, ...] (a pytree of them) put back together.
+
+    `min_blocks` 2 keeps a loop of two steps or more (padding blocks as needed): XLA compiles
+    a loop of one step into other code, and in Qwen3's q/k norms and RoPE that moved a row's
+    bits (hiding the trip count from XLA, or fencing the body with barriers, did not help)."""
     t = arrays[0].shape[0]
-    blocks, pad = max(1, -(-t // rows)), -t % rows if t else rows
+    blocks = max(min_blocks, -(-t // rows))
+    pad = blocks * rows - t
     cut = tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(blocks, rows, *a.shape[1:]) for a in arrays)
     out = jax.lax.map(lambda block: fn(*block), cut)
     return jax.tree.map(lambda o: o.reshape(blocks * rows, *o.shape[2:])[:t], out)

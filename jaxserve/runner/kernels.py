@@ -294,7 +294,6 @@ def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> st
     layers = model.layers if isinstance(model.layers, nnx.List) else [model.layers]
     if reason is None and not all(_invariant_on_cpu(layer) for layer in layers):
         reason = "a layer has an o_proj bias beside a dense MLP, which the layer kernels do not compute"
-    reason = reason or _qwen_reason(model)
     reason = reason or dense_matmul_unsupported_reason(model, device, tp)
     if reason is not None:
         raise ValueError(f"batch invariance cannot be kept: {reason}")
@@ -302,16 +301,6 @@ def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> st
     model.batch_invariant = True
     logger.info("matmul backend: cpu on %s for every row (batch invariant)", device.device_kind)
     return "cpu"
-
-
-def _qwen_reason(model) -> str | None:
-    # NOTE: with Qwen2's q/k/v biases or Qwen3's q/k norms a row's logprobs still moved by an ulp
-    # with its batch mates in the CPU engine test. Found so far: Qwen3's norm fused with RoPE
-    # moved layer 0's K with the step's size (a barrier fixed that); later layers' K still
-    # moved for a prompt's later chunks. Refused (on both devices) until the cause is found.
-    if model.cfg.attention_bias or model.cfg.qk_norm:
-        return "q/k/v biases and q/k norms (Qwen2, Qwen3) are not covered yet"
-    return None
 
 
 def _invariant_on_cpu(layer) -> bool:
@@ -334,8 +323,6 @@ def invariant_mgpu_unsupported_reason(model, tp: int) -> str | None:
         return f"on a GPU it needs a bf16 or f16 model, this one is {dtype.name}"
     if expert_layers(model):  # the grouped matmul's rows per expert change with the batch
         return "the model has a mixture of experts, whose grouped matmuls have no fixed-order mode yet"
-    if (reason := _qwen_reason(model)) is not None:
-        return reason
     for path, module in nnx.iter_modules(model):
         if isinstance(module, QuantizedLinear):
             reason = module.kernel_unsupported_reason(dtype, batch_invariant=True)

@@ -172,26 +172,16 @@ def test_speculative_verify_equals_decode(tiny_llama_dir, dtype):
     assert got.logprobs == expected.logprobs
 
 
-def test_qwen_families_are_refused_on_the_cpu(tmp_path):
-    """Qwen2's q/k/v biases and Qwen3's q/k norms are not covered yet: an error, no silent drift."""
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "qwen2", "qwen3"])
+def test_other_families(name, tmp_path):
+    """Mixtures of float experts (a shared expert, dense layers between), Qwen2's q/k/v biases
+    and Qwen3's q/k norms: the target beside mates (two sharing its first blocks) on the busy
+    engine (chunks, preemption) equals its solo run, and its logprobs are the default mode's to
+    float32 rounding (the fixed order is still the model)."""
     from jaxserve.weights import load_model
     from tests.tiny_models import make_tiny_model
 
-    for name in ("qwen2", "qwen3-moe"):
-        make_tiny_model(name, tmp_path / name)
-        loaded = load_model(str(tmp_path / name), use_cache=False, progress=False)
-        with pytest.raises(ValueError, match="q/k/v biases and q/k norms .* not covered yet"):
-            LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True))
-
-
-def test_mixture_of_experts(tmp_path):
-    """Float experts on the CPU: the target beside mates (two sharing its first blocks) on the
-    busy engine (chunks, preemption) equals its solo run, and its logprobs are the default
-    mode's to float32 rounding (the fixed order is still the model)."""
-    from jaxserve.weights import load_model
-    from tests.tiny_models import make_tiny_model
-
-    make_tiny_model("mixtral", tmp_path)
+    make_tiny_model(name, tmp_path)
     loaded = load_model(str(tmp_path), use_cache=False, progress=False)
     solo = LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True))
     alone = observed(run(solo, [("target", TARGET_PROMPT, TARGET)])["target"])
