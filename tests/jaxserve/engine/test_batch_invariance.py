@@ -143,12 +143,14 @@ def wide_model(tmp_path_factory):
 
 
 def test_many_sequences_in_a_step(wide_model):
-    """Eleven mates decode beside the target: its steps hold 8 to 12 rows."""
-    config = EngineConfig(**dict(SOLO, max_num_seqs=16, max_num_batched_tokens=512), batch_invariant=True)
+    """Twenty mates decode beside the target, sampling with seeds and asking for logprobs: its
+    steps hold 8 to 21 rows, so the head and sampler run one block or two (of 16 rows)."""
+    config = EngineConfig(**dict(SOLO, max_num_seqs=32, max_num_batched_tokens=1024), batch_invariant=True)
     engine = LLMEngine(wide_model, config)
     alone = observed(run(engine, [("alone", TARGET_PROMPT, TARGET)])["alone"])
     rng = np.random.default_rng(3)
-    mates = [(f"m{i}", [1, *rng.integers(3, 97, 5 + i).tolist()], SamplingParams(max_tokens=8)) for i in range(11)]
+    sampled = [SamplingParams(max_tokens=8, temperature=0.7, seed=i, logprobs=3) for i in range(20)]
+    mates = [(f"m{i}", [1, *rng.integers(3, 97, 5 + i).tolist()], params) for i, params in enumerate(sampled)]
     got = observed(run(engine, [("target", TARGET_PROMPT, TARGET), *mates])["target"])
     assert got == alone
 
