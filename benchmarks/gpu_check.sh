@@ -4,8 +4,8 @@
 # up to at most 540 s (about 8 minutes of wall time). In order, each a time limit:
 #   versions    20 s  jax / jaxlib, the device, pytest, cc, nvidia-smi;
 #   compile     60 s  the sm_90a compile report of the CI subset (benchmarks/gpu_compile.py
-#                     --subset ci; skipped, not failed, without a C compiler `cc`; 15 kernels,
-#                     47 s on 2 busy CPU cores);
+#                     --subset ci; skipped, not failed, without a C compiler `cc`; 17 kernels,
+#                     15 of them took 47 s on 2 busy CPU cores);
 #   numerics   130 s  every kernel against its reference, compiled on the GPU
 #                     (JAXSERVE_MGPU_ON_GPU=1 pytest over test_ragged_paged_attention_mgpu.py,
 #                     test_quantized_matmul_mgpu.py, test_grouped_matmul_mgpu.py, test_sgmv_mgpu.py

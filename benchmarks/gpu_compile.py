@@ -23,7 +23,7 @@ with `must_not_spill=False`; its spills are listed after the table. `--subset ci
 CI compiles (tests/pallas_kernels/test_gpu_compile.py); the default is every case.
 
     pip install -e ".[gpu-compile]"   # the CUDA plugin of our jaxlib version, ptxas, nvdisasm
-    python benchmarks/gpu_compile.py                 # every case (135 kernels, 3 minutes on 2 cores)
+    python benchmarks/gpu_compile.py                 # every case (128 kernels, 3 minutes on 2 cores)
     python benchmarks/gpu_compile.py --subset ci --json report.json
     python benchmarks/gpu_compile.py --only attention --case 'decode_b64.*' --keep-sass sass/
 
