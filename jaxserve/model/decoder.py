@@ -204,24 +204,32 @@ def has_plain_attention(layer: DecoderLayer) -> bool:
     return all(isinstance(p, nnx.Linear) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
 
 
+def _attention_in_kernels(x, kv, layer_idx, layer: DecoderLayer, inputs, inv_freq, attention, fixed_rows: bool):
+    """The attention half of a layer on the CPU kernels: the norm and q/k/v in one call
+    (cpu_kernels.norm_qkv, in row blocks), then attention. Returns its output before o_proj."""
+    attn = layer.self_attn
+    with jax.named_scope("qkv_proj"):
+        q, k, v = cpu_kernels.in_row_blocks(
+            cpu_kernels.norm_qkv,
+            (x,),
+            layer.input_layernorm.weight[...],
+            attn.q_proj.kernel[...],
+            attn.k_proj.kernel[...],
+            attn.v_proj.kernel[...],
+            eps=layer.input_layernorm.eps,
+        )
+        if attn.q_proj.bias is not None:
+            q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
+    return attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention, fixed_rows)
+
+
 def _moe_layer_kernels(carry, layer: DecoderLayer, inputs: ModelInputs, inv_freq, attention: AttentionFn):
     """A mixture-of-experts layer with every row in a fixed order (batch invariance on the CPU):
     the attention half through the CPU kernels as `_layer_kernels`, the post-attention norm in
     fixed row blocks, the experts through SparseMoE.in_fixed_order."""
     x, kv, layer_idx = carry
     attn = layer.self_attn
-    q, k, v = cpu_kernels.in_row_blocks(
-        cpu_kernels.norm_qkv,
-        (x,),
-        layer.input_layernorm.weight[...],
-        attn.q_proj.kernel[...],
-        attn.k_proj.kernel[...],
-        attn.v_proj.kernel[...],
-        eps=layer.input_layernorm.eps,
-    )
-    if attn.q_proj.bias is not None:
-        q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
-    out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention, fixed_rows=True)
+    out, kv = _attention_in_kernels(x, kv, layer_idx, layer, inputs, inv_freq, attention, fixed_rows=True)
     out = cpu_kernels.in_row_blocks(cpu_kernels.small_matmul, (out,), attn.o_proj.kernel[...])
     x = x + (out if attn.o_proj.bias is None else out + attn.o_proj.bias[...])
     h = in_fixed_row_blocks(layer.post_attention_layernorm, x)
@@ -237,19 +245,7 @@ def _layer_kernels(
     (batch invariance): the row-wise work between the kernels too (Attention.attend)."""
     x, kv, layer_idx = carry
     attn, mlp = layer.self_attn, layer.mlp
-    with jax.named_scope("qkv_proj"):
-        q, k, v = cpu_kernels.in_row_blocks(
-            cpu_kernels.norm_qkv,
-            (x,),
-            layer.input_layernorm.weight[...],
-            attn.q_proj.kernel[...],
-            attn.k_proj.kernel[...],
-            attn.v_proj.kernel[...],
-            eps=layer.input_layernorm.eps,
-        )
-        if attn.q_proj.bias is not None:
-            q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
-    out, kv = attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention, fixed_rows)
+    out, kv = _attention_in_kernels(x, kv, layer_idx, layer, inputs, inv_freq, attention, fixed_rows)
     with jax.named_scope("mlp"):  # o_proj's time is charged here
         x = cpu_kernels.in_row_blocks(
             cpu_kernels.o_proj_mlp,
