@@ -23,8 +23,9 @@ class SpeculativeConfig:
     - `draft_model`: a smaller model with the same tokenizer runs ahead. `model` is its
       folder, GGUF file or hub id (None: the target itself); `draft_num_layers` keeps only
       its first layers (a layer-truncated self-draft uses the target's embeddings and LM head).
-    - `medusa`: heads on the target's last hidden state (`model`: the folder
-      `python -m jaxserve.train_draft --method medusa` saved), one per draft position.
+    - `medusa`: heads on the target's last hidden state, one per draft position
+      (`model`: the folder `python -m jaxserve.train_draft --method medusa` saved, or
+      published Medusa-1 heads: a FasterDecoding folder or hub repository).
     - `eagle`: a one-layer head on the target's hidden states and the next tokens
       (`model`: the folder `python -m jaxserve.train_draft --method eagle` saved), run
       autoregressively for a chain of drafts.
@@ -79,7 +80,7 @@ class SpeculativeConfig:
             (
                 self.method not in HEAD_METHODS or self.model is not None,
                 f"method {self.method} needs model: the folder python -m jaxserve.train_draft --method {self.method} "
-                "wrote",
+                "wrote" + (", or published Medusa heads" if self.method == "medusa" else ""),
             ),
         ]
         for ok, message in checks:

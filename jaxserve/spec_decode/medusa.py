@@ -6,7 +6,8 @@ those of the decoding requests and takes each head's top candidates; a draft tre
 filled from them: the node at depth d with path ranks (r_1 .. r_d) gets head d's
 candidate of rank r_d (Medusa's Cartesian tree; a chain takes every head's first). The
 drafts are deterministic given the context, so verification treats them as point masses
-and stays exact for sampled requests too.
+and stays exact for sampled requests too. Published Medusa-1 heads load as they are
+(`published_heads`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
 from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
+from jaxserve.spec_decode.published_heads import load_published_medusa, published_medusa_folder
 from scheduler import Request, StepBatch
 from scheduler.draft_tree import DraftTree
 
@@ -31,7 +33,11 @@ if TYPE_CHECKING:
 
 class MedusaProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
-        heads, _ = load_heads(config.model, context.model_config, context.model.dtype, method="medusa")
+        published = published_medusa_folder(config.model)
+        if published is not None:
+            heads, _ = load_published_medusa(published, context.model_config, context.model.dtype)
+        else:
+            heads, _ = load_heads(config.model, context.model_config, context.model.dtype, method="medusa")
         self.tree = config.tree or DraftTree.chain(config.num_speculative_tokens)
         if self.tree.max_depth > heads.num_heads:
             raise ValueError(f"{config.model} has {heads.num_heads} heads; the drafts need {self.tree.max_depth}")
