@@ -352,15 +352,23 @@ class DecoderLM(nnx.Module):
         with jax.named_scope("lm_head"):
             if self.few_row_kernels.batch_invariant:  # the norm's sums too: see fixed_order
                 return in_fixed_row_blocks(self._invariant_logits, x)
-            x = self.norm(x)
-            if not self.cfg.tie_word_embeddings:
-                logits = self.lm_head(x)
-            elif self.tied_head_matmul is not None:
-                logits = self.tied_head_matmul(x, self.embed_tokens.embedding[...])
-            elif _fits(x, table := self.embed_tokens.embedding[...], self.few_row_kernels.lm_head_rows):
-                logits = cpu_kernels.small_matmul(x, table, transposed=True)
-            else:
-                logits = self.embed_tokens.attend(x)
+            return self._head(self.norm(x))
+
+    def unnormed_logits(self, x: jax.Array) -> jax.Array:
+        """Float32 logits of x [S, D] through the LM head alone, without the final norm (the
+        features of published EAGLE heads are already normed)."""
+        with jax.named_scope("lm_head"):
+            return self._head(x)
+
+    def _head(self, x: jax.Array) -> jax.Array:
+        if not self.cfg.tie_word_embeddings:
+            logits = self.lm_head(x)
+        elif self.tied_head_matmul is not None:
+            logits = self.tied_head_matmul(x, self.embed_tokens.embedding[...])
+        elif _fits(x, table := self.embed_tokens.embedding[...], self.few_row_kernels.lm_head_rows):
+            logits = cpu_kernels.small_matmul(x, table, transposed=True)
+        else:
+            logits = self.embed_tokens.attend(x)
         return logits.astype(jnp.float32)
 
     def _invariant_logits(self, x: jax.Array) -> jax.Array:

@@ -27,7 +27,8 @@ class SpeculativeConfig:
       (`model`: the folder `python -m jaxserve.train_draft --method medusa` saved, or
       published Medusa-1 heads: a FasterDecoding folder or hub repository).
     - `eagle`: a one-layer head on the target's hidden states and the next tokens
-      (`model`: the folder `python -m jaxserve.train_draft --method eagle` saved), run
+      (`model`: the folder `python -m jaxserve.train_draft --method eagle` saved, or
+      published EAGLE-1 heads: a SafeAILab folder or hub repository), run
       autoregressively for a chain of drafts.
 
     `speculative_token_tree` (vLLM's key: a list of paths of child ranks, or its text,
@@ -80,7 +81,7 @@ class SpeculativeConfig:
             (
                 self.method not in HEAD_METHODS or self.model is not None,
                 f"method {self.method} needs model: the folder python -m jaxserve.train_draft --method {self.method} "
-                "wrote" + (", or published Medusa heads" if self.method == "medusa" else ""),
+                "wrote, or published heads (Medusa-1, EAGLE-1)",
             ),
         ]
         for ok, message in checks:

@@ -42,6 +42,7 @@ from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
 from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, reserve_draft_slots, sampled_rows
+from jaxserve.spec_decode.published_heads import load_published_eagle, published_folder
 from scheduler import Request, StepBatch
 
 if TYPE_CHECKING:
@@ -51,7 +52,11 @@ if TYPE_CHECKING:
 class EagleProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.dtype = context.model.dtype
-        head, _ = load_heads(config.model, context.model_config, self.dtype, method="eagle")
+        published = published_folder(config.model, "eagle")
+        if published is not None:
+            head, _ = load_published_eagle(published, context.model_config, self.dtype)
+        else:
+            head, _ = load_heads(config.model, context.model_config, self.dtype, method="eagle")
         self.config, self.scheduler, self.target = config, context.scheduler, context.runner
         target = self.target
         self.head_def, params = nnx.split(head)
@@ -144,7 +149,7 @@ class EagleProposer:
         """The head over a step's T tokens; its outputs at `ends` [max_num_seqs] (T: none), by row."""
         head, target = nnx.merge(self.head_def, params), nnx.merge(self.target.graphdef, target_params)
         next_ids = next_ids.at[ends].set(last_tokens, mode="drop")
-        f, kv = head(target, hidden, next_ids, inputs, kv, self.target.attention)
+        f, kv = head(target, head.target_features(target, hidden), next_ids, inputs, kv, self.target.attention)
         return kv, f[jnp.minimum(ends, f.shape[0] - 1)]
 
     def _draft(self, requests: list[Request], rows: int) -> list[list[int]]:
@@ -168,7 +173,7 @@ class EagleProposer:
         rows = positions.shape[0]
         row_ids = jnp.arange(rows, dtype=jnp.int32)
         f = features[feature_rows]
-        drafts = [jnp.argmax(target.logits(f), axis=-1).astype(jnp.int32)]
+        drafts = [jnp.argmax(head.logits(target, f), axis=-1).astype(jnp.int32)]
         for _ in range(self.config.num_speculative_tokens - 1):
             block = tables[row_ids, jnp.minimum(positions // bs, tables.shape[1] - 1)]
             slots = jnp.where(positions < max_len, block * bs + positions % bs, 0)  # past the context: the null block
@@ -176,7 +181,7 @@ class EagleProposer:
                 drafts[-1], positions, slots, jnp.arange(rows + 1, dtype=jnp.int32), positions + 1, tables, row_ids
             )
             f, kv = head(target, f, drafts[-1], inputs, kv, self.target.attention)
-            drafts.append(jnp.argmax(target.logits(f), axis=-1).astype(jnp.int32))
+            drafts.append(jnp.argmax(head.logits(target, f), axis=-1).astype(jnp.int32))
             positions = positions + 1
         return jnp.stack(drafts, axis=1), kv
 

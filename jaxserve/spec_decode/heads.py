@@ -96,10 +96,21 @@ class EagleHead(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """The next features [T, D] from features [T, D] and the tokens that follow them
         (`next_ids` [T], at `inputs.positions`), and the cache with these tokens' K/V."""
-        x = self.fc(jnp.concatenate([features, target.embed_tokens(next_ids)], axis=-1))
+        x = self.fc(self._fc_input(features, target.embed_tokens(next_ids)))
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         x, kv, _ = _layer((x, kv, jnp.int32(0)), self.layer, inputs, inv_freq, attention)
         return x, kv
+
+    def target_features(self, target: DecoderLM, hidden: jax.Array) -> jax.Array:
+        """The features the head reads of the target's hidden states (before its final norm)."""
+        return hidden
+
+    def logits(self, target: DecoderLM, features: jax.Array) -> jax.Array:
+        """Float32 logits of the head's output features."""
+        return target.logits(features)
+
+    def _fc_input(self, features: jax.Array, embeddings: jax.Array) -> jax.Array:
+        return jnp.concatenate([features, embeddings], axis=-1)
 
 
 def trainable_attention(

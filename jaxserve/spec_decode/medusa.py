@@ -23,7 +23,7 @@ from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
 from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
-from jaxserve.spec_decode.published_heads import load_published_medusa, published_medusa_folder
+from jaxserve.spec_decode.published_heads import load_published_medusa, published_folder
 from scheduler import Request, StepBatch
 from scheduler.draft_tree import DraftTree
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 class MedusaProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
-        published = published_medusa_folder(config.model)
+        published = published_folder(config.model, "medusa")
         if published is not None:
             heads, _ = load_published_medusa(published, context.model_config, context.model.dtype)
         else:

@@ -1,20 +1,27 @@
-"""Medusa heads as their authors publish them (FasterDecoding/Medusa, Medusa-1).
+"""Draft heads as their authors publish them: Medusa-1 (FasterDecoding) and EAGLE-1 (SafeAILab).
 
-A published folder holds `config.json` (`medusa_num_heads`, `medusa_num_layers`,
-`base_model_name_or_path`) and `medusa_lm_head.safetensors` (or `.pt`), the state dict of a
-list of heads. Head i is a `torch.nn.Sequential`:
+Medusa-1: `config.json` (`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`)
+and `medusa_lm_head.safetensors` (or `.pt`), the state dict of a list of heads. Head i is a
+`torch.nn.Sequential`:
 
     i.0 .. i.(L-1)   residual blocks   x -> x + SiLU(W x + b)      (`{i}.{j}.linear.weight`, `.bias`)
     i.L              its own LM head   x -> U x, no bias           (`{i}.{L}.weight`, [V, D])
 
-and every head reads the target's last hidden state after the final norm (the base model's
-`outputs[0]`). Ours (`heads.MedusaHeads`) read it before the norm and end in the target's
-own norm and LM head, so a published head is a module of its own with the same call:
-`heads(target, h)` -> f32 logits [k, T, V] of hidden states h [T, D] before the final norm.
+EAGLE-1: `config.json` (the target's architecture with one layer) and `pytorch_model.bin` or
+safetensors: `fc.weight` [D, 2D] (and `fc.bias` where the config's `bias` is not false) over
+[embedding of the next token; feature], then `layers.0.*`, a decoder layer of the target's
+kind without `input_layernorm`. Its output feature goes to the target's LM head, with no
+norm, and is fed back for the next draft. The embedding is the target's (a copy in the
+file is ignored, as vLLM does).
+
+Both read the target's last hidden state after the final norm (the base model's
+`outputs[0]`). Ours (`heads.MedusaHeads`, `heads.EagleHead`) read it before the norm and
+end in the target's own norm and LM head; the classes here keep our heads' calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -25,13 +32,15 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import DecoderLM
-from jaxserve.spec_decode.heads import MedusaBlock
+from jaxserve.model.decoder import DecoderLayer, DecoderLM
+from jaxserve.spec_decode.heads import EagleHead, MedusaBlock
 from jaxserve.weights.hub import parse_hub_reference
+from jaxserve.weights.params import flatten_tree, param_path, unflatten_tree
 from jaxserve.weights.safetensors_reader import read_tensors
 
-WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-_KEY = re.compile(r"(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
+MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
+_MEDUSA_KEY = re.compile(r"(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
 
 
 class PublishedMedusaHeads(nnx.Module):
@@ -59,45 +68,66 @@ class PublishedMedusaHeads(nnx.Module):
         return jnp.stack(out)
 
 
-def published_medusa_folder(model: str) -> Path | None:
-    """The folder of published Medusa heads that `model` names (a path, or a hub repository,
-    downloaded or found in the hub's cache), or None when it is not one."""
+class _NoNorm(nnx.Module):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x
+
+
+class PublishedEagleHead(EagleHead):
+    def __init__(self, cfg: ModelConfig, fc_bias: bool, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.cfg = dataclasses.replace(cfg, num_layers=1)
+        self.fc = nnx.Linear(2 * d, d, use_bias=fc_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layer = DecoderLayer(cfg, dtype, rngs)
+        self.layer.input_layernorm = _NoNorm()  # EAGLE-1's only layer has none
+
+    def target_features(self, target: DecoderLM, hidden: jax.Array) -> jax.Array:
+        return target.norm(hidden)
+
+    def logits(self, target: DecoderLM, features: jax.Array) -> jax.Array:
+        return target.unnormed_logits(features)
+
+    def _fc_input(self, features: jax.Array, embeddings: jax.Array) -> jax.Array:
+        return jnp.concatenate([embeddings, features], axis=-1)
+
+
+def published_folder(model: str, method: str) -> Path | None:
+    """The folder of published `method` heads that `model` names (a path, or a hub repository,
+    downloaded or found in the hub's cache), or None when it holds heads of ours."""
     folder = Path(model).expanduser()
     if not folder.exists() and parse_hub_reference(model) is not None:
         from huggingface_hub import snapshot_download
 
         try:
-            folder = Path(snapshot_download(model, allow_patterns=["config.json", *WEIGHT_FILES]))
+            patterns = ["config.json", "*.safetensors", *TORCH_FILES]
+            folder = Path(snapshot_download(model, allow_patterns=patterns))
         except Exception as e:
             raise FileNotFoundError(f"could not download {model!r} from the Hugging Face hub: {e}") from e
     config = folder / "config.json"
-    if not config.is_file() or "medusa_num_heads" not in json.loads(config.read_text()):
-        return None
+    if (folder / "info.json").is_file() or (folder / "heads").is_dir() or not config.is_file():
+        return None  # ours (heads.load_heads says what is wrong with a folder of neither kind)
+    info = json.loads(config.read_text())
+    kind = "medusa" if "medusa_num_heads" in info else "eagle"
+    if "draft_vocab_size" in info or any("Eagle3" in a for a in info.get("architectures", [])):
+        raise ValueError(f"{folder} holds EAGLE-3 heads, which do not load yet (EAGLE-1 and Medusa-1 do)")
+    if kind != method:
+        raise ValueError(f"{folder} holds published {kind} heads, not {method} ones")
     return folder
 
 
 def load_published_medusa(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> tuple[PublishedMedusaHeads, dict]:
-    """The heads in a published folder for a target of config `cfg`, and the folder's config."""
+    """The Medusa heads in a published folder for a target of config `cfg`, and the folder's config."""
     info = json.loads((folder / "config.json").read_text())
     num_heads, num_layers = int(info["medusa_num_heads"]), int(info.get("medusa_num_layers", 1))
-    tensors = _read_weights(folder)
+    tensors = _read_weights(folder, MEDUSA_FILES)
     expected = {f"{i}.{j}.linear.{p}" for i in range(num_heads) for j in range(num_layers) for p in ("weight", "bias")}
     expected |= {f"{i}.{num_layers}.weight" for i in range(num_heads)}
-    if missing := sorted(expected - tensors.keys()):
-        raise ValueError(f"{folder} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-    if extra := sorted(tensors.keys() - expected):
-        names = ", ".join(extra[:4])
-        raise ValueError(f"{folder} holds tensors a Medusa-1 head of {num_layers} layer(s) has not: {names}")
+    _check_names(folder, tensors, expected, f"a Medusa-1 head of {num_layers} layer(s)")
     vocab, dim = tensors[f"0.{num_layers}.weight"].shape
-    if (dim, vocab) != (cfg.hidden_size, cfg.vocab_size):
-        base = info.get("base_model_name_or_path", "another model")
-        raise ValueError(
-            f"the heads in {folder} were trained for {base} (hidden size {dim}, vocabulary {vocab}), not for this "
-            f"target (hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size})"
-        )
+    _check_target(folder, info, cfg, dim, vocab)
     heads = PublishedMedusaHeads(cfg, num_heads, num_layers, dtype, rngs=nnx.Rngs(0))
     for name, value in tensors.items():
-        i, j, what = _KEY.fullmatch(name).groups()
+        i, j, what = _MEDUSA_KEY.fullmatch(name).groups()
         i, j = int(i), int(j)
         if what == "weight":
             heads.lm_heads[i].kernel[...] = jnp.asarray(value.T, dtype)
@@ -108,17 +138,76 @@ def load_published_medusa(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> 
     return heads, {"method": "medusa", "num_heads": num_heads, "published": info}
 
 
-def _read_weights(folder: Path) -> dict[str, np.ndarray]:
-    safetensors, pickle = (folder / name for name in WEIGHT_FILES)
-    if safetensors.is_file():
-        return dict(read_tensors([safetensors]))
-    if not pickle.is_file():
-        raise FileNotFoundError(f"{folder} has a Medusa config.json but neither {' nor '.join(WEIGHT_FILES)}")
+def load_published_eagle(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> tuple[PublishedEagleHead, dict]:
+    """The EAGLE-1 head in a published folder for a target of config `cfg`, and the folder's config."""
+    info = json.loads((folder / "config.json").read_text())
+    tensors = {k: v for k, v in _read_weights(folder, ()).items() if k != "embed_tokens.weight"}
+    if "fc.weight" not in tensors:
+        raise ValueError(f"{folder} holds no fc.weight: not an EAGLE-1 head")
+    dim = tensors["fc.weight"].shape[0]
+    _check_target(folder, info, cfg, dim, int(info.get("vocab_size", cfg.vocab_size)))
+    head_cfg = dataclasses.replace(
+        cfg,
+        num_layers=1,
+        intermediate_size=int(info.get("intermediate_size", cfg.intermediate_size)),
+        num_heads=int(info.get("num_attention_heads", cfg.num_heads)),
+        num_kv_heads=int(info.get("num_key_value_heads", info.get("num_attention_heads", cfg.num_kv_heads))),
+        rms_norm_eps=float(info.get("rms_norm_eps", cfg.rms_norm_eps)),
+    )
+    head = PublishedEagleHead(head_cfg, "fc.bias" in tensors, dtype, rngs=nnx.Rngs(0))
+    params = dict(flatten_tree(nnx.to_pure_dict(nnx.state(head, nnx.Param))))
+    found = {}
+    for name, value in tensors.items():
+        if name.startswith("fc."):
+            path, transpose = ("fc", "kernel" if name == "fc.weight" else "bias"), name == "fc.weight"
+        else:
+            where = param_path(f"model.{name}", head_cfg)
+            if where is None or where[1] != 0:
+                raise ValueError(f"{folder} holds {name}, which an EAGLE-1 head has not")
+            (_, *module), _, transpose = where
+            path = ("layer", *module)
+        if path not in params:
+            raise ValueError(f"{folder} holds {name}, which an EAGLE-1 head of this target has not")
+        value = value.T if transpose else value
+        if value.shape != params[path].shape:
+            raise ValueError(f"{name} in {folder} has shape {value.shape[::-1] if transpose else value.shape}")
+        found[path] = jnp.asarray(value, dtype)
+    if missing := sorted(".".join(map(str, p)) for p in params.keys() - found.keys()):
+        raise ValueError(f"{folder} lacks the head's {', '.join(missing[:4])}")
+    nnx.update(head, nnx.State(unflatten_tree(found)))
+    return head, {"method": "eagle", "num_heads": 1, "published": info}
+
+
+def _check_names(folder: Path, tensors: dict, expected: set[str], what: str) -> None:
+    if missing := sorted(expected - tensors.keys()):
+        raise ValueError(f"{folder} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    if extra := sorted(tensors.keys() - expected):
+        raise ValueError(f"{folder} holds tensors {what} has not: {', '.join(extra[:4])}")
+
+
+def _check_target(folder: Path, info: dict, cfg: ModelConfig, dim: int, vocab: int) -> None:
+    if (dim, vocab) != (cfg.hidden_size, cfg.vocab_size):
+        base = info.get("base_model_name_or_path", "another model")
+        raise ValueError(
+            f"the heads in {folder} were trained for {base} (hidden size {dim}, vocabulary {vocab}), not for this "
+            f"target (hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size})"
+        )
+
+
+def _read_weights(folder: Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Float32 tensors of the folder's safetensors (`names[0]`, or every one when no names),
+    else of its torch pickle."""
+    safetensors = [folder / names[0]] if names else sorted(folder.glob("*.safetensors"))
+    if safetensors and safetensors[0].is_file():
+        return dict(read_tensors(safetensors))
+    pickle = next((folder / n for n in TORCH_FILES if (folder / n).is_file()), None)
+    if pickle is None:
+        raise FileNotFoundError(f"{folder} has a config.json but no safetensors or {' or '.join(TORCH_FILES)}")
     try:
         import torch
     except ImportError as e:
         raise ImportError(
-            f"{pickle} is a torch pickle: install torch to read it, or save it as {WEIGHT_FILES[0]} "
+            f"{pickle} is a torch pickle: install torch to read it, or save it as safetensors "
             "(safetensors.torch.save_file(torch.load(path), ...))"
         ) from e
     state = torch.load(pickle, map_location="cpu", weights_only=True)

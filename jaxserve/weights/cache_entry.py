@@ -29,7 +29,7 @@ from jaxserve.parallel.sharding import (
 )
 from jaxserve.weights import derive
 from jaxserve.weights.cache import write_meta
-from jaxserve.weights.params import _flatten, build_model, place_params
+from jaxserve.weights.params import build_model, flatten_tree, place_params
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def derive_from(base: Path, dtype, quant: QuantConfig | None, mesh, expert_paral
     with ocp.StandardCheckpointer() as ckpt:
         host = ckpt.restore(base.resolve() / "params", jax.tree.map(lambda x: np.empty(x.shape, x.dtype), base_shapes))
     graphdef, state, shapes = _abstract_model(config, dtype, quant)
-    host = derive.derive_params(host, dict(_flatten(shapes)), quant)
+    host = derive.derive_params(host, dict(flatten_tree(shapes)), quant)
     logger.info("weights: %s derived from the cached %s copy", quant.label if quant else dtype, base_dtype)
     model = place_params(graphdef, state, host, config, mesh, expert_parallel)
     return Restored(hf_config, config, model, _tokenizer_dir(base))

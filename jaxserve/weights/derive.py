@@ -15,7 +15,7 @@ import numpy as np
 from ml_dtypes import bfloat16
 
 from jaxserve.model.quantization import QuantConfig, quantize
-from jaxserve.weights.params import _flatten, _unflatten
+from jaxserve.weights.params import flatten_tree, unflatten_tree
 
 _WIDER_THAN = {np.dtype(np.float32): {np.dtype(np.float16), np.dtype(bfloat16)}}
 
@@ -35,7 +35,7 @@ def holds_exactly(source_dtypes: set, dtype) -> bool:
 def derive_params(base: dict, specs: dict, quant: QuantConfig | None) -> dict:
     """The parameters `specs` (flat path -> shape and dtype) asks for, from `base` (the nested
     host arrays of an unquantized model): cast, or quantized from the projection's kernel."""
-    flat = dict(_flatten(base))
+    flat = dict(flatten_tree(base))
     del base
     derived: dict[tuple, np.ndarray] = {}
     for path, spec in specs.items():
@@ -49,7 +49,7 @@ def derive_params(base: dict, specs: dict, quant: QuantConfig | None) -> dict:
         kernel = np.asarray(flat.pop(module + ("kernel",)), np.float32)
         for leaf, value in _quantized_pieces(kernel, quant).items():
             derived[module + (leaf,)] = value
-    return _unflatten(derived)
+    return unflatten_tree(derived)
 
 
 def _quantized_pieces(kernel: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:

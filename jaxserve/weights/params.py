@@ -78,7 +78,7 @@ class ParamAssembler:
             lambda: unstack_layers(DecoderLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization))
         )
         self.graphdef, state = nnx.split(abstract)
-        self.specs = dict(_flatten(nnx.to_pure_dict(state)))
+        self.specs = dict(flatten_tree(nnx.to_pure_dict(state)))
         self.state = state
         self.params: dict[tuple, np.ndarray] = {}
         self._expert_rows: dict[tuple, set[int]] = {}  # stacked expert parameters: the experts that arrived
@@ -160,7 +160,7 @@ class ParamAssembler:
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise WeightError(f"checkpoint is missing {', '.join(missing[:5])}{more}")
-        return _unflatten({path: self.params[path] for path in self.specs})
+        return unflatten_tree({path: self.params[path] for path in self.specs})
 
     def build(self, mesh: jax.sharding.Mesh | None = None, expert_parallel: bool = False) -> DecoderLM:
         """The model with every parameter on the device (on `mesh`: each split across its
@@ -184,14 +184,14 @@ def place_params(
     shardings = None
     if mesh is not None:
         host = replicate_kv_heads(host, cfg, tensor_parallel_size(mesh))
-        shardings = dict(_flatten(param_shardings(host, mesh, expert_parallel)))
-    flat = dict(_flatten(host))
+        shardings = dict(flatten_tree(param_shardings(host, mesh, expert_parallel)))
+    flat = dict(flatten_tree(host))
     del host  # each array is dropped from the host as it is placed
     placed = {}
     for path in list(flat):
         value = flat.pop(path)
         placed[path] = jnp.asarray(value) if shardings is None else place_from_host(value, shardings[path])
-    return build_model(graphdef, state, _unflatten(placed))
+    return build_model(graphdef, state, unflatten_tree(placed))
 
 
 def build_model(graphdef, state, pure_params: dict) -> DecoderLM:
@@ -229,15 +229,16 @@ def _mixtral_name(name: str) -> str:
     return ".".join(words.get(part, part) for part in name.split("."))
 
 
-def _flatten(tree: dict, prefix=()) -> Iterable[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
+def flatten_tree(tree: dict, prefix=()) -> Iterable[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
+    """(path, leaf) of a nested dict (a pure parameter dict); `unflatten_tree` inverts it."""
     for key, value in tree.items():
         if isinstance(value, dict):
-            yield from _flatten(value, prefix + (key,))
+            yield from flatten_tree(value, prefix + (key,))
         else:
             yield prefix + (key,), value
 
 
-def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
+def unflatten_tree(flat: dict[tuple[str, ...], object]) -> dict:
     tree: dict = {}
     for path, value in flat.items():
         node = tree

@@ -165,14 +165,14 @@ def test_weights_equal_transformers_torch_dequantizer(tmp_path, qtype):
     from transformers.integrations.gguf.dequant import dequantize
 
     from jaxserve.weights.gguf_reader import hf_name
-    from jaxserve.weights.params import _flatten, _hf_name
+    from jaxserve.weights.params import _hf_name, flatten_tree
 
     path = tmp_path / f"tiny-qwen3-{qtype}.gguf"
     write_tiny_gguf(path, "qwen3", qtype)
     loaded = load_model(str(path), use_cache=False, progress=False)
     ours = {
         _hf_name(p): np.asarray(v).T if p[-1] == "kernel" else np.asarray(v)
-        for p, v in _flatten(nnx.to_pure_dict(nnx.state(loaded.model)))
+        for p, v in flatten_tree(nnx.to_pure_dict(nnx.state(loaded.model)))
     }
     checked = set()
     for t in GGUFReader(str(path)).tensors:
