@@ -29,7 +29,7 @@ from api.admission import Admitted, EngineDeadError, QueueFullError, Reservation
 from api.metrics import Metrics
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.lora.request import LoRARequest
-from scheduler import SamplingParams, SchedulerStats
+from scheduler import SamplingParams, SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
     from jaxserve.model.kv_cache import KVHandoff
@@ -67,6 +67,7 @@ class StepDelta:
     num_cached_tokens: int
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs, on the request's first delta
     kv_handoff: KVHandoff | None = None  # RequestOutput.kv_handoff, on the finishing delta
+    spec_decoding: SpecDecodingStats | None = None  # RequestMetrics.spec_decoding, on the finishing delta
 
 
 @dataclasses.dataclass
@@ -502,7 +503,13 @@ def _delta(output: RequestOutput, stream: _Stream) -> StepDelta:
         stream.sent_prompt_logprobs = True  # complete once a token is out; never appended to again
         prompt_logprobs = list(output.prompt_logprobs)
     return StepDelta(
-        output.request_id, samples, output.finished, output.num_cached_tokens, prompt_logprobs, output.kv_handoff
+        output.request_id,
+        samples,
+        output.finished,
+        output.num_cached_tokens,
+        prompt_logprobs,
+        output.kv_handoff,
+        output.metrics.spec_decoding,
     )
 
 

@@ -57,11 +57,22 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
+class SpeculativeDecodingUsage(BaseModel):
+    """jaxserve's: the call's verified drafts, named as vLLM's spec_decode metrics."""
+
+    num_drafts: int  # verification steps that checked draft tokens
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]  # accepted at draft position 0, 1, ...
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None  # only with --enable-prompt-tokens-details
+    # Only where the call's requests verified drafts (--speculative-config).
+    speculative_decoding: SpeculativeDecodingUsage | None = None
 
 
 FinishReason = Literal["stop", "length", "abort"]

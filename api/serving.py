@@ -37,7 +37,7 @@ from api.tool_parsers import ToolParser
 from jaxserve.engine.tokenization import PromptError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.structured import GrammarError
-from scheduler import SamplingParams
+from scheduler import SamplingParams, SpecDecodingStats
 from scheduler.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -315,6 +315,7 @@ class Tally:
         self.cached_tokens = dict.fromkeys(request_ids, 0)
         self.prompt_logprobs: list[list | None] = [None] * len(request_ids)  # per prompt, when asked for
         self.kv_handoff = None  # the prompt's KV, when the call asked a prefill server for it
+        self.spec_decoding: dict[str, SpecDecodingStats] = {}  # per request that verified drafts
 
     def update(self, delta: StepDelta) -> list[tuple[int, SampleDelta]]:
         """Record one delta; returns (choice index, sample delta) for each sample that changed."""
@@ -323,6 +324,8 @@ class Tally:
             self.prompt_logprobs[self.prompt_index[delta.request_id]] = delta.prompt_logprobs
         if delta.kv_handoff is not None:
             self.kv_handoff = delta.kv_handoff
+        if delta.spec_decoding is not None:
+            self.spec_decoding[delta.request_id] = delta.spec_decoding
         changed = []
         for sample in delta.samples:
             index = self.prompt_index[delta.request_id] * self.n + sample.index
@@ -353,12 +356,21 @@ class Tally:
         prompt = sum(self.prompt_lens)
         completion = sum(len(c.token_ids) for c in self.choices)
         details = {"cached_tokens": sum(self.cached_tokens.values())} if self.prompt_tokens_details else None
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": details,
         }
+        if self.spec_decoding:  # jaxserve's: the call's verified drafts (vLLM's metric names)
+            drafts = SpecDecodingStats.total(list(self.spec_decoding.values()))
+            usage["speculative_decoding"] = {
+                "num_drafts": drafts.num_drafts,
+                "num_draft_tokens": drafts.num_draft_tokens,
+                "num_accepted_tokens": drafts.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": drafts.accepted_per_position,
+            }
+        return usage
 
 
 async def stream_events(

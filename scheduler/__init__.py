@@ -7,6 +7,7 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats, StepResult
+from scheduler.spec_stats import SpecDecodingStats
 from scheduler.step_batch import SamplingBatch, StepBatch
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
+    "SpecDecodingStats",
     "StepBatch",
     "StepResult",
     "StructuredOutputsParams",

@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from scheduler.sampling_params import SamplingParams
+from scheduler.spec_stats import SpecDecodingStats
 
 
 class Grammar(Protocol):
@@ -99,6 +100,7 @@ class Request:
         # Draft tokens proposed to follow the last token (speculative decoding), verified by
         # the next step that runs this request; the scheduler clears them once it has.
         self.spec_token_ids: list[int] = []
+        self.spec_stats = SpecDecodingStats()  # this request's verified drafts
         self.num_computed_tokens = 0
         self.num_pending = 0  # sampled tokens whose ids the host does not know yet (steps in flight)
         self.pending_row = 0  # the row of the latest step that samples one: where the device has it

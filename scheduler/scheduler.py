@@ -26,6 +26,7 @@ from scheduler.draft_tree import DraftTree
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.lora_slots import LoRASlots
 from scheduler.request import Request, RequestStatus
+from scheduler.spec_stats import SpecDecodingStats
 from scheduler.step_batch import MAX_BANNED_TOKENS, StepBatch
 
 
@@ -63,35 +64,6 @@ class SchedulerConfig:
         if self.draft_tree is not None or not self.num_speculative_tokens:
             return self.draft_tree
         return DraftTree.chain(self.num_speculative_tokens)
-
-
-@dataclasses.dataclass
-class SpecDecodingStats:
-    """Speculative decoding counters since start-up (vLLM's spec_decode metrics)."""
-
-    num_drafts: int = 0  # verifications of a request's draft tokens
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [k]: accepted at draft position i
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_drafted:
-            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted over drafted tokens."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verification step yields on average: the accepted drafts and one more."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 class SchedulerStats(NamedTuple):
@@ -312,6 +284,7 @@ class Scheduler:
             new = [tokens[row]] if counts is None else tokens[row][: counts[row]]
             if num_drafts[row]:
                 self.spec_stats.observe(num_drafts[row], len(new) - 1)
+                req.spec_stats.observe(num_drafts[row], len(new) - 1)
             req.num_pending += len(new) - 1  # accepted drafts arrive like sampled tokens
             status, appended = None, 0
             for token in new:

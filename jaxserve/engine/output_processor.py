@@ -9,7 +9,7 @@ import time
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.runner.model_runner import PromptLogprobsOutput, RunnerOutput
-from scheduler import Request, RequestStatus, Scheduler, StepResult
+from scheduler import Request, RequestStatus, Scheduler, SpecDecodingStats, StepResult
 
 
 @dataclasses.dataclass
@@ -196,6 +196,8 @@ class OutputProcessor:
         group.metrics.first_scheduled_time = group.samples[0].first_scheduled_time
         if group.finished:
             group.metrics.finished_time = now
+            drafts = SpecDecodingStats.total([r.spec_stats for r in group.samples])
+            group.metrics.spec_decoding = drafts if drafts.num_drafts else None
         return RequestOutput(
             group.request_id,
             group.prompt,

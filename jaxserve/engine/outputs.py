@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from scheduler import SpecDecodingStats
+
 
 @dataclasses.dataclass(frozen=True)
 class Logprob:
@@ -42,6 +44,8 @@ class RequestMetrics:
     finished_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)  # of the first sample
     first_scheduled_time: float | None = None  # when the first sample first ran (the queue time ends)
+    # Its verified drafts (its samples' together), once it has finished; None if none were.
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

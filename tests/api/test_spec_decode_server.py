@@ -1,6 +1,6 @@
 """`python -m api --speculative-config ...`: a real server with n-gram speculation answers
-the real openai client exactly as an engine without it does, streamed or not, and
-/metrics carries vLLM's spec_decode counters."""
+the real openai client exactly as an engine without it does, streamed or not, /metrics
+carries vLLM's spec_decode counters, and each call's usage its own (which add up to them)."""
 
 from __future__ import annotations
 
@@ -43,16 +43,26 @@ def test_server_with_ngram_speculation(tiny_folder, tmp_path):
     with run_server(tmp_path, *args) as server:
         client = server.client()
         model = client.models.list().data[0].id
+        usages = []  # each call's usage.speculative_decoding
         for i, prompt in enumerate(PROMPTS):
             kw = dict(model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
-            assert client.completions.create(**kw).choices[0].text == want[str(i)]
-            streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
-            assert streamed == want[str(i)]
+            reply = client.completions.create(**kw)
+            assert reply.choices[0].text == want[str(i)]
+            usages.append(reply.usage.model_extra["speculative_decoding"])
+            # each verification yields its accepted drafts and one more token
+            assert reply.usage.completion_tokens >= usages[-1]["num_drafts"] + usages[-1]["num_accepted_tokens"]
+            chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want[str(i)]
+            usages.append(chunks[-1].usage.model_extra["speculative_decoding"])
         m = server.metrics()
         log = server.log.read_text()
     assert m["jaxserve:spec_decode_num_drafts_total"] > 0
     accepted = m["jaxserve:spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= m["jaxserve:spec_decode_num_draft_tokens_total"]
+    # The calls' own counters add up to the server's.
+    for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(u[field] for u in usages) == m[f"jaxserve:spec_decode_{field}_total"], field
+    assert all(sum(u["num_accepted_tokens_per_pos"]) == u["num_accepted_tokens"] for u in usages)
     per_position = sum(v for k, v in m.items() if k.startswith("jaxserve:spec_decode_num_accepted_tokens_per_pos"))
     assert per_position == accepted
     assert "speculative decoding: ngram, 3 tokens per step" in log

@@ -84,6 +84,7 @@ class OracleProposer:
         self.config, self.truth = config, truth
         self.expected_accepted = 0
         self.calls = 0
+        self.per_prompt: dict[tuple, list[int]] = {}  # [verifications, draft tokens, accepted] of each request
 
     def propose(self, running):
         for req in decoding(running, self.config):
@@ -95,7 +96,11 @@ class OracleProposer:
             if bad < len(drafts):
                 drafts[bad] = (drafts[bad] + 1) % VOCAB
             req.spec_token_ids = drafts
-            self.expected_accepted += bad if bad < len(drafts) else len(drafts)
+            accepted = bad if bad < len(drafts) else len(drafts)
+            self.expected_accepted += accepted
+            counts = self.per_prompt.setdefault(tuple(req.prompt_token_ids), [0, 0, 0])
+            for i, n in enumerate((1, len(drafts), accepted)):
+                counts[i] += n
 
     def draft_probs(self, batch):
         return None
@@ -127,7 +132,8 @@ def test_greedy_with_oracle_drafts_equals_plain(tiny_llama, plain, setting):
     eng = engine(tiny_llama, NGRAM, **kw)
     oracle = with_oracle(eng, prompts, plain)
     compiles = eng.compilations
-    assert tokens(run(eng, prompts, params, stream=True)) == tokens(plain)
+    outs = run(eng, prompts, params, stream=True)
+    assert tokens(outs) == tokens(plain)
     assert eng.compilations == compiles, "a program was compiled after warm-up"
     stats = eng.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "the run must both accept and reject drafts"
@@ -135,6 +141,12 @@ def test_greedy_with_oracle_drafts_equals_plain(tiny_llama, plain, setting):
         assert stats.num_accepted_tokens == oracle.expected_accepted
         assert stats.num_drafts == oracle.calls
         assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+        for prompt, out in zip(prompts, outs):  # and each request's own counters (RequestMetrics)
+            got = out.metrics.spec_decoding
+            want = oracle.per_prompt.get(tuple(prompt))
+            assert (got and [got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens]) == want
+            assert got is None or sum(got.accepted_per_position) == got.num_accepted_tokens
+        assert any(out.metrics.spec_decoding for out in outs)
     if setting == "preempted":
         assert eng.scheduler.num_preemptions > 0
 
