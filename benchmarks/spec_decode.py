@@ -5,7 +5,9 @@ request (128; a request may end earlier at its EOS), the methods:
 
 - none: no speculation;
 - ngram: prompt lookup, drafts copied from the request's own tokens
-  (`prompt_lookup_min` .. `prompt_lookup_max` tokens matched);
+  (`prompt_lookup_min` .. `prompt_lookup_max` tokens matched), each request verifying
+  as many as its acceptance makes pay (the adaptive draft length, `--draft-token-cost`);
+- ngram-fixed: the same drafts, always `--num-speculative-tokens` of them;
 - draft: a self-draft, the target's first `--draft-num-layers` layers with its LM head;
 - medusa: Medusa heads (`--medusa-heads`, default the quick preset's; trained first with
   `python -m jaxserve.train_draft --method medusa --preset quick` when missing) proposing a
@@ -62,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 SETS = ("repetitive", "chat")
-METHODS = ("none", "ngram", "draft", "medusa", "medusa-tree", "eagle")
+METHODS = ("none", "ngram", "ngram-fixed", "draft", "medusa", "medusa-tree", "eagle")
 TOKEN_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # top 3 / 2 / 1 of heads 1 / 2 / 3
 
 
@@ -157,20 +159,23 @@ def groups(prompts: list[Prompt], batch: int) -> list[list[int]]:
 def speculative_config(method: str, args) -> dict | None:
     """vLLM's --speculative-config keys for `method` (None: no speculation)."""
     k = args.num_speculative_tokens
-    if method == "ngram":
+    cost = {} if args.draft_token_cost is None else {"draft_token_cost": args.draft_token_cost}
+    if method in ("ngram", "ngram-fixed"):
         return {
             "method": "ngram",
             "num_speculative_tokens": k,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max,
+            **(cost if method == "ngram" else {"draft_token_cost": None}),
         }
     if method == "draft":
-        return {"method": "draft_model", "num_speculative_tokens": k, "draft_num_layers": args.draft_num_layers}
+        return {"method": "draft_model", "num_speculative_tokens": k, "draft_num_layers": args.draft_num_layers, **cost}
     if method == "medusa":
         return {
             "method": "medusa",
             "model": str(trained_heads("medusa", args.medusa_heads)),
             "num_speculative_tokens": k,
+            **cost,
         }
     if method == "medusa-tree":
         return {
@@ -179,7 +184,8 @@ def speculative_config(method: str, args) -> dict | None:
             "speculative_token_tree": args.token_tree,
         }
     if method == "eagle":
-        return {"method": "eagle", "model": str(trained_heads("eagle", args.eagle_head)), "num_speculative_tokens": k}
+        head = str(trained_heads("eagle", args.eagle_head))
+        return {"method": "eagle", "model": head, "num_speculative_tokens": k, **cost}
     return None
 
 
@@ -425,6 +431,12 @@ def parse_args(argv):
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's tokens per step")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-num-layers", type=int, default=8, help="layers of the self-draft")
+    p.add_argument(
+        "--draft-token-cost",
+        type=float,
+        default=None,
+        help="the speculative config's draft_token_cost for the adaptive draft length (default: its own)",
+    )
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--medusa-heads", help="the folder train_draft wrote (default: the quick preset's)")

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from scheduler.sampling_params import SamplingParams
-from scheduler.spec_stats import SpecDecodingStats
+from scheduler.spec_stats import DraftLength, SpecDecodingStats
 
 
 class Grammar(Protocol):
@@ -101,6 +101,8 @@ class Request:
         # the next step that runs this request; the scheduler clears them once it has.
         self.spec_token_ids: list[int] = []
         self.spec_stats = SpecDecodingStats()  # this request's verified drafts
+        self.draft_length = DraftLength()  # how many drafts pay for it (adaptive draft length)
+        self.max_drafts: int | None = None  # this step's cap on its drafts (None: the proposer's)
         self.num_computed_tokens = 0
         self.num_pending = 0  # sampled tokens whose ids the host does not know yet (steps in flight)
         self.pending_row = 0  # the row of the latest step that samples one: where the device has it

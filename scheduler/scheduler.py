@@ -285,6 +285,7 @@ class Scheduler:
             if num_drafts[row]:
                 self.spec_stats.observe(num_drafts[row], len(new) - 1)
                 req.spec_stats.observe(num_drafts[row], len(new) - 1)
+                req.draft_length.observe(num_drafts[row], len(new) - 1)
             req.num_pending += len(new) - 1  # accepted drafts arrive like sampled tokens
             status, appended = None, 0
             for token in new:
@@ -329,7 +330,10 @@ class Scheduler:
         # depth, not a slot), and the slots end with the context's last block.
         bs = self.config.block_size
         slots = -(-self.config.max_model_len // bs) * bs - req.num_tokens
-        drafts = req.spec_token_ids[: max(min(self._tree.nodes_within(depth), budget - 1, slots), 0)]
+        limit = min(self._tree.nodes_within(depth), budget - 1, slots)
+        if req.max_drafts is not None:
+            limit = min(limit, req.max_drafts)
+        drafts = req.spec_token_ids[: max(limit, 0)]
         if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
             return []  # no room to speculate: a plain decode step, no preemption for drafts
         return drafts

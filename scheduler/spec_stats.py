@@ -46,3 +46,54 @@ class SpecDecodingStats:
             for i, n in enumerate(s.accepted_per_position):
                 out.accepted_per_position[i] += n
         return out
+
+
+# A verification's weight in a request's acceptance estimate falls by this much with each
+# later one (a half-life of about three): a request that turns from quoting to free text is
+# followed within a few steps.
+DECAY = 0.8
+PRIOR = 0.5  # pseudo-counts of acceptances and of rejections before any verification
+PROBE_EVERY = 16  # decoding steps without drafts before a request tries its full length again
+
+
+@dataclasses.dataclass
+class DraftLength:
+    """How many of its drafts one request should verify, from its own verifications.
+
+    A chain's drafts are taken to be accepted one after another with a probability p each
+    (a geometric run), p estimated from the request's acceptances and rejections, older
+    ones weighing less. Verifying k drafts costs `1 + cost * k` plain decoding steps and
+    yields `1 + p + ... + p^k` tokens on average; the length is the k in 0..k_max with the
+    most tokens per cost, 0 (decode plainly) when none beats a plain step. A request at 0
+    tries its full length every PROBE_EVERY steps, so one whose text turns repetitive is
+    noticed.
+    """
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    steps_without: int = 0  # decoding steps since it last drafted
+
+    @property
+    def acceptance(self) -> float:
+        """The estimate of p."""
+        return (self.accepted + PRIOR) / (self.accepted + self.rejected + 2 * PRIOR)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """A verification of a chain of num_drafted drafts that accepted its first num_accepted."""
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.rejected = DECAY * self.rejected + (num_accepted < num_drafted)
+
+    def length(self, k_max: int, cost: float) -> int:
+        """The drafts to verify next step (called once per decoding step)."""
+        p = self.acceptance
+        best_k, best, tokens, run = 0, 1.0, 1.0, 1.0
+        for k in range(1, k_max + 1):
+            run *= p
+            tokens += run
+            if tokens / (1 + cost * k) > best:
+                best_k, best = k, tokens / (1 + cost * k)
+        self.steps_without = 0 if best_k else self.steps_without + 1
+        if self.steps_without >= PROBE_EVERY:
+            self.steps_without = 0
+            return k_max
+        return best_k

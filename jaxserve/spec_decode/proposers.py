@@ -33,19 +33,28 @@ class Proposer(Protocol):
 
 
 def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]:
-    """The requests to propose for: decoding, with room for a draft token, and only while
-    the batch is small enough (disable_by_batch_size)."""
+    """The requests to propose for: decoding, with room for a draft token, only while the
+    batch is small enough (disable_by_batch_size), and, for chains with a draft_token_cost,
+    only those whose own acceptance makes a draft pay (each gets its `max_drafts`)."""
     for req in running:
         req.spec_token_ids = []
     if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
         return []
-    return [
-        r
-        for r in running
-        if r.num_tokens - r.num_computed_tokens == 1
-        and r.num_pending == 0
-        and r.num_output_tokens + 1 < r.sampling_params.max_tokens
-    ]
+    adaptive = config.draft_token_cost is not None and config.speculative_token_tree is None
+    out = []
+    for r in running:
+        if not (
+            r.num_tokens - r.num_computed_tokens == 1
+            and r.num_pending == 0
+            and r.num_output_tokens + 1 < r.sampling_params.max_tokens
+        ):
+            continue
+        if adaptive:
+            r.max_drafts = r.draft_length.length(config.num_speculative_tokens, config.draft_token_cost)
+            if r.max_drafts == 0:
+                continue
+        out.append(r)
+    return out
 
 
 def reserve_draft_slots(kv, requests: list[Request], k: int, max_model_len: int) -> list[Request]:

@@ -85,6 +85,7 @@ class OracleProposer:
         self.expected_accepted = 0
         self.calls = 0
         self.per_prompt: dict[tuple, list[int]] = {}  # [verifications, draft tokens, accepted] of each request
+        self.trimmed = 0  # proposals the adaptive draft length cut short
 
     def propose(self, running):
         for req in decoding(running, self.config):
@@ -92,6 +93,9 @@ class OracleProposer:
             done = req.num_output_tokens
             room = req.sampling_params.max_tokens - done - 1
             drafts = list(self.truth[tuple(req.prompt_token_ids)][done : done + min(K, room)])
+            if req.max_drafts is not None and req.max_drafts < len(drafts):  # the adaptive draft length
+                drafts = drafts[: req.max_drafts]
+                self.trimmed += 1
             bad = (done * 7 + len(req.prompt_token_ids)) % (K + 2)  # K or K+1: nothing corrupted
             if bad < len(drafts):
                 drafts[bad] = (drafts[bad] + 1) % VOCAB
@@ -121,15 +125,18 @@ def plain(tiny_llama):
     return run(engine(tiny_llama), prompts, params)
 
 
-@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted"])
+@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted", "adaptive"])
 def test_greedy_with_oracle_drafts_equals_plain(tiny_llama, plain, setting):
     kw = {
         "batched": {},
         "chunked": dict(long_prefill_token_threshold=5, max_num_batched_tokens=16),
         "preempted": dict(num_blocks=30),
+        "adaptive": {},
     }[setting]
     prompts, params = workload()
-    eng = engine(tiny_llama, NGRAM, **kw)
+    # adaptive: each request verifies as many of the oracle's drafts as its acceptance pays for
+    spec = {**NGRAM, "draft_token_cost": 0.15} if setting == "adaptive" else NGRAM
+    eng = engine(tiny_llama, spec, **kw)
     oracle = with_oracle(eng, prompts, plain)
     compiles = eng.compilations
     outs = run(eng, prompts, params, stream=True)
@@ -137,7 +144,9 @@ def test_greedy_with_oracle_drafts_equals_plain(tiny_llama, plain, setting):
     assert eng.compilations == compiles, "a program was compiled after warm-up"
     stats = eng.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "the run must both accept and reject drafts"
-    if setting == "batched":  # every proposal was verified as proposed
+    if setting == "adaptive":  # lengths below k were chosen
+        assert oracle.trimmed > 0
+    if setting in ("batched", "adaptive"):  # every proposal was verified as proposed
         assert stats.num_accepted_tokens == oracle.expected_accepted
         assert stats.num_drafts == oracle.calls
         assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
@@ -259,6 +268,8 @@ def test_greedy_default_model_with_ngram_equals_plain(default_model):
         ('{"method": "ngram"', "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
         ('{"method": "ngram", "draft_num_layers": 2}', "for method draft_model"),
+        ('{"method": "ngram", "draft_token_cost": -1}', "draft_token_cost must be a number"),
+        ('{"method": "ngram", "draft_token_cost": "cheap"}', "draft_token_cost must be a number"),
     ],
 )
 def test_bad_speculative_config_is_refused(value, message):
@@ -299,6 +310,19 @@ def test_full_depth_self_draft_is_always_accepted(tiny_llama, plain):
     stats = eng.scheduler.spec_stats
     assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert eng.scheduler.num_preemptions > 0
+
+
+def test_self_draft_skipped_by_the_adaptive_length_stays_in_step(tiny_llama, plain):
+    """A draft_token_cost so high that requests draft only when they probe (every
+    PROBE_EVERY steps): the full-depth self-draft's cache must still follow every token in
+    between, so each probe's drafts are all accepted."""
+    prompts, params = workload()
+    eng = engine(tiny_llama, {**draft(), "draft_token_cost": 10})
+    assert tokens(run(eng, prompts, params)) == tokens(plain)
+    stats = eng.scheduler.spec_stats
+    decode_steps = sum(len(c.token_ids) for o in plain for c in o.outputs)
+    assert 0 < stats.num_drafts < decode_steps / 8  # probes only
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 def test_truncated_self_draft_greedy_equals_plain(tiny_llama, plain):
