@@ -40,9 +40,8 @@ from jaxserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from jaxserve.runner.model_runner import copy_pairs
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
-from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, reserve_draft_slots, sampled_rows
-from jaxserve.spec_decode.published_heads import load_published_eagle, published_folder
+from jaxserve.spec_decode.published_heads import load_draft_heads
 from scheduler import Request, StepBatch
 
 if TYPE_CHECKING:
@@ -52,11 +51,7 @@ if TYPE_CHECKING:
 class EagleProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.dtype = context.model.dtype
-        published = published_folder(config.model, "eagle")
-        if published is not None:
-            head, _ = load_published_eagle(published, context.model_config, self.dtype)
-        else:
-            head, _ = load_heads(config.model, context.model_config, self.dtype, method="eagle")
+        head = load_draft_heads(config.model, context.model_config, self.dtype, "eagle")
         self.config, self.scheduler, self.target = config, context.scheduler, context.runner
         target = self.target
         self.head_def, params = nnx.split(head)

@@ -21,9 +21,8 @@ from flax import nnx
 
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.context import ProposerContext
-from jaxserve.spec_decode.heads import load_heads
 from jaxserve.spec_decode.proposers import decoding, sampled_rows
-from jaxserve.spec_decode.published_heads import load_published_medusa, published_folder
+from jaxserve.spec_decode.published_heads import load_draft_heads
 from scheduler import Request, StepBatch
 from scheduler.draft_tree import DraftTree
 
@@ -33,11 +32,7 @@ if TYPE_CHECKING:
 
 class MedusaProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
-        published = published_folder(config.model, "medusa")
-        if published is not None:
-            heads, _ = load_published_medusa(published, context.model_config, context.model.dtype)
-        else:
-            heads, _ = load_heads(config.model, context.model_config, context.model.dtype, method="medusa")
+        heads = load_draft_heads(config.model, context.model_config, context.model.dtype, "medusa")
         self.tree = config.tree or DraftTree.chain(config.num_speculative_tokens)
         if self.tree.max_depth > heads.num_heads:
             raise ValueError(f"{config.model} has {heads.num_heads} heads; the drafts need {self.tree.max_depth}")

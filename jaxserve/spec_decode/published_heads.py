@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLayer, DecoderLM
-from jaxserve.spec_decode.heads import EagleHead, MedusaBlock
+from jaxserve.spec_decode.heads import EagleHead, MedusaBlock, load_heads
 from jaxserve.weights.hub import parse_hub_reference
 from jaxserve.weights.params import flatten_tree, param_path, unflatten_tree
 from jaxserve.weights.safetensors_reader import read_tensors
@@ -89,6 +89,16 @@ class PublishedEagleHead(EagleHead):
 
     def _fc_input(self, features: jax.Array, embeddings: jax.Array) -> jax.Array:
         return jnp.concatenate([embeddings, features], axis=-1)
+
+
+def load_draft_heads(model: str, cfg: ModelConfig, dtype, method: str) -> nnx.Module:
+    """The `method` heads `model` names: published ones (a folder or hub repository in the
+    authors' layout) or a folder train_draft saved (heads.load_heads)."""
+    published = published_folder(model, method)
+    if published is None:
+        return load_heads(model, cfg, dtype, method=method)[0]
+    load = load_published_medusa if method == "medusa" else load_published_eagle
+    return load(published, cfg, dtype)[0]
 
 
 def published_folder(model: str, method: str) -> Path | None:

@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from jaxserve.model.inputs import ModelInputs
-from jaxserve.model.kv_cache import allocate_kv_cache
 from jaxserve.spec_decode.published_heads import load_published_medusa, published_folder
 from scheduler import SamplingParams
 from tests.jaxserve.spec_decode.test_spec_decode import engine, run, tokens, workload
+from tests.jaxserve.spec_decode.test_spec_decode_medusa import prompt_hidden_states
 
 HEADS, LAYERS = 3, 2
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
@@ -77,28 +76,12 @@ def hf_normed_hidden(tiny_llama_dir):
         return hf.model(torch.tensor([PROMPT])).last_hidden_state[0]
 
 
-def our_hidden(loaded) -> np.ndarray:
-    """Our target's hidden states of PROMPT, before the final norm."""
-    n = len(PROMPT)
-    inputs = ModelInputs.from_numpy(
-        input_ids=PROMPT,
-        positions=np.arange(n),
-        slot_mapping=np.arange(n) + 4,
-        query_start_loc=[0, n],
-        seq_lens=[n],
-        block_tables=[[1, 2]],
-        logits_indices=[n - 1],
-    )
-    kv = allocate_kv_cache(loaded.config, 4, 4, loaded.model.dtype)
-    return loaded.model.hidden_states(inputs, kv)[0][:n]
-
-
 @pytest.mark.parametrize("pickle", [False, True], ids=["safetensors", "torch-pickle"])
 def test_heads_compute_the_published_math(tiny_llama, medusa_state, hf_normed_hidden, pickle, tmp_path):
     folder = published_folder(str(write_published(tmp_path / "heads", medusa_state, pickle=pickle)), "medusa")
     heads, info = load_published_medusa(folder, tiny_llama.config)
     assert heads.num_heads == HEADS and info["method"] == "medusa"
-    ours = np.asarray(heads(tiny_llama.model, our_hidden(tiny_llama)))
+    ours = np.asarray(heads(tiny_llama.model, prompt_hidden_states(tiny_llama, PROMPT)))
     want = reference_logits(medusa_state, hf_normed_hidden).numpy()
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 

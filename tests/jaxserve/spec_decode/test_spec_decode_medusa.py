@@ -38,6 +38,25 @@ def heads_dir(tiny_llama, tmp_path_factory):
     return str(folder)
 
 
+def prompt_hidden_states(loaded, prompt: list[int]):
+    """The target's hidden states [T, D] (before its final norm) of one prefill of `prompt`."""
+    from jaxserve.model.inputs import ModelInputs
+    from jaxserve.model.kv_cache import allocate_kv_cache
+
+    n = len(prompt)
+    inputs = ModelInputs.from_numpy(
+        input_ids=prompt,
+        positions=np.arange(n),
+        slot_mapping=np.arange(n) + 4,
+        query_start_loc=[0, n],
+        seq_lens=[n],
+        block_tables=[[1, 2]],
+        logits_indices=[n - 1],
+    )
+    kv = allocate_kv_cache(loaded.config, 4, 4, loaded.model.dtype)
+    return loaded.model.hidden_states(inputs, kv)[0][:n]
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
     prompts, params = workload(seed=5, count=12)
@@ -60,8 +79,6 @@ def test_greedy_with_medusa_equals_plain(tiny_llama, heads_dir, plain, tree):
 def test_drafts_are_the_heads_top_tokens(tiny_llama, heads_dir):
     """One request after its prefill: the proposer's drafts against the heads run by hand
     on the target's hidden state at the prompt's last position."""
-    from jaxserve.model.inputs import ModelInputs
-    from jaxserve.model.kv_cache import allocate_kv_cache
     from jaxserve.spec_decode.heads import load_heads
     from scheduler import SamplingParams
 
@@ -75,20 +92,8 @@ def test_drafts_are_the_heads_top_tokens(tiny_llama, heads_dir):
     req = eng.scheduler.requests["a"]
     eng.proposer.propose(eng.scheduler.running)
 
-    n = len(prompt)
-    inputs = ModelInputs.from_numpy(
-        input_ids=prompt,
-        positions=np.arange(n),
-        slot_mapping=np.arange(n) + 4,
-        query_start_loc=[0, n],
-        seq_lens=[n],
-        block_tables=[[1, 2]],
-        logits_indices=[n - 1],
-    )
-    kv = allocate_kv_cache(tiny_llama.config, 4, 4, tiny_llama.model.dtype)
-    hidden, _ = tiny_llama.model.hidden_states(inputs, kv)
     heads, _ = load_heads(heads_dir, tiny_llama.config)
-    logits = np.asarray(heads(tiny_llama.model, hidden[n - 1 : n]))[:, 0]  # [K, V]
+    logits = np.asarray(heads(tiny_llama.model, prompt_hidden_states(tiny_llama, prompt)[-1:]))[:, 0]  # [K, V]
     ranked = np.argsort(-logits, axis=-1)
     tree = eng.config.speculative_config.tree
     want = [int(ranked[tree.depth[i] - 1, tree.rank[i]]) for i in range(1, tree.num_nodes + 1)]
