@@ -310,13 +310,13 @@ def log_resident_bytes(runner: ModelRunner) -> None:
 
 
 def step_token_buckets(config: EngineConfig, num_spec: int) -> list[int] | None:
-    """The configured buckets; by default the runner's powers of two, plus one for a
+    """The configured buckets; by default the runner's (`token_buckets`), plus one for a
     single sequence verifying its drafts (1 + k tokens: no padding at batch 1)."""
     if config.token_buckets:
         return list(config.token_buckets)
     if not num_spec:
         return None
-    return sorted(set(token_buckets(config.max_num_batched_tokens)) | {num_spec + 1})
+    return sorted(set(token_buckets(config.max_num_batched_tokens, config.max_num_seqs)) | {num_spec + 1})
 
 
 def grammar_backend(tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int) -> LLGuidanceBackend:

@@ -41,7 +41,7 @@ class EngineConfig:
     # Every row's logits independent of its batch mates, chunking and prefix hits (kernels in a
     # fixed summation order, CPU or Hopper GPU; docs/batch-invariance.md); off: the faster defaults.
     batch_invariant: bool = False
-    token_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_batched_tokens
+    token_buckets: tuple[int, ...] | None = None  # None: model_runner.token_buckets
     warm_up: bool = True  # compile every step program at start-up; False (--enforce-eager): each on first use
     # vLLM's seed: requests without a seed draw theirs from a stream this starts (None: from the OS)
     seed: int | None = None

@@ -221,15 +221,37 @@ def breakdown_table(ms: dict[str, float], title: str) -> str:
     return "\n".join(rows)
 
 
+def padding(runner, shapes: collections.Counter) -> dict[str, float]:
+    """Work padded in over the steps `shapes` counts ((tokens, sequences) -> steps): tokens
+    the layers computed per real token, over every step and over pure-decode steps (one
+    token per sequence), and rows the head computed per sequence."""
+    real, computed = collections.Counter(), collections.Counter()
+    for (tokens, seqs), count in shapes.items():
+        padded = runner.bucket_for(tokens)[0]
+        kinds = ("all", "decode") if tokens == seqs else ("all",)
+        for kind in kinds:
+            real[kind] += count * tokens
+            computed[kind] += count * padded
+        real["rows"] += count * seqs
+        computed["rows"] += count * runner.rows_for(seqs)
+    return {kind: computed[kind] / real[kind] for kind in real}
+
+
 def device_report(runner, profiler: StepProfiler, top: int = 2) -> str:
-    """The device's time by part for the `top` commonest compiled step shapes (token
-    bucket x row bucket), each replayed from a batch the engine really ran."""
+    """Padding over the run, then the device's time by part for the `top` commonest
+    compiled step shapes (token bucket x row bucket), each replayed from a batch the engine
+    really ran."""
+    pad = padding(runner, profiler.shapes)
+    report = [
+        f"padding: the layers computed {pad.get('all', 1):.3f}x the real tokens "
+        f"({pad.get('decode', 1):.3f}x in pure-decode steps), the head {pad.get('rows', 1):.3f}x the rows; "
+        f"token buckets {runner.buckets}"
+    ]
     steps, example = collections.Counter(), {}
     for (tokens, seqs), count in profiler.shapes.items():
         key = (runner.bucket_for(tokens)[0], runner.rows_for(seqs))
         steps[key] += count
         example.setdefault(key, profiler.examples[(tokens, seqs)])
-    report = []
     for (t, r), count in steps.most_common(top):
         batch = example[(t, r)]
         title = (
@@ -240,4 +262,12 @@ def device_report(runner, profiler: StepProfiler, top: int = 2) -> str:
     return "\n\n".join(report)
 
 
-__all__ = ["NullProfiler", "StepProfiler", "breakdown_table", "device_breakdown", "device_report", "op_parts"]
+__all__ = [
+    "NullProfiler",
+    "StepProfiler",
+    "breakdown_table",
+    "device_breakdown",
+    "device_report",
+    "op_parts",
+    "padding",
+]

@@ -5,10 +5,12 @@ the attention, the KV write and the LM head must each own some op of a real step
 profiler's step count must equal the steps the engine ran. No timing is asserted.
 """
 
+import collections
+
 import pytest
 
 from jaxserve.engine import EngineConfig, LLMEngine
-from jaxserve.engine.profiling import PARTS, StepProfiler, device_breakdown, device_report, op_parts
+from jaxserve.engine.profiling import PARTS, StepProfiler, device_breakdown, device_report, op_parts, padding
 from scheduler import SamplingParams
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(1, 8, 16), block_size=4, max_model_len=64)
@@ -56,3 +58,9 @@ def test_profiler_counts_every_dispatched_step(profiled):
     assert 0 <= idle <= span
     assert f"steps: {profiler.steps};" in profiler.table()
     assert "| attention" in device_report(engine.runner, profiler)
+
+
+def test_padding_counts_the_work_each_bucket_adds(profiled):
+    runner = profiled[0].runner  # token buckets 1, 8, 16; row buckets 1, 2, 4
+    shapes = collections.Counter({(3, 3): 2, (9, 2): 1})  # two decodes of 3 (8 tokens, 4 rows), a 9-token step
+    assert padding(runner, shapes) == {"all": (2 * 8 + 16) / (2 * 3 + 9), "decode": 8 / 3, "rows": (2 * 4 + 2) / 8}
