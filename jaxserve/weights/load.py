@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -155,7 +156,34 @@ def read_hf_config(model: str | None) -> tuple[dict, str]:
         with open(config_file) as f:
             return json.load(f), model
     source = resolve_source(model)
-    return _source_config(source, GGUFFile(source) if source.is_file() else None), str(source)
+    return (_gguf_config(source) if source.is_file() else _source_config(source, None)), str(source)
+
+
+def _gguf_config(source: Path) -> dict:
+    """A GGUF file's metadata as a config, remembered under the cache folder by the file's
+    path, size and modification time: the gguf package parses every field to give any (the
+    default model's tokenizer is some 100,000 strings), 2.5 s of every start here."""
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = default_cache_dir() / "gguf-configs" / f"{key}.json"
+    try:
+        return json.loads(memo.read_text())
+    except (OSError, ValueError):
+        pass
+    config = GGUFFile(source).hf_config()
+    try:
+        text = json.dumps(config)
+    except TypeError:  # a value JSON cannot hold: not remembered
+        return config
+    if json.loads(text) == config:  # kept only where it reads back the same
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            partial = memo.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(text)
+            partial.replace(memo)
+        except OSError:  # a read-only cache folder: read the file every time
+            pass
+    return config
 
 
 def _source_config(source: Path, gguf: GGUFFile | None) -> dict:

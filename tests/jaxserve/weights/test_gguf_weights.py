@@ -223,3 +223,24 @@ def test_a_sentencepiece_gguf_serves_like_transformers(tmp_path):
     assert len(gen) == 12 and {"<0x98>", "\u2581The"} <= set(tok.convert_ids_to_tokens(gen))
     text = tok.decode(ids + gen, skip_special_tokens=True)
     assert text == tok.decode(ids, skip_special_tokens=True) + out.outputs[0].text
+
+
+def test_a_gguf_config_is_parsed_once_then_remembered(tmp_path, monkeypatch):
+    from jaxserve.weights import load
+    from jaxserve.weights.gguf_reader import GGUFFile
+
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", "Q8_0")
+    first, _ = load.read_hf_config(str(path))
+    assert first == GGUFFile(path).hf_config()
+
+    def parse_again(path):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(load, "GGUFFile", parse_again)
+    assert load.read_hf_config(str(path))[0] == first
+    monkeypatch.undo()
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(path, "qwen2", "Q8_0")  # the same path, another model: read anew
+    assert load.read_hf_config(str(path))[0] == GGUFFile(path).hf_config() != first
