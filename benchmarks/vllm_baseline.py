@@ -156,6 +156,60 @@ def run_runner(vllm_python: str, mode: str, flags: list[str], env: dict | None =
     return json.loads(lines[-1])
 
 
+class RunnerSession:
+    """vllm_runner.py MODE FLAGS kept running: `ready` is its first JSON line (after the
+    engine is built), `send(line)` writes a line to its stdin and returns its next JSON
+    line. `pid` is the process (its engine core is a child). vLLM's log goes to a file
+    whose tail is shown on failure."""
+
+    def __init__(self, vllm_python: str, mode: str, flags: list[str], timeout: float = 3600):
+        self.mode, self.timeout = mode, timeout
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-runner-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [vllm_python, str(RUNNER), mode, *flags],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=vllm_env(vllm_python),
+        )
+        self.pid = self.proc.pid
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            tail = Path(self.log.name).read_text()[-3000:]
+            code = self.proc.returncode
+            raise SystemExit(f"error: vLLM {self.mode} run failed (exit {code}); log {self.log.name}:\n{tail}")
+        return json.loads(line)
+
+    def send(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if self.proc.returncode == 0:
+            os.unlink(self.log.name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -165,7 +219,8 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(cmd: list[str], port: int, name: str, env: dict | None = None, timeout: float = 900):
     """Start a server command, wait until GET /v1/models answers on `port`, yield its base
-    URL and the seconds it took; stop it and its children (SIGTERM, then SIGKILL) on the way out."""
+    URL, the seconds it took and its process id; stop it and its children (SIGTERM, then
+    SIGKILL) on the way out."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-server-", suffix=".log", delete=False)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -186,7 +241,7 @@ def running_server(cmd: list[str], port: int, name: str, env: dict | None = None
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        yield url, time.perf_counter() - start
+        yield url, time.perf_counter() - start, proc.pid
         ok = True
     finally:
         with contextlib.suppress(ProcessLookupError):

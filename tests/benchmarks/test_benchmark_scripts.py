@@ -359,3 +359,14 @@ def test_batch_invariance_benchmark_smoke(tiny_llama_dir):
         )
     )
     assert set(result) == {"batch", "single"} and all(row["cpu_ratio"] > 0 for row in result.values())
+
+
+def test_decode_buckets_smoke(tiny_llama_dir):
+    stdout = run(
+        "benchmarks/decode_buckets.py",
+        *("--model", str(tiny_llama_dir), "--batches", "8,9,17", "--rounds", "2", "--steps", "2"),
+        *("--max-num-seqs", "24", "--context", "6"),
+    )
+    rows = [line.split("|")[1:4] for line in stdout.splitlines() if line.startswith("| ") and "batch" not in line]
+    # batch -> (token bucket, head rows): steps of 8 above 8, up to max_num_seqs
+    assert {int(b): (int(t), int(r)) for b, t, r in rows} == {8: (8, 8), 9: (16, 16), 17: (24, 24)}

@@ -66,24 +66,29 @@ def test_default_mix_is_the_original_workload():
     assert mix_workload("default", 32, seed=1) == synthetic_workload(32, seed=1)
 
 
-def level(concurrency, out_tok_s, ttft_ms):
+def level(concurrency, out_tok_s, ttft_ms, cpu_ms=1.0):
     m = {key: 1.0 for _, key, _ in SWEEP_COLUMNS}
     return {
         **m,
         "max_concurrency": concurrency,
         "output_throughput": out_tok_s,
         "mean_ttft_ms": ttft_ms,
+        "server_cpu_ms_per_token": cpu_ms,
         "request_goodput": None,
         "failed": 0,
     }
 
 
 def test_speed_up_is_above_one_when_jaxserve_is_better_either_way():
-    cells = dict(zip([key for _, key, _ in SWEEP_COLUMNS], speed_up(level(4, 200, 50), level(4, 100, 100))))
+    ours, theirs = level(4, 200, 50, cpu_ms=4.0), level(4, 100, 100, cpu_ms=5.0)
+    cells = dict(zip([key for _, key, _ in SWEEP_COLUMNS], speed_up(ours, theirs)))
     assert cells["max_concurrency"] == "4"
     assert cells["output_throughput"] == "2.00x"  # twice the tokens/s
     assert cells["mean_ttft_ms"] == "2.00x"  # half the latency
-    assert cells["request_goodput"] == "-" and cells["failed"] == "-"
+    assert cells["server_cpu_ms_per_token"] == "1.25x"  # less CPU per token
+    assert cells["request_goodput"] == "-" and cells["failed"] == "-" and cells["server_cores_busy"] == "-"
+    del ours["server_cpu_ms_per_token"]  # a server this script did not start: no CPU figures
+    assert dict(zip([key for _, key, _ in SWEEP_COLUMNS], speed_up(ours, theirs)))["server_cpu_ms_per_token"] == "-"
 
 
 def test_comparison_table_has_both_engines_and_the_speed_up_per_level():
@@ -96,7 +101,7 @@ def test_comparison_table_has_both_engines_and_the_speed_up_per_level():
 
 def test_runner_takes_the_engine_settings_as_vllm_names_them():
     args = vllm_runner.parse_args(
-        ["throughput", "--model", "m", "--requests", "r.json", "--max-num-seqs", "8", "--kv-cache-bytes", str(64 << 20)]
+        ["throughput", "--model", "m", "--max-num-seqs", "8", "--kv-cache-bytes", str(64 << 20)]
     )
     assert vllm_runner.engine_settings(args) == {
         "model": "m",

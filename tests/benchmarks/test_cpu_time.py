@@ -1,0 +1,42 @@
+"""The benchmarks' CPU accounting: a subprocess's whole tree counted, this process alone
+without its children, so an engine in a subprocess and one in this process compare alike.
+
+Oracle: a grandchild that burns a known amount of its own CPU time (its `process_time`)."""
+
+import subprocess
+import sys
+import time
+
+from benchmarks.cpu_time import Timed, contention, cpu_seconds
+
+BURN = 0.4  # CPU seconds the grandchild spends before it reports and sleeps
+GRANDCHILD = f"""
+import time
+while time.process_time() < {BURN}:
+    pass
+print("burnt", flush=True)
+time.sleep(60)
+"""
+CHILD = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {GRANDCHILD!r}])"
+
+
+def test_a_process_tree_counts_its_grandchildren():
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        with Timed(child.pid) as tree, Timed() as me:
+            assert child.stdout.readline().strip() == "burnt"
+        assert BURN <= tree.cpu_seconds < BURN + 0.5  # plus two interpreters' start-up
+        assert me.cpu_seconds < BURN  # this process waited; its child's CPU is not its own
+        figures = tree.figures(tokens=100)
+        assert figures["cpu_ms_per_token"] == 1e3 * tree.cpu_seconds / 100
+        assert figures["cores_busy"] == tree.cpu_seconds / tree.seconds
+    finally:
+        subprocess.run(["pkill", "-P", str(child.pid)])
+        child.wait()
+
+
+def test_contenders_run_only_inside_the_block():
+    with contention(1) as procs:
+        time.sleep(0.3)
+        assert procs[0].poll() is None and cpu_seconds(procs[0].pid) > 0
+    assert procs[0].poll() is not None
