@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         first = first or (wall, cpu)
         print(
             f"| {b} | {runner.bucket_for(b)[0]} | {runner.rows_for(b)} | {1e3 * wall:.1f} | {1e3 * cpu:.1f} | "
-            f"{wall / first[0]:.2f}x | {cpu / first[1]:.2f}x |"
+            f"{wall / first[0]:.2f}x | {f'{cpu / first[1]:.2f}x' if first[1] else '-'} |"
         )
     return 0
 
