@@ -124,8 +124,8 @@ class PromptLogprobsOutput:
 
 # Above 8, sizes up to max_num_seqs go in steps of 8 rather than doubling: on the default
 # model a decode step of 33 sequences padded to 64 took 1.37x the time (1.50x the CPU) of
-# one of 32, padded to 40 it takes 1.04x (benchmarks/decode_buckets.py); each program more
-# costs under half a second of a warm start.
+# one of 32, padded to 40 it takes 1.05-1.25x (benchmarks/decode_buckets.py, a noisy
+# figure); each program more costs under half a second of a warm start.
 ROW_STEP = 8
 
 
