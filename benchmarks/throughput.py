@@ -396,14 +396,22 @@ def compare_vllm(args, vllm_python: str) -> dict:
                     flush=True,
                 )
                 figures = t.figures(generated)
-                runs.append({"round": r, "engine": engine, **figures, "idle_other_cpu_s": idle.cpu_seconds})
+                runs.append(
+                    {
+                        "round": r,
+                        "engine": engine,
+                        **figures,
+                        "output_tokens": generated,
+                        "cpu_s": t.cpu_seconds,
+                        "idle_other_cpu_s": idle.cpu_seconds,
+                    }
+                )
     if args.profile:
         print_profile(llm, args)
     totals = {}
     for engine in ENGINES:
         mine = [run for run in runs if run["engine"] == engine]
-        seconds, tokens = sum(x["seconds"] for x in mine), sum(x["output_tok_s"] * x["seconds"] for x in mine)
-        cpu = sum(x["cpu_ms_per_token"] * x["output_tok_s"] * x["seconds"] for x in mine) / 1e3
+        seconds, tokens, cpu = (sum(x[key] for x in mine) for key in ("seconds", "output_tokens", "cpu_s"))
         totals[engine] = {
             "output_tok_s": tokens / seconds,
             "cpu_ms_per_token": 1e3 * cpu / tokens,

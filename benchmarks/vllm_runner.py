@@ -156,9 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--served-model-name", default="vllm-baseline")
     args = p.parse_args(argv)
-    needed = {"single": "prompts"}.get(args.mode)
-    if needed and getattr(args, needed) is None:
-        p.error(f"{args.mode} needs --{needed}")
+    if args.mode == "single" and args.prompts is None:
+        p.error("single needs --prompts")
     return args
 
 

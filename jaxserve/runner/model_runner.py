@@ -32,6 +32,7 @@ step N+1 is dispatched before the host has seen step N's tokens.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import logging
@@ -173,6 +174,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # The head's row counts: powers of two up to ROW_STEP, then steps of ROW_STEP, up to max_num_seqs.
+        self.row_buckets = padded_sizes(max_num_seqs, max_num_seqs)
         self.buckets = sorted(buckets) if buckets else token_buckets(max_num_batched_tokens, max_num_seqs)
         if self.buckets[-1] < max_num_batched_tokens or self.buckets[0] < MIN_TOKENS:
             raise ValueError(
@@ -276,13 +279,8 @@ class ModelRunner:
                 return t, min(t, self.max_num_seqs)
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
-    @property
-    def row_buckets(self) -> list[int]:
-        """The head's row counts: powers of two up to ROW_STEP, then steps of ROW_STEP, up to max_num_seqs."""
-        return padded_sizes(self.max_num_seqs, self.max_num_seqs)
-
     def rows_for(self, num_seqs: int) -> int:
-        return next(r for r in self.row_buckets if r >= num_seqs)
+        return self.row_buckets[bisect.bisect_left(self.row_buckets, num_seqs)]
 
     def warm_up(self, heads: bool = True, progress: bool = False) -> None:
         """Compile every program now, so that serving never waits on the compiler; without
