@@ -52,6 +52,17 @@ def cpu_seconds(pid: int | None = None) -> float:
     return total
 
 
+def add_contend_argument(parser) -> None:
+    """--contend N, the busy-machine mode every comparison takes."""
+    parser.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N CPU-bound processes beside every timed run (a busy machine, the same for every engine)",
+    )
+
+
 @contextlib.contextmanager
 def contention(n: int):
     """`n` busy processes (one core each) while the block runs; none for n = 0."""

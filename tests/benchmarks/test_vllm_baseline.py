@@ -113,4 +113,4 @@ def test_runner_takes_the_engine_settings_as_vllm_names_them():
         "seed": 0,
     }
     with pytest.raises(SystemExit):
-        vllm_runner.parse_args(["single", "--model", "m"])  # no --prompts
+        vllm_runner.parse_args(["single"])  # no --model
