@@ -14,6 +14,7 @@ the step ran in.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -22,6 +23,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cpu_time import Timed  # noqa: E402
+
+_request_ids = itertools.count()
+
+
+def time_decode_steps(engine, batch: int, context: int, steps: int, params, rng) -> tuple[float, float]:
+    """`batch` requests with random prompts of `context` tokens prefilled on `engine`, then
+    the median wall and CPU seconds (this process, all threads) of `steps` decode steps;
+    the requests are aborted after. `params` must leave room for the steps."""
+    vocab = engine.loaded.config.vocab_size
+    for _ in range(batch):
+        engine.add_request(f"decode-{next(_request_ids)}", rng.integers(3, vocab, context).tolist(), params)
+    while any(not req.output_token_ids for req in engine.scheduler.requests.values()):
+        engine.step()  # the prefills
+    engine.step()  # the first all-decode step (the overlapped loop settles)
+    wall, cpu = [], []
+    for _ in range(steps):
+        with Timed() as t:
+            engine.step()
+        wall.append(t.seconds)
+        cpu.append(t.cpu_seconds)
+    for req in list(engine.scheduler.requests.values()):
+        engine.abort_request(req.request_id)
+    engine.generate_all()
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main(argv=None) -> int:
@@ -62,23 +87,7 @@ def main(argv=None) -> int:
     samples: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     for r in range(args.rounds):
         for b in batches if r % 2 == 0 else batches[::-1]:
-            for i in range(b):
-                engine.add_request(
-                    f"r{r}-b{b}-{i}", rng.integers(3, loaded.config.vocab_size, args.context).tolist(), params
-                )
-            while any(not req.output_token_ids for req in engine.scheduler.requests.values()):
-                engine.step()  # the prefills
-            engine.step()  # the first all-decode step (the overlapped loop settles)
-            wall, cpu = [], []
-            for _ in range(args.steps):
-                with Timed() as t:
-                    engine.step()
-                wall.append(t.seconds)
-                cpu.append(t.cpu_seconds)
-            for req in list(engine.scheduler.requests.values()):
-                engine.abort_request(req.request_id)
-            engine.generate_all()
-            samples[b].append((statistics.median(wall), statistics.median(cpu)))
+            samples[b].append(time_decode_steps(engine, b, args.context, args.steps, params, rng))
     print(
         f"decode step of {Path(loaded.source).name} float32 on {jax.devices()[0].platform}, "
         f"prompts of {args.context} tokens; median over "

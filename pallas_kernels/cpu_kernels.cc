@@ -26,6 +26,10 @@
 #include <thread>
 #include <vector>
 
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -493,6 +497,202 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+// ---- 4-bit weights for a few rows: JaxserveInt4Matmul ----
+//
+// y = x @ W for an int4 weight W [K, N] (w[k, n] = scales[g, n] * nibble + offsets[g, n] for
+// g = k / group, as in quantized_matmul.py) in the tiled layout of cpu_kernels.tile_int4: tiles of
+// kInt4Tile output columns, each stored whole, so that a tile streams from memory in order:
+//   packed [tiles, K / 2, kInt4Tile] (k = 2i in the low nibble of row i, 2i + 1 in the high one),
+//   scales and offsets [tiles, G, kInt4Tile], float32, or float16 where it holds them exactly.
+// (The canonical [K / 2, N] layout read a tile as K / 2 strided pieces: 2.5x slower from memory.)
+// A group's sum is taken over the nibbles and scaled once, as llama.cpp's Q4_1 dot does:
+//   sum_k x[k] w[k, n] = scales[g, n] * sum_k x[k] q[k, n] + offsets[g, n] * sum_k x[k],
+// so the weight is read at half a byte a value and never written out as floats (the pure-JAX
+// path dequantizes the whole weight to floats first, every step). A unit is one tile; a column's
+// sums run in one order (int4_column) whatever the rows of the call (batch invariance).
+constexpr int64_t kInt4Tile = 32;
+
+// A float16 value (an int4 weight's scales and offsets where float16 holds them exactly, as GGUF's
+// own d and m: half the bytes of float32 to read).
+struct Half {
+  uint16_t bits;
+};
+inline float load(Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.bits);
+#else
+  const uint32_t sign = uint32_t(h.bits & 0x8000) << 16, exp = (h.bits >> 10) & 0x1f, man = h.bits & 0x3ff;
+  float f;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    f = std::ldexp(float(man), -24);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
+// Column c of a tile for one row: its nibble sums group by group, each pair as
+// fma(b, high, fma(a, low, sum)), then total = fma(offset, xsum, fma(scale, sum, total)).
+template <typename ST>
+float int4_column(const float* x, const float* xsum, const uint8_t* packed, const ST* scales, const ST* offsets,
+                  int64_t k, int64_t group, int64_t c) {
+  float total = 0.0f;
+  for (int64_t g = 0; g < k / group; ++g) {
+    float sum = 0.0f;
+    for (int64_t i = g * group / 2; i < (g + 1) * group / 2; ++i) {
+      const uint8_t q = packed[i * kInt4Tile + c];
+      sum = std::fma(x[2 * i + 1], float(q >> 4), std::fma(x[2 * i], float(q & 15), sum));
+    }
+    total = std::fma(load(offsets[g * kInt4Tile + c]), xsum[g], std::fma(load(scales[g * kInt4Tile + c]), sum, total));
+  }
+  return total;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// int4_column for R rows and C vectors of 8 columns from column c0 of a tile, in registers: the
+// nibbles converted once for all rows. out[r] gets the C * 8 columns.
+template <int R, int C, typename ST>
+void int4_columns_avx2(const float* const* x, const float* const* xsum, const uint8_t* packed, const ST* scales,
+                       const ST* offsets, int64_t k, int64_t group, int64_t c0, float* const* out) {
+  __m256 total[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) total[r][v] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m256 sum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < C; ++v) sum[r][v] = _mm256_setzero_ps();
+    for (int64_t i = g * group / 2; i < (g + 1) * group / 2; ++i) {
+      const uint8_t* row = packed + i * kInt4Tile + c0;
+      __m256 lo[C], hi[C];
+      for (int v = 0; v < C; ++v) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v)));
+        lo[v] = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask));
+        hi[v] = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x[r] + 2 * i), b = _mm256_broadcast_ss(x[r] + 2 * i + 1);
+        for (int v = 0; v < C; ++v) sum[r][v] = _mm256_fmadd_ps(b, hi[v], _mm256_fmadd_ps(a, lo[v], sum[r][v]));
+      }
+    }
+    for (int v = 0; v < C; ++v) {
+      const __m256 s = load8(scales + g * kInt4Tile + c0 + 8 * v), o = load8(offsets + g * kInt4Tile + c0 + 8 * v);
+      for (int r = 0; r < R; ++r)
+        total[r][v] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(xsum[r] + g), _mm256_fmadd_ps(s, sum[r][v], total[r][v]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) _mm256_storeu_ps(out[r] + 8 * v, total[r][v]);
+}
+
+// Rows [r0, r0 + R) of one tile: one row holds a whole tile in registers (4 vectors); two or
+// four rows take it in halves (the nibbles of a half converted once for all of them).
+template <int R, typename ST>
+void int4_tile_rows(const float* xf, const float* xsums, const uint8_t* packed, const ST* scales, const ST* offsets,
+                    int64_t k, int64_t group, int64_t r0, float* out) {
+  const float *x[R], *xs[R];
+  float* o[R];
+  for (int r = 0; r < R; ++r) x[r] = xf + (r0 + r) * k, xs[r] = xsums + (r0 + r) * (k / group);
+  if (R == 1) {
+    o[0] = out + r0 * kInt4Tile;
+    return int4_columns_avx2<R, 4>(x, xs, packed, scales, offsets, k, group, 0, o);
+  }
+  for (int64_t half = 0; half < kInt4Tile; half += 16) {
+    for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile + half;
+    int4_columns_avx2<R, 2>(x, xs, packed, scales, offsets, k, group, half, o);
+  }
+}
+#endif
+
+// One tile for all m rows: out [m, kInt4Tile].
+template <typename ST>
+void int4_tile(const float* xf, const float* xsums, const uint8_t* packed, const ST* scales, const ST* offsets,
+               int64_t m, int64_t k, int64_t group, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) int4_tile_rows<4>(xf, xsums, packed, scales, offsets, k, group, r, out);
+  for (; r + 2 <= m; r += 2) int4_tile_rows<2>(xf, xsums, packed, scales, offsets, k, group, r, out);
+  for (; r < m; ++r) int4_tile_rows<1>(xf, xsums, packed, scales, offsets, k, group, r, out);
+#else
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < kInt4Tile; ++c)
+      out[r * kInt4Tile + c] =
+          int4_column(xf + r * k, xsums + r * (k / group), packed, scales, offsets, k, group, c);
+#endif
+}
+
+template <typename XT, typename ST>
+void int4_matmul(ffi::ThreadPool& pool, const XT* x, const uint8_t* packed, const ST* scales, const ST* offsets,
+                 XT* y, int64_t m, int64_t k, int64_t n, int64_t group) {
+  const int64_t groups = k / group, tiles = (n + kInt4Tile - 1) / kInt4Tile;
+  std::vector<float> xf(m * k), xsums(m * groups);  // x as floats, and its sum over each group
+  for (int64_t e = 0; e < m * k; ++e) xf[e] = load(x[e]);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float total = 0.0f;
+      for (int64_t e = g * group; e < (g + 1) * group; e += 2) total += xf[r * k + e] + xf[r * k + e + 1];
+      xsums[r * groups + g] = total;
+    }
+  const float *xp = xf.data(), *xs = xsums.data();
+  run_units(pool, tiles, [=](int64_t t) {
+    float out[kMaxRows * kInt4Tile];
+    int4_tile(xp, xs, packed + t * (k / 2) * kInt4Tile, scales + t * groups * kInt4Tile,
+              offsets + t * groups * kInt4Tile, m, k, group, out);
+    const int64_t first = t * kInt4Tile, cols = std::min(kInt4Tile, n - first);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * n + first + c);
+  });
+}
+
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scales,
+                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), od = offsets.dimensions(),
+       yd = y->dimensions();
+  const bool shapes_ok = xd.size() == 2 && pd.size() == 3 && sd.size() == 3 && od.size() == 3 && yd.size() == 2 &&
+                         xd[0] <= kMaxRows && yd[0] == xd[0] && xd[1] == 2 * pd[1] && pd[2] == kInt4Tile &&
+                         sd[0] == pd[0] && sd[2] == kInt4Tile && sd[1] >= 1 && xd[1] % sd[1] == 0 &&
+                         (xd[1] / sd[1]) % 2 == 0 && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2] &&
+                         yd[1] <= pd[0] * kInt4Tile && yd[1] > (pd[0] - 1) * kInt4Tile;
+  if (!shapes_ok)
+    return ffi::Error::InvalidArgument(
+        "expected x [M <= 16, K], packed [tiles, K / 2, 32], scales and offsets [tiles, G, 32] with an even "
+        "K / G, y [M, N] with N in the last tile");
+  const auto xt = x.element_type(), st = scales.element_type();
+  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || y->element_type() != xt)
+    return ffi::Error::InvalidArgument("x must be float32 or bfloat16, y as x");
+  if ((st != ffi::DataType::F32 && st != ffi::DataType::F16) || offsets.element_type() != st)
+    return ffi::Error::InvalidArgument("scales and offsets must both be float32 or both float16");
+  const int64_t m = xd[0], k = xd[1], n = yd[1], group = k / sd[1];
+  const uint8_t* p = packed.typed_data();
+  const void *xv = x.untyped_data(), *sv = scales.untyped_data(), *ov = offsets.untyped_data();
+  void* yv = y->untyped_data();
+  const bool x32 = xt == ffi::DataType::F32, s32 = st == ffi::DataType::F32;
+  if (x32 && s32)
+    int4_matmul(pool, static_cast<const float*>(xv), p, static_cast<const float*>(sv), static_cast<const float*>(ov),
+                static_cast<float*>(yv), m, k, n, group);
+  else if (x32)
+    int4_matmul(pool, static_cast<const float*>(xv), p, static_cast<const Half*>(sv), static_cast<const Half*>(ov),
+                static_cast<float*>(yv), m, k, n, group);
+  else if (s32)
+    int4_matmul(pool, static_cast<const uint16_t*>(xv), p, static_cast<const float*>(sv),
+                static_cast<const float*>(ov), static_cast<uint16_t*>(yv), m, k, n, group);
+  else
+    int4_matmul(pool, static_cast<const uint16_t*>(xv), p, static_cast<const Half*>(sv), static_cast<const Half*>(ov),
+                static_cast<uint16_t*>(yv), m, k, n, group);
+  return ffi::Error::Success();
+}
+
 // ---- Few-row decoder blocks: JaxserveNormQKV and JaxserveOProjMLP ----
 //
 // A decode step's layer as XLA runs it is a chain of a dozen small ops; on the CPU each op
@@ -845,6 +1045,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matmul, Int4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // packed nibbles [tiles, K / 2, 32]
+                                  .Arg<ffi::AnyBuffer>()  // scales [tiles, G, 32], float32 or float16
+                                  .Arg<ffi::AnyBuffer>()  // offsets, as scales
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attention,
                               ffi::Ffi::Bind()

@@ -15,6 +15,10 @@
 - `moe_experts` is a mixture of SwiGLU experts for the few tokens of a decode step, as
   jaxserve.model.moe.run_touched_experts computes it, in one call that reads only the
   experts the tokens chose (XLA runs the loop over experts as a chain of small ops).
+- `int4_matmul` is `x @ W` for a few rows of x and a 4-bit weight (GGUF's Q4_0 / Q4_1
+  blocks, `--quantization int4`), read as packed nibbles in tiles of 32 output columns
+  (`tile_int4`, once at load; GGUF's float16 scales kept as float16); the pure-JAX path
+  writes the whole weight out as floats first, every step.
 
 `build(cache_dir)` compiles the source with the system C++ compiler (`$CXX`, else `c++`)
 against the FFI headers that jaxlib ships. It writes `cache_dir/cpu_kernels/<key>.so`, the
@@ -51,6 +55,8 @@ MATMUL_TARGET = "jaxserve_small_matmul"
 NORM_QKV_TARGET = "jaxserve_norm_qkv"
 O_PROJ_MLP_TARGET = "jaxserve_o_proj_mlp"
 MOE_EXPERTS_TARGET = "jaxserve_moe_experts"
+INT4_MATMUL_TARGET = "jaxserve_int4_matmul"
+INT4_TILE = 32  # output columns per tile of int4_matmul's weight layout (kInt4Tile in the .cc)
 MAX_ROWS = 16  # the most rows of x small_matmul takes
 # The most rows the decoder-layer kernels (norm_qkv, o_proj_mlp) serve in the engine. For
 # SmolLM2-135M's 30 layers on two cores they take 18.7 / 22.8 / 26.8 / 36.0 / 59.2 ms at
@@ -112,6 +118,7 @@ def _build(cache_dir: Path) -> str | None:
         (NORM_QKV_TARGET, lib.JaxserveNormQKV),
         (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP),
         (MOE_EXPERTS_TARGET, lib.JaxserveMoeExperts),
+        (INT4_MATMUL_TARGET, lib.JaxserveInt4Matmul),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _built["library"] = lib  # keep it loaded
@@ -229,6 +236,78 @@ def _small_matmul_bwd(transposed, residuals, g):
 
 
 _small_matmul.defvjp(_small_matmul_fwd, _small_matmul_bwd)
+
+
+def tile_int4(
+    packed: jax.Array, scales: jax.Array, offsets: jax.Array, scale_dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An int4 weight from `pallas_kernels.quantized_matmul`'s layout (packed [K // 2, N],
+    scales and offsets [G, N]) to int4_matmul's: tiles of INT4_TILE output columns, each
+    stored whole (packed [tiles, K // 2, INT4_TILE], scales and offsets [tiles, G,
+    INT4_TILE] in `scale_dtype`: float32, or float16 where it holds them exactly, see
+    half_scales_exact), N padded with zero columns to whole tiles. Leading axes (stacked
+    layers) are kept."""
+    n = packed.shape[-1]
+    pad = -n % INT4_TILE
+
+    def tile(a):
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+        a = a.reshape(*a.shape[:-1], (n + pad) // INT4_TILE, INT4_TILE)
+        return jnp.moveaxis(a, -2, -3)
+
+    return tile(packed), tile(scales.astype(scale_dtype)), tile(offsets.astype(scale_dtype))
+
+
+def half_scales_exact(scales, offsets) -> bool:
+    """Whether float16 holds an int4 weight's scales and offsets exactly (GGUF's own blocks
+    carry float16 d and m): then int4_matmul reads them at half the bytes, same results."""
+    return all(
+        np.array_equal(np.asarray(a, np.float32).astype(np.float16).astype(np.float32), np.asarray(a, np.float32))
+        for a in (scales, offsets)
+    )
+
+
+def untile_int4(
+    packed: jax.Array, scales: jax.Array, offsets: jax.Array, n: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tile_int4 undone: the weight of N output columns in quantized_matmul's layout."""
+
+    def untile(a):
+        a = jnp.moveaxis(a, -3, -2)
+        return a.reshape(*a.shape[:-2], a.shape[-2] * INT4_TILE)[..., :n]
+
+    return untile(packed), untile(scales).astype(jnp.float32), untile(offsets).astype(jnp.float32)
+
+
+def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array, n: int) -> jax.Array:
+    """x [M <= MAX_ROWS, K] @ an int4 weight of N output columns in tile_int4's layout ->
+    [M, N] in x's dtype (float32 or bfloat16), accumulated in float32, the weight never
+    dequantized to memory. Not differentiable."""
+    _check_built()
+    m, k = x.shape
+    tiles, groups = scales.shape[:2]
+    if (
+        m > MAX_ROWS
+        or packed.shape != (tiles, k // 2, INT4_TILE)
+        or scales.shape != (tiles, groups, INT4_TILE)
+        or offsets.shape != scales.shape
+        or k % groups
+        or (k // groups) % 2
+        or not (tiles - 1) * INT4_TILE < n <= tiles * INT4_TILE
+    ):
+        raise ValueError(
+            f"int4_matmul takes x [M <= {MAX_ROWS}, K], packed [tiles, K // 2, {INT4_TILE}], scales and offsets "
+            f"[tiles, G, {INT4_TILE}] (tile_int4's layout) with an even K // G, and N in the last tile; got "
+            f"{x.shape}, {packed.shape}, {scales.shape}, {offsets.shape}, N={n}"
+        )
+    if x.dtype not in KV_DTYPES:
+        raise ValueError(f"int4_matmul takes float32 or bfloat16 x, got {x.dtype}")
+    if scales.dtype != offsets.dtype or scales.dtype not in (jnp.float32, jnp.float16):
+        raise ValueError(
+            f"int4_matmul takes float32 or float16 scales and offsets, not {scales.dtype}, {offsets.dtype}"
+        )
+    call = jax.ffi.ffi_call(INT4_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
+    return call(x, packed.astype(jnp.uint8), scales, offsets)
 
 
 def _check_block(name: str, x: jax.Array, *arrays: jax.Array) -> None:

@@ -14,8 +14,9 @@ A checkpoint saved by llm-compressor (compressed-tensors) brings its own int4 or
 weights and needs no flag. The layouts the layers hold are described in
 `pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.runner.kernels.select_matmul`
 converts the layers once to the Mosaic GPU kernels' layout
-(`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels; elsewhere they call
-the pure-JAX references.
+(`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels; on the CPU it sends
+an int4 layer's few-row calls (decode steps) to a C++ kernel that reads the packed nibbles
+(`pallas_kernels.cpu_kernels.int4_matmul`); elsewhere they call the pure-JAX references.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import cpu_kernels
 from pallas_kernels.quantized_matmul import FP8_MAX, fp8_matmul_reference, int4_matmul_reference
 
 METHODS = ("int4", "fp8", "gguf")
@@ -87,7 +89,7 @@ class QuantizedLinear(nnx.Module):
     def __init__(self, din: int, dout: int, *, use_bias: bool, quant: QuantConfig, dtype):
         self.kind = quant.kind
         self.din, self.dout = din, dout
-        self.layout = "canonical"  # or "mgpu" (see use_kernel_layout)
+        self.layout = "canonical"  # or "mgpu" (see use_kernel_layout), or "cpu" (use_cpu_layout)
         self.interpret = False  # mgpu layout only: run the kernels in the Mosaic GPU interpreter (tests)
         self.batch_invariant = False  # mgpu layout only: the kernels' fixed-order config (batch invariance)
         if quant.kind == "int4":
@@ -107,6 +109,8 @@ class QuantizedLinear(nnx.Module):
         x2 = x.reshape(-1, x.shape[-1])  # the kernels take [T, K]
         if self.layout == "mgpu":
             y = self._kernel_matmul(x2)
+        elif self.layout == "cpu":
+            y = self._cpu_matmul(x2)
         elif self.kind == "int4":
             y = int4_matmul_reference(x2, self.packed[...], self.scales[...], self.offsets[...])
         else:
@@ -124,6 +128,30 @@ class QuantizedLinear(nnx.Module):
             weights = mgpu.Int4KernelWeights(self.q[...], self.scales[...], self.offsets[...], self.dout)
             return mgpu.int4_matmul(x, weights, **options)
         return mgpu.fp8_matmul(x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout), **options)
+
+    def _cpu_matmul(self, x: jax.Array) -> jax.Array:
+        weight = (self.packed[...], self.scales[...], self.offsets[...])
+        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.int4_matmul(x, *weight, self.dout)
+        # A prefill chunk: the reference, on the weight untiled in the step (its dequantization
+        # to floats costs the same; the chunk's rows share it).
+        return int4_matmul_reference(x, *cpu_kernels.untile_int4(*weight, self.dout))
+
+    def use_cpu_layout(self) -> None:
+        """Convert an int4 layer, once, into the CPU kernel's tiled layout (in place; see
+        `cpu_kernels.tile_int4`). Its calls of up to `cpu_kernels.MAX_ROWS` rows (decode
+        steps) then run the C++ kernel, which reads the packed nibbles; longer ones the
+        reference."""
+        if self.layout == "cpu":
+            return
+        if self.kind != "int4" or self.layout != "canonical":
+            raise ValueError(f"the CPU layout is for canonical int4 layers, not {self.kind} in {self.layout}")
+        weight = (self.packed[...], self.scales[...], self.offsets[...])
+        half = cpu_kernels.half_scales_exact(*weight[1:])
+        tile = jax.jit(cpu_kernels.tile_int4, static_argnames="scale_dtype")
+        packed, scales, offsets = tile(*weight, scale_dtype=jnp.float16 if half else jnp.float32)
+        self.packed, self.scales, self.offsets = nnx.Param(packed), nnx.Param(scales), nnx.Param(offsets)
+        self.layout = "cpu"
 
     def kernel_unsupported_reason(self, dtype, batch_invariant: bool = False) -> str | None:
         """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype` (in its

@@ -273,6 +273,34 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     return "cpu" if use else "reference"
 
 
+def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -> str:
+    """For a quantized model on the CPU: "cpu" converts its int4 layers, in place, to the
+    C++ kernel's tiled layout (their few-row products, decode steps of up to MAX_ROWS rows,
+    then read the packed nibbles) and marks a tied LM head for small_matmul; else
+    "reference" (fp8 layers always run the reference)."""
+    reason = dense_matmul_unsupported_reason(model, device, tp)
+    if name == "cpu" and reason is not None:
+        raise ValueError(f"the CPU matmul kernel cannot run: {reason}")
+    if reason is not None:
+        logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
+        return "reference"
+    int4 = [layer for _, layer in quantized_layers(model) if layer.kind == "int4"]
+    if not int4 and not model.cfg.tie_word_embeddings:
+        logger.info("matmul backend: reference on %s (the CPU kernels take int4 or float weights)", device.device_kind)
+        return "reference"
+    for layer in int4:
+        layer.use_cpu_layout()
+    model.few_row_kernels = few_row_kernels(model)
+    logger.info(
+        "matmul backend: cpu on %s for %d int4 layers' products of up to %d rows (tiled layout)%s",
+        device.device_kind,
+        len(int4),
+        cpu_kernels.MAX_ROWS,
+        f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "",
+    )
+    return "cpu"
+
+
 def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     """Mark the model so that every product of its layers and its LM head runs in a fixed
     order: on a Hopper GPU through the Mosaic GPU kernels (use_invariant_mgpu_kernels), on the
@@ -397,10 +425,8 @@ def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None
         select_expert_matmul(name, model, device, tp)
     if not quantized_layers(model):
         return select_dense_matmul(name, model, device, tp)
-    if name == "cpu":
-        raise ValueError(
-            "the CPU matmul kernel takes float weights; this model is quantized (its reference matmuls run on the CPU)"
-        )
+    if device.platform == "cpu" and name in ("auto", "cpu"):
+        return select_quantized_cpu_matmul(name, model, device, tp)
     reason = None if name == "reference" else matmul_unsupported_reason(model, device)
     if reason is None and tp > 1:
         # NOTE: a Pallas call is opaque to GSPMD; the kernels would need their own shard_map.
@@ -409,11 +435,12 @@ def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None
         raise ValueError(f"the Pallas quantized matmul kernels cannot run: {reason}")
     if name == "auto":
         name = "reference" if reason is not None else "pallas"
-    if name == "reference" and any(layer.layout != "canonical" for _, layer in quantized_layers(model)):
+    converted = {layer.layout for _, layer in quantized_layers(model)} - {"canonical"}
+    if name == "reference" and converted:
         # NOTE: the conversion is one-way (the canonical arrays are dropped to save memory).
         raise ValueError(
-            "this model's quantized layers are already in the Pallas kernels' layout (an earlier "
-            "select_matmul); load the model again to run the reference"
+            f"this model's quantized layers are already in a kernel's layout ({', '.join(sorted(converted))}: an "
+            "earlier select_matmul); load the model again to run the reference"
         )
     if name == "pallas":
         count = use_kernel_layout(model)

@@ -370,3 +370,14 @@ def test_decode_buckets_smoke(tiny_llama_dir):
     rows = [line.split("|")[1:4] for line in stdout.splitlines() if line.startswith("| ") and "batch" not in line]
     # batch -> (token bucket, head rows): steps of 8 above 8, up to max_num_seqs
     assert {int(b): (int(t), int(r)) for b, t, r in rows} == {8: (8, 8), 9: (16, 16), 17: (24, 24)}
+
+
+def test_quantized_decode_smoke(tiny_llama_dir):
+    stdout = run(
+        "benchmarks/quantized_decode.py",
+        *("--model", str(tiny_llama_dir), "--batches", "1,17", "--schemes", "int4", "--rounds", "1"),
+        *("--steps", "2", "--max-num-seqs", "24", "--context", "6"),
+    )
+    assert "matmul backend: float32 cpu, int4 cpu" in stdout
+    rows = [line.split("|")[1:3] for line in stdout.splitlines() if line.startswith("| ") and "batch" not in line]
+    assert [(int(b), s.strip()) for b, s in rows] == [(1, "float32"), (1, "int4"), (17, "float32"), (17, "int4")]

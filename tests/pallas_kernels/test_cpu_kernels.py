@@ -1,7 +1,7 @@
 """The C++ CPU kernels (XLA FFI): attention against the dense float64 oracle and against the
 pure-JAX reference on the same inputs (unused pages and slots are NaN, tests/attention_cases:
-a read outside a sequence's context shows up as NaN); the small matmul and the decoder-layer
-blocks against NumPy in float64."""
+a read outside a sequence's context shows up as NaN); the small matmul, the int4 matmul and the
+decoder-layer blocks against NumPy in float64."""
 
 import concurrent.futures
 
@@ -177,6 +177,89 @@ def test_small_matmul_gradients_equal_xla(transposed):
     want = jax.grad(loss(lambda x, w: x @ (w.T if transposed else w)), argnums=(0, 1))(x, w)
     for g, e in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
+
+
+def int4_case(rng, m, k, n, group, x_dtype=jnp.float32):
+    """x, and an int4 weight with random nibbles, scales and offsets in quantized_matmul's
+    layout; the float64 product, the weight read with plain bit operations."""
+    packed = rng.integers(0, 256, (k // 2, n), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (k // group, n)).astype(np.float32)
+    offsets = rng.uniform(-0.5, 0.5, (k // group, n)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+    nibbles = np.empty((k, n))
+    nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4
+    rows = np.arange(k) // group
+    w = nibbles * scales.astype(np.float64)[rows] + offsets.astype(np.float64)[rows]
+    return (x, packed, scales, offsets), np.asarray(x, np.float64) @ w
+
+
+def tiled_int4_matmul(x, packed, scales, offsets):
+    return cpu_kernels.int4_matmul(x, *cpu_kernels.tile_int4(packed, scales, offsets), packed.shape[1])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("k,n,group", [(576, 1536, 32), (576, 192, 64), (256, 300, 128), (64, 7, 32)])
+def test_int4_matmul_equals_numpy(m, k, n, group):
+    """Rows by fours, twos and ones; a ragged last tile of 32 columns and a single partial
+    one; one to many groups."""
+    args, want = int4_case(np.random.default_rng(m * 31 + n), m, k, n, group)
+    got = jax.jit(tiled_int4_matmul)(*args)
+    assert got.dtype == jnp.float32 and got.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.sqrt(k), rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_int4_matmul_with_float16_scales_equals_float32_scales(m):
+    """Scales and offsets float16 holds exactly (as GGUF's d and m) read as float16: the same
+    bits as read from float32; ones it does not hold are not taken as exact."""
+    (x, packed, scales, offsets), _ = int4_case(np.random.default_rng(m), m, 256, 300, 32)
+    assert not cpu_kernels.half_scales_exact(scales, offsets)
+    scales, offsets = (a.astype(np.float16).astype(np.float32) for a in (scales, offsets))
+    assert cpu_kernels.half_scales_exact(scales, offsets)
+    results = []
+    for dtype in (jnp.float32, jnp.float16):
+        tiled = cpu_kernels.tile_int4(packed, scales, offsets, scale_dtype=dtype)
+        assert tiled[1].dtype == dtype
+        results.append(np.asarray(cpu_kernels.int4_matmul(x, *tiled, 300)))
+    np.testing.assert_array_equal(results[1], results[0])
+    untiled = cpu_kernels.untile_int4(*cpu_kernels.tile_int4(packed, scales, offsets, scale_dtype=jnp.float16), 300)
+    np.testing.assert_array_equal(np.asarray(untiled[1]), scales)
+
+
+def test_int4_tiles_round_trip():
+    (_, *weight), _ = int4_case(np.random.default_rng(4), 1, 64, 45, 32)
+    stacked = [np.stack([w, w[::-1]]) for w in weight]  # leading axes (stacked layers) kept
+    tiled = cpu_kernels.tile_int4(*stacked)
+    assert [t.shape for t in tiled] == [(2, 2, 32, 32), (2, 2, 2, 32), (2, 2, 2, 32)]
+    for back, original in zip(cpu_kernels.untile_int4(*tiled, 45), stacked):
+        np.testing.assert_array_equal(np.asarray(back), original)
+
+
+def test_int4_matmul_rows_are_computed_alone():
+    """A row's result is the same bits whatever rows share its call (batch invariance)."""
+    (x, *weight), _ = int4_case(np.random.default_rng(5), 16, 576, 300, 32)
+    together = np.asarray(tiled_int4_matmul(x, *weight))
+    for r in (0, 7, 15):  # in a block of four rows, the last block of four, alone
+        for rows in (slice(r, r + 1), slice(r - r % 2, r - r % 2 + 2)):
+            got = np.asarray(tiled_int4_matmul(x[rows], *weight))
+            np.testing.assert_array_equal(got[r - rows.start], together[r])
+
+
+def test_int4_matmul_in_bfloat16_and_its_errors():
+    args, want = int4_case(np.random.default_rng(3), 4, 128, 96, 32, x_dtype=jnp.bfloat16)
+    got = tiled_int4_matmul(*args)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-7, atol=1e-5 * np.sqrt(128))
+    x, *weight = args
+    tiled = cpu_kernels.tile_int4(*weight)
+    with pytest.raises(ValueError, match="M <= 16"):
+        cpu_kernels.int4_matmul(jnp.zeros((17, 128)), *tiled, 96)
+    with pytest.raises(ValueError, match="even K // G"):  # groups of 3: odd
+        cpu_kernels.int4_matmul(jnp.zeros((1, 6)), tiled[0][:, :3], tiled[1][:, :2], tiled[2][:, :2], 96)
+    with pytest.raises(ValueError, match="N in the last tile"):
+        cpu_kernels.int4_matmul(x, *tiled, 64)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.int4_matmul(x.astype(jnp.float16), *tiled, 96)
 
 
 def rms_norm64(x, weight, eps):

@@ -14,8 +14,10 @@ from flax import nnx
 
 from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.model.kv_cache import allocate_kv_cache
-from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize_fp8, quantize_int4
+from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize_fp8, quantize_int4, quantized_layers
+from jaxserve.runner.kernels import select_matmul
 from jaxserve.weights import cache, load_model
+from pallas_kernels import cpu_kernels
 from pallas_kernels.quantized_matmul import dequantize_int4, fp8_matmul_reference, int4_matmul_reference
 from scheduler import SamplingParams
 from tests.jaxserve.engine.test_engine import run_alone, run_batched, workload
@@ -124,12 +126,13 @@ def tiny_folder(tmp_path_factory):
 PROMPT_LENS = [9, 1, 14]
 
 
-def model_logits(model, prompts):
+def model_logits(model, prompts, pad_to=32):
+    lens = [len(p) for p in prompts]
     step, state = jitted_step(model)
-    seqs = PagedSequences(PROMPT_LENS, 4, num_blocks=20)
+    seqs = PagedSequences(lens, 4, num_blocks=20)
     kv = allocate_kv_cache(model.cfg, 20, 4, jnp.float32)
-    logits, _ = step(state, kv, seqs.step(prompts, [(0, n) for n in PROMPT_LENS], pad_to=32, all_logits=True))
-    return np.split(np.asarray(logits, np.float64), np.cumsum(PROMPT_LENS)[:-1])
+    logits, _ = step(state, kv, seqs.step(prompts, [(0, n) for n in lens], pad_to=pad_to, all_logits=True))
+    return np.split(np.asarray(logits, np.float64), np.cumsum(lens)[:-1])
 
 
 def hf_logits_with_weights_of(hf_model, loaded, prompts):
@@ -162,6 +165,32 @@ def test_int4_model_equals_transformers_on_the_dequantized_weights(tiny_folder):
     assert max(np.abs(g - f).max() for g, f in zip(model_logits(loaded.model, prompts), float_logits)) > 1e-3, (
         "int4 should change the logits (else the comparison above checked the float model)"
     )
+
+
+def test_int4_model_on_the_cpu_kernel_equals_transformers(tiny_folder):
+    """select_matmul on the CPU sends the int4 layers' products of up to MAX_ROWS rows to the C++
+    kernel: a step of 13 tokens (16 rows) runs there, with transformers' logits on the
+    dequantized weights."""
+    folder, hf_model = tiny_folder
+    loaded = load_model(str(folder), use_cache=False, progress=False, quantization="int4")
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, 97, n)) for n in (5, 1, 7)]
+    want = hf_logits_with_weights_of(hf_model, loaded, prompts)
+    assert select_matmul("auto", loaded.model) == "cpu"
+    assert {layer.layout for _, layer in quantized_layers(loaded.model)} == {"cpu"}
+    for got, w in zip(model_logits(loaded.model, prompts, pad_to=16), want):
+        assert np.abs(got - w).max() <= 1e-4
+
+
+def test_int4_layer_in_the_cpu_layout_takes_the_kernel_up_to_its_rows():
+    layer = QuantizedLinear(64, 48, use_bias=False, quant=QuantConfig("int4", "int4", 32), dtype=jnp.float32)
+    layer.use_cpu_layout()
+    graphdef, state = nnx.split(layer)
+    targets = {}
+    for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1):
+        hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, jnp.zeros((rows, 64))).as_text()
+        targets[rows] = cpu_kernels.INT4_MATMUL_TARGET in hlo
+    assert targets == {1: True, cpu_kernels.MAX_ROWS: True, cpu_kernels.MAX_ROWS + 1: False}
 
 
 def fake_quantize_e4m3_per_token(module, args):

@@ -28,11 +28,20 @@ def quantized_model(method="int4", dtype=jnp.bfloat16):
     return DecoderLM(CFG, dtype=dtype, rngs=nnx.Rngs(0), quantization=QuantConfig.for_method(method))
 
 
-def test_auto_on_cpu_is_the_reference_and_says_why(caplog):
+def test_auto_on_cpu_takes_the_cpu_int4_kernel_and_says_so(caplog):
     model = quantized_model()
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kernels"):
-        assert select_matmul(None, model) == "reference"
-    assert "needs a Hopper GPU" in caplog.text
+        assert select_matmul(None, model) == "cpu"
+    assert "cpu on" in caplog.text and "7 int4 layers" in caplog.text
+    assert all(layer.layout == "cpu" for _, layer in quantized_layers(model))
+    assert select_matmul("cpu", model) == "cpu"  # converting again changes nothing
+    with pytest.raises(ValueError, match=r"already in a kernel's layout \(cpu"):
+        select_matmul("reference", model)  # one-way: the canonical arrays are gone
+
+
+def test_reference_on_cpu_keeps_the_canonical_layout():
+    model = quantized_model()
+    assert select_matmul("reference", model) == "reference"
     assert all(layer.layout == "canonical" for _, layer in quantized_layers(model))
 
 
@@ -53,8 +62,7 @@ def test_environment_variable_unknown_names_and_unquantized_models(monkeypatch, 
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.kernels"):
         assert select_matmul("pallas", plain) == "reference"  # nothing to choose for
     assert "not quantized" in caplog.text
-    with pytest.raises(ValueError, match="CPU matmul kernel takes float weights"):
-        select_matmul("cpu", quantized_model())
+    assert select_matmul("cpu", quantized_model()) == "cpu"  # the int4 kernel
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -152,7 +160,7 @@ def test_use_kernel_layout_converts_every_projection_once():
     assert all(a is layer.weight[...] for a, (_, layer) in zip(weights, quantized_layers(model)))
     _, state = nnx.split(model)
     assert jax.tree.leaves(state)  # still plain arrays for nnx.split / jit
-    with pytest.raises(ValueError, match="already in the Pallas kernels' layout"):
+    with pytest.raises(ValueError, match=r"already in a kernel's layout \(mgpu"):
         select_matmul("reference", model)  # one-way: the canonical arrays are gone
 
 
@@ -195,3 +203,33 @@ def test_model_logits_with_the_kernels_equal_the_reference(method):
     got = logits(model)
     assert np.abs(want).max() > 0.1, "logits too flat for the comparison to mean anything"
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_model_logits_in_the_cpu_int4_layout_equal_the_reference(dtype):
+    """The whole (scanned) model with its int4 projections in the CPU kernel's tiled layout:
+    a step of 8 rows through the C++ kernel and one of 24 through the reference on the weight
+    untiled, against the canonical model on the reference. The kernel sums in another order
+    (each group's nibbles first, scaled once) and keeps the float32 dequantized weight the
+    reference rounds to x's dtype: float32 agrees to a few ulps, bfloat16 to its rounding."""
+    model = randomly_quantized_model("int4", dtype)
+    seqs = PagedSequences([5, 3, 16], 4, num_blocks=16)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], list(range(10, 26))]
+    steps = {
+        8: seqs.step(prompts[:2], [(0, 5), (0, 3)], pad_to=8, all_logits=True),
+        24: seqs.step(prompts, [(0, 5), (0, 3), (0, 16)], pad_to=24, all_logits=True),
+    }
+
+    def logits(m, inputs):
+        graphdef, state = nnx.split(m)
+        kv = allocate_kv_cache(CFG, 16, 4, dtype)
+        return np.asarray(jax.jit(lambda s, kv: nnx.merge(graphdef, s)(inputs, kv)[0])(state, kv), np.float64)
+
+    want = {rows: logits(model, inputs) for rows, inputs in steps.items()}
+    assert select_matmul("cpu", model) == "cpu"
+    assert model.layers.mlp.down_proj.packed.shape == (2, 2, 64, cpu_kernels.INT4_TILE)  # [L, tiles, K // 2, 32]
+    assert np.abs(want[8]).max() > 0.1, "logits too flat for the comparison to mean anything"
+    tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
+    for rows, inputs in steps.items():
+        got = logits(model, inputs)
+        np.testing.assert_allclose(got, want[rows], rtol=tolerance, atol=tolerance * np.abs(want[rows]).max())
