@@ -153,6 +153,18 @@ class QuantizedLinear(nnx.Module):
         self.packed, self.scales, self.offsets = nnx.Param(packed), nnx.Param(scales), nnx.Param(offsets)
         self.layout = "cpu"
 
+    def use_canonical_layout(self) -> None:
+        """Undo use_cpu_layout (exact: the tiles hold the canonical values), so that another
+        engine on the same model can run the reference or shard the layer."""
+        if self.layout == "mgpu":
+            raise ValueError("the Mosaic GPU layout is one-way (its canonical arrays are gone)")
+        if self.layout == "cpu":
+            weight = (self.packed[...], self.scales[...], self.offsets[...])
+            untile = jax.jit(cpu_kernels.untile_int4, static_argnums=3)
+            packed, scales, offsets = untile(*weight, self.dout)
+            self.packed, self.scales, self.offsets = nnx.Param(packed), nnx.Param(scales), nnx.Param(offsets)
+            self.layout = "canonical"
+
     def kernel_unsupported_reason(self, dtype, batch_invariant: bool = False) -> str | None:
         """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype` (in its
         fixed-order config with `batch_invariant`), or None."""

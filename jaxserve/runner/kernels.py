@@ -282,6 +282,7 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
     if name == "cpu" and reason is not None:
         raise ValueError(f"the CPU matmul kernel cannot run: {reason}")
     if reason is not None:
+        restore_canonical_layout(model)
         logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
         return "reference"
     int4 = [layer for _, layer in quantized_layers(model) if layer.kind == "int4"]
@@ -299,6 +300,14 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
         f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "",
     )
     return "cpu"
+
+
+def restore_canonical_layout(model) -> None:
+    """Int4 layers an earlier engine put in the CPU kernel's tiled layout back in the canonical
+    one (exact), for an engine on the same model that shards them or runs the reference."""
+    for _, layer in quantized_layers(model):
+        if layer.layout == "cpu":
+            layer.use_canonical_layout()
 
 
 def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> str:
@@ -435,6 +444,7 @@ def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None
         raise ValueError(f"the Pallas quantized matmul kernels cannot run: {reason}")
     if name == "auto":
         name = "reference" if reason is not None else "pallas"
+    restore_canonical_layout(model)
     converted = {layer.layout for _, layer in quantized_layers(model)} - {"canonical"}
     if name == "reference" and converted:
         # NOTE: the conversion is one-way (the canonical arrays are dropped to save memory).

@@ -35,8 +35,21 @@ def test_auto_on_cpu_takes_the_cpu_int4_kernel_and_says_so(caplog):
     assert "cpu on" in caplog.text and "7 int4 layers" in caplog.text
     assert all(layer.layout == "cpu" for _, layer in quantized_layers(model))
     assert select_matmul("cpu", model) == "cpu"  # converting again changes nothing
-    with pytest.raises(ValueError, match=r"already in a kernel's layout \(cpu"):
-        select_matmul("reference", model)  # one-way: the canonical arrays are gone
+
+
+def test_another_engine_on_the_model_gets_the_canonical_layout_back():
+    """The CPU kernel's tiled layout is undone, exactly, for an engine that runs the reference
+    (or shards the layers: tensor parallelism takes the reference too)."""
+    model = randomly_quantized_model("int4", jnp.float32)
+    canonical = {
+        path: [np.asarray(layer.packed[...]), np.asarray(layer.scales[...])] for path, layer in quantized_layers(model)
+    }
+    assert select_matmul("auto", model) == "cpu"
+    assert select_matmul("reference", model) == "reference"
+    for path, layer in quantized_layers(model):
+        assert layer.layout == "canonical"
+        np.testing.assert_array_equal(np.asarray(layer.packed[...]), canonical[path][0])
+        np.testing.assert_array_equal(np.asarray(layer.scales[...]), canonical[path][1])
 
 
 def test_reference_on_cpu_keeps_the_canonical_layout():
