@@ -49,41 +49,57 @@ def time_decode_steps(engine, batch: int, context: int, steps: int, params, rng)
     return statistics.median(wall), statistics.median(cpu)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="32,33,40,64", help="comma-separated batch sizes (at most --max-num-seqs)")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch and round")
+def add_decode_arguments(p, batches: str, rounds: int) -> None:
+    """The options of the decode-step benchmarks (this one and quantized_decode.py)."""
+    p.add_argument("--batches", default=batches, help="comma-separated batch sizes (at most --max-num-seqs)")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch (and engine) and round")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--model", help="a model folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    args = p.parse_args(argv)
+
+
+def parse_batches(p, args) -> list[int]:
     batches = [int(b) for b in args.batches.split(",")]
     if max(batches) > args.max_num_seqs:
         p.error(f"--batches go up to --max-num-seqs ({args.max_num_seqs})")
+    return batches
+
+
+def decode_setup(args):
+    """The engine config and sampling params the timed requests need: room for the prompt
+    and the steps, every sequence's blocks, no prefix cache."""
+    from jaxserve.engine import EngineConfig
+    from scheduler.sampling_params import SamplingParams
+
+    max_len = args.context + 2 + args.steps + 8
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=512,
+        max_model_len=max_len,
+        num_blocks=args.max_num_seqs * -(-max_len // 16) + 1,
+        enable_prefix_caching=False,
+    )
+    return config, SamplingParams(max_tokens=max_len - args.context, ignore_eos=True, temperature=0.0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_decode_arguments(p, batches="32,33,40,64", rounds=4)
+    args = p.parse_args(argv)
+    batches = parse_batches(p, args)
 
     import jax
     import numpy as np
 
-    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine import LLMEngine
     from jaxserve.weights.load import load_model
-    from scheduler.sampling_params import SamplingParams
 
     loaded = load_model(args.model, dtype="float32")
-    max_len = args.context + 2 + args.steps + 8
-    engine = LLMEngine(
-        loaded,
-        EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=512,
-            max_model_len=max_len,
-            num_blocks=args.max_num_seqs * -(-max_len // 16) + 1,
-            enable_prefix_caching=False,
-        ),
-    )
+    config, params = decode_setup(args)
+    engine = LLMEngine(loaded, config)
     runner = engine.runner
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=max_len - args.context, ignore_eos=True, temperature=0.0)
     samples: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     for r in range(args.rounds):
         for b in batches if r % 2 == 0 else batches[::-1]:

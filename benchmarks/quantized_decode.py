@@ -24,44 +24,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode_buckets import time_decode_steps  # noqa: E402
+from benchmarks.decode_buckets import add_decode_arguments, decode_setup, parse_batches, time_decode_steps  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,2,4,8,16,32", help="comma-separated batch sizes (at most --max-num-seqs)")
+    add_decode_arguments(p, batches="1,2,4,8,16,32", rounds=3)
     p.add_argument("--schemes", default="gguf,int4", help="comma-separated --quantization methods beside float32")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch, scheme and round")
-    p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--model", help="a model folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     args = p.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = parse_batches(p, args)
     schemes = ["float32", *args.schemes.split(",")]
-    if max(batches) > args.max_num_seqs:
-        p.error(f"--batches go up to --max-num-seqs ({args.max_num_seqs})")
 
     import jax
     import numpy as np
 
-    from jaxserve.engine import EngineConfig, LLMEngine
+    from jaxserve.engine import LLMEngine
     from jaxserve.weights.load import load_model
-    from scheduler.sampling_params import SamplingParams
 
-    max_len = args.context + 2 + args.steps + 8
-    config = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=512,
-        max_model_len=max_len,
-        num_blocks=args.max_num_seqs * -(-max_len // 16) + 1,
-        enable_prefix_caching=False,
-    )
+    config, params = decode_setup(args)
     engines = {}
     for scheme in schemes:
         loaded = load_model(args.model, dtype="float32", quantization=None if scheme == "float32" else scheme)
         engines[scheme] = LLMEngine(loaded, config)
-    params = SamplingParams(max_tokens=max_len - args.context, ignore_eos=True, temperature=0.0)
     rng = np.random.default_rng(0)
     samples: dict[tuple[int, str], list[tuple[float, float]]] = {(b, s): [] for b in batches for s in schemes}
     for r in range(args.rounds):
