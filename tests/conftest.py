@@ -12,9 +12,16 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
+# The Mosaic GPU interpreter does a wgmma with np.matmul. OpenBLAS's Haswell sgemm kernel (the
+# one picked on AVX2 machines like CI's) sums output columns 8-23 of every 32 in another order
+# than the rest, so a token's row changed with its place in the batch: the interpreter, not our
+# kernels, broke the batch-invariance tests. A GPU's wgmma computes every element alike, as the
+# Sandybridge kernel does. Set before numpy is first imported (OpenBLAS reads it when loaded).
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
-from tests.tiny_models import make_tiny_char_tokenizer, make_tiny_model, make_tiny_tokenizer
+import pytest  # noqa: E402
+
+from tests.tiny_models import make_tiny_char_tokenizer, make_tiny_model, make_tiny_tokenizer  # noqa: E402
 
 
 def use_jax() -> None:
