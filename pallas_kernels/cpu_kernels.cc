@@ -632,12 +632,33 @@ void int4_tile(const float* xf, const float* xsums, const uint8_t* packed, const
 #endif
 }
 
+// x [m, k] as floats (the kernels' sums run in float32 whatever x's dtype).
+template <typename XT>
+std::vector<float> as_floats(const XT* x, int64_t count) {
+  std::vector<float> xf(count);
+  for (int64_t e = 0; e < count; ++e) xf[e] = load(x[e]);
+  return xf;
+}
+
+// y [m, n] from tiles of kInt4Tile columns, one unit each: tile(t, out) writes tile t's
+// [m, kInt4Tile] (its columns past n are the layout's zero padding, dropped here).
+template <typename XT, typename Tile>
+void run_tiles(ffi::ThreadPool& pool, XT* y, int64_t m, int64_t n, Tile tile) {
+  run_units(pool, (n + kInt4Tile - 1) / kInt4Tile, [=](int64_t t) {
+    float out[kMaxRows * kInt4Tile];
+    tile(t, out);
+    const int64_t first = t * kInt4Tile, cols = std::min(kInt4Tile, n - first);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * n + first + c);
+  });
+}
+
 template <typename XT, typename ST>
 void int4_matmul(ffi::ThreadPool& pool, const XT* x, const uint8_t* packed, const ST* scales, const ST* offsets,
                  XT* y, int64_t m, int64_t k, int64_t n, int64_t group) {
-  const int64_t groups = k / group, tiles = (n + kInt4Tile - 1) / kInt4Tile;
-  std::vector<float> xf(m * k), xsums(m * groups);  // x as floats, and its sum over each group
-  for (int64_t e = 0; e < m * k; ++e) xf[e] = load(x[e]);
+  const int64_t groups = k / group;
+  const std::vector<float> xf = as_floats(x, m * k);
+  std::vector<float> xsums(m * groups);  // x's sum over each group
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       float total = 0.0f;
@@ -645,13 +666,9 @@ void int4_matmul(ffi::ThreadPool& pool, const XT* x, const uint8_t* packed, cons
       xsums[r * groups + g] = total;
     }
   const float *xp = xf.data(), *xs = xsums.data();
-  run_units(pool, tiles, [=](int64_t t) {
-    float out[kMaxRows * kInt4Tile];
+  run_tiles(pool, y, m, n, [=](int64_t t, float* out) {
     int4_tile(xp, xs, packed + t * (k / 2) * kInt4Tile, scales + t * groups * kInt4Tile,
               offsets + t * groups * kInt4Tile, m, k, group, out);
-    const int64_t first = t * kInt4Tile, cols = std::min(kInt4Tile, n - first);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * n + first + c);
   });
 }
 
@@ -690,6 +707,135 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
   else
     int4_matmul(pool, static_cast<const uint16_t*>(xv), p, static_cast<const Half*>(sv), static_cast<const Half*>(ov),
                 static_cast<uint16_t*>(yv), m, k, n, group);
+  return ffi::Error::Success();
+}
+
+// ---- 8-bit weights for a few rows: JaxserveInt8Matmul ----
+//
+// y = x @ W for W [K, N] with w[k, n] = scales[g, n] * q[k, n], q int8 and g = k / group: GGUF's
+// Q8_0 blocks (32 values and a float16 scale), as a tied LM head's table often comes. Tiled as the
+// int4 weights are (cpu_kernels.tile_int8): q [tiles, K, kInt4Tile], scales [tiles, G, kInt4Tile]
+// in float32 or float16. A group's sum is taken over the int8 values and scaled once (llama.cpp's
+// Q8_0 dot), in one order per column whatever the rows of the call.
+
+template <typename ST>
+float int8_column(const float* x, const int8_t* q, const ST* scales, int64_t k, int64_t group, int64_t c) {
+  float total = 0.0f;
+  for (int64_t g = 0; g < k / group; ++g) {
+    float sum = 0.0f;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) sum = std::fma(x[i], float(q[i * kInt4Tile + c]), sum);
+    total = std::fma(load(scales[g * kInt4Tile + c]), sum, total);
+  }
+  return total;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// int8_column for R rows and C vectors of 8 columns from column c0 of a tile, in registers: the
+// int8 values converted once for all rows. out[r] gets the C * 8 columns.
+template <int R, int C, typename ST>
+void int8_columns_avx2(const float* const* x, const int8_t* q, const ST* scales, int64_t k, int64_t group, int64_t c0,
+                       float* const* out) {
+  __m256 total[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) total[r][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m256 sum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < C; ++v) sum[r][v] = _mm256_setzero_ps();
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      const int8_t* row = q + i * kInt4Tile + c0;
+      __m256 w[C];
+      for (int v = 0; v < C; ++v)
+        w[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v))));
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x[r] + i);
+        for (int v = 0; v < C; ++v) sum[r][v] = _mm256_fmadd_ps(a, w[v], sum[r][v]);
+      }
+    }
+    for (int v = 0; v < C; ++v) {
+      const __m256 s = load8(scales + g * kInt4Tile + c0 + 8 * v);
+      for (int r = 0; r < R; ++r) total[r][v] = _mm256_fmadd_ps(s, sum[r][v], total[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) _mm256_storeu_ps(out[r] + 8 * v, total[r][v]);
+}
+
+// Rows [r0, r0 + R) of one tile, as int4_tile_rows takes them.
+template <int R, typename ST>
+void int8_tile_rows(const float* xf, const int8_t* q, const ST* scales, int64_t k, int64_t group, int64_t r0,
+                    float* out) {
+  const float* x[R];
+  float* o[R];
+  for (int r = 0; r < R; ++r) x[r] = xf + (r0 + r) * k;
+  if (R == 1) {
+    o[0] = out + r0 * kInt4Tile;
+    return int8_columns_avx2<R, 4>(x, q, scales, k, group, 0, o);
+  }
+  for (int64_t half = 0; half < kInt4Tile; half += 16) {
+    for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile + half;
+    int8_columns_avx2<R, 2>(x, q, scales, k, group, half, o);
+  }
+}
+#endif
+
+// One tile for all m rows: out [m, kInt4Tile].
+template <typename ST>
+void int8_tile(const float* xf, const int8_t* q, const ST* scales, int64_t m, int64_t k, int64_t group, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) int8_tile_rows<4>(xf, q, scales, k, group, r, out);
+  for (; r + 2 <= m; r += 2) int8_tile_rows<2>(xf, q, scales, k, group, r, out);
+  for (; r < m; ++r) int8_tile_rows<1>(xf, q, scales, k, group, r, out);
+#else
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < kInt4Tile; ++c) out[r * kInt4Tile + c] = int8_column(xf + r * k, q, scales, k, group, c);
+#endif
+}
+
+template <typename XT, typename ST>
+void int8_matmul(ffi::ThreadPool& pool, const XT* x, const int8_t* q, const ST* scales, XT* y, int64_t m, int64_t k,
+                 int64_t n, int64_t group) {
+  const std::vector<float> xf = as_floats(x, m * k);
+  const float* xp = xf.data();
+  run_tiles(pool, y, m, n, [=](int64_t t, float* out) {
+    int8_tile(xp, q + t * k * kInt4Tile, scales + t * (k / group) * kInt4Tile, m, k, group, out);
+  });
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> q, ffi::AnyBuffer scales,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  const bool shapes_ok = xd.size() == 2 && qd.size() == 3 && sd.size() == 3 && yd.size() == 2 &&
+                         xd[0] <= kMaxRows && yd[0] == xd[0] && xd[1] == qd[1] && qd[2] == kInt4Tile &&
+                         sd[0] == qd[0] && sd[2] == kInt4Tile && sd[1] >= 1 && xd[1] % sd[1] == 0 &&
+                         yd[1] <= qd[0] * kInt4Tile && yd[1] > (qd[0] - 1) * kInt4Tile;
+  if (!shapes_ok)
+    return ffi::Error::InvalidArgument(
+        "expected x [M <= 16, K], q [tiles, K, 32], scales [tiles, G, 32] with G dividing K, y [M, N] with N in the "
+        "last tile");
+  const auto xt = x.element_type(), st = scales.element_type();
+  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || y->element_type() != xt)
+    return ffi::Error::InvalidArgument("x must be float32 or bfloat16, y as x");
+  if (st != ffi::DataType::F32 && st != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("scales must be float32 or float16");
+  const int64_t m = xd[0], k = xd[1], n = yd[1], group = k / sd[1];
+  const int8_t* qp = q.typed_data();
+  const void *xv = x.untyped_data(), *sv = scales.untyped_data();
+  void* yv = y->untyped_data();
+  const bool x32 = xt == ffi::DataType::F32, s32 = st == ffi::DataType::F32;
+  if (x32 && s32)
+    int8_matmul(pool, static_cast<const float*>(xv), qp, static_cast<const float*>(sv), static_cast<float*>(yv), m, k,
+                n, group);
+  else if (x32)
+    int8_matmul(pool, static_cast<const float*>(xv), qp, static_cast<const Half*>(sv), static_cast<float*>(yv), m, k, n,
+                group);
+  else if (s32)
+    int8_matmul(pool, static_cast<const uint16_t*>(xv), qp, static_cast<const float*>(sv), static_cast<uint16_t*>(yv),
+                m, k, n, group);
+  else
+    int8_matmul(pool, static_cast<const uint16_t*>(xv), qp, static_cast<const Half*>(sv), static_cast<uint16_t*>(yv),
+                m, k, n, group);
   return ffi::Error::Success();
 }
 
@@ -1053,6 +1199,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matmul, Int4Matmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()  // packed nibbles [tiles, K / 2, 32]
                                   .Arg<ffi::AnyBuffer>()  // scales [tiles, G, 32], float32 or float16
                                   .Arg<ffi::AnyBuffer>()  // offsets, as scales
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // q [tiles, K, 32]
+                                  .Arg<ffi::AnyBuffer>()  // scales [tiles, G, 32], float32 or float16
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attention,

@@ -19,6 +19,8 @@
   blocks, `--quantization int4`), read as packed nibbles in tiles of 32 output columns
   (`tile_int4`, once at load; GGUF's float16 scales kept as float16); the pure-JAX path
   writes the whole weight out as floats first, every step.
+- `int8_matmul` is the same for 8-bit values with a scale per group (GGUF's Q8_0 blocks, as
+  a GGUF's tied embedding table usually comes: `q8_0_blocks` finds them in the float table).
 
 `build(cache_dir)` compiles the source with the system C++ compiler (`$CXX`, else `c++`)
 against the FFI headers that jaxlib ships. It writes `cache_dir/cpu_kernels/<key>.so`, the
@@ -56,7 +58,9 @@ NORM_QKV_TARGET = "jaxserve_norm_qkv"
 O_PROJ_MLP_TARGET = "jaxserve_o_proj_mlp"
 MOE_EXPERTS_TARGET = "jaxserve_moe_experts"
 INT4_MATMUL_TARGET = "jaxserve_int4_matmul"
-INT4_TILE = 32  # output columns per tile of int4_matmul's weight layout (kInt4Tile in the .cc)
+INT8_MATMUL_TARGET = "jaxserve_int8_matmul"
+INT4_TILE = 32  # output columns per tile of int4_matmul's and int8_matmul's layouts (kInt4Tile in the .cc)
+Q8_0_BLOCK = 32  # values per float16 scale in GGUF's Q8_0
 MAX_ROWS = 16  # the most rows of x small_matmul takes
 # The most rows the decoder-layer kernels (norm_qkv, o_proj_mlp) serve in the engine. For
 # SmolLM2-135M's 30 layers on two cores they take 18.7 / 22.8 / 26.8 / 36.0 / 59.2 ms at
@@ -119,6 +123,7 @@ def _build(cache_dir: Path) -> str | None:
         (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP),
         (MOE_EXPERTS_TARGET, lib.JaxserveMoeExperts),
         (INT4_MATMUL_TARGET, lib.JaxserveInt4Matmul),
+        (INT8_MATMUL_TARGET, lib.JaxserveInt8Matmul),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _built["library"] = lib  # keep it loaded
@@ -247,15 +252,16 @@ def tile_int4(
     INT4_TILE] in `scale_dtype`: float32, or float16 where it holds them exactly, see
     half_scales_exact), N padded with zero columns to whole tiles. Leading axes (stacked
     layers) are kept."""
-    n = packed.shape[-1]
-    pad = -n % INT4_TILE
+    return _tile_columns(packed), _tile_columns(scales.astype(scale_dtype)), _tile_columns(offsets.astype(scale_dtype))
 
-    def tile(a):
-        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
-        a = a.reshape(*a.shape[:-1], (n + pad) // INT4_TILE, INT4_TILE)
-        return jnp.moveaxis(a, -2, -3)
 
-    return tile(packed), tile(scales.astype(scale_dtype)), tile(offsets.astype(scale_dtype))
+def _tile_columns(a: jax.Array) -> jax.Array:
+    """[..., R, N] -> [..., tiles, R, INT4_TILE]: each tile of output columns stored whole, N
+    padded with zero columns to whole tiles."""
+    n = a.shape[-1]
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -n % INT4_TILE)])
+    a = a.reshape(*a.shape[:-1], a.shape[-1] // INT4_TILE, INT4_TILE)
+    return jnp.moveaxis(a, -2, -3)
 
 
 def half_scales_exact(scales, offsets) -> bool:
@@ -308,6 +314,60 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax
         )
     call = jax.ffi.ffi_call(INT4_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
     return call(x, packed.astype(jnp.uint8), scales, offsets)
+
+
+def q8_0_blocks(table, block: int = Q8_0_BLOCK) -> tuple[np.ndarray, np.ndarray] | None:
+    """A float table [N, K] whose every run of `block` values along K is a float16 scale times
+    int8 values (GGUF's Q8_0 blocks, dequantized exactly), as its int8 values q [K, N] and
+    scales [K // block, N] in float16 (x @ table.T = int8_matmul's product on them, the same
+    values); None when any block is not. Q8_0's scale is max|w| / 127, so it is found again
+    exactly from the dequantized block."""
+    t = np.asarray(table, np.float32)
+    n, k = t.shape
+    if k % block:
+        return None
+    blocks = t.reshape(n, k // block, block)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scales = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float16)
+        s32 = scales.astype(np.float32)[..., None]
+        q = np.rint(blocks / np.where(s32 == 0, np.float32(1), s32))
+    if not (np.abs(q).max(initial=0) <= 127 and np.array_equal(q * s32, blocks)):
+        return None
+    return q.astype(np.int8).reshape(n, k).T, scales.T
+
+
+def tile_int8(q: jax.Array, scales: jax.Array, scale_dtype=jnp.float16) -> tuple[jax.Array, jax.Array]:
+    """An int8 weight q [K, N] with scales [G, N] in int8_matmul's layout: q [tiles, K,
+    INT4_TILE], scales [tiles, G, INT4_TILE] in `scale_dtype`, as tile_int4 tiles int4."""
+    return _tile_columns(q), _tile_columns(scales.astype(scale_dtype))
+
+
+def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int) -> jax.Array:
+    """x [M <= MAX_ROWS, K] @ W with W[k, c] = scales[g, c] * q[k, c] (g = k // (K // G)), in
+    tile_int8's layout, N output columns -> [M, N] in x's dtype (float32 or bfloat16),
+    accumulated in float32, the weight never written out as floats. Not differentiable."""
+    _check_built()
+    m, k = x.shape
+    tiles, groups = scales.shape[:2]
+    if (
+        m > MAX_ROWS
+        or q.shape != (tiles, k, INT4_TILE)
+        or scales.shape != (tiles, groups, INT4_TILE)
+        or k % groups
+        or not (tiles - 1) * INT4_TILE < n <= tiles * INT4_TILE
+    ):
+        raise ValueError(
+            f"int8_matmul takes x [M <= {MAX_ROWS}, K], q [tiles, K, {INT4_TILE}] and scales [tiles, G, "
+            f"{INT4_TILE}] (tile_int8's layout) with G dividing K, and N in the last tile; got {x.shape}, "
+            f"{q.shape}, {scales.shape}, N={n}"
+        )
+    if x.dtype not in KV_DTYPES or q.dtype != jnp.int8 or scales.dtype not in (jnp.float32, jnp.float16):
+        raise ValueError(
+            f"int8_matmul takes float32 or bfloat16 x, int8 q and float32 or float16 scales, got {x.dtype}, "
+            f"{q.dtype}, {scales.dtype}"
+        )
+    call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
+    return call(x, q, scales)
 
 
 def _check_block(name: str, x: jax.Array, *arrays: jax.Array) -> None:

@@ -142,3 +142,15 @@ def make_tiny_char_tokenizer(folder: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(folder)
+
+
+def q8_0_table(rng, n: int, k: int):
+    """A float32 [n, k] table dequantized from GGUF's Q8_0 blocks (as a GGUF's tied embedding
+    table often comes), quantized and dequantized by the gguf package; one all-zero block."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    table = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 10, (n, 1)).astype(np.float32)
+    table[0, :32] = 0
+    blocks = quants.quantize(table, GGMLQuantizationType.Q8_0)
+    return quants.dequantize(blocks, GGMLQuantizationType.Q8_0).astype(np.float32)

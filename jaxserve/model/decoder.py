@@ -25,7 +25,7 @@ from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model.lora import lora_layer
 from jaxserve.model.mlp import MLP, linear
 from jaxserve.model.moe import SparseMoE
-from jaxserve.model.quantization import QuantConfig
+from jaxserve.model.quantization import Int8Table, QuantConfig
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -318,6 +318,9 @@ class DecoderLM(nnx.Module):
     # Batch invariance on a GPU: a tied LM head's (x [S, D], table [V, D]) -> [S, V] product in a
     # fixed order (the Mosaic GPU dense kernel); None: XLA's. runner.kernels sets it.
     tied_head_matmul: Callable | None = None
+    # A quantized model on the CPU: the tied table's Q8_0 blocks for a head of up to
+    # lm_head_rows rows (cpu_kernels.int8_matmul). runner.kernels sets it.
+    int8_head: Int8Table | None = None
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization: QuantConfig | None = None):
         self.cfg = cfg
@@ -365,6 +368,8 @@ class DecoderLM(nnx.Module):
             logits = self.lm_head(x)
         elif self.tied_head_matmul is not None:
             logits = self.tied_head_matmul(x, self.embed_tokens.embedding[...])
+        elif self.int8_head is not None and x.shape[0] <= self.few_row_kernels.lm_head_rows:
+            logits = self.int8_head(x)
         elif _fits(x, table := self.embed_tokens.embedding[...], self.few_row_kernels.lm_head_rows):
             logits = cpu_kernels.small_matmul(x, table, transposed=True)
         else:

@@ -32,7 +32,7 @@ from jaxserve.model.moe import (
     run_touched_experts,
     run_touched_experts_in_cpp,
 )
-from jaxserve.model.quantization import QuantizedLinear, quantized_layers, use_kernel_layout
+from jaxserve.model.quantization import Int8Table, QuantizedLinear, quantized_layers, use_kernel_layout
 from jaxserve.model.sizing import per_device_config
 from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
 from jaxserve.weights.load import default_cache_dir
@@ -276,7 +276,8 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
 def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     """For a quantized model on the CPU: "cpu" converts its int4 layers, in place, to the
     C++ kernel's tiled layout (their few-row products, decode steps of up to MAX_ROWS rows,
-    then read the packed nibbles) and marks a tied LM head for small_matmul; else
+    then read the packed nibbles) and marks a tied LM head for the CPU kernels: int8_matmul
+    on the table's Q8_0 blocks where it is made of them (a GGUF's), else small_matmul; else
     "reference" (fp8 layers always run the reference)."""
     reason = dense_matmul_unsupported_reason(model, device, tp)
     if name == "cpu" and reason is not None:
@@ -292,12 +293,18 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
     for layer in int4:
         layer.use_cpu_layout()
     model.few_row_kernels = few_row_kernels(model)
+    head = ""
+    if model.cfg.tie_word_embeddings:
+        if model.int8_head is None:
+            model.int8_head = Int8Table.from_table(model.embed_tokens.embedding[...])
+        head = " from its Q8_0 blocks" if model.int8_head is not None else ""
+        head = f" and the tied LM head's{head} of up to {cpu_kernels.MAX_ROWS}"
     logger.info(
         "matmul backend: cpu on %s for %d int4 layers' products of up to %d rows (tiled layout)%s",
         device.device_kind,
         len(int4),
         cpu_kernels.MAX_ROWS,
-        f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "",
+        head,
     )
     return "cpu"
 
@@ -308,6 +315,7 @@ def restore_canonical_layout(model) -> None:
     for _, layer in quantized_layers(model):
         if layer.layout == "cpu":
             layer.use_canonical_layout()
+    model.int8_head = None
 
 
 def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> str:

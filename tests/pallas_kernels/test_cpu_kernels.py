@@ -14,6 +14,7 @@ from jaxserve.weights.load import default_cache_dir
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from tests.attention_cases import batch_tree_mask, dense_attention, kary_tree, make_case
+from tests.tiny_models import q8_0_table
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -260,6 +261,66 @@ def test_int4_matmul_in_bfloat16_and_its_errors():
         cpu_kernels.int4_matmul(x, *tiled, 64)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpu_kernels.int4_matmul(x.astype(jnp.float16), *tiled, 96)
+
+
+def tiled_int8_head(table):
+    q, scales = cpu_kernels.q8_0_blocks(table)
+    return (*cpu_kernels.tile_int8(jnp.asarray(q), jnp.asarray(scales)), table.shape[0])
+
+
+def test_q8_0_blocks_are_found_again_exactly_and_only_where_they_are():
+    """The gguf package's Q8_0 blocks, dequantized: their int8 values and float16 scales come
+    back exactly (scale times value is the table again); a float table, or one value changed
+    by an ulp, is not taken for Q8_0."""
+    table = q8_0_table(np.random.default_rng(0), 70, 96)
+    q, scales = cpu_kernels.q8_0_blocks(table)
+    assert q.dtype == np.int8 and scales.dtype == np.float16 and q.shape == (96, 70) and scales.shape == (3, 70)
+    np.testing.assert_array_equal(q.T.astype(np.float32) * np.repeat(scales.T.astype(np.float32), 32, 1), table)
+    assert cpu_kernels.q8_0_blocks(np.random.default_rng(1).standard_normal((70, 96))) is None
+    nudged = table.copy()
+    nudged[5, 40] = np.nextafter(nudged[5, 40], np.float32(np.inf))
+    assert cpu_kernels.q8_0_blocks(nudged) is None
+    assert cpu_kernels.q8_0_blocks(table[:, :80]) is None  # K not whole blocks
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("n,k", [(1000, 576), (45, 64), (7, 32)])
+def test_int8_matmul_equals_numpy(m, n, k):
+    """x @ table.T on the table's Q8_0 blocks against float64 NumPy on the table: rows by
+    fours, twos and ones; a ragged last tile and a single partial one."""
+    rng = np.random.default_rng(m * 7 + n)
+    table = q8_0_table(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    got = jax.jit(cpu_kernels.int8_matmul, static_argnums=3)(x, *tiled_int8_head(table))
+    assert got.dtype == jnp.float32 and got.shape == (m, n)
+    want = np.asarray(x, np.float64) @ table.T.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6 * np.sqrt(k) * np.abs(table).max(), rtol=1e-5)
+
+
+def test_int8_matmul_rows_are_computed_alone_and_in_bfloat16():
+    """A row's result is the same bits whatever rows share its call (batch invariance), float32
+    scales give the float16 ones' bits, bfloat16 x rounds once, and bad shapes are refused."""
+    rng = np.random.default_rng(6)
+    table = q8_0_table(rng, 300, 576)
+    head = tiled_int8_head(table)
+    x = jnp.asarray(rng.standard_normal((16, 576)), jnp.float32)
+    together = np.asarray(cpu_kernels.int8_matmul(x, *head))
+    for r in (0, 7, 15):
+        for rows in (slice(r, r + 1), slice(r - r % 2, r - r % 2 + 2)):
+            got = np.asarray(cpu_kernels.int8_matmul(x[rows], *head))
+            np.testing.assert_array_equal(got[r - rows.start], together[r])
+    wide = np.asarray(cpu_kernels.int8_matmul(x, head[0], head[1].astype(jnp.float32), 300))
+    np.testing.assert_array_equal(wide, together)
+    got = cpu_kernels.int8_matmul(x.astype(jnp.bfloat16), *head)
+    want = np.asarray(x.astype(jnp.bfloat16), np.float64) @ table.T.astype(np.float64)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-7, atol=1e-3)
+    with pytest.raises(ValueError, match="M <= 16"):
+        cpu_kernels.int8_matmul(jnp.zeros((17, 576)), *head)
+    with pytest.raises(ValueError, match="N in the last tile"):
+        cpu_kernels.int8_matmul(x, head[0], head[1], 256)
+    with pytest.raises(ValueError, match="int8 q"):
+        cpu_kernels.int8_matmul(x, head[0].astype(jnp.int16), head[1], 300)
 
 
 def rms_norm64(x, weight, eps):

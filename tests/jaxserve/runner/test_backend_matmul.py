@@ -5,6 +5,7 @@ C++ kernels for a float model's few-row products; the layout conversion and the 
 path are checked with the kernels run in the Mosaic GPU interpreter.
 """
 
+import dataclasses
 import logging
 
 import jax
@@ -20,12 +21,13 @@ from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize, 
 from jaxserve.runner.kernels import select_matmul
 from pallas_kernels import cpu_kernels
 from tests.paged import PagedSequences
+from tests.tiny_models import q8_0_table
 
 CFG = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 64, 256)
 
 
-def quantized_model(method="int4", dtype=jnp.bfloat16):
-    return DecoderLM(CFG, dtype=dtype, rngs=nnx.Rngs(0), quantization=QuantConfig.for_method(method))
+def quantized_model(method="int4", dtype=jnp.bfloat16, cfg=CFG):
+    return DecoderLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), quantization=QuantConfig.for_method(method))
 
 
 def test_auto_on_cpu_takes_the_cpu_int4_kernel_and_says_so(caplog):
@@ -177,10 +179,10 @@ def test_use_kernel_layout_converts_every_projection_once():
         select_matmul("reference", model)  # one-way: the canonical arrays are gone
 
 
-def randomly_quantized_model(method, dtype, seed=0):
+def randomly_quantized_model(method, dtype, seed=0, cfg=CFG):
     """A tiny model whose quantized projections hold random weights (per stacked layer)."""
     rng = np.random.default_rng(seed)
-    model = quantized_model(method, dtype)
+    model = quantized_model(method, dtype, cfg)
     quant = model.quantization
     for _, layer in quantized_layers(model):
         per_layer = [
@@ -218,14 +220,21 @@ def test_model_logits_with_the_kernels_equal_the_reference(method):
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-q8_0"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_model_logits_in_the_cpu_int4_layout_equal_the_reference(dtype):
+def test_model_logits_in_the_cpu_int4_layout_equal_the_reference(dtype, tied):
     """The whole (scanned) model with its int4 projections in the CPU kernel's tiled layout:
     a step of 8 rows through the C++ kernel and one of 24 through the reference on the weight
     untiled, against the canonical model on the reference. The kernel sums in another order
     (each group's nibbles first, scaled once) and keeps the float32 dequantized weight the
-    reference rounds to x's dtype: float32 agrees to a few ulps, bfloat16 to its rounding."""
-    model = randomly_quantized_model("int4", dtype)
+    reference rounds to x's dtype: float32 agrees to a few ulps, bfloat16 to its rounding.
+    Tied to a table of Q8_0 blocks, the 8-row step's head reads them (int8_matmul) in float32;
+    bfloat16 does not hold the blocks' values, so its head stays on the float table."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=True) if tied else CFG
+    model = randomly_quantized_model("int4", dtype, cfg=cfg)
+    if tied:
+        table = q8_0_table(np.random.default_rng(1), CFG.vocab_size, CFG.hidden_size) / 4
+        model.embed_tokens.embedding[...] = jnp.asarray(table, dtype)
     seqs = PagedSequences([5, 3, 16], 4, num_blocks=16)
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], list(range(10, 26))]
     steps = {
@@ -235,14 +244,16 @@ def test_model_logits_in_the_cpu_int4_layout_equal_the_reference(dtype):
 
     def logits(m, inputs):
         graphdef, state = nnx.split(m)
-        kv = allocate_kv_cache(CFG, 16, 4, dtype)
+        kv = allocate_kv_cache(cfg, 16, 4, dtype)
         return np.asarray(jax.jit(lambda s, kv: nnx.merge(graphdef, s)(inputs, kv)[0])(state, kv), np.float64)
 
     want = {rows: logits(model, inputs) for rows, inputs in steps.items()}
     assert select_matmul("cpu", model) == "cpu"
     assert model.layers.mlp.down_proj.packed.shape == (2, 2, 64, cpu_kernels.INT4_TILE)  # [L, tiles, K // 2, 32]
+    assert (model.int8_head is not None) == (tied and dtype == jnp.float32)
     assert np.abs(want[8]).max() > 0.1, "logits too flat for the comparison to mean anything"
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
     for rows, inputs in steps.items():
         got = logits(model, inputs)
         np.testing.assert_allclose(got, want[rows], rtol=tolerance, atol=tolerance * np.abs(want[rows]).max())
+    assert select_matmul("reference", model) == "reference" and model.int8_head is None
