@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_baseline  # noqa: E402
 from benchmarks.cpu_time import Timed, add_contend_argument, contention  # noqa: E402
+from benchmarks.runner_session import RunnerSession  # noqa: E402
 from jaxserve.extras import require_extra  # noqa: E402
 
 
@@ -244,8 +245,8 @@ def vllm_engine(vllm_python: str, work: Path, args, cold: dict):
     def request(prompt: str, max_tokens: int) -> str:
         return json.dumps({"ids": ids[prompt], "max_tokens": max_tokens})
 
-    def cold_start() -> tuple[vllm_baseline.RunnerSession, float]:
-        session = vllm_baseline.RunnerSession(vllm_python, "single", flags, env=caches)
+    def cold_start() -> tuple[RunnerSession, float]:
+        session = vllm_baseline.runner_session(vllm_python, "single", flags, env=caches)
         first = session.send(request(PROMPTS[0], 4))
         return session, first["first_token_time"] - session.spawned_at
 

@@ -373,7 +373,7 @@ def compare_vllm(args, vllm_python: str) -> dict:
     model_dir = vllm_baseline.converted_model_dir()
     runs = []
     with (
-        vllm_baseline.RunnerSession(vllm_python, "throughput", ["--model", str(model_dir), *flags]) as vllm,
+        vllm_baseline.runner_session(vllm_python, "throughput", ["--model", str(model_dir), *flags]) as vllm,
         tempfile.TemporaryDirectory() as tmp,
         contention(args.contend),
     ):

@@ -3,13 +3,12 @@
 jaxserve's side (this module, in jaxserve's venv) checks the vLLM venv, converts the
 default model's GGUF once into a float32 safetensors folder that vLLM loads without gguf
 support, and runs `benchmarks/vllm_runner.py` with the vLLM venv's Python as a session
-(RunnerSession) or a server (running_server). The venv comes from `benchmarks/install_vllm_cpu.sh`.
+(runner_session) or a server (running_server). The venv comes from `benchmarks/install_vllm_cpu.sh`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from benchmarks.runner_session import RunnerSession
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -132,59 +133,12 @@ def engine_flags(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
     ]
 
 
-class RunnerSession:
-    """vllm_runner.py MODE FLAGS kept running: `ready` is its first JSON line (after the
-    engine is built), `send(line)` writes a line to its stdin and returns its next JSON
-    line. `pid` is the process (its engine core is a child), `spawned_at` the time.time()
-    it was started. vLLM's log goes to a file whose tail is shown on failure."""
-
-    def __init__(self, vllm_python: str, mode: str, flags: list[str], env: dict | None = None):
-        self.mode = mode
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-runner-", suffix=".log", delete=False)
-        self.spawned_at = time.time()
-        self.proc = subprocess.Popen(
-            [vllm_python, str(RUNNER), mode, *flags],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=vllm_env(vllm_python, **(env or {})),
-        )
-        self.pid = self.proc.pid
-        self.ready = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            tail = Path(self.log.name).read_text()[-3000:]
-            code = self.proc.returncode
-            raise SystemExit(f"error: vLLM {self.mode} run failed (exit {code}); log {self.log.name}:\n{tail}")
-        return json.loads(line)
-
-    def send(self, line: str) -> dict:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        if self.proc.returncode == 0:
-            os.unlink(self.log.name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+def runner_session(vllm_python: str, mode: str, flags: list[str], env: dict | None = None) -> RunnerSession:
+    """vllm_runner.py MODE FLAGS kept running (its engine core is a child of `pid`); `ready`
+    is its first JSON line, after the engine is built."""
+    return RunnerSession(
+        [vllm_python, str(RUNNER), mode, *flags], vllm_env(vllm_python, **(env or {})), name=f"vLLM {mode} run"
+    )
 
 
 def free_port() -> int:

@@ -653,60 +653,101 @@ void run_tiles(ffi::ThreadPool& pool, XT* y, int64_t m, int64_t n, Tile tile) {
   });
 }
 
-template <typename XT, typename ST>
-void int4_matmul(ffi::ThreadPool& pool, const XT* x, const uint8_t* packed, const ST* scales, const ST* offsets,
-                 XT* y, int64_t m, int64_t k, int64_t n, int64_t group) {
-  const int64_t groups = k / group;
-  const std::vector<float> xf = as_floats(x, m * k);
-  std::vector<float> xsums(m * groups);  // x's sum over each group
+// One int4 weight of a JaxserveInt4Matmul call, checked; y [m, n] is its output.
+struct Int4Weight {
+  const uint8_t* packed;
+  const void* scales;
+  const void* offsets;
+  bool half;  // float16 scales and offsets, else float32
+  int64_t n, group, tiles;
+  void* y;
+};
+
+// x's sum over each group of `group` values, per row: [m, k / group].
+std::vector<float> group_sums(const std::vector<float>& xf, int64_t m, int64_t k, int64_t group) {
+  std::vector<float> sums(m * (k / group));
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < k / group; ++g) {
       float total = 0.0f;
       for (int64_t e = g * group; e < (g + 1) * group; e += 2) total += xf[r * k + e] + xf[r * k + e + 1];
-      xsums[r * groups + g] = total;
+      sums[r * (k / group) + g] = total;
     }
-  const float *xp = xf.data(), *xs = xsums.data();
-  run_tiles(pool, y, m, n, [=](int64_t t, float* out) {
-    int4_tile(xp, xs, packed + t * (k / 2) * kInt4Tile, scales + t * groups * kInt4Tile,
-              offsets + t * groups * kInt4Tile, m, k, group, out);
+  return sums;
+}
+
+// Every weight's tiles as one pool of units, x converted once: q, k and v (or gate and up) read
+// the same rows, and a call costs a dispatch and a wake-up of the helpers, so one call for all
+// of them pays that once.
+template <typename XT>
+void int4_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k, const std::vector<Int4Weight>& weights) {
+  const std::vector<float> xf = as_floats(x, m * k);
+  std::vector<std::vector<float>> sums;
+  std::vector<int64_t> first(1, 0);  // the first unit of each weight, and the total
+  for (const Int4Weight& w : weights) {
+    sums.push_back(group_sums(xf, m, k, w.group));
+    first.push_back(first.back() + w.tiles);
+  }
+  const float* xp = xf.data();
+  const Int4Weight* ws = weights.data();
+  const std::vector<float>* sp = sums.data();
+  const int64_t* fp = first.data();
+  run_units(pool, first.back(), [=](int64_t u) {
+    int64_t i = 0;
+    while (u >= fp[i + 1]) ++i;
+    const Int4Weight& w = ws[i];
+    const int64_t t = u - fp[i], groups = k / w.group, stride = t * groups * kInt4Tile;
+    const uint8_t* packed = w.packed + t * (k / 2) * kInt4Tile;
+    float out[kMaxRows * kInt4Tile];
+    if (w.half)
+      int4_tile(xp, sp[i].data(), packed, static_cast<const Half*>(w.scales) + stride,
+                static_cast<const Half*>(w.offsets) + stride, m, k, w.group, out);
+    else
+      int4_tile(xp, sp[i].data(), packed, static_cast<const float*>(w.scales) + stride,
+                static_cast<const float*>(w.offsets) + stride, m, k, w.group, out);
+    const int64_t first_column = t * kInt4Tile, cols = std::min(kInt4Tile, w.n - first_column);
+    XT* y = static_cast<XT*>(w.y);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * w.n + first_column + c);
   });
 }
 
-ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scales,
-                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y) {
-  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), od = offsets.dimensions(),
-       yd = y->dimensions();
-  const bool shapes_ok = xd.size() == 2 && pd.size() == 3 && sd.size() == 3 && od.size() == 3 && yd.size() == 2 &&
-                         xd[0] <= kMaxRows && yd[0] == xd[0] && xd[1] == 2 * pd[1] && pd[2] == kInt4Tile &&
-                         sd[0] == pd[0] && sd[2] == kInt4Tile && sd[1] >= 1 && xd[1] % sd[1] == 0 &&
-                         (xd[1] / sd[1]) % 2 == 0 && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2] &&
-                         yd[1] <= pd[0] * kInt4Tile && yd[1] > (pd[0] - 1) * kInt4Tile;
-  if (!shapes_ok)
-    return ffi::Error::InvalidArgument(
-        "expected x [M <= 16, K], packed [tiles, K / 2, 32], scales and offsets [tiles, G, 32] with an even "
-        "K / G, y [M, N] with N in the last tile");
-  const auto xt = x.element_type(), st = scales.element_type();
-  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || y->element_type() != xt)
-    return ffi::Error::InvalidArgument("x must be float32 or bfloat16, y as x");
-  if ((st != ffi::DataType::F32 && st != ffi::DataType::F16) || offsets.element_type() != st)
-    return ffi::Error::InvalidArgument("scales and offsets must both be float32 or both float16");
-  const int64_t m = xd[0], k = xd[1], n = yd[1], group = k / sd[1];
-  const uint8_t* p = packed.typed_data();
-  const void *xv = x.untyped_data(), *sv = scales.untyped_data(), *ov = offsets.untyped_data();
-  void* yv = y->untyped_data();
-  const bool x32 = xt == ffi::DataType::F32, s32 = st == ffi::DataType::F32;
-  if (x32 && s32)
-    int4_matmul(pool, static_cast<const float*>(xv), p, static_cast<const float*>(sv), static_cast<const float*>(ov),
-                static_cast<float*>(yv), m, k, n, group);
-  else if (x32)
-    int4_matmul(pool, static_cast<const float*>(xv), p, static_cast<const Half*>(sv), static_cast<const Half*>(ov),
-                static_cast<float*>(yv), m, k, n, group);
-  else if (s32)
-    int4_matmul(pool, static_cast<const uint16_t*>(xv), p, static_cast<const float*>(sv),
-                static_cast<const float*>(ov), static_cast<uint16_t*>(yv), m, k, n, group);
+// x, then (packed, scales, offsets) per weight; one y per weight.
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto xd = x.dimensions();
+  const auto xt = x.element_type();
+  if (xd.size() != 2 || xd[0] > kMaxRows || rets.size() == 0 || args.size() != 3 * rets.size())
+    return ffi::Error::InvalidArgument("expected x [M <= 16, K], then packed, scales and offsets per output");
+  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
+  const int64_t m = xd[0], k = xd[1];
+  std::vector<Int4Weight> weights;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto packed = args.get<ffi::Buffer<ffi::U8>>(3 * i);
+    auto scales = args.get<ffi::AnyBuffer>(3 * i + 1), offsets = args.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!packed || !scales || !offsets || !y)
+      return ffi::Error::InvalidArgument("expected uint8 packed nibbles, scales, offsets and a result per weight");
+    auto pd = packed->dimensions(), sd = scales->dimensions(), od = offsets->dimensions(), yd = (*y)->dimensions();
+    const bool shapes_ok = pd.size() == 3 && sd.size() == 3 && od.size() == 3 && yd.size() == 2 && yd[0] == m &&
+                           k == 2 * pd[1] && pd[2] == kInt4Tile && sd[0] == pd[0] && sd[2] == kInt4Tile &&
+                           sd[1] >= 1 && k % sd[1] == 0 && (k / sd[1]) % 2 == 0 && od[0] == sd[0] &&
+                           od[1] == sd[1] && od[2] == sd[2] && yd[1] <= pd[0] * kInt4Tile &&
+                           yd[1] > (pd[0] - 1) * kInt4Tile;
+    if (!shapes_ok)
+      return ffi::Error::InvalidArgument(
+          "expected x [M <= 16, K], packed [tiles, K / 2, 32], scales and offsets [tiles, G, 32] with an even "
+          "K / G, y [M, N] with N in the last tile");
+    const auto st = scales->element_type();
+    if ((st != ffi::DataType::F32 && st != ffi::DataType::F16) || offsets->element_type() != st)
+      return ffi::Error::InvalidArgument("scales and offsets must both be float32 or both float16");
+    if ((*y)->element_type() != xt) return ffi::Error::InvalidArgument("y must have x's dtype");
+    weights.push_back({packed->typed_data(), scales->untyped_data(), offsets->untyped_data(),
+                       st == ffi::DataType::F16, yd[1], k / sd[1], pd[0], (*y)->untyped_data()});
+  }
+  if (xt == ffi::DataType::F32)
+    int4_matmuls(pool, static_cast<const float*>(x.untyped_data()), m, k, weights);
   else
-    int4_matmul(pool, static_cast<const uint16_t*>(xv), p, static_cast<const Half*>(sv), static_cast<const Half*>(ov),
-                static_cast<uint16_t*>(yv), m, k, n, group);
+    int4_matmuls(pool, static_cast<const uint16_t*>(x.untyped_data()), m, k, weights);
   return ffi::Error::Success();
 }
 
@@ -1196,10 +1237,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matmul, Int4Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()  // packed nibbles [tiles, K / 2, 32]
-                                  .Arg<ffi::AnyBuffer>()  // scales [tiles, G, 32], float32 or float16
-                                  .Arg<ffi::AnyBuffer>()  // offsets, as scales
-                                  .Ret<ffi::AnyBuffer>());
+                                  .RemainingArgs()  // per weight: packed [tiles, K / 2, 32] uint8, scales and
+                                                    // offsets [tiles, G, 32] float32 or float16
+                                  .RemainingRets());  // per weight: y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()

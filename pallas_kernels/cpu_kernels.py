@@ -289,31 +289,41 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax
     """x [M <= MAX_ROWS, K] @ an int4 weight of N output columns in tile_int4's layout ->
     [M, N] in x's dtype (float32 or bfloat16), accumulated in float32, the weight never
     dequantized to memory. Not differentiable."""
+    return int4_matmuls(x, [(packed, scales, offsets, n)])[0]
+
+
+def int4_matmuls(x: jax.Array, weights) -> list[jax.Array]:
+    """int4_matmul of one x with each of `weights` ((packed, scales, offsets, N) each, in
+    tile_int4's layout, K alike, group sizes free), as one call: q, k and v (or gate and up)
+    pay one dispatch and one wake-up of the thread pool, and their tiles share it."""
     _check_built()
     m, k = x.shape
-    tiles, groups = scales.shape[:2]
-    if (
-        m > MAX_ROWS
-        or packed.shape != (tiles, k // 2, INT4_TILE)
-        or scales.shape != (tiles, groups, INT4_TILE)
-        or offsets.shape != scales.shape
-        or k % groups
-        or (k // groups) % 2
-        or not (tiles - 1) * INT4_TILE < n <= tiles * INT4_TILE
-    ):
-        raise ValueError(
-            f"int4_matmul takes x [M <= {MAX_ROWS}, K], packed [tiles, K // 2, {INT4_TILE}], scales and offsets "
-            f"[tiles, G, {INT4_TILE}] (tile_int4's layout) with an even K // G, and N in the last tile; got "
-            f"{x.shape}, {packed.shape}, {scales.shape}, {offsets.shape}, N={n}"
-        )
+    for packed, scales, offsets, n in weights:
+        tiles, groups = scales.shape[:2]
+        if (
+            m > MAX_ROWS
+            or packed.shape != (tiles, k // 2, INT4_TILE)
+            or scales.shape != (tiles, groups, INT4_TILE)
+            or offsets.shape != scales.shape
+            or k % groups
+            or (k // groups) % 2
+            or not (tiles - 1) * INT4_TILE < n <= tiles * INT4_TILE
+        ):
+            raise ValueError(
+                f"int4_matmul takes x [M <= {MAX_ROWS}, K], packed [tiles, K // 2, {INT4_TILE}], scales and offsets "
+                f"[tiles, G, {INT4_TILE}] (tile_int4's layout) with an even K // G, and N in the last tile; got "
+                f"{x.shape}, {packed.shape}, {scales.shape}, {offsets.shape}, N={n}"
+            )
+        if scales.dtype != offsets.dtype or scales.dtype not in (jnp.float32, jnp.float16):
+            raise ValueError(
+                f"int4_matmul takes float32 or float16 scales and offsets, not {scales.dtype}, {offsets.dtype}"
+            )
     if x.dtype not in KV_DTYPES:
         raise ValueError(f"int4_matmul takes float32 or bfloat16 x, got {x.dtype}")
-    if scales.dtype != offsets.dtype or scales.dtype not in (jnp.float32, jnp.float16):
-        raise ValueError(
-            f"int4_matmul takes float32 or float16 scales and offsets, not {scales.dtype}, {offsets.dtype}"
-        )
-    call = jax.ffi.ffi_call(INT4_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
-    return call(x, packed.astype(jnp.uint8), scales, offsets)
+    shapes = [jax.ShapeDtypeStruct((m, n), x.dtype) for *_, n in weights]
+    call = jax.ffi.ffi_call(INT4_MATMUL_TARGET, shapes, vmap_method="sequential")
+    arrays = [a for packed, scales, offsets, _ in weights for a in (packed.astype(jnp.uint8), scales, offsets)]
+    return list(call(x, *arrays))
 
 
 def q8_0_blocks(table, block: int = Q8_0_BLOCK) -> tuple[np.ndarray, np.ndarray] | None:

@@ -25,7 +25,7 @@ from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model.lora import lora_layer
 from jaxserve.model.mlp import MLP, linear
 from jaxserve.model.moe import SparseMoE
-from jaxserve.model.quantization import Int8Table, QuantConfig
+from jaxserve.model.quantization import Int8Table, QuantConfig, project
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -96,7 +96,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
         with jax.named_scope("qkv_proj"):
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         out, kv = self.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention)
         with jax.named_scope("o_proj"):
             return self.o_proj(out), kv

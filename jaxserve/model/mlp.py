@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.quantization import QuantConfig, QuantizedLinear
+from jaxserve.model.quantization import QuantConfig, QuantizedLinear, project
 
 
 def _kernel_dot_general(x, kernel, dimension_numbers, precision=None, *, interpret: bool, **_):
@@ -45,4 +45,5 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         with jax.named_scope("mlp"):
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = project(x, self.gate_proj, self.up_proj)
+            return self.down_proj(jax.nn.silu(gate) * up)

@@ -116,6 +116,9 @@ class QuantizedLinear(nnx.Module):
             y = int4_matmul_reference(x2, self.packed[...], self.scales[...], self.offsets[...])
         else:
             y = fp8_matmul_reference(x2, self.weight[...], self.scales[...])
+        return self._output(y, lead)
+
+    def _output(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
         y = y.reshape(*lead, self.dout)
         return y if self.bias is None else y + self.bias[...]
 
@@ -236,6 +239,19 @@ class Int8Table(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [M <= cpu_kernels.MAX_ROWS, hidden] @ table.T -> [M, vocab] in x's dtype."""
         return cpu_kernels.int8_matmul(x, self.q[...], self.scales[...], self.vocab)
+
+
+def project(x: jax.Array, *layers) -> tuple[jax.Array, ...]:
+    """Each layer's output for the same x (q, k and v; gate and up). Int4 layers in the CPU
+    layout share one kernel call for a few rows (`cpu_kernels.int4_matmuls`): a decode step
+    pays one dispatch for them instead of one each."""
+    x2 = x.reshape(-1, x.shape[-1])
+    fused = len(layers) > 1 and x2.shape[0] <= cpu_kernels.MAX_ROWS
+    if fused and all(isinstance(layer, QuantizedLinear) and layer.layout == "cpu" for layer in layers):
+        weights = [(layer.packed[...], layer.scales[...], layer.offsets[...], layer.dout) for layer in layers]
+        ys = cpu_kernels.int4_matmuls(x2, weights)
+        return tuple(layer._output(y, x.shape[:-1]) for layer, y in zip(layers, ys))
+    return tuple(layer(x) for layer in layers)
 
 
 def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:

@@ -227,6 +227,25 @@ def test_int4_matmul_with_float16_scales_equals_float32_scales(m):
     np.testing.assert_array_equal(np.asarray(untiled[1]), scales)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_int4_matmuls_share_one_call_and_equal_each_alone(m):
+    """q, k and v in one call: weights of other widths, groups and scale dtypes, each the same
+    bits as its own call (itself checked against float64 NumPy above), the first too."""
+    rng = np.random.default_rng(m)
+    cases = [int4_case(rng, m, 576, n, group) for n, group in ((576, 32), (192, 64), (45, 192))]
+    x = cases[0][0][0]
+    weights = []
+    for i, ((_, packed, scales, offsets), _) in enumerate(cases):
+        if i == 1:  # float16 scales and offsets beside float32 ones
+            scales, offsets = (a.astype(np.float16).astype(np.float32) for a in (scales, offsets))
+        dtype = jnp.float16 if i == 1 else jnp.float32
+        weights.append((*cpu_kernels.tile_int4(packed, scales, offsets, scale_dtype=dtype), packed.shape[1]))
+    together = jax.jit(lambda x: cpu_kernels.int4_matmuls(x, weights))(x)
+    for got, weight in zip(together, weights):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(cpu_kernels.int4_matmul(x, *weight)))
+    np.testing.assert_allclose(np.asarray(together[0]), cases[0][1], atol=1e-5 * np.sqrt(576), rtol=1e-5)
+
+
 def test_int4_tiles_round_trip():
     (_, *weight), _ = int4_case(np.random.default_rng(4), 1, 64, 45, 32)
     stacked = [np.stack([w, w[::-1]]) for w in weight]  # leading axes (stacked layers) kept
