@@ -8,6 +8,7 @@ cache is switched on only once jax is loaded.
 """
 
 import gc
+import logging
 import os
 import sys
 from pathlib import Path
@@ -43,6 +44,19 @@ def compilation_cache(tmp_path_factory):
     from jaxserve.engine.builder import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("JAXSERVE_CACHE") or tmp_path_factory.mktemp("jaxserve-cache"))
+
+
+@pytest.fixture(autouse=True)
+def restore_log_levels():
+    """A command's main() run in-process sets jaxserve's loggers' levels
+    (jaxserve.logs.configure_logging: "warning" for most); the next test gets them back as
+    they were, whatever order the tests run in (a worker of pytest -n runs its own order)."""
+    from jaxserve.logs import OWN_LOGGERS
+
+    levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture(scope="module", autouse=True)
