@@ -44,8 +44,9 @@ FLAGS = [
     ),
     *("--max-model-len", "256", "--num-blocks", "160", "--block-size", "4"),
     # A prefix goes back to its replica only while that one is least loaded; a hang shows in two
-    # polls of 3 s (a busy replica on a loaded CI machine answers well within that).
-    *("--router-load-bound", "0", "--health-interval", "0.3", "--health-timeout", "3"),
+    # polls of 8 s (a busy replica on a loaded CI machine answers well within that, and the calls
+    # the killed-replica test sends to a held one reach it before it is ejected; CI 2026-12-05).
+    *("--router-load-bound", "0", "--health-interval", "0.3", "--health-timeout", "8"),
 ]
 
 
@@ -190,7 +191,7 @@ def test_a_killed_replica_is_retried_elsewhere_restarted_and_readmitted(server, 
     # A stream on each replica; the one on the victim has started, so its client must get a
     # clean error. The victim is held (SIGSTOP) the moment its first chunk is here: a tiny
     # model would otherwise finish the stream before the kill.
-    pids = {r["url"]: r["pid"] for r in replicas(server)}
+    before_stop = {r["url"]: r for r in replicas(server)}
 
     def stream(prompt):
         return client.completions.create(
@@ -200,8 +201,8 @@ def test_a_killed_replica_is_retried_elsewhere_restarted_and_readmitted(server, 
     streams = [stream(PROMPTS[0])]
     victim_chunks = iter(streams[0])
     next(victim_chunks)
-    os.kill(pids[streams[0].response.headers[UPSTREAM_HEADER]], signal.SIGSTOP)
-    victim = next(r for r in replicas(server) if r["url"] == streams[0].response.headers[UPSTREAM_HEADER])
+    victim = before_stop[streams[0].response.headers[UPSTREAM_HEADER]]
+    os.kill(victim["pid"], signal.SIGSTOP)
     streams.append(stream(PROMPTS[1]))
     assert streams[1].response.headers[UPSTREAM_HEADER] != victim["url"]
     # Calls in flight on the victim that have streamed nothing: they arrive while it is held
