@@ -640,17 +640,13 @@ std::vector<float> as_floats(const XT* x, int64_t count) {
   return xf;
 }
 
-// y [m, n] from tiles of kInt4Tile columns, one unit each: tile(t, out) writes tile t's
-// [m, kInt4Tile] (its columns past n are the layout's zero padding, dropped here).
-template <typename XT, typename Tile>
-void run_tiles(ffi::ThreadPool& pool, XT* y, int64_t m, int64_t n, Tile tile) {
-  run_units(pool, (n + kInt4Tile - 1) / kInt4Tile, [=](int64_t t) {
-    float out[kMaxRows * kInt4Tile];
-    tile(t, out);
-    const int64_t first = t * kInt4Tile, cols = std::min(kInt4Tile, n - first);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * n + first + c);
-  });
+// Tile t's [m, kInt4Tile] sums into its columns of y [m, n] (those past n are the layout's
+// zero padding, dropped here).
+template <typename XT>
+void store_tile(const float* out, XT* y, int64_t m, int64_t n, int64_t t) {
+  const int64_t first = t * kInt4Tile, cols = std::min(kInt4Tile, n - first);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * n + first + c);
 }
 
 // One int4 weight of a JaxserveInt4Matmul call, checked; y [m, n] is its output.
@@ -704,10 +700,7 @@ void int4_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k, cons
     else
       int4_tile(xp, sp[i].data(), packed, static_cast<const float*>(w.scales) + stride,
                 static_cast<const float*>(w.offsets) + stride, m, k, w.group, out);
-    const int64_t first_column = t * kInt4Tile, cols = std::min(kInt4Tile, w.n - first_column);
-    XT* y = static_cast<XT*>(w.y);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * w.n + first_column + c);
+    store_tile(out, static_cast<XT*>(w.y), m, w.n, t);
   });
 }
 
@@ -839,8 +832,10 @@ void int8_matmul(ffi::ThreadPool& pool, const XT* x, const int8_t* q, const ST* 
                  int64_t n, int64_t group) {
   const std::vector<float> xf = as_floats(x, m * k);
   const float* xp = xf.data();
-  run_tiles(pool, y, m, n, [=](int64_t t, float* out) {
+  run_units(pool, (n + kInt4Tile - 1) / kInt4Tile, [=](int64_t t) {
+    float out[kMaxRows * kInt4Tile];
     int8_tile(xp, q + t * k * kInt4Tile, scales + t * (k / group) * kInt4Tile, m, k, group, out);
+    store_tile(out, y, m, n, t);
   });
 }
 
