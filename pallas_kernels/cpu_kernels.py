@@ -15,7 +15,7 @@
 - `moe_experts` is a mixture of SwiGLU experts for the few tokens of a decode step, as
   jaxserve.model.moe.run_touched_experts computes it, in one call that reads only the
   experts the tokens chose (XLA runs the loop over experts as a chain of small ops).
-- `int4_matmul` is `x @ W` for a few rows of x and a 4-bit weight (GGUF's Q4_0 / Q4_1
+- `int4_matmul` is `x @ W` for a few rows of x and a 4-bit weight (GGUF's Q4_0 / Q4_1 / Q4_K
   blocks, `--quantization int4`), read as packed nibbles in tiles of 32 output columns
   (`tile_int4`, once at load; GGUF's float16 scales kept as float16); the pure-JAX path
   writes the whole weight out as floats first, every step.

@@ -7,8 +7,8 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
            `group_size` along K (128; a layer whose K it does not divide uses 64 or 32)
     fp8    e4m3 weights with a scale per output channel; activations quantized per token
            on the fly (W8A8), float32 accumulation
-    gguf   a GGUF file's own Q4_0 / Q4_1 blocks, kept as int4 with group 32 (the file's
-           exact values) instead of dequantized; other block types are re-quantized
+    gguf   a GGUF file's own Q4_0 / Q4_1 / Q4_K blocks, kept as int4 with group 32 (the
+           file's exact values) instead of dequantized; other block types are re-quantized
 
 A checkpoint saved by llm-compressor (compressed-tensors) brings its own int4 or fp8
 weights and needs no flag. The layouts the layers hold are described in

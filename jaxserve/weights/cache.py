@@ -34,7 +34,7 @@ from jaxserve.weights.sizes import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 5  # bump when the converted layout changes: old entries get other keys and age out
+CACHE_FORMAT = 6  # bump when the converted layout changes: old entries get other keys and age out (6: Q4_K kept)
 # NOTE: 20 GiB holds every variant of a small model, or one 8B model in bf16 (16 GB), and
 # leaves room on a laptop's disk; a checkpoint larger than the cap still loads and is cached
 # (the entry in use is never evicted), it just pushes out everything else.

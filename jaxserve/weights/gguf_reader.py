@@ -1,7 +1,8 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face-style config and tensors.
 
 Quantized tensors are dequantized with the `gguf` package, or, for `--quantization gguf`,
-the projections' Q4_0 / Q4_1 blocks are kept as int4 (`q4_blocks_as_int4`). llama.cpp
+the projections' Q4_0 / Q4_1 / Q4_K blocks are kept as int4 with group 32 (`q4_blocks_as_int4`,
+`q4_k_blocks_as_int4`: the file's exact values, as llama.cpp computes them). llama.cpp
 stores the Q and K projections of Llama-architecture models with the rows of each head
 interleaved for its rotary kernel; we undo that permutation so the weights match Hugging
 Face's layout.
@@ -115,7 +116,7 @@ class GGUFFile:
 
     def tensors(self, keep_q4: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
         """(Hugging Face name, float32 array in Hugging Face layout) for every tensor; with
-        `keep_q4`, the projections stored as Q4_0 / Q4_1 come as int4 `QuantizedWeight`s."""
+        `keep_q4`, the projections stored as Q4_0 / Q4_1 / Q4_K come as int4 `QuantizedWeight`s."""
         from gguf import GGMLQuantizationType, dequantize
 
         cfg = self.hf_config()
@@ -125,12 +126,11 @@ class GGUFFile:
             shape = tuple(int(n) for n in reversed(t.shape))
             is_projection = _BLOCK.match(t.name) is not None and len(shape) == 2
             try:
-                if (
-                    keep_q4
-                    and is_projection
-                    and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
-                ):
+                kept = keep_q4 and is_projection
+                if kept and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
                     array = q4_blocks_as_int4(np.asarray(t.data), t.tensor_type == GGMLQuantizationType.Q4_1, shape)
+                elif kept and t.tensor_type == GGMLQuantizationType.Q4_K:
+                    array = q4_k_blocks_as_int4(np.asarray(t.data), shape)
                 else:
                     requantized += keep_q4 and is_projection
                     array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
@@ -148,7 +148,7 @@ class GGUFFile:
             yield name, array
         if requantized:
             logger.warning(
-                "%s: %d projections are not Q4_0/Q4_1 blocks; they were re-quantized to int4 (group 32)",
+                "%s: %d projections are not Q4_0/Q4_1/Q4_K blocks; they were re-quantized to int4 (group 32)",
                 self.path.name,
                 requantized,
             )
@@ -186,4 +186,36 @@ def q4_blocks_as_int4(data: np.ndarray, has_min: bool, shape: tuple[int, int]) -
     qs = blocks[..., 4:20] if has_min else blocks[..., 2:18]
     nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # [N, K] in input order
     params = {"packed": pack_int4(nibbles.T), "scales": np.ascontiguousarray(d.T), "offsets": np.ascontiguousarray(m.T)}
+    return QuantizedWeight("int4", params, shape)
+
+
+def q4_k_blocks_as_int4(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A projection's Q4_K blocks as int4 with group 32, exactly.
+
+    A Q4_K super-block covers 256 consecutive inputs of one output row: f16 d and dmin, 12
+    bytes of eight 6-bit scales and eight 6-bit mins (one pair per 32 inputs), then 128 bytes
+    of nibbles, each 32 of them holding 64 inputs (low nibbles the first 32, high the next).
+    Input i of sub-block j is `d * scale_j * q - dmin * min_j`: asymmetric int4 with group 32,
+    scale `d * scale_j` and offset `-dmin * min_j` (float32 holds both products exactly: 11 and
+    6 significant bits).
+    """
+    n, k = shape
+    blocks = data.reshape(n, k // 256, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, K/256, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[..., 4:16].astype(np.uint8)
+    low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    # Sub-blocks 0-3 keep their 6 bits in bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7
+    # take 4 low bits from bytes 8-11 and their top 2 from the top bits of bytes 0-3 / 4-7.
+    scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    qs = blocks[..., 16:144].reshape(n, k // 256, 4, 1, 32)
+    nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, k)  # [N, K] in input order
+    step = (d * scales).reshape(n, k // 32)
+    offset = (-(dmin * mins)).reshape(n, k // 32)
+    params = {
+        "packed": pack_int4(nibbles.T),
+        "scales": np.ascontiguousarray(step.T),
+        "offsets": np.ascontiguousarray(offset.T),
+    }
     return QuantizedWeight("int4", params, shape)

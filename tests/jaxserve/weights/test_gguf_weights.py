@@ -244,3 +244,44 @@ def test_a_gguf_config_is_parsed_once_then_remembered(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
     write_tiny_gguf(path, "qwen2", "Q8_0")  # the same path, another model: read anew
     assert load.read_hf_config(str(path))[0] == GGUFFile(path).hf_config() != first
+
+
+def test_q4_k_projections_are_served_as_the_files_own_int4_values(tmp_path):
+    """`--quantization gguf` keeps a Q4_K projection's blocks as int4 with group 32 (its
+    sub-blocks' scales and mins) instead of re-rounding them: every kept weight dequantizes
+    to transformers' torch dequantizer of the file's bytes, and the logits (llama: the
+    rotary permutation applied to kept weights) equal transformers reading the file."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.gguf.dequant import dequantize
+
+    from jaxserve.model.quantization import quantized_layers
+    from jaxserve.weights.gguf_reader import hf_name
+    from pallas_kernels.quantized_matmul import dequantize_int4
+
+    path = tmp_path / "tiny-qwen3-Q4_K.gguf"
+    write_tiny_gguf(path, "qwen3", "Q4_K")
+    loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
+    layers = {f"model.{path.replace('/', '.')}.weight": m for path, m in quantized_layers(loaded.model)}
+    kept = 0
+    for t in GGUFReader(str(path)).tensors:
+        if t.tensor_type.name != "Q4_K" or hf_name(t.name) not in layers:
+            continue
+        layer = layers[hf_name(t.name)]
+        assert layer.kind == "int4" and layer.scales.shape[0] == layer.din // 32, t.name
+        shape = tuple(int(n) for n in reversed(t.shape))
+        raw = torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8))
+        want = dequantize(raw, int(t.tensor_type), torch.float32).reshape(shape).numpy().T
+        got = np.asarray(dequantize_int4(layer.packed[...], layer.scales[...], layer.offsets[...]))
+        np.testing.assert_array_equal(got, want, err_msg=t.name)
+        kept += 1
+    assert kept == 7 * LAYERS
+
+    path = tmp_path / "tiny-llama-Q4_K.gguf"
+    write_tiny_gguf(path, "llama", "Q4_K")
+    loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = theirs(torch.tensor([PROMPT])).logits[0].double().numpy()
+    err = np.abs(our_logits(loaded, PROMPT) - want).max()
+    assert np.abs(want).max() > 1.0 and err <= 1e-4, f"max abs error {err:.2e}"
