@@ -132,7 +132,7 @@ class GGUFFile:
                 elif kept and t.tensor_type == GGMLQuantizationType.Q4_K:
                     array = q4_k_blocks_as_int4(np.asarray(t.data), shape)
                 else:
-                    requantized += keep_q4 and is_projection
+                    requantized += kept
                     array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
             except Exception as e:
                 raise WeightError(f"{self.path}: tensor {t.name!r} could not be read: {e}") from e
@@ -185,7 +185,16 @@ def q4_blocks_as_int4(data: np.ndarray, has_min: bool, shape: tuple[int, int]) -
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8.0 * d
     qs = blocks[..., 4:20] if has_min else blocks[..., 2:18]
     nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # [N, K] in input order
-    params = {"packed": pack_int4(nibbles.T), "scales": np.ascontiguousarray(d.T), "offsets": np.ascontiguousarray(m.T)}
+    return _int4_weight(nibbles, d, m, shape)
+
+
+def _int4_weight(nibbles: np.ndarray, scales: np.ndarray, offsets: np.ndarray, shape) -> QuantizedWeight:
+    """Nibbles [N, K] in input order, scales and offsets [N, K / group]: our int4 layout ([K, N])."""
+    params = {
+        "packed": pack_int4(nibbles.T),
+        "scales": np.ascontiguousarray(scales.T),
+        "offsets": np.ascontiguousarray(offsets.T),
+    }
     return QuantizedWeight("int4", params, shape)
 
 
@@ -211,11 +220,4 @@ def q4_k_blocks_as_int4(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWe
     mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
     qs = blocks[..., 16:144].reshape(n, k // 256, 4, 1, 32)
     nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, k)  # [N, K] in input order
-    step = (d * scales).reshape(n, k // 32)
-    offset = (-(dmin * mins)).reshape(n, k // 32)
-    params = {
-        "packed": pack_int4(nibbles.T),
-        "scales": np.ascontiguousarray(step.T),
-        "offsets": np.ascontiguousarray(offset.T),
-    }
-    return QuantizedWeight("int4", params, shape)
+    return _int4_weight(nibbles, (d * scales).reshape(n, k // 32), (-(dmin * mins)).reshape(n, k // 32), shape)
