@@ -242,10 +242,11 @@ def _refuse_unsupported_fields(hf: dict[str, Any]) -> None:
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
     quant = hf.get("quantization_config")
-    if quant and quant.get("quant_method") != "compressed-tensors":  # that one: jaxserve.weights.compressed_tensors
+    # Those read by jaxserve.weights.compressed_tensors and gptq_awq, which check the rest.
+    if quant and quant.get("quant_method") not in ("compressed-tensors", "gptq", "awq"):
         raise UnsupportedModelError(
             f"quantization_config (quant_method={quant.get('quant_method')!r}) is not supported; use a "
-            "compressed-tensors checkpoint, an unquantized one (--quantization int4|fp8) or a GGUF file"
+            "compressed-tensors, GPTQ or AWQ checkpoint, an unquantized one (--quantization int4|fp8) or a GGUF file"
         )
     layer_types = hf.get("layer_types")
     if layer_types and len(set(layer_types)) > 1:

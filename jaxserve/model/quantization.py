@@ -10,8 +10,8 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
     gguf   a GGUF file's own Q4_0 / Q4_1 / Q4_K blocks, kept as int4 with group 32 (the
            file's exact values) instead of dequantized; other block types are re-quantized
 
-A checkpoint saved by llm-compressor (compressed-tensors) brings its own int4 or fp8
-weights and needs no flag. The layouts the layers hold are described in
+A checkpoint saved by llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel (GPTQ)
+or AutoAWQ (AWQ) brings its own int4 or fp8 weights and needs no flag. The layouts the layers hold are described in
 `pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.runner.kernels.select_matmul`
 converts the layers once to the Mosaic GPU kernels' layout
 (`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels; on the CPU it sends
@@ -40,7 +40,7 @@ _FALLBACK_GROUPS = (64, 32)
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """How a model's projections are stored. `method` says where the weights came from
-    (one of METHODS or "compressed-tensors"); `kind` is the layout ("int4" or "fp8")."""
+    (one of METHODS, "compressed-tensors", "gptq" or "awq"); `kind` is the layout ("int4" or "fp8")."""
 
     method: str
     kind: str
@@ -308,7 +308,7 @@ def quantize(w: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:
 
 @dataclasses.dataclass
 class QuantizedWeight:
-    """A projection that arrives already quantized (GGUF Q4 blocks, compressed-tensors):
+    """A projection that arrives already quantized (GGUF Q4 blocks, compressed-tensors, GPTQ, AWQ):
     the QuantizedLinear parameters in our layout, and the float shape it stands for in
     Hugging Face's [out, in] orientation."""
 

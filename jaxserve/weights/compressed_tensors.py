@@ -17,7 +17,7 @@ In a mixture of experts each expert's projections are quantized tensors of their
 stacked by weights.params as they arrive; the router (`mlp.gate`) and Qwen2-MoE's
 `shared_expert_gate` stay float (real checkpoints list them in `ignore`).
 
-Everything else is refused by name: other `quant_method`s (GPTQ, AWQ, ...), other formats
+Everything else is refused by name: other `quant_method`s (GPTQ and AWQ are `gptq_awq`'s), other formats
 and schemes (int8, nvfp4, channel-wise int4, ...), mixed schemes, and checkpoints that
 leave some attention, MLP or expert projection unquantized (our layers are all or nothing).
 """
@@ -41,12 +41,12 @@ from jaxserve.weights.safetensors_reader import read_raw_tensors
 logger = logging.getLogger(__name__)
 
 SUPPORTED = (
-    "jaxserve loads compressed-tensors checkpoints (pack-quantized int4, float-quantized fp8) "
-    "or quantizes float checkpoints itself (--quantization int4|fp8)"
+    "jaxserve loads compressed-tensors checkpoints (pack-quantized int4, float-quantized fp8), "
+    "GPTQ and AWQ int4 checkpoints, or quantizes float checkpoints itself (--quantization int4|fp8)"
 )
 _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-_PROJECTION_MODULE = re.compile(
+PROJECTION_MODULE = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
     r"|mlp\.(shared_expert\.|experts\.\d+\.)?(gate|up|down)_proj"  # dense MLP, Qwen MoE experts
     r"|block_sparse_moe\.experts\.\d+\.w[123])$"  # Mixtral's experts
@@ -115,9 +115,9 @@ def read_tensors(
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in read_raw_tensors(files):
         module, _, leaf = name.rpartition(".")
-        if (skip_kv_scales and leaf in _KV_SCALES) or (leaf in _UNUSED and _PROJECTION_MODULE.match(module)):
+        if (skip_kv_scales and leaf in _KV_SCALES) or (leaf in _UNUSED and PROJECTION_MODULE.match(module)):
             continue
-        if _PROJECTION_MODULE.match(module) and leaf != "bias":
+        if PROJECTION_MODULE.match(module) and leaf != "bias":
             if leaf not in scheme.pieces:
                 raise _unexpected_piece(name, leaf, scheme)
             pieces = pending.setdefault(module, {})

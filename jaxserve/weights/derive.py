@@ -6,7 +6,7 @@ every other dtype, int4 and fp8 are computed from it exactly as from the checkpo
 (the same casts, the same quantizer over the same values), so they need no copy of their
 own. Measured on SmolLM2-135M (a 94 MiB Q4_1 GGUF), see docs/weights-cache.md. Not derived:
 `gguf` (it keeps the file's own 4-bit blocks, which a float copy no longer has) and
-compressed-tensors checkpoints (their quantized values come from the file).
+compressed-tensors, GPTQ and AWQ checkpoints (their quantized values come from the file).
 """
 
 from __future__ import annotations

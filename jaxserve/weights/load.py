@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLM
 from jaxserve.model.quantization import QuantConfig, weight_bytes
-from jaxserve.weights import cache, cache_entry, compressed_tensors, derive, safetensors_reader
+from jaxserve.weights import cache, cache_entry, compressed_tensors, derive, gptq_awq, safetensors_reader
 from jaxserve.weights.cache import default_cache_dir
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.fast_tokenizer import fast_tokenizer_class
@@ -107,7 +107,7 @@ def load_model(
 
 def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None:
     """How the model at `source` will be stored: as asked, or as its checkpoint already is
-    (a compressed-tensors checkpoint); a clear error when the two disagree."""
+    (compressed-tensors, GPTQ or AWQ); a clear error when the two disagree."""
     if source.is_file():  # a GGUF file
         return QuantConfig.for_method(method)
     with open(source / "config.json") as f:
@@ -117,8 +117,10 @@ def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own 4-bit blocks; {source} is not a .gguf file")
     if spec is None:
         return QuantConfig.for_method(method)
-    # refuses GPTQ, AWQ, ... by name, and targets that leave one of the model's projections in float
-    quant = compressed_tensors.checkpoint_quant_config(spec, hf_config)
+    if spec.get("quant_method") in gptq_awq.METHODS:
+        quant = gptq_awq.checkpoint_quant_config(spec)
+    else:  # refuses other methods by name, and targets that leave one of the model's projections in float
+        quant = compressed_tensors.checkpoint_quant_config(spec, hf_config)
     if method not in (None, "none", quant.kind):
         raise ValueError(f"{source} is already quantized ({quant.label}); it cannot be loaded as {method!r}")
     return quant
@@ -248,6 +250,8 @@ def _convert(
         total = safetensors_reader.count_tensors(files)
         if quant is not None and quant.method == "compressed-tensors":
             tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"], hf_config)
+        elif quant is not None and quant.method in gptq_awq.METHODS:
+            tensors = gptq_awq.read_tensors(files, hf_config["quantization_config"])
         else:
             tensors = safetensors_reader.read_tensors(files)
             stored = safetensors_reader.stored_dtypes(files)  # NOTE: read_tensors upcasts all to float32

@@ -238,13 +238,13 @@ def with_config(src, dest, change):
     return dest
 
 
-def test_gptq_checkpoint_is_refused_by_name(tmp_path, int4_folder):
-    def gptq(spec):
+def test_another_quant_method_is_refused_by_name(tmp_path, int4_folder):
+    def bitsandbytes(spec):
         spec.clear()
-        spec.update(quant_method="gptq", bits=4, group_size=128, desc_act=False)
+        spec.update(quant_method="bitsandbytes", load_in_4bit=True)
 
-    folder = with_config(int4_folder, tmp_path / "gptq", gptq)
-    with pytest.raises(WeightError, match=r"quant_method 'gptq' is not supported.*--quantization int4\|fp8"):
+    folder = with_config(int4_folder, tmp_path / "bnb", bitsandbytes)
+    with pytest.raises(WeightError, match=r"quant_method 'bitsandbytes' is not supported.*--quantization int4\|fp8"):
         load_model(str(folder), use_cache=False, progress=False)
 
 

@@ -128,7 +128,7 @@ def test_missing_and_unknown_tensors(tmp_path, tiny_llama_dir):
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
-        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ],
 )
