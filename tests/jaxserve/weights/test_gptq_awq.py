@@ -24,7 +24,7 @@ from awq.utils.packing_utils import dequantize_gemm, unpack_reorder_pack
 from safetensors.torch import load_file, save_file
 
 from jaxserve.engine import EngineConfig, LLMEngine
-from jaxserve.weights import load_model
+from jaxserve.weights import cache, load_model
 from jaxserve.weights.params import WeightError
 from scheduler import SamplingParams
 from tests.jaxserve.weights.test_compressed_tensors import (
@@ -138,6 +138,20 @@ def test_logits_are_the_float_models(case):
     _, loaded, _, twin = case
     ours, ref = forward_logits(loaded, PROMPT), forward_logits(twin, PROMPT)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_the_weights_cache_gives_the_same_model_back(case, tmp_path_factory):
+    """Converted once, then restored from the cache: the same int4 parameters, and the
+    entry is not derived from a float copy (its values come from the file)."""
+    fmt, loaded, _, _ = case
+    cache_dir = tmp_path_factory.mktemp(f"cache-{fmt}")
+    source = loaded.source
+    first = load_model(str(source), cache_dir=cache_dir, progress=False)
+    again = load_model(str(source), cache_dir=cache_dir, progress=False)
+    assert [e.variant for e in cache.list_entries(cache_dir)] == [f"float32-{fmt.removesuffix('_v2')}"]
+    layer = again.model.layers[2].mlp.down_proj
+    np.testing.assert_array_equal(dequantized(layer), dequantized(loaded.model.layers[2].mlp.down_proj))
+    assert again.from_cache and not first.from_cache and again.quantization == loaded.quantization
 
 
 def test_the_engine_serves_it(case):
