@@ -45,12 +45,17 @@ class QuantConfig:
     method: str
     kind: str
     group_size: int = DEFAULT_GROUP_SIZE  # int4: the preferred group along K
+    # int4 from a GPTQ checkpoint quantized with act-order: each layer's K rows are stored in
+    # group order and it gathers its inputs into that order first (QuantizedLinear.input_order)
+    act_order: bool = False
 
     def __post_init__(self):
         if self.kind not in ("int4", "fp8"):
             raise ValueError(f"quantized layout {self.kind!r} is not int4 or fp8")
         if self.kind == "int4" and (self.group_size < 2 or self.group_size % 2):
             raise ValueError(f"int4 needs an even group size, got {self.group_size=}")
+        if self.act_order and self.kind != "int4":
+            raise ValueError("act-order is an int4 layout")
 
     @classmethod
     def for_method(cls, method: str | None) -> QuantConfig | None:
@@ -75,6 +80,7 @@ class QuantConfig:
     @property
     def label(self) -> str:
         layout = f"int4, group {self.group_size}" if self.kind == "int4" else "fp8 e4m3, per-channel scales"
+        layout += ", act-order" if self.act_order else ""
         return f"{self.method} ({layout})" if self.method != self.kind else layout
 
 
@@ -100,7 +106,10 @@ class QuantizedLinear(nnx.Module):
             self.packed = nnx.Param(jnp.zeros((din // 2, dout), jnp.uint8))
             self.scales = nnx.Param(jnp.zeros((din // group, dout), jnp.float32))
             self.offsets = nnx.Param(jnp.zeros((din // group, dout), jnp.float32))
+            # act-order: the packed rows are the inputs in this order (y = x[:, order] @ rows)
+            self.input_order = nnx.Param(jnp.arange(din, dtype=jnp.int32)) if quant.act_order else None
         else:
+            self.input_order = None
             self.weight = nnx.Param(jnp.zeros((din, dout), jnp.float8_e4m3fn))
             self.scales = nnx.Param(jnp.ones((dout,), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if use_bias else None
@@ -108,6 +117,8 @@ class QuantizedLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # the kernels take [T, K]
+        if self.input_order is not None:
+            x2 = jnp.take(x2, self.input_order[...], axis=1)
         if self.layout == "mgpu":
             y = self._kernel_matmul(x2)
         elif self.layout == "cpu":
@@ -119,7 +130,9 @@ class QuantizedLinear(nnx.Module):
         return self._output(y, lead)
 
     def _output(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
-        y = y.reshape(*lead, self.dout)
+        # NOTE: y's own width, not self.dout: under tensor parallelism a K/V projection's
+        # parameters may hold each KV head several times (sharding.replicate_kv_heads).
+        y = y.reshape(*lead, y.shape[-1])
         return y if self.bias is None else y + self.bias[...]
 
     def _kernel_matmul(self, x: jax.Array) -> jax.Array:
@@ -247,7 +260,7 @@ def project(x: jax.Array, *layers) -> tuple[jax.Array, ...]:
     pays one dispatch for them instead of one each."""
     x2 = x.reshape(-1, x.shape[-1])
     fused = len(layers) > 1 and x2.shape[0] <= cpu_kernels.MAX_ROWS
-    if fused and all(isinstance(layer, QuantizedLinear) and layer.layout == "cpu" for layer in layers):
+    if fused and all(isinstance(q, QuantizedLinear) and q.layout == "cpu" and q.input_order is None for q in layers):
         weights = [(layer.packed[...], layer.scales[...], layer.offsets[...], layer.dout) for layer in layers]
         ys = cpu_kernels.int4_matmuls(x2, weights)
         return tuple(layer._output(y, x.shape[:-1]) for layer, y in zip(layers, ys))

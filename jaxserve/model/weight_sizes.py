@@ -135,8 +135,8 @@ def projection_bytes(k: int, n: int, dtype, quant: QuantConfig | None) -> int:
     """A [K, N] projection's parameter bytes in the layout `QuantizedLinear` keeps."""
     if quant is None:
         return k * n * jnp.dtype(dtype).itemsize
-    if quant.kind == "int4":  # packed nibbles, and a float32 scale and offset per group
-        return k // 2 * n + 2 * (k // quant.group_size_for(k)) * n * 4
+    if quant.kind == "int4":  # packed nibbles, a float32 scale and offset per group (act-order: an int32 order)
+        return k // 2 * n + 2 * (k // quant.group_size_for(k)) * n * 4 + (4 * k if quant.act_order else 0)
     return k * n + n * 4  # fp8 e4m3, a float32 scale per output channel
 
 

@@ -161,7 +161,8 @@ def replicate_kv_heads(state, cfg: ModelConfig, tp: int):
 
 def is_kv_projection(path) -> bool:
     """Whether the parameter at tree `path` belongs to a K or V projection (its outputs are KV heads)."""
-    return re.search(r"(k|v)_proj/\w+$|lora/(k|v)_proj_b$", _path(path)) is not None  # a LoRA B stack's too
+    # a LoRA B stack's too; not an act-order layer's input_order (its axis is the inputs)
+    return re.search(r"(k|v)_proj/(?!input_order$)\w+$|lora/(k|v)_proj_b$", _path(path)) is not None
 
 
 def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh, expert_parallel: bool = False) -> nnx.State:

@@ -17,11 +17,14 @@ times at most 5), so nothing is rounded again. They differ in how they pack:
            nibble at bits 4j of word c holding n = 8c + ORDER[j] (ORDER = 0 2 4 6 1 3 5 7),
            the zero point itself; scales [G, N].
 
-A GPTQ checkpoint quantized with act-order (`desc_act`) has a g_idx that is not k // group:
-its groups are spread over K, which our layout cannot hold without reordering every call's
-inputs; it is refused by name, as are other bit widths, per-channel scales (group_size -1),
-the Marlin and AWQ GEMV layouts, per-module overrides (`dynamic`), a quantized LM head and
-partly quantized models.
+A GPTQ checkpoint quantized with act-order (`desc_act`) quantized the inputs in another order
+than K's, so its g_idx spreads each group over K. Sorted by group, the rows are our layout
+again: the layer keeps them so and gathers its inputs into the same order first
+(`QuantizedLinear.input_order`: y = x[:, order] @ w[order], exactly). Each group must
+then have `group_size` rows, as GPTQ writes them. Refused by name: act-order experts of a
+mixture of experts (the grouped kernels take no order), other bit widths, per-channel
+scales (group_size -1), the Marlin and AWQ GEMV layouts, per-module overrides (`dynamic`),
+a quantized LM head and partly quantized models.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from jaxserve.weights.safetensors_reader import read_raw_tensors
 
 METHODS = ("gptq", "awq")
 SUPPORTED = (
-    "jaxserve loads 4-bit GPTQ (without act-order) and AWQ GEMM checkpoints with a group size, "
+    "jaxserve loads 4-bit GPTQ and AWQ GEMM checkpoints with a group size, "
     "compressed-tensors checkpoints, or quantizes float checkpoints itself (--quantization int4|fp8)"
 )
 _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # word nibble j holds column 8c + _AWQ_ORDER[j]
@@ -76,7 +79,7 @@ def checkpoint_quant_config(spec: dict) -> QuantConfig:
         if version != "gemm" or not spec.get("zero_point", True):
             what = f"version {version!r}" if version != "gemm" else "zero_point false"
             raise WeightError(f"awq checkpoint with {what} is not supported (GEMM with zero points); {SUPPORTED}")
-    return QuantConfig(method, "int4", group)
+    return QuantConfig(method, "int4", group, act_order=method == "gptq" and bool(spec.get("desc_act")))
 
 
 def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
@@ -103,7 +106,7 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
             if pieces.keys() == pieces_of:
                 del pending[module]
                 convert = _convert_gptq if quant.method == "gptq" else _convert_awq
-                yield f"{module}.weight", convert(module, pieces, quant.group_size, spec)
+                yield f"{module}.weight", convert(module, pieces, quant, spec)
         elif leaf in ("qweight", "qzeros", "scales", "g_idx"):
             raise WeightError(
                 f"tensor {name!r}: {module} is quantized in this checkpoint, but jaxserve quantizes only "
@@ -119,27 +122,46 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
 # -- one projection -----------------------------------------------------------------------
 
 
-def _convert_gptq(module: str, pieces: dict[str, np.ndarray], group: int, spec: dict) -> QuantizedWeight:
+def _convert_gptq(module: str, pieces: dict[str, np.ndarray], quant: QuantConfig, spec: dict) -> QuantizedWeight:
     qweight, qzeros, scales, g_idx = (pieces[p] for p in ("qweight", "qzeros", "scales", "g_idx"))
-    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    k, n, group = 8 * qweight.shape[0], qweight.shape[1], quant.group_size
     _check(module, qweight, qzeros, scales, k, n, group)
-    if g_idx.shape != (k,) or not np.array_equal(g_idx, np.arange(k) // group):
-        raise WeightError(
-            f"{module}.g_idx is not k // group_size: this checkpoint was quantized with act-order "
-            f"(desc_act), whose groups are spread over the inputs; {SUPPORTED}"
-        )
     # Word [r, n]'s little-endian bytes hold k = 8r + 2b (low nibble) and 8r + 2b + 1 (high)
     # in byte b: our packing already, read down the columns.
     packed = np.ascontiguousarray(qweight.T).view(np.uint8).T  # [K/2, N]
     zeros = _nibbles_along_n(qzeros, n)
     if spec.get("checkpoint_format", "gptq") == "gptq":
         zeros += 1  # the usual format stores zero - 1 (a zero point of 0 cannot be written)
-    return _int4_weight(packed, scales, zeros, n, k)
+    in_order = g_idx.shape == (k,) and np.array_equal(g_idx, np.arange(k) // group)
+    if not quant.act_order:
+        if not in_order:
+            raise WeightError(
+                f"{module}.g_idx is not k // group_size, but quantization_config has no desc_act "
+                "(act-order): the checkpoint contradicts itself"
+            )
+        return _int4_weight(packed, scales, zeros, n, k)
+    if ".experts." in module:
+        raise WeightError(f"{module}: act-order experts of a mixture of experts are not supported; {SUPPORTED}")
+    order = _group_order(module, g_idx, k, group)
+    rows = np.ascontiguousarray(qweight.T).view(np.uint8)  # [N, K/2]
+    nibbles = np.stack([rows & 0xF, rows >> 4], axis=-1).reshape(n, k)[:, order]
+    weight = _int4_weight(pack_int4(nibbles.T), scales, zeros, n, k)
+    weight.params["input_order"] = order.astype(np.int32)
+    return weight
 
 
-def _convert_awq(module: str, pieces: dict[str, np.ndarray], group: int, spec: dict) -> QuantizedWeight:
+def _group_order(module: str, g_idx: np.ndarray, k: int, group: int) -> np.ndarray:
+    """The inputs sorted by group (stable), checked to give each group `group` of them."""
+    if g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= k // group:
+        raise WeightError(f"{module}.g_idx must hold a group in 0..{k // group - 1} for each of K={k} inputs")
+    if np.any(np.bincount(g_idx, minlength=k // group) != group):
+        raise WeightError(f"{module}.g_idx does not give each group {group} inputs (group_size in quantization_config)")
+    return np.argsort(g_idx, kind="stable")
+
+
+def _convert_awq(module: str, pieces: dict[str, np.ndarray], quant: QuantConfig, spec: dict) -> QuantizedWeight:
     qweight, qzeros, scales = (pieces[p] for p in ("qweight", "qzeros", "scales"))
-    k, n = qweight.shape[0], 8 * qweight.shape[1]
+    k, n, group = qweight.shape[0], 8 * qweight.shape[1], quant.group_size
     _check(module, qweight, qzeros, scales, k, n, group)
     inverse = np.argsort(_AWQ_ORDER)  # column 8c + i sits in nibble inverse[i]
     nibbles = _nibbles_along_n(qweight, n)[:, (np.arange(n) // 8) * 8 + inverse[np.arange(n) % 8]]

@@ -125,11 +125,14 @@ def test_greedy_tokens_equal_one_device_and_nothing_compiles_after_warm_up(tiny_
 
 @pytest.mark.parametrize("method", ["int4", "fp8"])
 def test_quantized_weights_split_with_their_scales(tiny_llama_dir, method):
+    """TP 2 splits the KV heads; TP 4 repeats each (a quantized K/V projection then holds
+    twice its outputs)."""
     loaded = load_model(str(tiny_llama_dir), use_cache=False, progress=False, quantization=method)
     one, _ = mixed_step_logits(loaded, 1)
-    two, hlo = mixed_step_logits(loaded, 2)
-    np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
-    assert "all-reduce" in hlo
+    for tp in (2, 4):
+        split, hlo = mixed_step_logits(loaded, tp)
+        np.testing.assert_allclose(split, one, atol=1e-4, rtol=0)
+        assert "all-reduce" in hlo
 
 
 def test_heads_that_do_not_divide_are_refused_clearly(tiny_6_heads):

@@ -7,7 +7,8 @@ zero points 1..15, float16 scales). The oracles are not ours:
 - GPTQ: the same words repacked into the GPTQ layout by AutoAWQ's converter
   (`unpack_reorder_pack`, zero points stored minus one), and read back by auto-round's torch
   GPTQ layer (its forward on the identity gives the weight); `gptq_v2` (zero points as they
-  are) by auto-round's layer for that format.
+  are) by auto-round's layer for that format; `gptq-act-order` with a g_idx that spreads
+  each group over the inputs, as GPTQ's act-order writes it, read by the same layer.
 
 Serving is checked against a float model holding the oracle's weights.
 """
@@ -27,6 +28,7 @@ from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.weights import cache, load_model
 from jaxserve.weights.params import WeightError
 from scheduler import SamplingParams
+from tests.jaxserve.parallel.test_tensor_parallel import mixed_step_logits
 from tests.jaxserve.weights.test_compressed_tensors import (
     PROJECTIONS,
     PROMPT,
@@ -37,7 +39,10 @@ from tests.jaxserve.weights.test_compressed_tensors import (
 from tests.tiny_models import make_tiny_model
 
 GROUP = 32
-FORMATS = ("awq", "gptq", "gptq_v2")
+# hidden 96 against 4 heads of 16: K/V projections' outputs (32) and inputs (96) differ in
+# size however tensor parallelism repeats the heads
+SHAPE = dict(hidden_size=96, head_dim=16)
+FORMATS = ("awq", "gptq", "gptq_v2", "gptq-act-order")
 
 
 def awq_words(k: int, n: int, rng) -> dict[str, torch.Tensor]:
@@ -56,15 +61,25 @@ def awq_words(k: int, n: int, rng) -> dict[str, torch.Tensor]:
 
 
 def gptq_oracle(tensors: dict[str, torch.Tensor], k: int, n: int, fmt: str) -> np.ndarray:
-    """auto-round's torch GPTQ layer on the identity: the weight [K, N] it multiplies by."""
-    layer = (GptqLayer if fmt == "gptq" else GptqV2Layer)(4, GROUP, k, n, bias=False)
-    layer.qweight, layer.qzeros = tensors["qweight"], tensors["qzeros"]
-    layer.scales = tensors["scales"].float()  # float16 to float32 is exact; the products then are too
-    with torch.no_grad():
-        return layer(torch.eye(k)).numpy()
+    """auto-round's torch GPTQ layer on the identity: the weight [K, N] it multiplies by.
+    NOTE: with a g_idx that layer keeps only its first K output columns (it slices the
+    columns of its scales by the input's width), so it runs on slices of at most K columns."""
+    v2 = fmt == "gptq_v2"
+    columns = []
+    for start in range(0, n, k):
+        width = min(k, n - start)
+        layer = (GptqV2Layer if v2 else GptqLayer)(4, GROUP, k, width, bias=False, g_idx="g_idx" in tensors)
+        layer.qweight = tensors["qweight"][:, start : start + width]
+        layer.qzeros = tensors["qzeros"][:, start // 8 : (start + width) // 8]
+        layer.scales = tensors["scales"][:, start : start + width].float()  # float32: exact products
+        if "g_idx" in tensors:
+            layer.g_idx = tensors["g_idx"]
+        with torch.no_grad():
+            columns.append(layer(torch.eye(k)).numpy())
+    return np.concatenate(columns, axis=1)
 
 
-def quantized_projection(awq: dict[str, torch.Tensor], k: int, n: int, fmt: str):
+def quantized_projection(awq: dict[str, torch.Tensor], k: int, n: int, fmt: str, rng):
     """(the checkpoint's tensors in `fmt`, the oracle's weight [K, N] as float32)."""
     if fmt == "awq":
         weight = dequantize_gemm(awq["qweight"], awq["qzeros"], awq["scales"].float(), 4, GROUP)
@@ -73,21 +88,27 @@ def quantized_projection(awq: dict[str, torch.Tensor], k: int, n: int, fmt: str)
     if fmt == "gptq_v2":  # the zero points themselves: each stored nibble plus one (none was 15)
         qzeros = qzeros + torch.tensor(0x11111111, dtype=torch.int32)
     tensors = {"qweight": qweight, "qzeros": qzeros, "scales": awq["scales"]}
+    if fmt == "gptq-act-order":  # input k was quantized in place inverse[k] of a random order
+        inverse = np.argsort(rng.permutation(k))
+        tensors["g_idx"] = torch.from_numpy((inverse // GROUP).astype(np.int32))
+        return tensors, gptq_oracle(tensors, k, n, fmt)
+    weight = gptq_oracle(tensors, k, n, fmt)  # its plain path; the file still has a g_idx
     tensors["g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
-    return tensors, gptq_oracle(tensors, k, n, fmt)
+    return tensors, weight
 
 
 def spec_of(fmt: str) -> dict:
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True}
-    return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False,
-            "checkpoint_format": fmt}  # fmt: skip
+    act_order = fmt == "gptq-act-order"
+    return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order, "sym": False,
+            "checkpoint_format": "gptq" if act_order else fmt}  # fmt: skip
 
 
 def write_checkpoint(folder, fmt: str, seed: int = 0):
     """A tiny llama whose projections are random `fmt` tensors; returns every tensor as the
     float32 weight it stands for ([out, in], the oracle's)."""
-    make_tiny_model("llama", folder)
+    make_tiny_model("llama", folder, **SHAPE)
     tensors = load_file(folder / "model.safetensors")
     rng = np.random.default_rng(seed)
     reference = {}
@@ -97,7 +118,7 @@ def write_checkpoint(folder, fmt: str, seed: int = 0):
             reference[name] = tensors[name].float().numpy()
             continue
         n, k = tensors.pop(name).shape
-        pieces, weight = quantized_projection(awq_words(k, n, rng), k, n, fmt)
+        pieces, weight = quantized_projection(awq_words(k, n, rng), k, n, fmt, rng)
         tensors.update({f"{module}.{piece}": t.contiguous() for piece, t in pieces.items()})
         reference[name] = weight.T
     save_file(tensors, folder / "model.safetensors")
@@ -120,7 +141,9 @@ def case(request, tmp_path_factory):
 def test_the_format_is_read_from_the_config(case):
     fmt, loaded, _, _ = case
     quant = loaded.quantization
-    assert (quant.method, quant.kind, quant.group_size) == (fmt.removesuffix("_v2"), "int4", GROUP)
+    method = fmt.removesuffix("_v2").removesuffix("-act-order")
+    assert (quant.method, quant.kind, quant.group_size) == (method, "int4", GROUP)
+    assert quant.act_order == (fmt == "gptq-act-order")
 
 
 def test_every_projection_is_the_oracles_weight_exactly(case):
@@ -130,7 +153,10 @@ def test_every_projection_is_the_oracles_weight_exactly(case):
     for layer in range(loaded.config.num_layers):
         for projection in PROJECTIONS:
             block, proj = projection.split(".")
-            ours = dequantized(getattr(getattr(loaded.model.layers[layer], block), proj))
+            linear = getattr(getattr(loaded.model.layers[layer], block), proj)
+            ours = dequantized(linear)
+            if linear.input_order is not None:  # row i is input order[i]
+                ours = ours[np.argsort(np.asarray(linear.input_order[...]))]
             np.testing.assert_array_equal(ours, reference[f"model.layers.{layer}.{projection}.weight"].T)
 
 
@@ -148,7 +174,8 @@ def test_the_weights_cache_gives_the_same_model_back(case, tmp_path_factory):
     source = loaded.source
     first = load_model(str(source), cache_dir=cache_dir, progress=False)
     again = load_model(str(source), cache_dir=cache_dir, progress=False)
-    assert [e.variant for e in cache.list_entries(cache_dir)] == [f"float32-{fmt.removesuffix('_v2')}"]
+    method = fmt.removesuffix("_v2").removesuffix("-act-order")
+    assert [e.variant for e in cache.list_entries(cache_dir)] == [f"float32-{method}"]
     layer = again.model.layers[2].mlp.down_proj
     np.testing.assert_array_equal(dequantized(layer), dequantized(loaded.model.layers[2].mlp.down_proj))
     assert again.from_cache and not first.from_cache and again.quantization == loaded.quantization
@@ -168,6 +195,17 @@ def test_the_engine_serves_it(case):
     ref = np.asarray(jax.nn.log_softmax(forward_logits(twin, PROMPT)[-1]))
     np.testing.assert_allclose([first[t] for t in first], ref[list(first)], rtol=0, atol=1e-4)
     assert out.outputs[0].token_ids[0] == int(ref.argmax()) and len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("case", ["gptq-act-order"], indirect=True)
+def test_act_order_splits_over_devices(case):
+    """Tensor parallelism over 4 CPU devices (2 KV heads, so each is repeated): the layers'
+    input orders stay whole, the logits are one device's."""
+    _, loaded, _, _ = case
+    one, _ = mixed_step_logits(loaded, 1)
+    four, hlo = mixed_step_logits(loaded, 4)
+    np.testing.assert_allclose(four, one, atol=1e-4, rtol=0)
+    assert "all-reduce" in hlo
 
 
 # -- refusals -----------------------------------------------------------------------------
@@ -190,15 +228,21 @@ def refused(tmp_path, fmt: str, change_spec=None, change_tensors=None):
     return str(error.value)
 
 
-def test_act_order_is_refused_by_name(tmp_path):
-    """desc_act: g_idx spreads each group over K (here a permutation of the plain one)."""
+def test_a_g_idx_that_contradicts_the_config_is_refused(tmp_path):
+    """A spread g_idx without desc_act, or one whose groups are not group_size inputs each."""
 
     def shuffle(tensors):
         g_idx = tensors["model.layers.0.self_attn.q_proj.g_idx"]
         tensors["model.layers.0.self_attn.q_proj.g_idx"] = g_idx[torch.randperm(len(g_idx))].contiguous()
 
-    message = refused(tmp_path, "gptq", change_tensors=shuffle)
-    assert "q_proj.g_idx is not k // group_size" in message and "act-order" in message
+    message = refused(tmp_path / "a", "gptq", change_tensors=shuffle)
+    assert "q_proj.g_idx is not k // group_size" in message and "desc_act" in message
+
+    def uneven(tensors):
+        tensors["model.layers.1.mlp.up_proj.g_idx"][:3] = 1
+
+    message = refused(tmp_path / "b", "gptq-act-order", change_tensors=uneven)
+    assert "up_proj.g_idx does not give each group 32 inputs" in message
 
 
 @pytest.mark.parametrize(
@@ -220,6 +264,6 @@ def test_a_projection_left_in_float_is_refused(tmp_path):
     def unquantize(tensors):
         for piece in ("qweight", "qzeros", "scales"):
             del tensors[f"model.layers.1.mlp.down_proj.{piece}"]
-        tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 96)
+        tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(96, 96)
 
     assert "down_proj is stored unquantized" in refused(tmp_path, "awq", change_tensors=unquantize)
