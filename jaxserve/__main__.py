@@ -1,3 +1,5 @@
-from jaxserve.generate import main
+"""`python -m jaxserve` is the `jaxserve` command (jaxserve.cli): `python -m jaxserve generate "..."`."""
+
+from jaxserve.cli import main
 
 raise SystemExit(main())

@@ -192,6 +192,8 @@ def test_jaxserve_help_lists_every_command_without_starting_jax():
     )
     assert quiet.stdout.rstrip().endswith("False")
     assert "did you mean serve?" in jaxserve("serv").stderr
+    as_module = subprocess.run([sys.executable, "-m", "jaxserve", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert as_module.returncode == 0 and as_module.stdout == result.stdout  # python -m jaxserve is the command
 
 
 def test_a_port_in_use_fails_before_the_model_loads():
