@@ -29,6 +29,10 @@ into `--window` token windows, each evaluated as an independent sequence from po
 and starting with BOS when the tokenizer adds one; the metrics are summed window by
 window, so no more than one window's logits is ever held.
 
+A checkpoint quantized by another tool (GPTQ, AWQ, compressed-tensors) is compared the same
+way with `--checkpoint NAME=PATH` against `--model`, the float checkpoint it was made from;
+such a row measures that tool's quantization (jaxserve serves the file's values as stored).
+
 "gguf" keeps a GGUF file's own 4-bit blocks (it is skipped, with a note, for a model that
 is not a .gguf file); the reference is dequantized from the same blocks, so the two should
 agree up to float rounding. "int4" re-quantizes the reference's float weights (for the
@@ -36,6 +40,7 @@ default model: weights that were already Q4_1, rounded again to int4 groups of 1
 
     python benchmarks/quality.py [--quantization gguf,int4,fp8] [--kv-cache-dtype fp8,int8] [--window 512] [--json]
     python benchmarks/quality.py --model path/to/hf-folder --dtype bfloat16
+    python benchmarks/quality.py --model float-folder --quantization int4 --checkpoint gptq=gptq-folder
 """
 
 from __future__ import annotations
@@ -244,6 +249,9 @@ def run(args) -> dict:
         skipped["gguf"] = "not a .gguf file: there are no GGUF blocks to keep"
     reference = load_model(args.model, dtype=args.dtype, progress=False)
     models = {s: load_model(args.model, dtype=args.dtype, progress=False, quantization=s) for s in schemes}
+    checkpoints = dict(args.checkpoint)
+    models.update({name: load_model(path, dtype=args.dtype, progress=False) for name, path in checkpoints.items()})
+    schemes += list(checkpoints)
     windows = text_windows(reference.tokenizer, TEXT.read_text(), args.window)[: args.max_windows]
 
     ref_logits = window_logits_fn(reference, args.window)
@@ -263,8 +271,9 @@ def run(args) -> dict:
     for s in schemes:
         summary = summarize(stats[s])
         loaded = models.pop(s)
+        label = loaded.quantization.label if loaded.quantization else f"{args.dtype} (not quantized)"
         rows[s] = {
-            "label": loaded.quantization.label,
+            "label": f"{s}: {label}" if s in checkpoints else label,
             "weight_mib": loaded.weight_bytes / 2**20,
             "perplexity": summary["test_perplexity"],
             "mean_kl": summary["mean_kl"],
@@ -396,6 +405,13 @@ def _print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
+def name_and_path(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not (name and sep and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a HF folder or .gguf file (default: the embedded model)")
@@ -405,6 +421,14 @@ def main(argv=None) -> int:
         "--kv-cache-dtype",
         default="fp8,int8",
         help="comma-separated 8-bit KV caches to compare with the full one ('' for none)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        type=name_and_path,
+        help="a checkpoint of --model quantized by another tool, compared like a scheme (repeatable)",
     )
     p.add_argument("--window", type=int, default=512, help="tokens per independent window of the text")
     p.add_argument("--long-window", type=int, default=2048, help="the KV cache rows' long-context windows")

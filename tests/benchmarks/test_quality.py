@@ -143,3 +143,36 @@ def test_script_smoke_on_tiny_model(tiny_llama_tok_dir, tmp_path):
         # The full-cache side of the short windows is the reference row's computation.
         assert row["windows"]["32"]["full_perplexity"] == pytest.approx(result["reference"]["perplexity"], rel=1e-6)
         assert 0 <= row["greedy_agreement"] <= 1
+
+
+@pytest.mark.slow
+def test_a_checkpoint_quantized_elsewhere_is_compared_with_its_float_model(tmp_path):
+    """`--checkpoint NAME=PATH`: a GPTQ checkpoint against a float model holding exactly the
+    weights it stands for (tests/jaxserve/weights/test_gptq_awq.py's oracle), so the row
+    shows no difference at all."""
+    from tests.jaxserve.weights.test_compressed_tensors import write_float_copy
+    from tests.jaxserve.weights.test_gptq_awq import write_checkpoint
+    from tests.tiny_models import make_tiny_tokenizer
+
+    weights = write_checkpoint(tmp_path / "gptq", "gptq")
+    write_float_copy(tmp_path / "gptq", weights, tmp_path / "float")
+    for folder in ("gptq", "float"):
+        make_tiny_tokenizer(tmp_path / folder)
+    args = ["--model", str(tmp_path / "float"), "--quantization", "", "--kv-cache-dtype", ""]
+    args += ["--checkpoint", f"gptq={tmp_path / 'gptq'}", "--window", "32", "--max-windows", "2", "--max-tokens", "4"]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/quality.py", *args, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAXSERVE_CACHE": str(tmp_path / "cache")},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    ((name, row),) = result["schemes"].items()
+    assert name == "gptq" and row["label"] == "gptq: gptq (int4, group 32)"
+    assert row["perplexity"] == pytest.approx(result["reference"]["perplexity"], rel=1e-5)
+    assert row["mean_kl"] < 1e-8 and row["top1_agreement"] == 1
+    assert row["greedy_identical"] == result["prompts"]
+    assert row["weight_mib"] < result["reference"]["weight_mib"]
