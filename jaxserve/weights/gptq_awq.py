@@ -45,10 +45,7 @@ SUPPORTED = (
     "compressed-tensors checkpoints, or quantizes float checkpoints itself (--quantization int4|fp8)"
 )
 _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # word nibble j holds column 8c + _AWQ_ORDER[j]
-_PIECES = {
-    "gptq": frozenset({"qweight", "qzeros", "scales", "g_idx"}),
-    "awq": frozenset({"qweight", "qzeros", "scales"}),
-}
+_PIECES = frozenset({"qweight", "qzeros", "scales"})  # and GPTQ's g_idx, which older checkpoints lack
 
 
 def checkpoint_quant_config(spec: dict) -> QuantConfig:
@@ -57,7 +54,8 @@ def checkpoint_quant_config(spec: dict) -> QuantConfig:
     method = spec.get("quant_method")
     if method not in METHODS:
         raise WeightError(f"quantization_config.quant_method {method!r} is not gptq or awq")
-    bits, group = spec.get("bits"), spec.get("group_size")
+    # AutoAWQ's own quant_config names: w_bit, q_group_size
+    bits, group = spec.get("bits", spec.get("w_bit")), spec.get("group_size", spec.get("q_group_size"))
     if bits != 4:
         raise WeightError(f"{method} checkpoint with {bits}-bit weights is not supported; {SUPPORTED}")
     if not isinstance(group, int) or group < 2 or group % 2:
@@ -86,9 +84,9 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
     """(Hugging Face name, tensor) for a GPTQ or AWQ checkpoint: one QuantizedWeight per
     projection (named `....q_proj.weight`), float32 arrays for everything else. A
     projection's pieces are held only until the last of them arrives (the next few tensors:
-    read_raw_tensors gives a shard's tensors in name order)."""
+    read_raw_tensors gives a shard's tensors in name order, so a g_idx comes before them)."""
     quant = checkpoint_quant_config(spec)
-    pieces_of = _PIECES[quant.method]
+    pieces_of = _PIECES | ({"g_idx"} if quant.method == "gptq" else set())
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in read_raw_tensors(files):
         module, _, leaf = name.rpartition(".")
@@ -103,7 +101,7 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
                 )
             pieces = pending.setdefault(module, {})
             pieces[leaf] = tensor
-            if pieces.keys() == pieces_of:
+            if pieces.keys() >= _PIECES:
                 del pending[module]
                 convert = _convert_gptq if quant.method == "gptq" else _convert_awq
                 yield f"{module}.weight", convert(module, pieces, quant, spec)
@@ -115,7 +113,7 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
         else:
             yield name, np.asarray(tensor, np.float32)
     for module, pieces in pending.items():
-        has, missing = ", ".join(sorted(pieces)), ", ".join(sorted(pieces_of - pieces.keys()))
+        has, missing = ", ".join(sorted(pieces)), ", ".join(sorted(_PIECES - pieces.keys()))
         raise WeightError(f"quantized module {module} is incomplete: it has {has} but no {missing}")
 
 
@@ -123,8 +121,9 @@ def read_tensors(files: list[Path], spec: dict) -> Iterator[tuple[str, np.ndarra
 
 
 def _convert_gptq(module: str, pieces: dict[str, np.ndarray], quant: QuantConfig, spec: dict) -> QuantizedWeight:
-    qweight, qzeros, scales, g_idx = (pieces[p] for p in ("qweight", "qzeros", "scales", "g_idx"))
+    qweight, qzeros, scales = (pieces[p] for p in ("qweight", "qzeros", "scales"))
     k, n, group = 8 * qweight.shape[0], qweight.shape[1], quant.group_size
+    g_idx = pieces.get("g_idx", np.arange(k) // group)
     _check(module, qweight, qzeros, scales, k, n, group)
     # Word [r, n]'s little-endian bytes hold k = 8r + 2b (low nibble) and 8r + 2b + 1 (high)
     # in byte b: our packing already, read down the columns.
@@ -140,6 +139,8 @@ def _convert_gptq(module: str, pieces: dict[str, np.ndarray], quant: QuantConfig
                 "(act-order): the checkpoint contradicts itself"
             )
         return _int4_weight(packed, scales, zeros, n, k)
+    if "g_idx" not in pieces:
+        raise WeightError(f"{module} has no g_idx, but quantization_config says desc_act (act-order)")
     if ".experts." in module:
         raise WeightError(f"{module}: act-order experts of a mixture of experts are not supported; {SUPPORTED}")
     order = _group_order(module, g_idx, k, group)

@@ -160,6 +160,15 @@ def test_every_projection_is_the_oracles_weight_exactly(case):
             np.testing.assert_array_equal(ours, reference[f"model.layers.{layer}.{projection}.weight"].T)
 
 
+def test_an_older_gptq_checkpoint_without_g_idx_loads_the_same(tmp_path):
+    reference = write_checkpoint(tmp_path, "gptq")
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({name: t for name, t in tensors.items() if not name.endswith(".g_idx")}, tmp_path / "model.safetensors")
+    loaded = load_model(str(tmp_path), use_cache=False, progress=False)
+    ours = dequantized(loaded.model.layers[1].self_attn.k_proj)
+    np.testing.assert_array_equal(ours, reference["model.layers.1.self_attn.k_proj.weight"].T)
+
+
 def test_logits_are_the_float_models(case):
     _, loaded, _, twin = case
     ours, ref = forward_logits(loaded, PROMPT), forward_logits(twin, PROMPT)
@@ -244,6 +253,12 @@ def test_a_g_idx_that_contradicts_the_config_is_refused(tmp_path):
     message = refused(tmp_path / "b", "gptq-act-order", change_tensors=uneven)
     assert "up_proj.g_idx does not give each group 32 inputs" in message
 
+    def without(tensors):
+        del tensors["model.layers.2.mlp.gate_proj.g_idx"]
+
+    message = refused(tmp_path / "c", "gptq-act-order", change_tensors=without)
+    assert "gate_proj has no g_idx, but quantization_config says desc_act" in message
+
 
 @pytest.mark.parametrize(
     ("fmt", "change", "says"),
@@ -258,6 +273,17 @@ def test_a_g_idx_that_contradicts_the_config_is_refused(tmp_path):
 )
 def test_what_cannot_be_served_exactly_is_refused_by_name(tmp_path, fmt, change, says):
     assert says in refused(tmp_path, fmt, change_spec=lambda spec: spec.update(change))
+
+
+def test_awqs_own_config_names_are_read(tmp_path):
+    """AutoAWQ's quant_config spelling (w_bit, q_group_size) as some uploads carry it."""
+    folder = tmp_path / "awq"
+    write_checkpoint(folder, "awq")
+    config = json.loads((folder / "config.json").read_text())
+    spec = config["quantization_config"]
+    spec["w_bit"], spec["q_group_size"] = spec.pop("bits"), spec.pop("group_size")
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_model(str(folder), use_cache=False, progress=False).quantization.group_size == GROUP
 
 
 def test_a_projection_left_in_float_is_refused(tmp_path):
