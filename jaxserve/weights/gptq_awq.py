@@ -125,9 +125,6 @@ def _convert_gptq(module: str, pieces: dict[str, np.ndarray], quant: QuantConfig
     k, n, group = 8 * qweight.shape[0], qweight.shape[1], quant.group_size
     g_idx = pieces.get("g_idx", np.arange(k) // group)
     _check(module, qweight, qzeros, scales, k, n, group)
-    # Word [r, n]'s little-endian bytes hold k = 8r + 2b (low nibble) and 8r + 2b + 1 (high)
-    # in byte b: our packing already, read down the columns.
-    packed = np.ascontiguousarray(qweight.T).view(np.uint8).T  # [K/2, N]
     zeros = _nibbles_along_n(qzeros, n)
     if spec.get("checkpoint_format", "gptq") == "gptq":
         zeros += 1  # the usual format stores zero - 1 (a zero point of 0 cannot be written)
@@ -138,14 +135,16 @@ def _convert_gptq(module: str, pieces: dict[str, np.ndarray], quant: QuantConfig
                 f"{module}.g_idx is not k // group_size, but quantization_config has no desc_act "
                 "(act-order): the checkpoint contradicts itself"
             )
+        # Word [r, n]'s little-endian bytes hold k = 8r + 2b (low nibble) and 8r + 2b + 1 (high)
+        # in byte b: our packing already, read down the columns.
+        packed = np.ascontiguousarray(qweight.T).view(np.uint8).T  # [K/2, N]
         return _int4_weight(packed, scales, zeros, n, k)
     if "g_idx" not in pieces:
         raise WeightError(f"{module} has no g_idx, but quantization_config says desc_act (act-order)")
     if ".experts." in module:
         raise WeightError(f"{module}: act-order experts of a mixture of experts are not supported; {SUPPORTED}")
     order = _group_order(module, g_idx, k, group)
-    rows = np.ascontiguousarray(qweight.T).view(np.uint8)  # [N, K/2]
-    nibbles = np.stack([rows & 0xF, rows >> 4], axis=-1).reshape(n, k)[:, order]
+    nibbles = _nibbles_along_n(qweight.T, k)[:, order]  # [N, K], inputs in group order
     weight = _int4_weight(pack_int4(nibbles.T), scales, zeros, n, k)
     weight.params["input_order"] = order.astype(np.int32)
     return weight
@@ -165,8 +164,8 @@ def _convert_awq(module: str, pieces: dict[str, np.ndarray], quant: QuantConfig,
     k, n, group = qweight.shape[0], 8 * qweight.shape[1], quant.group_size
     _check(module, qweight, qzeros, scales, k, n, group)
     inverse = np.argsort(_AWQ_ORDER)  # column 8c + i sits in nibble inverse[i]
-    nibbles = _nibbles_along_n(qweight, n)[:, (np.arange(n) // 8) * 8 + inverse[np.arange(n) % 8]]
-    zeros = _nibbles_along_n(qzeros, n)[:, (np.arange(n) // 8) * 8 + inverse[np.arange(n) % 8]]
+    columns = (np.arange(n) // 8) * 8 + inverse[np.arange(n) % 8]
+    nibbles, zeros = _nibbles_along_n(qweight, n)[:, columns], _nibbles_along_n(qzeros, n)[:, columns]
     return _int4_weight(pack_int4(nibbles), scales, zeros, n, k)
 
 
@@ -184,7 +183,8 @@ def _check(module, qweight, qzeros, scales, k: int, n: int, group: int) -> None:
 
 
 def _nibbles_along_n(words: np.ndarray, n: int) -> np.ndarray:
-    """int32 [R, N/8] -> float32 [R, N]: word c's nibble at bits 4j as column 8c + j."""
+    """int32 [R, N/8] -> float32 [R, N]: word c's nibble at bits 4j as column 8c + j
+    (also GPTQ's qweight read transposed: [N, K/8] -> [N, K])."""
     nibble_bytes = np.ascontiguousarray(words).view(np.uint8)  # [R, N/2], byte b of word c at 4c + b
     return np.stack([nibble_bytes & 0xF, nibble_bytes >> 4], axis=-1).reshape(len(words), n).astype(np.float32)
 
