@@ -192,20 +192,38 @@ def long_stream(client, prompt: str):
     )
 
 
-def held_mid_stream(client, replica_of: dict) -> tuple[object, dict, threading.Thread, list]:
-    """A stream started on a replica, and that replica held (SIGSTOP) before the stream ends.
+def held_with_calls_waiting(server, client, replica_of: dict):
+    """A replica held (SIGSTOP) mid-stream, with calls that have streamed nothing waiting on it.
 
-    The replica is stopped the moment the first chunk is here; a tiny model on a loaded machine
-    may still have written all 200 tokens by then. So the rest of the stream is read in a
-    thread: if it ends within a few seconds, the replica raced the stop; it is let go and
-    another stream tried. Returns the stream, the held replica, the reader and what it got
-    (its chunks, then the exception that ended them)."""
+    A long stream starts; once its first chunk is here its replica is stopped, a second stream
+    goes to the other replica (the least loaded) and calls are sent: equal loads alternate, so
+    some wait on the held one. A loaded machine can lose two races: the tiny model
+    writes the whole first stream before the stop, or the router's health poll ejects the held
+    replica before a call reaches it (two polls of --health-timeout; every call then goes to
+    the other). Then the replica is let go, everything finishes, and another try is made.
+
+    Returns the held replica, the first stream's reader and what it got (its chunks, then the
+    exception that ended them), the calls' threads and their results, the second stream, and
+    the held replica's retry count before the calls."""
+    lost = []
     for _ in range(3):
         stream = long_stream(client, PROMPTS[0])
         chunks = iter(stream)
         got: list = [next(chunks)]
         victim = replica_of[stream.response.headers[UPSTREAM_HEADER]]
         os.kill(victim["pid"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        other = long_stream(client, PROMPTS[1])
+        in_flight = f'jaxserve:router_upstream_in_flight{{role="replica",upstream="{victim["url"]}"}}'
+        retries = f'jaxserve:router_retries_total{{role="replica",upstream="{victim["url"]}"}}'
+        before = server.metrics()[retries]
+        results: list = [None] * 4
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, complete(server, PROMPTS[i % 2])))
+            for i in range(len(results))
+        ]
+        for t in threads:
+            t.start()
 
         def read_rest(chunks=chunks, got=got):
             try:
@@ -215,36 +233,36 @@ def held_mid_stream(client, replica_of: dict) -> tuple[object, dict, threading.T
 
         reader = threading.Thread(target=read_rest, daemon=True)
         reader.start()
-        reader.join(3)
-        if reader.is_alive():
-            return stream, victim, reader, got
+        # The stream and 1+ calls wait on it (or its hang was noticed first and they moved on).
+        # What it wrote before the stop drains within a few seconds: a stream that ends in
+        # them, and not with an error, raced the stop.
+        routed = False
+        while time.monotonic() < stopped + 12 and not (routed and time.monotonic() > stopped + 3):
+            m = server.metrics()
+            routed = routed or m[in_flight] >= 2 or m[retries] > before
+            time.sleep(0.1)
+        ended_cleanly = not reader.is_alive() and not isinstance(got[-1], Exception)
+        if routed and not ended_cleanly and other.response.headers[UPSTREAM_HEADER] != victim["url"]:
+            return victim, reader, got, threads, results, other, before
+        other_url = other.response.headers[UPSTREAM_HEADER]
+        lost.append(f"routed {routed}, first stream ended {not reader.is_alive()}, other on {other_url}")
         os.kill(victim["pid"], signal.SIGCONT)
-    raise AssertionError("each stream ended before its replica was held")
+        for t in threads:
+            t.join(120)
+        other.close()
+        reader.join(60)
+        wait_for(lambda: health(server)[1].get("status") == "ok", "readmitted")
+    raise AssertionError(f"no try held a replica mid-stream with calls waiting on it: {lost}")
 
 
 def test_a_killed_replica_is_retried_elsewhere_restarted_and_readmitted(server, tiny_engine):
     client = server.client()
     # A stream on each replica; the one on the victim has started, so its client must get a
-    # clean error.
+    # clean error. Calls in flight on the victim that have streamed nothing: once it is killed,
+    # the other replica must answer them.
     before_stop = {r["url"]: r for r in replicas(server)}
-    _, victim, reader, victim_got = held_mid_stream(client, before_stop)
-    other = long_stream(client, PROMPTS[1])
-    assert other.response.headers[UPSTREAM_HEADER] != victim["url"]
-    # Calls in flight on the victim that have streamed nothing: they arrive while it is held
-    # (equal loads alternate, so some go there), then it is killed; the other replica must
-    # answer them.
-    results: list = [None] * 4
-    threads = [
-        threading.Thread(target=lambda i=i: results.__setitem__(i, complete(server, PROMPTS[i % 2])))
-        for i in range(len(results))
-    ]
-    in_flight = f'jaxserve:router_upstream_in_flight{{role="replica",upstream="{victim["url"]}"}}'
+    victim, reader, victim_got, threads, results, other, before = held_with_calls_waiting(server, client, before_stop)
     retries = f'jaxserve:router_retries_total{{role="replica",upstream="{victim["url"]}"}}'
-    before = server.metrics()[retries]
-    for t in threads:
-        t.start()
-    # The stream and 1+ calls wait on the victim (or its hang was noticed first and they moved on).
-    wait_for(lambda: server.metrics()[in_flight] >= 2 or server.metrics()[retries] > before, "routed to the victim")
     os.kill(victim["pid"], signal.SIGKILL)
     for t in threads:
         t.join(120)
