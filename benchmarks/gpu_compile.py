@@ -23,7 +23,7 @@ with `must_not_spill=False`; its spills are listed after the table. `--subset ci
 CI compiles (tests/pallas_kernels/test_gpu_compile.py); the default is every case.
 
     pip install -e ".[gpu-compile]"   # the CUDA plugin of our jaxlib version, ptxas, nvdisasm
-    python benchmarks/gpu_compile.py                 # every case (128 kernels, 3 minutes on 2 cores)
+    python benchmarks/gpu_compile.py                 # every case (130 kernels, 3 minutes on 2 cores)
     python benchmarks/gpu_compile.py --subset ci --json report.json
     python benchmarks/gpu_compile.py --only attention --case 'decode_b64.*' --keep-sass sass/
 
@@ -113,10 +113,10 @@ def attention_cases() -> list[Case]:
         for name, tokens, seqs, context, page, head_dim, window, cap in KV8_PRODUCTION:
             f = lower(tokens, seqs, context, page, head_dim, window, cap, kv_dtype=KV8[kv8])
             cases.append(Case("attention", f"{name}_{kv8}", f, ci=(kv8, name) in CI_KV8))
-    for name, tokens, seqs, context, page, head_dim, window, cap, kv8 in TREE_PRODUCTION:
+    for name, tokens, seqs, context, page, head_dim, window, cap, kv8, words in TREE_PRODUCTION:
         kv_dtype = KV8[kv8] if kv8 else None
-        f = lower(tokens, seqs, context, page, head_dim, window, cap, kv_dtype=kv_dtype, tree=True)
-        cases.append(Case("attention", name, f, ci=name == "tree_b64_n16"))
+        f = lower(tokens, seqs, context, page, head_dim, window, cap, kv_dtype=kv_dtype, tree_words=words)
+        cases.append(Case("attention", name, f, ci=name in ("tree_b64_n16", "tree_b8_n64")))
     for name, tokens, seqs, heads, kv_heads, head_dim in OTHER_HEAD_GROUPINGS:
         f = lower(tokens, seqs, 8192, 16, head_dim, None, None, num_heads=heads, num_kv_heads=kv_heads)
         cases.append(Case("attention", name, f, ci=name == "smollm2_decode"))

@@ -57,11 +57,14 @@ KV8_PRODUCTION = [
 # and a mixed batch; bf16 and 8-bit caches, one and two compute warpgroups.
 # (name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8)
 TREE_PRODUCTION = [
-    ("tree_b64_n16", 1024, 64, 8192, 16, 128, None, None, None),
-    ("tree_b8_n32_window_cap", 256, 8, 32768, 16, 128, 4096, 30.0, None),
-    ("tree_mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0, None),
-    ("tree_b64_n16_fp8", 1024, 64, 8192, 16, 128, None, None, "fp8"),
-    ("tree_decode_b64_int8_hd64", 64, 64, 8192, 16, 64, None, None, "int8"),
+    ("tree_b64_n16", 1024, 64, 8192, 16, 128, None, None, None, 1),
+    ("tree_b8_n32_window_cap", 256, 8, 32768, 16, 128, 4096, 30.0, None, 1),
+    ("tree_mixed_512_tokens_64_seqs", 512, 64, 8192, 16, 128, None, 50.0, None, 1),
+    ("tree_b64_n16_fp8", 1024, 64, 8192, 16, 128, None, None, "fp8", 1),
+    ("tree_decode_b64_int8_hd64", 64, 64, 8192, 16, 64, None, None, "int8", 1),
+    # Trees past 32 positions: 2 and 4 mask words a token (EAGLE-2-sized trees of 64 and 127 nodes).
+    ("tree_b8_n64", 512, 8, 8192, 16, 128, None, None, None, 2),
+    ("tree_b4_n127_int8_hd64", 512, 4, 8192, 16, 64, None, None, "int8", 4),
 ]
 
 # (name, tokens, seqs, query heads, KV heads, head_dim): the default model (SmolLM2-135M:
@@ -88,13 +91,14 @@ def lower_attention(
     config=None,
     dtype=jnp.bfloat16,
     kv_dtype=None,
-    tree=False,
+    tree_words=0,
     batch_invariant=False,
 ):
     """jax.export of the attention kernel for CUDA; returns (exported, config, shared-memory
     bytes Mosaic GPU allocated). `config` None is what the engine picks for this bucket;
     `kv_dtype` uint8 / int8 lowers for an 8-bit cache (pages of that dtype, float32 scales);
-    `tree` with a tree mask; `batch_invariant` in that mode (fixed blocks and splits)."""
+    `tree_words` with a tree mask of that many words a token; `batch_invariant` in that mode
+    (fixed blocks and splits)."""
     max_pages = -(-context // page_size)
     num_pages = num_seqs * max_pages + 1
     config = config or attention_mgpu.default_config(
@@ -105,10 +109,10 @@ def lower_attention(
         head_dim,
         page_size,
         kv_dtype=kv_dtype,
-        tree=tree,
+        tree_words=tree_words,
         batch_invariant=batch_invariant,
     )
-    optional = (("k_scales", "v_scales") if kv_dtype is not None else ()) + (("tree_mask",) if tree else ())
+    optional = (("k_scales", "v_scales") if kv_dtype is not None else ()) + (("tree_mask",) if tree_words else ())
 
     def fn(*args):  # the six arrays, then the optional ones
         return attention_mgpu.ragged_paged_attention(
@@ -131,8 +135,8 @@ def lower_attention(
     )
     if kv_dtype is not None:
         args += (jax.ShapeDtypeStruct((num_pages, num_kv_heads, page_size), jnp.float32),) * 2
-    if tree:
-        args += (jax.ShapeDtypeStruct((num_tokens,), jnp.int32),)
+    if tree_words:
+        args += (jax.ShapeDtypeStruct((num_tokens, tree_words), jnp.int32),)
     with record_smem() as smem:
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
     return exported, config, smem

@@ -96,9 +96,10 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* block_tables;
   const int32_t* query_start_loc;
-  const int32_t* tree_mask;
+  const int32_t* tree_mask;  // [num_tokens, tree_words]
   void* out;
   int64_t num_tokens, num_heads, head_dim, num_pages, page_size, num_kv_heads, num_seqs, max_pages;
+  int64_t tree_words;  // a token sees new token j < 32 * tree_words only if bit j % 32 of word j / 32 is set
   float sm_scale, soft_cap;
   int64_t sliding_window;
   // Batch invariance: one summation order for a query row, whatever its unit's size and first
@@ -151,7 +152,8 @@ void attend(const Problem& p, const Unit& u) {
   int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos0 - p.sliding_window + 1) : 0;
   if (p.fixed_order) lo -= lo % kKeyChunk;  // the same chunks for every unit (earlier keys masked)
   bool plain_tree = true;  // no tree mask among this unit's tokens
-  for (int64_t i = 0; i < u.count; ++i) plain_tree = plain_tree && p.tree_mask[token0 + i] == -1;
+  for (int64_t i = token0 * p.tree_words; i < (token0 + u.count) * p.tree_words; ++i)
+    plain_tree = plain_tree && p.tree_mask[i] == -1;
   const KT* k_rows[kKeyChunk];
   const KT* v_rows[kKeyChunk];
   for (int64_t start = lo; start <= last && start < kv_len; start += kKeyChunk) {
@@ -183,7 +185,7 @@ void attend(const Problem& p, const Unit& u) {
                           (plain_tree || start + n - 1 < new0);
     for (int64_t i = 0; i < u.count; ++i) {
       const int64_t qpos = pos0 + i;
-      const int32_t word = p.tree_mask[token0 + i];
+      const int32_t* words = p.tree_mask + (token0 + i) * p.tree_words;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t r = i * groups + g;
         float* sr = s + r * kKeyChunk;
@@ -195,7 +197,7 @@ void attend(const Problem& p, const Unit& u) {
           for (int64_t c = 0; c < n; ++c) {
             const int64_t pos = start + c, j = pos - new0;  // j: offset among the new tokens
             bool seen = pos <= qpos && (p.sliding_window <= 0 || pos > qpos - p.sliding_window);
-            seen = seen && (j < 0 || j >= 32 || ((word >> j) & 1));
+            seen = seen && (j < 0 || j >= 32 * p.tree_words || ((words[j / 32] >> (j % 32)) & 1));
             if (!seen) sr[c] = kNegInf;
           }
         float chunk_max = kNegInf;
@@ -385,9 +387,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
   Problem p{q.untyped_data(), k_pages.untyped_data(), v_pages.untyped_data(), kv_lens.typed_data(),
             block_tables.typed_data(), query_start_loc.typed_data(), tree_mask.typed_data(),
             out->untyped_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1],
-            sm_scale, soft_cap, sliding_window, fixed_order};
+            qd[0] ? int64_t(tree_mask.element_count()) / qd[0] : 1, sm_scale, soft_cap, sliding_window, fixed_order};
   if (kd[3] != p.head_dim || p.num_heads % p.num_kv_heads || kv_lens.element_count() != size_t(p.num_seqs) ||
-      query_start_loc.element_count() != size_t(p.num_seqs + 1) || tree_mask.element_count() != size_t(p.num_tokens))
+      query_start_loc.element_count() != size_t(p.num_seqs + 1) || p.tree_words < 1 ||
+      tree_mask.element_count() != size_t(p.num_tokens * p.tree_words))
     return ffi::Error::InvalidArgument("inconsistent shapes for ragged paged attention");
 
   const bool q32 = qt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;

@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ragged_paged_attention import as_mask_words
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cc")
@@ -177,8 +179,8 @@ def ragged_paged_attention(
         )
     _check_built()
     q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
-    if tree_mask is None:
-        tree_mask = jnp.full(q.shape[:1], -1, jnp.int32)  # every bit set: plain causal attention
+    # every bit set: plain causal attention
+    tree_mask = as_mask_words(jnp.full(q.shape[:1], -1, jnp.int32) if tree_mask is None else tree_mask)
     ints = [jnp.asarray(x, jnp.int32) for x in (kv_lens, block_tables, query_start_loc, tree_mask)]
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(

@@ -5,8 +5,8 @@ decode tokens alike); sequence `s` owns tokens `query_start_loc[s]:query_start_l
 which are the last `q_len` positions of its `kv_lens[s]`-token context. Its K/V live in
 the pages `block_tables[s, :cdiv(kv_lens[s], page_size)]`, already written for this
 step's tokens. Attention is causal within a sequence, optionally limited to a sliding
-window and soft-capped. A `tree_mask` word per new token restricts which of its
-sequence's first 32 new tokens it sees (speculative tree verification, see
+window and soft-capped. A `tree_mask` of W int32 words per new token restricts which of
+its sequence's first 32 W new tokens it sees (speculative tree verification, see
 `ragged_paged_attention_reference`). An 8-bit cache (fp8 or int8 pages) comes with `k_scales` and
 `v_scales` (see `pallas_kernels.quantized_kv`); pages are dequantized as they are loaded.
 
@@ -20,6 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quantized_kv import codes_to_float
+
+
+def as_mask_words(tree_mask) -> jax.Array:
+    """int32 [T, W]: a tree mask given as [T, W] words, or as [T] (one word a token)."""
+    tree_mask = jnp.asarray(tree_mask, jnp.int32)
+    if tree_mask.ndim not in (1, 2):
+        raise ValueError(f"tree_mask is int32 [T] or [T, W], got shape {tree_mask.shape}")
+    return tree_mask if tree_mask.ndim == 2 else tree_mask[:, None]
 
 
 def ragged_paged_attention_reference(
@@ -37,16 +45,17 @@ def ragged_paged_attention_reference(
     kv_chunk_pages: int | None = None,
     k_scales: jax.Array | None = None,  # float32 [num_pages, num_kv_heads, page_size] of an 8-bit cache
     v_scales: jax.Array | None = None,
-    tree_mask: jax.Array | None = None,  # int32 [T]: one word per new token (speculative tree verification)
+    tree_mask: jax.Array | None = None,  # int32 [T, W] or [T] (W = 1): speculative tree verification
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
     """Attention of every new token over its own sequence's paged context.
 
     `tree_mask`: a new token at offset i of its sequence's new tokens sees the new token
-    at offset j < 32 only if bit j of its word is set (on top of causality, j <= i).
-    Context keys and new tokens at offsets >= 32 follow the plain causal rule, so a word
-    of -1 changes nothing. A draft tree to verify is one sequence's new tokens [root,
-    node_1 .. node_N] (N <= 31) in BFS order, each word holding the bits of the node's
-    ancestors and itself; other sequences' tokens get -1.
+    at offset j < 32 W only if bit j % 32 of its word j // 32 is set (on top of causality,
+    j <= i). Context keys and new tokens at offsets >= 32 W follow the plain causal rule,
+    so words of -1 change nothing. A draft tree to verify is one sequence's new tokens
+    [root, node_1 .. node_N] (N < 32 W) in BFS order, each token's words holding the bits
+    of the node's ancestors and itself (`scheduler.draft_tree`); other sequences' tokens
+    get -1.
 
     The flat tokens are cut into query tiles, each inside one sequence: by default
     one-token tiles for decode tokens and `PREFILL_TILE`-token tiles for prefill chunks
@@ -62,7 +71,7 @@ def ragged_paged_attention_reference(
     if (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales come together: pass both (an 8-bit cache) or neither")
     scales = None if k_scales is None else (jnp.asarray(k_scales), jnp.asarray(v_scales))
-    tree_mask = None if tree_mask is None else jnp.asarray(tree_mask, jnp.int32)
+    tree_mask = None if tree_mask is None else as_mask_words(tree_mask)
     chunk_pages = kv_chunk_pages or max(1, 128 // k_pages.shape[1])
     num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
@@ -157,7 +166,7 @@ def _attend_tiles(
     token = jnp.where(q_valid, query_start_loc[seq][:, None] + q_off, num_tokens)
     new0 = kv_lens[seq] - q_lens[seq]  # [NT]: position of the sequence's first new token
     q_pos = new0[:, None] + q_off  # position of each query token
-    words = None if tree_mask is None else tree_mask[jnp.minimum(token, num_tokens - 1)]  # [NT, TQ]
+    words = None if tree_mask is None else tree_mask[jnp.minimum(token, num_tokens - 1)]  # [NT, TQ, W]
     seq_len = jnp.where(tile_valid, kv_lens[seq], 0)  # [NT]
 
     # Pad the block table so every chunk slice is in bounds (dynamic_slice would clamp);
@@ -205,8 +214,11 @@ def _attend_tiles(
                 mask &= kv_pos[None, None, :] > g_pos[:, :, None] - sliding_window
             if g_words is not None:
                 j = kv_pos[None, None, :] - g_new0[:, None, None]  # [NG, 1, C]: offset among the new tokens
-                bit = (g_words[:, :, None] >> (j & 31)) & 1  # j & 31: a shift in range for every j
-                mask &= (j < 0) | (j >= 32) | (bit != 0)
+                num_words = g_words.shape[-1]
+                bit = sum(  # j & 31: a shift in range for every j
+                    jnp.where(j >> 5 == w, (g_words[:, :, w, None] >> (j & 31)) & 1, 0) for w in range(num_words)
+                )
+                mask &= (j < 0) | (j >= 32 * num_words) | (bit != 0)
             mask = mask[:, None, None]  # [NG, 1, 1, TQ, C]
             s = jnp.where(mask, s, -jnp.inf)
 

@@ -61,12 +61,12 @@ P). That costs [64, block_kv] multiplies per block instead of [block_kv, D] in t
 upcast, and adds no bf16 rounding of scaled values. The ring slot is freed as soon as
 it is read, before the matmul.
 
-A tree mask (`tree_mask`, a word per new token: speculative tree verification, see the
+A tree mask (`tree_mask`, W words per new token: speculative tree verification, see the
 reference) travels with the query rows: gathered into the same tile-major row order
-([tiles * rows] int32), one TMA per unit beside Q on the same barrier, then held in
-registers for the unit. Only blocks holding some of a sequence's first 32 new tokens
-apply it (a second select after the causal / window one); without a tree the kernel is
-built without it.
+([W, tiles * rows] int32), a TMA per word and unit beside Q on the same barrier, then held
+in registers for the unit. Only blocks holding some of a sequence's first 32 W new tokens
+apply it (a second select after the causal / window one; past one word, each key's word is
+selected first); without a tree the kernel is built without it.
 
 Slots past a sequence's context (the tail of its last page, pages it does not own) may
 hold anything, NaN included (the tests fill them with NaN, and their scales too): their
@@ -206,12 +206,12 @@ class TuningConfig:
         if self.block_kv % page_size:
             raise ValueError(f"{self.block_kv=} must be a multiple of {page_size=}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, kv_itemsize: int | None = None, tree: bool = False) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, kv_itemsize: int | None = None, tree_words: int = 0) -> int:
         """Shared memory the kernel asks for: buffers (1 KiB aligned), barriers, reductions.
 
         `kv_itemsize` 1 is an 8-bit cache: its K/V ring costs half, plus the scales' ring
-        and one upcast [block_kv, D] buffer per compute warpgroup. `tree` adds the
-        double-buffered tree mask words of the query rows.
+        and one upcast [block_kv, D] buffer per compute warpgroup. `tree_words` (a tree
+        mask's words a token) adds the double-buffered words of the query rows.
         """
 
         def align(n: int) -> int:
@@ -225,7 +225,7 @@ class TuningConfig:
         scales = 2 * align(steps * bkv * 4) if quantized else 0
         upcast = align(wgs * bkv * head_dim * itemsize) if quantized else 0
         lse = align(wgs * rows * 4)
-        words = align(2 * wgs * rows * 4) if tree else 0
+        words = align(2 * wgs * tree_words * rows * 4) if tree_words else 0
         p = align(wgs * rows * bkv * itemsize) if self.p_via_smem else 0
         barriers = 8 * (2 * wgs + 1 + 4 * steps)
         return q + kv + scales + upcast + lse + words + p + barriers + _REDUCTION_SCRATCH
@@ -254,7 +254,7 @@ def default_config(
     query_tile: int | None = None,
     p_via_smem: bool = False,
     kv_dtype=None,
-    tree: bool = False,
+    tree_words: int = 0,
     batch_invariant: bool = False,
 ) -> TuningConfig:
     """A config for a (token, sequence) bucket and model shape.
@@ -265,20 +265,20 @@ def default_config(
     masks with two compute warpgroups, take 64-key blocks (fewer live registers: no spills
     on sm_90a). `kv_dtype` is the pages' dtype when it is 8-bit (the ring then costs half,
     the upcast buffers more);
-    `tree` is for calls with a tree mask. `batch_invariant` fixes block_kv at max(64,
+    `tree_words` is for calls with a tree mask of that many words a token. `batch_invariant` fixes block_kv at max(64,
     page_size) whatever the bucket, tree or kv dtype: the online softmax's blocking then
     never depends on the step (the query tile still does, which the kernel makes harmless).
     """
     kv_itemsize = jnp.dtype(kv_dtype).itemsize if kv_dtype is not None else 2
 
     def smem(c: TuningConfig) -> int:
-        return c.smem_bytes(head_dim, 2, kv_itemsize, tree)
+        return c.smem_bytes(head_dim, 2, kv_itemsize, tree_words)
 
     cfg = TuningConfig(block_kv=max(128, page_size), num_ctas=num_ctas or device_sm_count(), p_via_smem=p_via_smem)
     cfg = cfg.with_query_tile(query_tile or default_query_tile(num_tokens, num_seqs), num_heads // num_kv_heads)
     if batch_invariant:
         cfg = dataclasses.replace(cfg, block_kv=max(64, page_size), batch_invariant=True)
-    elif kv_itemsize == 1 or (tree and cfg.num_compute_wgs == 2):
+    elif kv_itemsize == 1 or (tree_words and cfg.num_compute_wgs == 2):
         # The upcast of an 8-bit block, and the tree words beside two warpgroups' rows, keep
         # more registers live next to the [64, block_kv] float32 scores: at 128 keys ptxas
         # spilled 8-136 bytes per thread in the inner loop; at 64 none
@@ -344,8 +344,15 @@ def unsupported_reason(
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if tuple(s.shape) != want or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
                 return f"{name} must be float32 {want} (pages, KV heads, page_size), got {s.dtype} {tuple(s.shape)}"
-    if tree_mask is not None and (tuple(tree_mask.shape) != q.shape[:1] or jnp.dtype(tree_mask.dtype) != jnp.int32):
-        return f"tree_mask must be int32 {q.shape[:1]} (a word per token), got {tree_mask.dtype} {tree_mask.shape}"
+    if tree_mask is not None and (
+        tuple(tree_mask.shape[:1]) != q.shape[:1]
+        or tree_mask.ndim not in (1, 2)
+        or jnp.dtype(tree_mask.dtype) != jnp.int32
+    ):
+        return (
+            f"tree_mask must be int32 {q.shape[:1]} or {q.shape[:1] + ('W',)} (words a token), "
+            f"got {tree_mask.dtype} {tree_mask.shape}"
+        )
     if kv_dim != head_dim:
         return f"{head_dim=} of q != {kv_dim=} of the pages"
     if head_dim not in (64, 128):
@@ -363,7 +370,8 @@ def unsupported_reason(
             config.check(groups=num_heads // num_kv_heads, page_size=page_size)
         except ValueError as e:
             return str(e)
-        if (smem := config.smem_bytes(head_dim, 2, k_pages.dtype.itemsize, tree_mask is not None)) > SMEM_BYTES:
+        words = 0 if tree_mask is None else math.prod(tree_mask.shape[1:])
+        if (smem := config.smem_bytes(head_dim, 2, k_pages.dtype.itemsize, words)) > SMEM_BYTES:
             return f"{config} needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
     return None
 
@@ -620,7 +628,7 @@ def _build_kernel(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
-    tree: bool,
+    tree_words: int,
     interpret,
 ):
     nwg, bkv, stages, num_ctas = cfg.num_compute_wgs, cfg.block_kv, cfg.max_concurrent_steps, cfg.num_ctas
@@ -632,6 +640,7 @@ def _build_kernel(
     quantized = shp.kv_dtype != shp.dtype
     copies_per_page = 2 if quantized else 1  # the 8-bit page and its scales
     i32 = jnp.int32
+    tree = tree_words > 0
 
     # -- the persistent loop over (item, kv head) units --------------------------------
 
@@ -755,15 +764,19 @@ def _build_kernel(
         return jnp.where(visible, s, -jnp.inf)
 
     def holds_tree(blk, f):
-        """Whether the block holds some of the sequence's first 32 new tokens (the tree's)."""
-        return (blk * bkv + bkv > f[_NEW0]) & (blk * bkv < f[_NEW0] + 32)
+        """Whether the block holds some of the sequence's first 32 W new tokens (the tree's)."""
+        return (blk * bkv + bkv > f[_NEW0]) & (blk * bkv < f[_NEW0] + 32 * tree_words)
 
     def apply_tree_mask(s, blk, f, words):
-        """Hide new token j < 32 from the rows whose word (`words`, [64] int32) lacks bit j."""
+        """Hide new token j < 32 W from the rows whose words (`words`: W of [64] int32) lack
+        bit j % 32 in word j // 32."""
         key = plgpu.broadcasted_iota(i32, s.shape, 1, layout=layout) + blk * bkv
         j = key - f[_NEW0]  # offset among the sequence's new tokens
-        bit = lax.shift_right_logical(lax.broadcast_in_dim(words, s.shape, [0]), j & 31) & 1  # j & 31: in range
-        visible = (j < 0) | (j >= 32) | (bit != 0)
+        word = lax.broadcast_in_dim(words[0], s.shape, [0])
+        for w in range(1, tree_words):  # each key's word (j >> 5 of a negative j matches none)
+            word = jnp.where(lax.shift_right_logical(j, 5) == w, lax.broadcast_in_dim(words[w], s.shape, [0]), word)
+        bit = lax.shift_right_logical(word, j & 31) & 1  # j & 31: in range
+        visible = (j < 0) | (j >= 32 * tree_words) | (bit != 0)
         return jnp.where(visible, s, -jnp.inf)
 
     def upcast(src, dst, num_valid=None):
@@ -826,8 +839,8 @@ def _build_kernel(
             buf = lax.rem(n, i32(2))
             q_rows = pl.ds(f[_TILE] * rows + wg * ROWS_PER_WG, ROWS_PER_WG)
             plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(head * dim, dim)], qo_smem.at[buf, wg], q_bar.at[buf, wg])
-            if tree:  # the same rows' tree words, on the same barrier
-                plgpu.copy_gmem_to_smem(tree_ref.at[q_rows], tree_smem.at[buf, wg], q_bar.at[buf, wg])
+            for w in range(tree_words):  # the same rows' tree words, on the same barrier
+                plgpu.copy_gmem_to_smem(tree_ref.at[w, q_rows], tree_smem.at[buf, wg, w], q_bar.at[buf, wg])
 
         def step_body(j, carry, step0, qo, f, words):
             acc, m, l = carry  # [64, D] f32, [64] f32 (base-2 running max), [64] f32
@@ -933,8 +946,8 @@ def _build_kernel(
             buf = lax.rem(n, i32(2))
             qo = qo_smem.at[buf, wg]  # [64, D]: this unit's query rows, later its output rows
             plgpu.barrier_wait(q_bar.at[buf, wg])
-            # [64] int32: each row's tree word, read before load_q(n + 2) refills the buffer.
-            words = plgpu.load(tree_smem.at[buf, wg], layout=row_layout) if tree else None
+            # W of [64] int32: each row's tree words, read before load_q(n + 2) refills the buffer.
+            words = [plgpu.load(tree_smem.at[buf, wg, w], layout=row_layout) for w in range(tree_words)]
 
             # The other buffer held unit n - 1's output, already read by its store.
             @pl.when(n + 1 < my_units)
@@ -1065,9 +1078,9 @@ def _build_kernel(
         plgpu.SMEM((stages, bkv), jnp.float32) if quantized else None,  # V scales ring
         plgpu.SMEM((nwg, bkv, dim), shp.dtype, transforms=tiled) if quantized else None,  # upcast K / V
         plgpu.SMEM((nwg, ROWS_PER_WG), jnp.float32),  # log-sum-exp
-        plgpu.SMEM((2, nwg, ROWS_PER_WG), jnp.int32) if tree else None,  # tree words, buffered as Q
+        plgpu.SMEM((2, nwg, tree_words, ROWS_PER_WG), jnp.int32) if tree else None,  # tree words, buffered as Q
         plgpu.SMEM((nwg, ROWS_PER_WG, bkv), shp.dtype, transforms=tiled) if cfg.p_via_smem else None,
-        plgpu.Barrier(num_arrivals=2 if tree else 1, num_barriers=(2, nwg)),  # Q (+ tree words) landed
+        plgpu.Barrier(num_arrivals=1 + tree_words, num_barriers=(2, nwg)),  # Q (+ tree words) landed
         plgpu.Barrier(num_arrivals=pages_per_block * copies_per_page, num_barriers=stages),  # K slot full
         plgpu.Barrier(num_arrivals=pages_per_block * copies_per_page, num_barriers=stages),  # V slot full
         plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot free
@@ -1162,7 +1175,7 @@ def ragged_paged_attention(
     kv_chunk_pages: int | None = None,
     config: TuningConfig | None = None,
     plan: WorkPlan | None = None,
-    tree_mask: jax.Array | None = None,  # int32 [T]: a tree mask word per token (see the reference)
+    tree_mask: jax.Array | None = None,  # int32 [T, W] or [T]: tree mask words a token (see the reference)
     batch_invariant: bool = False,
     interpret=None,
 ) -> jax.Array:  # [T, num_heads, head_dim]; zeros for tokens past query_start_loc[S]
@@ -1174,15 +1187,16 @@ def ragged_paged_attention(
     saves recomputing the work list; it carries its config. `interpret=True` or a
     `plgpu.InterpretGPUParams` runs the Mosaic GPU interpreter instead of a GPU.
     With `k_scales` and `v_scales` the pages are an 8-bit cache (`quantized_kv`),
-    dequantized inside the kernel. `tree_mask` limits which of its sequence's first 32
+    dequantized inside the kernel. `tree_mask` limits which of its sequence's first 32 W
     new tokens each token sees, as in `ragged_paged_attention_reference`.
     `batch_invariant` makes a token's output bits independent of the rest of the call
     (module docstring); a given `config` or `plan` must then be batch-invariant itself.
     """
     del kv_chunk_pages
-    tree = tree_mask is not None
-    if tree:
+    tree_words = 0
+    if tree_mask is not None:
         tree_mask = jnp.asarray(tree_mask)
+        tree_words = math.prod(tree_mask.shape[1:])
     optional = dict(k_scales=k_scales, v_scales=v_scales, tree_mask=tree_mask)
     if (reason := unsupported_reason(q, k_pages, v_pages, **optional)) is not None:
         raise NotImplementedError(f"ragged_paged_attention (Mosaic GPU): {reason}")
@@ -1207,7 +1221,7 @@ def ragged_paged_attention(
             query_tile=query_tile,
             p_via_smem=bool(interpret),
             kv_dtype=k_pages.dtype,
-            tree=tree,
+            tree_words=tree_words,
             batch_invariant=batch_invariant,
         )
     elif query_tile is not None:
@@ -1251,17 +1265,17 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        tree=tree,
+        tree_words=tree_words,
         interpret=interpret,
     )
     pad_rows = ROWS_PER_WG * config.num_compute_wgs
     q_tiles = _gather_query_tiles(q, plan.tile_tokens, num_kv_heads, rows, pad_rows)
     tree_rows = ()
-    # [NT * rows + pad_rows]: the words in the query rows' order (a one-wide "query" of G heads).
+    # [W, NT * rows + pad_rows]: the words in the query rows' order (a W-wide "query" of G heads).
     # Padding rows get 0: they may see no key at all, which gives o = 0 and lse = -inf, never read.
-    if tree:
-        words = jnp.broadcast_to(tree_mask[:, None, None], (num_tokens, groups, 1))
-        tree_rows = (_gather_query_tiles(words, plan.tile_tokens, 1, rows, pad_rows).reshape(-1),)
+    if tree_words:
+        words = jnp.broadcast_to(tree_mask.reshape(num_tokens, 1, tree_words), (num_tokens, groups, tree_words))
+        tree_rows = (_gather_query_tiles(words, plan.tile_tokens, 1, rows, pad_rows).T,)
     # Free reshapes: a page of one KV head is then a rectangular [page_size, D] TMA box.
     k2d = k_pages.reshape(num_pages * page_size, num_kv_heads * head_dim)
     v2d = v_pages.reshape(num_pages * page_size, num_kv_heads * head_dim)

@@ -58,7 +58,7 @@ def build_step_batch(
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     num_spec = np.fromiter((len(r.spec_token_ids) for r, _ in rows), np.int32, num_seqs)
     spec_token_ids = np.zeros((num_seqs, tree.num_nodes if tree else 0), np.int32)
-    tree_mask = None if tree is None or tree.is_chain else np.full(len(input_ids), -1, np.int32)
+    tree_mask = None if tree is None or tree.is_chain else np.full((len(input_ids), tree.mask_words), -1, np.int32)
     for i, (r, _) in enumerate(rows):
         m = len(r.spec_token_ids)
         if m:

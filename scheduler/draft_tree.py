@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MAX_POSITIONS = 32  # the ancestor mask is one int32 per position: the root and up to 31 nodes
+WORD_BITS = 32  # the ancestor mask's words are int32: positions 32w .. 32w + 31 in word w
+MAX_POSITIONS = 128  # the root and up to 127 nodes: at most 4 words a position
 
 Path = tuple[int, ...]
 
@@ -37,7 +38,8 @@ class DraftTree:
     parent: np.ndarray = dataclasses.field(init=False, compare=False, repr=False)  # i32 [N+1]: -1 for the root
     depth: np.ndarray = dataclasses.field(init=False, compare=False, repr=False)  # i32 [N+1]
     rank: np.ndarray = dataclasses.field(init=False, compare=False, repr=False)  # i32 [N+1]: among its siblings
-    # i32 [N+1]: bit j set iff position j is i or an ancestor of i (the tree attention mask)
+    # i32 [N+1, W], W = mask_words: bit j % 32 of word j // 32 set iff position j is i or an
+    # ancestor of i (the tree attention mask)
     ancestor_mask: np.ndarray = dataclasses.field(init=False, compare=False, repr=False)
     children: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, compare=False, repr=False)  # rank order
 
@@ -59,6 +61,11 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         return len(self.paths[-1])
+
+    @property
+    def mask_words(self) -> int:
+        """The int32 words of each position's ancestor mask: one per 32 positions."""
+        return -(-(self.num_nodes + 1) // WORD_BITS)
 
     @property
     def is_chain(self) -> bool:
@@ -92,11 +99,18 @@ class DraftTree:
             parent=np.array(parent, np.int32),
             depth=np.array([0] + [len(path) for path in self.paths], np.int32),
             rank=np.array([0] + [path[-1] for path in self.paths], np.int32),
-            ancestor_mask=np.array(mask, np.uint32).view(np.int32),  # bit 31 is the sign bit
+            ancestor_mask=_as_words(mask, -(-len(mask) // WORD_BITS)),
             children=tuple(tuple(c) for c in children),
         )
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+
+
+def _as_words(masks: list[int], words: int) -> np.ndarray:
+    """i32 [len(masks), words]: each mask's bits 32w .. 32w + 31 in word w (bit 31 is the sign bit)."""
+    low = (1 << WORD_BITS) - 1
+    table = [[(mask >> (WORD_BITS * w)) & low for w in range(words)] for mask in masks]
+    return np.array(table, np.uint32).view(np.int32)
 
 
 def _as_path(choice: object) -> Path:

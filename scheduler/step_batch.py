@@ -147,7 +147,7 @@ class StepBatch:
     verify: SamplingBatch | None = None  # [S * (N + 1)] rows, one per tree position (a chain: k + 1); None: no drafts
     # Speculating with a tree (not a chain): each token's attention word (see
     # ragged_paged_attention_reference's tree_mask): -1, or for a tree's tokens their ancestors.
-    tree_mask: np.ndarray | None = None  # int32 [T]
+    tree_mask: np.ndarray | None = None  # int32 [T, W]: W words a token (DraftTree.mask_words)
     # Prompt logprobs: per token, the prompt token that follows it, whose logprob the step
     # reports (-1: none wanted); None when no row wants any.
     prompt_logprob_targets: np.ndarray | None = None  # int32 [T]

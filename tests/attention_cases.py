@@ -138,9 +138,10 @@ def dense_attention(
 ) -> np.ndarray:
     """float64 attention, one sequence at a time over its dense K/V. Padding rows are 0.
 
-    With `tree_mask` (a word per token), token t sees its sequence's new token at offset
-    j < 32 only if bit j of tree_mask[t] is set.
+    With `tree_mask` (int32 [T, W] words a token, or [T]: one), token t sees its sequence's
+    new token at offset j < 32 W only if bit j % 32 of tree_mask[t, j // 32] is set.
     """
+    words = None if tree_mask is None else np.asarray(tree_mask).reshape(len(case.q), -1)
     num_tokens, num_heads, head_dim = case.q.shape
     groups = num_heads // case.k_pages.shape[2]
     out = np.zeros((num_tokens, num_heads, head_dim))
@@ -153,9 +154,10 @@ def dense_attention(
             allowed = keys <= pos
             if sliding_window is not None:
                 allowed &= keys > pos - sliding_window
-            if tree_mask is not None:
+            if words is not None:
                 offset = keys - (kv_len - (end - start))  # among the sequence's new tokens
-                bits = np.array([int(tree_mask[t]) >> j & 1 if 0 <= j < 32 else 1 for j in offset], bool)
+                limit = 32 * words.shape[1]
+                bits = np.array([int(words[t, j // 32]) >> j % 32 & 1 if 0 <= j < limit else 1 for j in offset], bool)
                 allowed &= bits
             for h in range(num_heads):
                 kh = k[:, h // groups].astype(np.float64)
@@ -213,14 +215,20 @@ def quantize_case(case: AttentionCase, dtype, rng: np.random.Generator) -> tuple
     return quantized, dataclasses.replace(quantized, k_pages=k_deq, v_pages=v_deq, k_scales=None, v_scales=None)
 
 
-def tree_words(parents: list[int]) -> list[int]:
-    """int32 mask words of a draft tree in BFS order (parents[i] < i; the root's is -1):
-    node i's word has the bits of its ancestors and itself."""
-    words = []
+def tree_mask_words(parents: list[int], num_words: int) -> np.ndarray:
+    """int32 [N, num_words]: the mask words of a draft tree in BFS order (parents[i] < i; the
+    root's is -1): node i's bits are those of its ancestors and itself, bit j in word j // 32."""
+    masks: list[int] = []
     for i, parent in enumerate(parents):
-        assert parent < i
-        words.append((words[parent] if parent >= 0 else 0) | 1 << i)
-    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # bit 31 is the sign
+        assert parent < i < 32 * num_words
+        masks.append((masks[parent] if parent >= 0 else 0) | 1 << i)
+    words = [[mask >> 32 * w & 0xFFFFFFFF for w in range(num_words)] for mask in masks]
+    return np.array(words, np.uint64).astype(np.uint32).view(np.int32)  # bit 31 is the sign
+
+
+def tree_words(parents: list[int]) -> list[int]:
+    """One int32 mask word a node (see tree_mask_words): trees of at most 32 positions."""
+    return tree_mask_words(parents, 1)[:, 0].tolist()
 
 
 def kary_tree(num_nodes: int, k: int) -> list[int]:
@@ -228,11 +236,12 @@ def kary_tree(num_nodes: int, k: int) -> list[int]:
     return [-1] + [(i - 1) // k for i in range(1, num_nodes)]
 
 
-def batch_tree_mask(case: AttentionCase, trees: dict[int, list[int]]) -> np.ndarray:
-    """int32 [T]: sequence s's new tokens carry `tree_words(trees[s])`, every other token -1."""
-    mask = np.full(case.q.shape[0], -1, np.int32)
+def batch_tree_mask(case: AttentionCase, trees: dict[int, list[int]], num_words: int | None = None) -> np.ndarray:
+    """int32 [T, num_words] (or [T]: one word when None): sequence s's new tokens carry the
+    words of `trees[s]` (tree_mask_words), every other token -1."""
+    mask = np.full((case.q.shape[0], num_words or 1), -1, np.int32)
     for s, parents in trees.items():
         start, end = case.query_start_loc[s], case.query_start_loc[s + 1]
         assert end - start == len(parents), (s, end - start, len(parents))
-        mask[start:end] = tree_words(parents)
-    return mask
+        mask[start:end] = tree_mask_words(parents, num_words or 1)
+    return mask if num_words else mask[:, 0]

@@ -24,7 +24,7 @@ class ModelInputs:
     seq_lens: jax.Array  # int32 [S]: context length after this step
     block_tables: jax.Array  # int32 [S, max_blocks]
     logits_indices: jax.Array  # int32 [S]: flat index of the token whose logits we want
-    tree_mask: jax.Array | None = None  # int32 [T]: speculating with a tree (see StepBatch.tree_mask)
+    tree_mask: jax.Array | None = None  # int32 [T, W]: speculating with a tree (see StepBatch.tree_mask)
     lora_slots: jax.Array | None = None  # int32 [T]: each token's LoRA slot (0: none); only with LoRA on
 
     @classmethod

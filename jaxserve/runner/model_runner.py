@@ -485,7 +485,7 @@ class ModelRunner:
             pending_at[:p], pending_rows[:p] = batch.pending_tokens, batch.pending_rows
         tree_mask = None
         if self.tree is not None:  # every step: one compiled program per bucket, not two
-            tree_mask = np.full(t, -1, np.int32)
+            tree_mask = np.full((t, self.tree.mask_words), -1, np.int32)
             if batch is not None and batch.tree_mask is not None:
                 tree_mask[: batch.num_tokens] = batch.tree_mask
         lora_slots = None

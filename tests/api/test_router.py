@@ -317,7 +317,9 @@ def test_a_stalled_engine_turns_health_503_and_leaves_the_routers_rotation(tiny_
         release.wait(60)
         return step()
 
-    app = create_app(tiny_engine, model_name="tiny", engine_step_timeout=0.5)
+    # A step past 5 s is a stall; a real one on a loaded CI machine once took more than 0.5 s
+    # after the release, turned /health 503 again and the router dropped the last call (CI 2026-12-06).
+    app = create_app(tiny_engine, model_name="tiny", engine_step_timeout=5)
     with serve_in_thread(app) as url, serve_in_thread(create_router([url], health_interval=0.1)) as router_url:
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
         answers = []

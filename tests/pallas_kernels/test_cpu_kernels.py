@@ -78,6 +78,21 @@ def test_tree_verification_in_a_mixed_batch(window):
     np.testing.assert_allclose(run_kernel(case, tree_mask=mask, **kwargs), want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 30])
+def test_trees_past_32_nodes_in_several_words(window):
+    """A 70-node and a 40-node tree (3 words a token) beside decodes and a prefill."""
+    rng = np.random.default_rng(12)
+    big, middle = kary_tree(71, 2), kary_tree(41, 4)
+    q_lens, kv_lens = [13, len(big), 1, len(middle)], [20, len(big) + 9, 40, len(middle)]
+    case = make_case(rng, q_lens, kv_lens, num_heads=6, num_kv_heads=2, head_dim=16, page_size=4, pad_tokens=3)
+    mask = batch_tree_mask(case, {1: big, 3: middle}, num_words=3)
+    kwargs = dict(sm_scale=0.25, sliding_window=window)
+    want = dense_attention(case, tree_mask=mask, **kwargs)
+    one_word = mask[:, :1]
+    assert not np.allclose(want, dense_attention(case, tree_mask=one_word, **kwargs)), "words 1 and 2 must matter"
+    np.testing.assert_allclose(run_kernel(case, tree_mask=mask, **kwargs), want, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "q_dtype,kv_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("bfloat16", "float32")]
 )

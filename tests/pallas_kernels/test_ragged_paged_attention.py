@@ -130,6 +130,38 @@ def test_tree_of_32_nodes_and_offsets_past_32():
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"{tile=}")
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_trees_past_32_nodes_in_several_words(window):
+    """Trees of 70 and 40 nodes (3 words a token) beside a chain; a sequence with more new
+    tokens than the words cover (100 > 96) sees those past them causally, whatever its words."""
+    rng = np.random.default_rng(21)
+    big, middle, chain = kary_tree(71, 2), kary_tree(41, 4), kary_tree(6, 1)
+    q_lens, kv_lens = [len(big), 1, len(chain), len(middle), 100], [len(big) + 9, 30, 50, len(middle), 120]
+    case = make_case(rng, q_lens, kv_lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, pad_tokens=3)
+    mask = batch_tree_mask(case, {0: big, 2: chain, 3: middle}, num_words=3)
+    last = slice(case.query_start_loc[4], case.query_start_loc[5])
+    offsets = np.arange(100)
+    own = np.zeros((100, 3), np.uint32)
+    own[offsets < 96, np.minimum(offsets // 32, 2)[offsets < 96]] = 1 << (offsets[offsets < 96] % 32)
+    mask[last] = (rng.integers(0, 1 << 32, (100, 3), dtype=np.uint32) | own).view(np.int32)
+    kwargs = dict(sm_scale=0.25, sliding_window=window)
+    want = dense_attention(case, tree_mask=mask, **kwargs)
+    one_word = mask[:, :1]  # the first 32 positions only
+    assert not np.allclose(want, dense_attention(case, tree_mask=one_word, **kwargs)), "words 1 and 2 must matter"
+    for tile, chunk in [(None, None), (8, 2), (32, 4)]:
+        got = run_reference(case, tree_mask=mask, query_tile=tile, kv_chunk_pages=chunk, **kwargs)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"{tile=} {chunk=}")
+
+
+def test_a_mask_of_one_word_a_token_may_come_as_t_or_t_by_1():
+    rng = np.random.default_rng(22)
+    case = make_case(rng, [len(BUSHY), 1], [len(BUSHY) + 5, 12], num_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+    mask = batch_tree_mask(case, {0: BUSHY})
+    np.testing.assert_array_equal(
+        run_reference(case, sm_scale=0.25, tree_mask=mask), run_reference(case, sm_scale=0.25, tree_mask=mask[:, None])
+    )
+
+
 def test_tree_verification_with_an_8bit_cache():
     rng = np.random.default_rng(12)
     case = make_case(

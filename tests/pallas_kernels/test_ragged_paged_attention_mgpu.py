@@ -357,6 +357,28 @@ def test_tree_verification_two_compute_warpgroups():
     check(case, config=small_config(query_tile=16, num_compute_wgs=2), sm_scale=0.125, tree_mask=mask)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("query_tile,wgs", [(8, 1), (16, 2)])
+def test_trees_past_32_positions_in_several_words(query_tile, wgs):
+    """Trees of 70 and 40 positions (3 mask words a token) beside a decode: keys at offsets
+    32 to 95 are hidden by words 1 and 2."""
+    rng = np.random.default_rng(23)
+    big, middle = kary_tree(70, 2), kary_tree(40, 4)
+    case = make_case(
+        rng,
+        [len(big), 1, len(middle)],
+        [len(big) + 20, 90, len(middle) + 3],
+        num_heads=16 if wgs == 2 else 6,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        pad_tokens=2,
+        dtype=jnp.bfloat16,
+    )
+    mask = batch_tree_mask(case, {0: big, 2: middle}, num_words=3)
+    check(case, config=small_config(query_tile=query_tile, num_compute_wgs=wgs), sm_scale=0.125, tree_mask=mask)
+
+
 # -- batch-invariant mode ------------------------------------------------------------
 # A token's output must be bit for bit the same alone or in any batch. Shapes: GQA 3, 16-token
 # pages, 64-key blocks and 2-block splits (128 keys), so short contexts are already split.
@@ -365,18 +387,20 @@ INV_SHAPE = dict(num_heads=6, num_kv_heads=2, head_dim=64)
 INV_PAGE = 16
 
 
-def invariant_config(case, tree=False):
+def invariant_config(case, tree_words=0):
     """What the engine picks for this bucket in batch-invariant mode, with short splits and
     few CTAs (quick to interpret)."""
     tokens, seqs = case.q.shape[0], len(case.kv_lens)
-    config = mgpu.default_config(tokens, seqs, 6, 2, 64, INV_PAGE, num_ctas=4, tree=tree, batch_invariant=True)
+    config = mgpu.default_config(
+        tokens, seqs, 6, 2, 64, INV_PAGE, num_ctas=4, tree_words=tree_words, batch_invariant=True
+    )
     return dataclasses.replace(config, split_blocks=2)
 
 
 def run_raw(case, **kwargs):
     """The kernel's own bf16 / f16 output in batch-invariant mode, for == comparisons."""
     interpret = None if ON_GPU else plgpu.InterpretGPUParams()
-    config = invariant_config(case, tree=kwargs.get("tree_mask") is not None)
+    config = invariant_config(case, tree_words=int(kwargs.get("tree_mask") is not None))
     out = mgpu.ragged_paged_attention(
         *(jnp.asarray(getattr(case, a)) for a in ARGS),
         config=config,
@@ -533,10 +557,10 @@ def test_batch_invariant_plan_bound():
 def test_batch_invariant_config_and_inputs():
     # One block_kv whatever the bucket, tree or kv dtype.
     blocks = {
-        mgpu.default_config(t, s, 32, 8, 128, 16, kv_dtype=kv, tree=tree, batch_invariant=True).block_kv
+        mgpu.default_config(t, s, 32, 8, 128, 16, kv_dtype=kv, tree_words=tree, batch_invariant=True).block_kv
         for t, s in [(1, 1), (64, 64), (2048, 4)]
         for kv in (None, jnp.int8)
-        for tree in (False, True)
+        for tree in (0, 1, 3)
     }
     assert blocks == {64}
     with pytest.raises(ValueError, match="max_context"):
@@ -667,11 +691,13 @@ def test_tree_mask_input_is_checked():
     sds = jax.ShapeDtypeStruct
     q, pages = sds((4, 8, 64), jnp.bfloat16), sds((4, 16, 2, 64), jnp.bfloat16)
     assert mgpu.is_supported(q, pages, pages, tree_mask=sds((4,), jnp.int32))
-    for bad in (sds((4,), jnp.uint32), sds((5,), jnp.int32), sds((4, 1), jnp.int32)):
+    assert mgpu.is_supported(q, pages, pages, tree_mask=sds((4, 3), jnp.int32))  # 3 words a token
+    for bad in (sds((4,), jnp.uint32), sds((5,), jnp.int32), sds((5, 2), jnp.int32), sds((4, 1, 1), jnp.int32)):
         assert "tree_mask must be int32 (4,)" in mgpu.unsupported_reason(q, pages, pages, tree_mask=bad)
     # The words' buffer counts against shared memory.
     config = mgpu.TuningConfig(block_kv=128, max_concurrent_steps=2)
-    assert config.smem_bytes(64, tree=True) == config.smem_bytes(64) + 1024  # int32 [2, 1, 64], 1 KiB aligned
+    assert config.smem_bytes(64, tree_words=1) == config.smem_bytes(64) + 1024  # int32 [2, 1, 1, 64], 1 KiB aligned
+    assert config.smem_bytes(64, tree_words=4) == config.smem_bytes(64) + 2048  # int32 [2, 1, 4, 64]
 
 
 # -- 2. lowered for an H100 / H200 at production shapes ----------------------------
@@ -707,18 +733,18 @@ def test_8bit_cache_lowers_for_hopper(name, tokens, seqs, context, page_size, he
 
 
 @pytest.mark.parametrize(
-    "name,tokens,seqs,context,page_size,head_dim,window,soft_cap,kv8",
+    "name,tokens,seqs,context,page_size,head_dim,window,soft_cap,kv8,words",
     TREE_PRODUCTION,
     ids=[p[0] for p in TREE_PRODUCTION],
 )
-def test_tree_mask_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8):
+def test_tree_mask_lowers_for_hopper(name, tokens, seqs, context, page_size, head_dim, window, soft_cap, kv8, words):
     kv_dtype = KV8[kv8] if kv8 else None
     exported, config, smem = lower_attention(
-        tokens, seqs, context, page_size, head_dim, window, soft_cap, kv_dtype=kv_dtype, tree=True
+        tokens, seqs, context, page_size, head_dim, window, soft_cap, kv_dtype=kv_dtype, tree_words=words
     )
     assert "mosaic_gpu" in exported.mlir_module()
     if smem:
-        assert smem == [config.smem_bytes(head_dim, 2, 1 if kv8 else 2, tree=True)], (smem, config)
+        assert smem == [config.smem_bytes(head_dim, 2, 1 if kv8 else 2, tree_words=words)], (smem, config)
         assert smem[0] <= mgpu.SMEM_BYTES
 
 
@@ -843,11 +869,13 @@ def test_production_shapes_on_gpu(name, q_lens, kv_lens, window, soft_cap, p_via
 @pytest.mark.skipif(not ON_GPU, reason="production shapes need a GPU (set JAXSERVE_MGPU_ON_GPU=1)")
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (1024, 30.0)])
 def test_tree_verification_production_shapes_on_gpu(window, soft_cap):
-    """A prefill chunk, decodes and eight draft trees (chains, 2- to 4-ary, 16 to 32 nodes)."""
+    """A prefill chunk, decodes and ten draft trees (chains, 2- to 4-ary, 8 to 127 positions:
+    four mask words a token)."""
     rng = np.random.default_rng(17)
-    trees = [kary_tree(n, k) for n, k in [(16, 1), (16, 2), (16, 3), (16, 4), (32, 2), (31, 3), (8, 2), (24, 4)]]
+    shapes = [(16, 1), (16, 2), (16, 3), (16, 4), (32, 2), (31, 3), (8, 2), (24, 4), (64, 2), (127, 3)]
+    trees = [kary_tree(n, k) for n, k in shapes]
     q_lens = [512, 1, 1, 1, 1] + [len(t) for t in trees]
-    contexts = [0, 63, 1000, 4090, 8000, 20000, 5, 777]  # before each tree's new tokens
+    contexts = [0, 63, 1000, 4090, 8000, 20000, 5, 777, 3000, 12]  # before each tree's new tokens
     kv_lens = [3000, 100, 4096, 9000, 17] + [c + len(t) for c, t in zip(contexts, trees)]
     case = make_case(
         rng,
@@ -861,9 +889,9 @@ def test_tree_verification_production_shapes_on_gpu(window, soft_cap):
         pad_seqs=1,
         dtype=jnp.bfloat16,
     )
-    mask = batch_tree_mask(case, {5 + i: t for i, t in enumerate(trees)})
+    mask = batch_tree_mask(case, {5 + i: t for i, t in enumerate(trees)}, num_words=4)
     tokens, seqs = case.q.shape[0], len(case.kv_lens)
-    config = mgpu.default_config(tokens, seqs, 32, 8, 128, 16, tree=True)
+    config = mgpu.default_config(tokens, seqs, 32, 8, 128, 16, tree_words=4)
     kwargs = dict(sm_scale=128**-0.5, sliding_window=window, soft_cap=soft_cap, tree_mask=mask)
     got = run_kernel(case, config=config, **kwargs)
     assert np.isfinite(got).all()

@@ -68,15 +68,30 @@ def test_positions_parents_depths_and_masks_by_hand():
     assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2]
     assert tree.rank.tolist() == [0, 0, 1, 0, 1, 0]
     assert tree.children == ((1, 2), (3, 4), (5,), (), (), ())
-    assert tree.ancestor_mask.tolist() == [0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101]
+    assert tree.ancestor_mask.tolist() == [[0b1], [0b11], [0b101], [0b1011], [0b10011], [0b100101]]
     assert all(a.dtype == np.int32 for a in (tree.parent, tree.depth, tree.rank, tree.ancestor_mask))
     # A jit static argument: equal and hashed by its paths.
     same = DraftTree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0)])
     assert tree == same and hash(tree) == hash(same) and tree != DraftTree.chain(2)
 
-    chain = DraftTree.chain(31)  # the largest tree: bit 31 is the int32 sign bit
+    chain = DraftTree.chain(31)  # the largest tree of one word: bit 31 is the int32 sign bit
     assert chain.parent.tolist() == [-1] + list(range(31))
-    assert chain.ancestor_mask[-1] == -1 and chain.ancestor_mask[3] == 0b1111
+    assert chain.mask_words == 1 and chain.ancestor_mask[-1, 0] == -1 and chain.ancestor_mask[3, 0] == 0b1111
+
+    # Past 32 positions, bit j lies in word j // 32; the oracle: sets of ancestors walked up
+    # the parents, one position at a time.
+    big = DraftTree.from_choices(
+        [(r,) for r in range(3)] + [(r, s) for r in range(3) for s in range(3)] + [(0, 0, t) for t in range(50)]
+    )
+    assert (big.num_nodes, big.mask_words) == (62, 2)
+    for i in range(big.num_nodes + 1):
+        seen, j = set(), i
+        while j >= 0:
+            seen.add(j)
+            j = big.parent[j]
+        bits = {32 * w + b for w in range(2) for b in range(32) if int(big.ancestor_mask[i, w]) >> b & 1}
+        assert bits == seen, i
+    assert DraftTree.chain(127).mask_words == 4
 
 
 @pytest.mark.parametrize(
@@ -88,7 +103,7 @@ def test_positions_parents_depths_and_masks_by_hand():
         ([(1,)], "ranks"),
         ([(0,), (2,)], "ranks"),
         ([(0,), (-1,)], "ranks"),
-        ([(0,) * d for d in range(1, 33)], "at most 31"),
+        ([(0,) * d for d in range(1, 129)], "at most 127"),
         ([(0.0,)], "int"),
         ([("0",)], "int"),
         ([(True,)], "int"),

@@ -23,8 +23,9 @@ SPEC = {"method": "medusa", "model": "unused: the oracle below proposes", "specu
 class TreeOracleProposer(OracleProposer):
     """OracleProposer's bookkeeping; a tree of drafts instead of a chain."""
 
-    def __init__(self, truth: dict[tuple, list[int]]):
+    def __init__(self, truth: dict[tuple, list[int]], tree: DraftTree = TREE):
         super().__init__(None, truth)  # the engine's config is set when it builds the proposer
+        self.tree = tree
 
     def propose(self, running):
         for req in decoding(running, self.config):
@@ -35,21 +36,22 @@ class TreeOracleProposer(OracleProposer):
             # Walk the true branch: at depth d the true child is the one of rank (done + d) % siblings,
             # unless this step hides it (then no child at that depth is right).
             true_child = {}
-            for d in range(TREE.max_depth):
-                kids = TREE.children[node]
+            tree = self.tree
+            for d in range(tree.max_depth):
+                kids = tree.children[node]
                 if not kids or d >= len(truth) - 1:
                     break
                 if (done * 5 + d * 3 + len(req.prompt_token_ids)) % 7 == 0:
                     break  # hidden: every child at this depth is wrong
                 node = kids[(done + d) % len(kids)]
                 true_child[node] = True
-            for i in range(1, TREE.num_nodes + 1):
-                depth = int(TREE.depth[i])
+            for i in range(1, tree.num_nodes + 1):
+                depth = int(tree.depth[i])
                 right = truth[depth - 1] if depth - 1 < len(truth) else 3
-                on_true_path[i] = on_true_path[int(TREE.parent[i])] and i in true_child
-                drafts.append(right if on_true_path[i] else (right + 1 + int(TREE.rank[i])) % VOCAB)
+                on_true_path[i] = on_true_path[int(tree.parent[i])] and i in true_child
+                drafts.append(right if on_true_path[i] else (right + 1 + int(tree.rank[i])) % VOCAB)
             room = req.sampling_params.max_tokens - done - 1
-            accepted = max(int(TREE.depth[i]) for i in [0, *true_child])
+            accepted = max(int(tree.depth[i]) for i in [0, *true_child])
             self.expected_accepted += min(accepted, room)
             req.spec_token_ids = drafts
 
@@ -60,16 +62,16 @@ def plain(tiny_llama):
     return run(engine(tiny_llama), prompts, params)
 
 
-def tree_engine(loaded, monkeypatch, prompts, plain_outs, **kw):
+def tree_engine(loaded, monkeypatch, prompts, plain_outs, choices=CHOICES, **kw):
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain_outs)}
-    oracle = TreeOracleProposer(truth)
+    oracle = TreeOracleProposer(truth, DraftTree.from_choices(choices))
 
     def make_proposer(spec, eng):
         oracle.config = spec
         return oracle
 
     monkeypatch.setattr("jaxserve.engine.builder.make_proposer", make_proposer)
-    return engine(loaded, SPEC, **kw), oracle
+    return engine(loaded, {**SPEC, "speculative_token_tree": str(choices)}, **kw), oracle
 
 
 @pytest.mark.parametrize("setting", ["batched", "chunked", "preempted"])
@@ -91,6 +93,24 @@ def test_greedy_with_a_draft_tree_equals_plain(tiny_llama, plain, monkeypatch, s
         assert stats.num_drafts == oracle.calls
     if setting == "preempted":
         assert eng.scheduler.num_preemptions > 0
+
+
+# 40 nodes (41 positions: two mask words a token): 4 children of the root, 3 of each, 2 of
+# each of those; the oracle's true branch ends on either side of position 32.
+BIG_CHOICES = [(a,) for a in range(4)] + [(a, b) for a in range(4) for b in range(3)]
+BIG_CHOICES += [(a, b, c) for a in range(4) for b in range(3) for c in range(2)]
+
+
+def test_greedy_with_a_tree_past_32_positions_equals_plain(tiny_llama, plain, monkeypatch):
+    big = DraftTree.from_choices(BIG_CHOICES)
+    assert big.num_nodes == 40 and big.mask_words == 2
+    prompts, params = workload()
+    kw = dict(max_num_seqs=6, max_num_batched_tokens=256, token_buckets=(4, 16, 64, 256))  # every tree whole
+    eng, oracle = tree_engine(tiny_llama, monkeypatch, prompts, plain, BIG_CHOICES, **kw)
+    assert tokens(run(eng, prompts, params, stream=True)) == tokens(plain)
+    stats = eng.scheduler.spec_stats
+    assert stats.num_accepted_tokens == oracle.expected_accepted > 0
+    assert stats.num_drafts == oracle.calls
 
 
 def test_tree_config_is_validated():
