@@ -38,7 +38,7 @@ is not a .gguf file); the reference is dequantized from the same blocks, so the 
 agree up to float rounding. "int4" re-quantizes the reference's float weights (for the
 default model: weights that were already Q4_1, rounded again to int4 groups of 128).
 
-    python benchmarks/quality.py [--quantization gguf,int4,fp8] [--kv-cache-dtype fp8,int8] [--window 512] [--json]
+    python benchmarks/quality.py [--quantization gguf,int4,int8,fp8] [--kv-cache-dtype fp8,int8] [--window 512] [--json]
     python benchmarks/quality.py --model path/to/hf-folder --dtype bfloat16
     python benchmarks/quality.py --model float-folder --quantization int4 --checkpoint gptq=gptq-folder
 """
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a HF folder or .gguf file (default: the embedded model)")
     p.add_argument("--dtype", default="float32", help="dtype of the reference and of the quantized models' rest")
-    p.add_argument("--quantization", default="gguf,int4,fp8", help="comma-separated schemes to compare")
+    p.add_argument("--quantization", default="gguf,int4,int8,fp8", help="comma-separated schemes to compare")
     p.add_argument(
         "--kv-cache-dtype",
         default="fp8,int8",

@@ -509,7 +509,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--quantization",
-        choices=["int4", "fp8", "gguf"],
+        choices=["int4", "int8", "fp8", "gguf"],
         default=None,
         help="run jaxserve with quantized projections (the baseline stays float32)",
     )

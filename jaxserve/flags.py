@@ -58,10 +58,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantization",
-        choices=["int4", "fp8", "gguf"],
+        choices=["int4", "int8", "fp8", "gguf"],
         default=None,
-        help="store the attention and MLP projections quantized: int4 (group-wise, from float weights), "
-        "fp8 (W8A8 e4m3) or gguf (a GGUF file's own 4-bit blocks); default: as the checkpoint is",
+        help="store the attention and MLP projections quantized: int4 or int8 (group-wise, from float "
+        "weights), fp8 (W8A8 e4m3) or gguf (a GGUF file's own blocks: 4-bit ones as int4, Q8_0 as int8); "
+        "default: as the checkpoint is",
     )
     p.add_argument(
         "--kv-cache-dtype",

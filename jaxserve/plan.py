@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["float32", "bfloat16", "float16"],
         help="weights and activations (default: float32 on the CPU, as the engine; bfloat16 elsewhere)",
     )
-    p.add_argument("--quantization", choices=["none", "int4", "fp8", "gguf"], default="none")
+    p.add_argument("--quantization", choices=["none", "int4", "int8", "fp8", "gguf"], default="none")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -419,7 +419,7 @@ def scheme_table(cfg, dtype: str, args, device: Device, kv_memory: int) -> list[
     from jaxserve.model.quantization import QuantConfig
 
     rows = []
-    for method in ("none", "int4", "fp8"):
+    for method in ("none", "int4", "int8", "fp8"):
         quant = QuantConfig.for_method(method)
         for kv_name in ("auto", "fp8"):
             kv_dtype = resolve_kv_cache_dtype(kv_name, dtype).name

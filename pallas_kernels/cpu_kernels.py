@@ -19,8 +19,9 @@
   blocks, `--quantization int4`), read as packed nibbles in tiles of 32 output columns
   (`tile_int4`, once at load; GGUF's float16 scales kept as float16); the pure-JAX path
   writes the whole weight out as floats first, every step.
-- `int8_matmul` is the same for 8-bit values with a scale per group (GGUF's Q8_0 blocks, as
-  a GGUF's tied embedding table usually comes: `q8_0_blocks` finds them in the float table).
+- `int8_matmul` is the same for 8-bit values with a scale per group (GGUF's Q8_0 blocks:
+  `--quantization int8`, a Q8_0 GGUF's projections, and a GGUF's tied embedding table, which
+  usually comes as Q8_0: `q8_0_blocks` finds them in the float table).
 
 `build(cache_dir)` compiles the source with the system C++ compiler (`$CXX`, else `c++`)
 against the FFI headers that jaxlib ships. It writes `cache_dir/cpu_kernels/<key>.so`, the
@@ -266,12 +267,12 @@ def _tile_columns(a: jax.Array) -> jax.Array:
     return jnp.moveaxis(a, -2, -3)
 
 
-def half_scales_exact(scales, offsets) -> bool:
-    """Whether float16 holds an int4 weight's scales and offsets exactly (GGUF's own blocks
-    carry float16 d and m): then int4_matmul reads them at half the bytes, same results."""
+def half_scales_exact(*arrays) -> bool:
+    """Whether float16 holds a weight's scales (and int4's offsets) exactly (GGUF's own
+    blocks carry float16 d and m): then the kernels read them at half the bytes, same results."""
     return all(
         np.array_equal(np.asarray(a, np.float32).astype(np.float16).astype(np.float32), np.asarray(a, np.float32))
-        for a in (scales, offsets)
+        for a in arrays
     )
 
 
@@ -279,12 +280,13 @@ def untile_int4(
     packed: jax.Array, scales: jax.Array, offsets: jax.Array, n: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tile_int4 undone: the weight of N output columns in quantized_matmul's layout."""
+    return _untile_columns(packed, n), *(_untile_columns(a, n).astype(jnp.float32) for a in (scales, offsets))
 
-    def untile(a):
-        a = jnp.moveaxis(a, -3, -2)
-        return a.reshape(*a.shape[:-2], a.shape[-2] * INT4_TILE)[..., :n]
 
-    return untile(packed), untile(scales).astype(jnp.float32), untile(offsets).astype(jnp.float32)
+def _untile_columns(a: jax.Array, n: int) -> jax.Array:
+    """_tile_columns undone: [..., tiles, R, INT4_TILE] -> [..., R, N]."""
+    a = jnp.moveaxis(a, -3, -2)
+    return a.reshape(*a.shape[:-2], a.shape[-2] * INT4_TILE)[..., :n]
 
 
 def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array, n: int) -> jax.Array:
@@ -352,6 +354,11 @@ def tile_int8(q: jax.Array, scales: jax.Array, scale_dtype=jnp.float16) -> tuple
     """An int8 weight q [K, N] with scales [G, N] in int8_matmul's layout: q [tiles, K,
     INT4_TILE], scales [tiles, G, INT4_TILE] in `scale_dtype`, as tile_int4 tiles int4."""
     return _tile_columns(q), _tile_columns(scales.astype(scale_dtype))
+
+
+def untile_int8(q: jax.Array, scales: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """tile_int8 undone: the weight of N output columns in quantized_matmul's layout."""
+    return _untile_columns(q, n), _untile_columns(scales, n).astype(jnp.float32)
 
 
 def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int) -> jax.Array:

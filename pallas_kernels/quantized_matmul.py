@@ -1,15 +1,18 @@
-"""Quantized matmuls: int4 weight-only (W4A16) and FP8 (e4m3) W8A8.
+"""Quantized matmuls: int4 and int8 weight-only (W4A16, W8A16) and FP8 (e4m3) W8A8.
 
 Weight layouts (K is the contracting axis, N the output axis):
 
     int4:  packed  uint8   [K // 2, N]   row i holds k = 2i in its low nibble, 2i + 1 in its high
            scales  float32 [K // group, N]
            offsets float32 [K // group, N]   w[k, n] = scales[g, n] * nibble + offsets[g, n], g = k // group
+    int8:  weight  int8    [K, N]
+           scales  float32 [K // group, N]   w[k, n] = scales[g, n] * weight[k, n]
     fp8:   weight  e4m3    [K, N]
            scales  float32 [N]               w[k, n] = scales[n] * weight[k, n]
 
 The asymmetric int4 form holds GGUF's Q4_1 (`d * q + m`) and Q4_0 (`d * (q - 8)`)
-exactly, and compressed-tensors' zero points (`s * (q - z)`). This module holds the
+exactly, and compressed-tensors' zero points (`s * (q - z)`); the symmetric int8 form
+holds GGUF's Q8_0 (`d * q`, group 32) exactly. This module holds the
 pure-JAX versions: the CPU serving path and the oracle for the Pallas kernels. Those
 (`quantized_matmul_mgpu`) take the same weights after a one-time, load-time conversion
 to their own layout (`prepare_int4`, `prepare_fp8`: K-major [N, K], N padded); these
@@ -46,6 +49,14 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, of
     x, packed, scales, offsets = jax.lax.optimization_barrier((x, packed, scales, offsets))
     w = dequantize_int4(packed, scales, offsets, x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def int8_matmul_reference(x: jax.Array, weight: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [M, K] @ the int8 weight -> [M, N] in x's dtype (the weight is upcast to it)."""
+    x, weight, scales = jax.lax.optimization_barrier((x, weight, scales))  # see int4_matmul_reference
+    groups, n = scales.shape
+    w = weight.astype(jnp.float32).reshape(groups, -1, n) * scales[:, None, :]
+    return jnp.dot(x, w.reshape(-1, n).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def quantize_fp8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:

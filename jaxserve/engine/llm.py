@@ -18,7 +18,7 @@ class LLM:
     """Runs lists of prompts through continuous batching.
 
     `LLM()` is the embedded default model; `model` takes a Hugging Face folder, a GGUF
-    file or a hub id. `quantization` is "int4", "fp8" or "gguf" (None: as the checkpoint
+    file or a hub id. `quantization` is "int4", "int8", "fp8" or "gguf" (None: as the checkpoint
     is). `dtype` "auto": the checkpoint's on a GPU, float32 on the CPU. `tokenizer`: a
     folder whose tokenizer.json replaces the model's (weights without one). Other keyword
     arguments are `EngineConfig` fields (max_num_seqs, kv_cache_dtype, gpu_memory_utilization, ...).

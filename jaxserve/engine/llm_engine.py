@@ -118,7 +118,7 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load `model` (None: the embedded default) and build an engine; kwargs: EngineConfig fields.
         `dtype` "auto": the checkpoint's on a GPU, float32 on the CPU (jaxserve.weights.dtype).
-        `quantization`: "int4", "fp8" or "gguf" (see jaxserve.model.quantization); None: as the checkpoint is.
+        `quantization`: "int4", "int8", "fp8" or "gguf" (see jaxserve.model.quantization); None: as the checkpoint is.
         `tokenizer`: a folder whose tokenizer replaces the model's (weights without one).
         `progress`: bars on stderr while the weights convert and the programs compile."""
         loaded, config = builder.load(

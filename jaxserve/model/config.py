@@ -246,7 +246,8 @@ def _refuse_unsupported_fields(hf: dict[str, Any]) -> None:
     if quant and quant.get("quant_method") not in ("compressed-tensors", "gptq", "awq"):
         raise UnsupportedModelError(
             f"quantization_config (quant_method={quant.get('quant_method')!r}) is not supported; use a "
-            "compressed-tensors, GPTQ or AWQ checkpoint, an unquantized one (--quantization int4|fp8) or a GGUF file"
+            "compressed-tensors, GPTQ or AWQ checkpoint, an unquantized one (--quantization int4|int8|fp8) "
+            "or a GGUF file"
         )
     layer_types = hf.get("layer_types")
     if layer_types and len(set(layer_types)) > 1:

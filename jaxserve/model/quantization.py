@@ -5,19 +5,23 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
 
     int4   weight-only, round-to-nearest from a float checkpoint, asymmetric per group of
            `group_size` along K (128; a layer whose K it does not divide uses 64 or 32)
+    int8   weight-only, round-to-nearest, symmetric per group of 32 along K (GGUF's Q8_0 rule)
     fp8    e4m3 weights with a scale per output channel; activations quantized per token
            on the fly (W8A8), float32 accumulation
-    gguf   a GGUF file's own Q4_0 / Q4_1 / Q4_K blocks, kept as int4 with group 32 (the
-           file's exact values) instead of dequantized; other block types are re-quantized
+    gguf   a GGUF file's own blocks instead of dequantized floats: Q4_0 / Q4_1 / Q4_K kept
+           as int4 with group 32, a file without 4-bit projections (Q8_0, Q6_K) as int8 with
+           group 32 or 16 (the file's exact values); other block types are re-quantized to that kind
 
 A checkpoint saved by llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel (GPTQ)
 or AutoAWQ (AWQ) brings its own int4 or fp8 weights and needs no flag. The layouts the layers hold are described in
 `pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.runner.kernels.select_matmul`
-converts the layers once to the Mosaic GPU kernels' layout
-(`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels; on the CPU it sends
-an int4 layer's few-row calls (decode steps) to a C++ kernel that reads the packed nibbles
-(`pallas_kernels.cpu_kernels.int4_matmul`), and a tied LM head whose table is a GGUF's Q8_0
-blocks to one that reads those (`Int8Table`); elsewhere they call the pure-JAX references.
+converts the int4 and fp8 layers once to the Mosaic GPU kernels' layout
+(`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels (int8 has none: a model
+with int8 layers runs the references there); on the CPU it sends an int4 or int8 layer's
+few-row calls (decode steps) to C++ kernels that read the packed values
+(`pallas_kernels.cpu_kernels.int4_matmul`, `int8_matmul`), and a tied LM head whose table is
+a GGUF's Q8_0 blocks to one that reads those (`Int8Table`); elsewhere they call the pure-JAX
+references.
 """
 
 from __future__ import annotations
@@ -30,28 +34,30 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import cpu_kernels
-from pallas_kernels.quantized_matmul import FP8_MAX, fp8_matmul_reference, int4_matmul_reference
+from pallas_kernels.quantized_matmul import FP8_MAX, fp8_matmul_reference, int4_matmul_reference, int8_matmul_reference
 
-METHODS = ("int4", "fp8", "gguf")
+METHODS = ("int4", "int8", "fp8", "gguf")
+KINDS = ("int4", "int8", "fp8")
 DEFAULT_GROUP_SIZE = 128
+Q8_0_GROUP = cpu_kernels.Q8_0_BLOCK  # int8's group along K: GGUF's Q8_0 block (32)
 _FALLBACK_GROUPS = (64, 32)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """How a model's projections are stored. `method` says where the weights came from
-    (one of METHODS, "compressed-tensors", "gptq" or "awq"); `kind` is the layout ("int4" or "fp8")."""
+    (one of METHODS, "compressed-tensors", "gptq" or "awq"); `kind` is the layout (one of KINDS)."""
 
     method: str
     kind: str
-    group_size: int = DEFAULT_GROUP_SIZE  # int4: the preferred group along K
+    group_size: int = DEFAULT_GROUP_SIZE  # int4 and int8: the preferred group along K
     # int4 from a GPTQ checkpoint quantized with act-order: each layer's K rows are stored in
     # group order and it gathers its inputs into that order first (QuantizedLinear.input_order)
     act_order: bool = False
 
     def __post_init__(self):
-        if self.kind not in ("int4", "fp8"):
-            raise ValueError(f"quantized layout {self.kind!r} is not int4 or fp8")
+        if self.kind not in KINDS:
+            raise ValueError(f"quantized layout {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.kind == "int4" and (self.group_size < 2 or self.group_size % 2):
             raise ValueError(f"int4 needs an even group size, got {self.group_size=}")
         if self.act_order and self.kind != "int4":
@@ -64,22 +70,22 @@ class QuantConfig:
             return None
         if method not in METHODS:
             raise ValueError(f"quantization {method!r} is not one of {', '.join(METHODS)}")
-        if method == "gguf":
+        if method == "gguf":  # a file without 4-bit projections keeps int8 (GGUFFile.quant_config)
             return cls("gguf", "int4", 32)
-        return cls(method, method)
+        return cls(method, method, Q8_0_GROUP if method == "int8" else DEFAULT_GROUP_SIZE)
 
     def group_size_for(self, k: int) -> int:
-        """The int4 group size of a layer with K inputs: the preferred one if it divides K,
-        else the largest smaller fallback (64, 32) that does."""
+        """The int4 or int8 group size of a layer with K inputs: the preferred one if it
+        divides K, else the largest smaller fallback (64, 32) that does."""
         for g in (self.group_size, *(g for g in _FALLBACK_GROUPS if g < self.group_size)):
             if k % g == 0:
                 return g
         tried = ", ".join(str(g) for g in (self.group_size, *_FALLBACK_GROUPS) if g <= self.group_size)
-        raise ValueError(f"int4 quantization: K={k} is not a multiple of any group size ({tried})")
+        raise ValueError(f"{self.kind} quantization: K={k} is not a multiple of any group size ({tried})")
 
     @property
     def label(self) -> str:
-        layout = f"int4, group {self.group_size}" if self.kind == "int4" else "fp8 e4m3, per-channel scales"
+        layout = f"{self.kind}, group {self.group_size}" if self.kind != "fp8" else "fp8 e4m3, per-channel scales"
         layout += ", act-order" if self.act_order else ""
         return f"{self.method} ({layout})" if self.method != self.kind else layout
 
@@ -108,6 +114,10 @@ class QuantizedLinear(nnx.Module):
             self.offsets = nnx.Param(jnp.zeros((din // group, dout), jnp.float32))
             # act-order: the packed rows are the inputs in this order (y = x[:, order] @ rows)
             self.input_order = nnx.Param(jnp.arange(din, dtype=jnp.int32)) if quant.act_order else None
+        elif quant.kind == "int8":
+            self.input_order = None
+            self.weight = nnx.Param(jnp.zeros((din, dout), jnp.int8))
+            self.scales = nnx.Param(jnp.zeros((din // quant.group_size_for(din), dout), jnp.float32))
         else:
             self.input_order = None
             self.weight = nnx.Param(jnp.zeros((din, dout), jnp.float8_e4m3fn))
@@ -125,6 +135,8 @@ class QuantizedLinear(nnx.Module):
             y = self._cpu_matmul(x2)
         elif self.kind == "int4":
             y = int4_matmul_reference(x2, self.packed[...], self.scales[...], self.offsets[...])
+        elif self.kind == "int8":
+            y = int8_matmul_reference(x2, self.weight[...], self.scales[...])
         else:
             y = fp8_matmul_reference(x2, self.weight[...], self.scales[...])
         return self._output(y, lead)
@@ -147,27 +159,40 @@ class QuantizedLinear(nnx.Module):
         return mgpu.fp8_matmul(x, mgpu.Fp8KernelWeights(self.weight[...], self.scales[...], self.dout), **options)
 
     def _cpu_matmul(self, x: jax.Array) -> jax.Array:
+        # A prefill chunk (more rows than the kernels take) runs the reference on the weight
+        # untiled in the step (its dequantization to floats costs the same; the chunk's rows share it).
+        small = x.shape[0] <= cpu_kernels.MAX_ROWS
+        if self.kind == "int8":
+            q, scales = self.weight[...], self.scales[...]
+            if small:
+                return cpu_kernels.int8_matmul(x, q, scales, self.dout)
+            return int8_matmul_reference(x, *cpu_kernels.untile_int8(q, scales, self.dout))
         weight = (self.packed[...], self.scales[...], self.offsets[...])
-        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+        if small:
             return cpu_kernels.int4_matmul(x, *weight, self.dout)
-        # A prefill chunk: the reference, on the weight untiled in the step (its dequantization
-        # to floats costs the same; the chunk's rows share it).
         return int4_matmul_reference(x, *cpu_kernels.untile_int4(*weight, self.dout))
 
     def use_cpu_layout(self) -> None:
-        """Convert an int4 layer, once, into the CPU kernel's tiled layout (in place; see
-        `cpu_kernels.tile_int4`). Its calls of up to `cpu_kernels.MAX_ROWS` rows (decode
-        steps) then run the C++ kernel, which reads the packed nibbles; longer ones the
-        reference."""
+        """Convert an int4 or int8 layer, once, into the CPU kernels' tiled layout (in place;
+        see `cpu_kernels.tile_int4` and `tile_int8`). Its calls of up to
+        `cpu_kernels.MAX_ROWS` rows (decode steps) then run the C++ kernel, which reads the
+        packed values; longer ones the reference. Scales float16 holds exactly (a GGUF's
+        own) are kept in float16: fewer bytes, the same values."""
         if self.layout == "cpu":
             return
-        if self.kind != "int4" or self.layout != "canonical":
-            raise ValueError(f"the CPU layout is for canonical int4 layers, not {self.kind} in {self.layout}")
-        weight = (self.packed[...], self.scales[...], self.offsets[...])
-        half = cpu_kernels.half_scales_exact(*weight[1:])
-        tile = jax.jit(cpu_kernels.tile_int4, static_argnames="scale_dtype")
-        packed, scales, offsets = tile(*weight, scale_dtype=jnp.float16 if half else jnp.float32)
-        self.packed, self.scales, self.offsets = nnx.Param(packed), nnx.Param(scales), nnx.Param(offsets)
+        if self.kind == "fp8" or self.layout != "canonical":
+            raise ValueError(f"the CPU layout is for canonical int4 and int8 layers, not {self.kind} in {self.layout}")
+        if self.kind == "int8":
+            half = cpu_kernels.half_scales_exact(self.scales[...])
+            tile = jax.jit(cpu_kernels.tile_int8, static_argnames="scale_dtype")
+            q, scales = tile(self.weight[...], self.scales[...], scale_dtype=jnp.float16 if half else jnp.float32)
+            self.weight, self.scales = nnx.Param(q), nnx.Param(scales)
+        else:
+            weight = (self.packed[...], self.scales[...], self.offsets[...])
+            half = cpu_kernels.half_scales_exact(*weight[1:])
+            tile = jax.jit(cpu_kernels.tile_int4, static_argnames="scale_dtype")
+            packed, scales, offsets = tile(*weight, scale_dtype=jnp.float16 if half else jnp.float32)
+            self.packed, self.scales, self.offsets = nnx.Param(packed), nnx.Param(scales), nnx.Param(offsets)
         self.layout = "cpu"
 
     def use_canonical_layout(self) -> None:
@@ -175,18 +200,26 @@ class QuantizedLinear(nnx.Module):
         engine on the same model can run the reference or shard the layer."""
         if self.layout == "mgpu":
             raise ValueError("the Mosaic GPU layout is one-way (its canonical arrays are gone)")
-        if self.layout == "cpu":
+        if self.layout != "cpu":
+            return
+        if self.kind == "int8":
+            untile = jax.jit(cpu_kernels.untile_int8, static_argnums=2)
+            q, scales = untile(self.weight[...], self.scales[...], self.dout)
+            self.weight, self.scales = nnx.Param(q), nnx.Param(scales)
+        else:
             weight = (self.packed[...], self.scales[...], self.offsets[...])
             untile = jax.jit(cpu_kernels.untile_int4, static_argnums=3)
             packed, scales, offsets = untile(*weight, self.dout)
             self.packed, self.scales, self.offsets = nnx.Param(packed), nnx.Param(scales), nnx.Param(offsets)
-            self.layout = "canonical"
+        self.layout = "canonical"
 
     def kernel_unsupported_reason(self, dtype, batch_invariant: bool = False) -> str | None:
         """Why the Mosaic GPU kernel cannot serve this layer for activations of `dtype` (in its
         fixed-order config with `batch_invariant`), or None."""
         from pallas_kernels import quantized_matmul_mgpu as mgpu
 
+        if self.kind == "int8":
+            return "int8 layers have no Mosaic GPU kernel (they run the reference)"
         x = jax.ShapeDtypeStruct((mgpu.MAX_TILE_T, self.din), jnp.dtype(dtype))  # the largest token tile
         if self.kind == "int4":
             groups = self.scales.shape[-2]  # [.., G, N] in both layouts
@@ -213,9 +246,11 @@ class QuantizedLinear(nnx.Module):
         `batch_invariant` in their fixed-order config."""
         from pallas_kernels import quantized_matmul_mgpu as mgpu
 
-        self.batch_invariant = batch_invariant
         if self.layout == "mgpu":
             return
+        if self.kind == "int8":
+            raise ValueError(self.kernel_unsupported_reason(jnp.bfloat16))
+        self.batch_invariant = batch_invariant
         if self.kind == "int4":
             w = jax.jit(mgpu.prepare_int4)(self.packed[...], self.scales[...], self.offsets[...])
             del self.packed
@@ -260,7 +295,10 @@ def project(x: jax.Array, *layers) -> tuple[jax.Array, ...]:
     pays one dispatch for them instead of one each."""
     x2 = x.reshape(-1, x.shape[-1])
     fused = len(layers) > 1 and x2.shape[0] <= cpu_kernels.MAX_ROWS
-    if fused and all(isinstance(q, QuantizedLinear) and q.layout == "cpu" and q.input_order is None for q in layers):
+    if fused and all(
+        isinstance(q, QuantizedLinear) and q.kind == "int4" and q.layout == "cpu" and q.input_order is None
+        for q in layers
+    ):
         weights = [(layer.packed[...], layer.scales[...], layer.offsets[...], layer.dout) for layer in layers]
         ys = cpu_kernels.int4_matmuls(x2, weights)
         return tuple(layer._output(y, x.shape[:-1]) for layer, y in zip(layers, ys))
@@ -303,6 +341,17 @@ def quantize_int4(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
     return {"packed": pack_int4(q.reshape(k, n)), "scales": scales, "offsets": lo}
 
 
+def quantize_int8(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
+    """Round-to-nearest symmetric int8 of a float weight [K, N], per group of K rows, as
+    GGUF's Q8_0 rounds: scale = max|w| / 127 (kept in float32), values in [-127, 127]."""
+    k, n = w.shape
+    g = w.astype(np.float32).reshape(k // group, group, n)
+    scales = np.abs(g).max(axis=1) / np.float32(127)
+    q = g / np.where(scales > 0, scales, 1)[:, None, :]
+    np.clip(np.rint(q, out=q), -127, 127, out=q)
+    return {"weight": q.reshape(k, n).astype(np.int8), "scales": scales}
+
+
 def quantize_fp8(w: np.ndarray) -> dict[str, np.ndarray]:
     """e4m3 of a float weight [K, N] with one scale per output channel (amax / 448)."""
     amax = np.abs(w).max(axis=0).astype(np.float32)
@@ -316,12 +365,14 @@ def quantize(w: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:
     """A float weight [K, N] as the parameters of a QuantizedLinear."""
     if quant.kind == "int4":
         return quantize_int4(w, quant.group_size_for(w.shape[0]))
+    if quant.kind == "int8":
+        return quantize_int8(w, quant.group_size_for(w.shape[0]))
     return quantize_fp8(w)
 
 
 @dataclasses.dataclass
 class QuantizedWeight:
-    """A projection that arrives already quantized (GGUF Q4 blocks, compressed-tensors, GPTQ, AWQ):
+    """A projection that arrives already quantized (GGUF blocks, compressed-tensors, GPTQ, AWQ):
     the QuantizedLinear parameters in our layout, and the float shape it stands for in
     Hugging Face's [out, in] orientation."""
 

@@ -274,9 +274,9 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
 
 
 def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -> str:
-    """For a quantized model on the CPU: "cpu" converts its int4 layers, in place, to the
-    C++ kernel's tiled layout (their few-row products, decode steps of up to MAX_ROWS rows,
-    then read the packed nibbles) and marks a tied LM head for the CPU kernels: int8_matmul
+    """For a quantized model on the CPU: "cpu" converts its int4 and int8 layers, in place,
+    to the C++ kernels' tiled layout (their few-row products, decode steps of up to MAX_ROWS
+    rows, then read the packed values) and marks a tied LM head for the CPU kernels: int8_matmul
     on the table's Q8_0 blocks where it is made of them (a GGUF's), else small_matmul; else
     "reference" (fp8 layers always run the reference)."""
     reason = dense_matmul_unsupported_reason(model, device, tp)
@@ -286,11 +286,13 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
         restore_canonical_layout(model)
         logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
         return "reference"
-    int4 = [layer for _, layer in quantized_layers(model) if layer.kind == "int4"]
-    if not int4 and not model.cfg.tie_word_embeddings:
-        logger.info("matmul backend: reference on %s (the CPU kernels take int4 or float weights)", device.device_kind)
+    packed = [layer for _, layer in quantized_layers(model) if layer.kind in ("int4", "int8")]
+    if not packed and not model.cfg.tie_word_embeddings:
+        logger.info(
+            "matmul backend: reference on %s (the CPU kernels take int4, int8 or float weights)", device.device_kind
+        )
         return "reference"
-    for layer in int4:
+    for layer in packed:
         layer.use_cpu_layout()
     model.few_row_kernels = few_row_kernels(model)
     head = ""
@@ -300,9 +302,10 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
         head = " from its Q8_0 blocks" if model.int8_head is not None else ""
         head = f" and the tied LM head's{head} of up to {cpu_kernels.MAX_ROWS}"
     logger.info(
-        "matmul backend: cpu on %s for %d int4 layers' products of up to %d rows (tiled layout)%s",
+        "matmul backend: cpu on %s for %d %s layers' products of up to %d rows (tiled layout)%s",
         device.device_kind,
-        len(int4),
+        len(packed),
+        "/".join(sorted({layer.kind for layer in packed})) or "int4",
         cpu_kernels.MAX_ROWS,
         head,
     )

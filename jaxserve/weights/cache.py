@@ -72,8 +72,11 @@ def checkpoint_dir(cache_dir: Path, source: Path) -> Path:
 
 
 def variant_name(dtype, quant) -> str:
-    """'float32', 'bfloat16-int4', ...: what sets one entry of a checkpoint apart from another."""
-    return f"{dtype}-{quant.method}" if quant is not None else str(dtype)
+    """'float32', 'bfloat16-int4', ...: what sets one entry of a checkpoint apart from another
+    (a GGUF file kept as int8 blocks: 'float32-gguf-int8')."""
+    if quant is None:
+        return str(dtype)
+    return f"{dtype}-{quant.method}" + (f"-{quant.kind}" if quant.method == "gguf" and quant.kind != "int4" else "")
 
 
 def file_hashes(files: list[Path], index_path: Path) -> dict[Path, str]:

@@ -22,7 +22,7 @@ _WIDER_THAN = {np.dtype(np.float32): {np.dtype(np.float16), np.dtype(bfloat16)}}
 
 def can_derive(quant: QuantConfig | None) -> bool:
     """Whether this variant can be computed from a lossless base."""
-    return quant is None or quant.method in ("int4", "fp8")
+    return quant is None or quant.method in ("int4", "int8", "fp8")
 
 
 def holds_exactly(source_dtypes: set, dtype) -> bool:

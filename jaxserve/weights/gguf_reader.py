@@ -1,8 +1,11 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face-style config and tensors.
 
 Quantized tensors are dequantized with the `gguf` package, or, for `--quantization gguf`,
-the projections' Q4_0 / Q4_1 / Q4_K blocks are kept as int4 with group 32 (`q4_blocks_as_int4`,
-`q4_k_blocks_as_int4`: the file's exact values, as llama.cpp computes them). llama.cpp
+the projections' blocks are kept: Q4_0 / Q4_1 / Q4_K as int4 with group 32
+(`q4_blocks_as_int4`, `q4_k_blocks_as_int4`), and in a file without 4-bit projections Q8_0
+and Q6_K as int8 with group 32, or 16 where Q6_K's scales need it (`q8_0_blocks_as_int8`,
+`q6_k_blocks_as_int8`): the file's exact values, as llama.cpp computes them
+(`GGUFFile.quant_config` says which). llama.cpp
 stores the Q and K projections of Llama-architecture models with the rows of each head
 interleaved for its rotary kernel; we undo that permutation so the weights match Hugging
 Face's layout.
@@ -19,10 +22,14 @@ from typing import Any
 import numpy as np
 
 from jaxserve.model.config import UnsupportedModelError
-from jaxserve.model.quantization import QuantizedWeight, pack_int4
+from jaxserve.model.quantization import QuantConfig, QuantizedWeight, pack_int4
 from jaxserve.weights.params import WeightError
 
 logger = logging.getLogger(__name__)
+
+# Block types kept as they are, by the layout that holds them exactly.
+_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+_KEPT = {"int4": _FOUR_BIT, "int8": ("Q8_0", "Q6_K")}
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MOE_ARCHITECTURES = {"qwen2moe", "qwen3moe", "mixtral"}
@@ -114,25 +121,40 @@ class GGUFFile:
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
 
-    def tensors(self, keep_q4: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    def quant_config(self) -> QuantConfig:
+        """How `--quantization gguf` keeps this file's projections: int4 with group 32 when
+        any is a 4-bit block type (Q4_0, Q4_1, Q4_K), else int8 (Q8_0 and Q6_K kept exactly;
+        Q5_K or float projections re-quantized to int8, which loses far less than int4) with
+        group 32, or 16 when a projection is Q6_K (its scales cover 16 values)."""
+        types = {t.tensor_type.name for t in self.reader.tensors if _is_projection(t)}
+        if types & set(_FOUR_BIT):
+            return QuantConfig("gguf", "int4", 32)
+        return QuantConfig("gguf", "int8", 16 if "Q6_K" in types else 32)
+
+    def tensors(self, keep: QuantConfig | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
         """(Hugging Face name, float32 array in Hugging Face layout) for every tensor; with
-        `keep_q4`, the projections stored as Q4_0 / Q4_1 / Q4_K come as int4 `QuantizedWeight`s."""
-        from gguf import GGMLQuantizationType, dequantize
+        `keep` (quant_config's), the projections stored in the block types its layout holds
+        come as `QuantizedWeight`s of it."""
+        from gguf import dequantize
 
         cfg = self.hf_config()
+        layout = keep and keep.kind
         requantized = 0
         for t in self.reader.tensors:
             name = hf_name(t.name)
             shape = tuple(int(n) for n in reversed(t.shape))
-            is_projection = _BLOCK.match(t.name) is not None and len(shape) == 2
+            kind = t.tensor_type.name if keep is not None and _is_projection(t) else None
             try:
-                kept = keep_q4 and is_projection
-                if kept and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-                    array = q4_blocks_as_int4(np.asarray(t.data), t.tensor_type == GGMLQuantizationType.Q4_1, shape)
-                elif kept and t.tensor_type == GGMLQuantizationType.Q4_K:
+                if kind in ("Q4_0", "Q4_1") and layout == "int4":
+                    array = q4_blocks_as_int4(np.asarray(t.data), kind == "Q4_1", shape)
+                elif kind == "Q4_K" and layout == "int4":
                     array = q4_k_blocks_as_int4(np.asarray(t.data), shape)
+                elif kind == "Q8_0" and layout == "int8":
+                    array = q8_0_blocks_as_int8(np.asarray(t.data), shape, keep.group_size)
+                elif kind == "Q6_K" and layout == "int8":
+                    array = q6_k_blocks_as_int8(np.asarray(t.data), shape)
                 else:
-                    requantized += kept
+                    requantized += kind is not None
                     array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
             except Exception as e:
                 raise WeightError(f"{self.path}: tensor {t.name!r} could not be read: {e}") from e
@@ -148,10 +170,17 @@ class GGUFFile:
             yield name, array
         if requantized:
             logger.warning(
-                "%s: %d projections are not Q4_0/Q4_1/Q4_K blocks; they were re-quantized to int4 (group 32)",
+                "%s: %d projections are not %s blocks; they were re-quantized to %s",
                 self.path.name,
                 requantized,
+                "/".join(_KEPT[layout]),
+                keep.label,
             )
+
+
+def _is_projection(tensor) -> bool:
+    """A layer's weight matrix (a projection), not a norm or a bias."""
+    return _BLOCK.match(tensor.name) is not None and len(tensor.shape) == 2
 
 
 def hf_name(gguf_name: str) -> str:
@@ -196,6 +225,44 @@ def _int4_weight(nibbles: np.ndarray, scales: np.ndarray, offsets: np.ndarray, s
         "offsets": np.ascontiguousarray(offsets.T),
     }
     return QuantizedWeight("int4", params, shape)
+
+
+def q8_0_blocks_as_int8(data: np.ndarray, shape: tuple[int, int], group: int = 32) -> QuantizedWeight:
+    """A projection's Q8_0 blocks as int8 with group 32 (or 16: each scale twice), exactly: a
+    block covers 32 consecutive inputs of one output row, f16 d then 32 int8 values q (`d * q`)."""
+    n, k = shape
+    blocks = data.reshape(n, k // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    q = blocks[..., 2:34].copy().view(np.int8).reshape(n, k)
+    return _int8_weight(q, np.repeat(d, 32 // group, axis=1), shape)
+
+
+def q6_k_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A projection's Q6_K blocks as int8 with group 16, exactly.
+
+    A Q6_K super-block covers 256 consecutive inputs of one output row: 128 bytes of low
+    nibbles, 64 bytes of high bit pairs, 16 int8 scales (one per 16 inputs), then f16 d. Each
+    half of 128 inputs takes 64 low-nibble bytes and 32 bit-pair bytes: input j < 64 the low
+    nibble of byte j, 64 + j its high nibble; the bit pair of input 32 s + l (l < 32) is bits
+    2 s, 2 s + 1 of byte l. Input i is `d * scale_{i // 16} * (q - 32)`: symmetric int8 with
+    group 16, scale `d * scale` (float32 holds it exactly: 11 and 8 significant bits).
+    """
+    n, k = shape
+    blocks = data.reshape(n, k // 256, 210)
+    low = blocks[..., 0:128].reshape(n, k // 256, 2, 64)
+    pairs = blocks[..., 128:192].reshape(n, k // 256, 2, 32)
+    low = np.concatenate([low & 0xF, low >> 4], axis=-1)  # [N, K/256, 2, 128] in input order
+    high = np.concatenate([(pairs >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [N, K/256, 1]
+    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32) * d  # [N, K/256, 16]
+    return _int8_weight(q, scales.reshape(n, k // 16), shape)
+
+
+def _int8_weight(q: np.ndarray, scales: np.ndarray, shape) -> QuantizedWeight:
+    """Values [N, K] in input order and scales [N, K / group]: our int8 layout ([K, N])."""
+    params = {"weight": np.ascontiguousarray(q.T), "scales": np.ascontiguousarray(scales.T)}
+    return QuantizedWeight("int8", params, shape)
 
 
 def q4_k_blocks_as_int4(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:

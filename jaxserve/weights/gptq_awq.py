@@ -42,7 +42,7 @@ from jaxserve.weights.safetensors_reader import read_raw_tensors
 METHODS = ("gptq", "awq")
 SUPPORTED = (
     "jaxserve loads 4-bit GPTQ and AWQ GEMM checkpoints with a group size, "
-    "compressed-tensors checkpoints, or quantizes float checkpoints itself (--quantization int4|fp8)"
+    "compressed-tensors checkpoints, or quantizes float checkpoints itself (--quantization int4|int8|fp8)"
 )
 _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # word nibble j holds column 8c + _AWQ_ORDER[j]
 _PIECES = frozenset({"qweight", "qzeros", "scales"})  # and GPTQ's g_idx, which older checkpoints lack

@@ -73,7 +73,7 @@ def load_model(
     `expert_parallel`: a mixture of experts' experts are split whole over the mesh (each
     device holds E / tp of them, jaxserve.parallel.experts), not each expert on its F axis.
 
-    `quantization` ("int4", "fp8", "gguf"; None: as the checkpoint is) stores the
+    `quantization` ("int4", "int8", "fp8", "gguf"; None: as the checkpoint is) stores the
     attention and MLP projections quantized (see jaxserve.model.quantization). `tokenizer`: a
     folder with a tokenizer.json to use instead of the model's own (weights without one).
     """
@@ -108,8 +108,8 @@ def load_model(
 def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None:
     """How the model at `source` will be stored: as asked, or as its checkpoint already is
     (compressed-tensors, GPTQ or AWQ); a clear error when the two disagree."""
-    if source.is_file():  # a GGUF file
-        return QuantConfig.for_method(method)
+    if source.is_file():  # a GGUF file: its own blocks as int4, or as int8 where none is 4-bit
+        return GGUFFile(source).quant_config() if method == "gguf" else QuantConfig.for_method(method)
     with open(source / "config.json") as f:
         hf_config = json.load(f)
     spec = hf_config.get("quantization_config")
@@ -244,7 +244,8 @@ def _convert(
     hf_config = _source_config(source, gguf)
     stored: set = set()  # a safetensors checkpoint's own dtypes
     if gguf is not None:
-        tensors, total = gguf.tensors(keep_q4=quant is not None and quant.method == "gguf"), gguf.num_tensors
+        keep = quant if quant is not None and quant.method == "gguf" else None  # the file's own blocks
+        tensors, total = gguf.tensors(keep=keep), gguf.num_tensors
     else:
         files = safetensors_reader.safetensors_files(source)
         total = safetensors_reader.count_tensors(files)

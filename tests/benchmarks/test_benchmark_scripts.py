@@ -381,3 +381,36 @@ def test_quantized_decode_smoke(tiny_llama_dir):
     assert "matmul backend: float32 cpu, int4 cpu" in stdout
     rows = [line.split("|")[1:3] for line in stdout.splitlines() if line.startswith("| ") and "batch" not in line]
     assert [(int(b), s.strip()) for b, s in rows] == [(1, "float32"), (1, "int4"), (17, "float32"), (17, "int4")]
+
+
+def test_requantize_gguf_writes_the_same_model_in_q8_0(tmp_path):
+    """Every weight matrix becomes Q8_0 within half a Q8_0 step of the source's values (plus
+    what the step's float16 rounding moves the largest value by: 127 steps x 2^-11); the
+    rest (norms, the tokenizer and other metadata) is copied, so the file loads as the same model."""
+    import gguf
+    import numpy as np
+
+    from jaxserve.weights import load_model
+    from tests.jaxserve.weights.test_gguf_weights import write_tiny_gguf
+
+    src, dst = tmp_path / "tiny-Q4_0.gguf", tmp_path / "tiny-Q8_0.gguf"
+    write_tiny_gguf(src, "llama", "Q4_0")
+    stdout = run("benchmarks/requantize_gguf.py", str(src), str(dst))
+    before, after = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(dst))
+    assert f"{sum(len(t.shape) == 2 for t in before.tensors)} tensors as Q8_0" in stdout
+
+    def metadata(reader):  # less the header's counts and the file type, which change
+        changing = ("GGUF.", "general.file_type")
+        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith(changing)}
+
+    assert metadata(before) == metadata(after)
+    assert after.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    for old, new in zip(before.tensors, after.tensors, strict=True):
+        assert new.name == old.name and new.tensor_type.name == ("Q8_0" if len(old.shape) == 2 else "F32")
+        was = gguf.quants.dequantize(old.data, old.tensor_type)
+        step = np.abs(was).reshape(-1, 32).max(1, keepdims=True) / 127 if len(old.shape) == 2 else 0
+        now = gguf.quants.dequantize(new.data, new.tensor_type)
+        bound = step * (0.5 + 127 * 2.0**-11)
+        assert np.all(np.abs((now - was).reshape(-1, 32 if len(old.shape) == 2 else 1)) <= bound), old.name
+    loaded = load_model(str(dst), use_cache=False, progress=False, quantization="gguf")
+    assert loaded.quantization.kind == "int8" and loaded.config == load_model(str(src), use_cache=False).config

@@ -14,11 +14,23 @@ from flax import nnx
 
 from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.model.kv_cache import allocate_kv_cache
-from jaxserve.model.quantization import QuantConfig, QuantizedLinear, quantize_fp8, quantize_int4, quantized_layers
+from jaxserve.model.quantization import (
+    QuantConfig,
+    QuantizedLinear,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    quantized_layers,
+)
 from jaxserve.runner.kernels import select_matmul
 from jaxserve.weights import cache, load_model
 from pallas_kernels import cpu_kernels
-from pallas_kernels.quantized_matmul import dequantize_int4, fp8_matmul_reference, int4_matmul_reference
+from pallas_kernels.quantized_matmul import (
+    dequantize_int4,
+    fp8_matmul_reference,
+    int4_matmul_reference,
+    int8_matmul_reference,
+)
 from scheduler import SamplingParams
 from tests.jaxserve.engine.test_engine import run_alone, run_batched, workload
 from tests.jaxserve.model.test_model_vs_hf import jitted_step
@@ -38,10 +50,18 @@ def numpy_int4_weight(packed, scales, offsets):
     return nibbles * np.asarray(scales, np.float64)[rows] + np.asarray(offsets, np.float64)[rows]
 
 
+def numpy_int8_weight(weight, scales):
+    """The documented int8 layout: each value times its group's scale, in float64."""
+    weight, scales = np.asarray(weight, np.float64), np.asarray(scales, np.float64)
+    return weight * np.repeat(scales, weight.shape[0] // scales.shape[0], axis=0)
+
+
 def quantized_weight(layer: QuantizedLinear) -> np.ndarray:
     """The float weight [K, N] a quantized layer stands for."""
     if layer.kind == "int4":
         return numpy_int4_weight(layer.packed[...], layer.scales[...], layer.offsets[...])
+    if layer.kind == "int8":
+        return numpy_int8_weight(layer.weight[...], layer.scales[...])
     return np.asarray(layer.weight[...]).astype(np.float64) * np.asarray(layer.scales[...], np.float64)
 
 
@@ -59,7 +79,7 @@ def test_int4_refuses_a_k_no_group_divides():
 
 
 def test_unknown_method_is_refused():
-    with pytest.raises(ValueError, match="'int3' is not one of int4, fp8, gguf"):
+    with pytest.raises(ValueError, match="'int3' is not one of int4, int8, fp8, gguf"):
         QuantConfig.for_method("int3")
 
 
@@ -96,6 +116,31 @@ def test_int4_matmul_equals_the_numpy_product_with_the_dequantized_weight(m):
         rtol=2**-23,
         atol=2**-22,
     )
+
+
+def test_int8_round_to_nearest_is_within_half_a_step_and_keeps_each_groups_largest_value():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((96, 24)).astype(np.float32)
+    w[5, 3] = -9.0  # a group with an outlier, a zero group
+    w[32:64, 7] = 0.0
+    q = quantize_int8(w, 32)
+    assert q["weight"].dtype == np.int8 and q["scales"].shape == (3, 24)
+    assert np.abs(q["weight"].astype(np.int32)).max() == 127
+    got = numpy_int8_weight(q["weight"], q["scales"])
+    step = np.repeat(np.asarray(q["scales"], np.float64), 32, axis=0)
+    assert np.all(np.abs(got - w) <= step / 2 * (1 + 1e-6))
+    np.testing.assert_allclose(np.abs(got).reshape(3, 32, 24).max(1), np.abs(w).reshape(3, 32, 24).max(1), rtol=1e-6)
+    assert got[5, 3] == pytest.approx(-9.0, rel=1e-6) and not got[32:64, 7].any()
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_int8_matmul_equals_the_numpy_product_with_the_dequantized_weight(m):
+    rng = np.random.default_rng(m)
+    q = quantize_int8(rng.standard_normal((192, 40)).astype(np.float32), 32)
+    x = rng.standard_normal((m, 192)).astype(np.float32)
+    want = x.astype(np.float64) @ numpy_int8_weight(q["weight"], q["scales"])
+    got = int8_matmul_reference(jnp.asarray(x), jnp.asarray(q["weight"]), jnp.asarray(q["scales"]))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -150,29 +195,33 @@ def hf_logits_with_weights_of(hf_model, loaded, prompts):
         return [hf_model(torch.tensor([p])).logits[0].double().numpy() for p in prompts]
 
 
-def test_int4_model_equals_transformers_on_the_dequantized_weights(tiny_folder):
+@pytest.mark.parametrize("method, groups", [("int4", (96 // 32, 1)), ("int8", (96 // 32, 64 // 32))])
+def test_model_equals_transformers_on_the_dequantized_weights(tiny_folder, method, groups):
     folder, hf_model = tiny_folder
-    loaded = load_model(str(folder), use_cache=False, progress=False, quantization="int4")
+    loaded = load_model(str(folder), use_cache=False, progress=False, quantization=method)
     assert isinstance(loaded.model.layers[0].mlp.down_proj, QuantizedLinear)
-    assert loaded.model.layers[0].mlp.down_proj.scales.shape == (96 // 32, 64)  # K=96: group 32
-    assert loaded.model.layers[0].self_attn.q_proj.scales.shape == (1, 64)  # K=64: group 64
+    # int4: K=96 takes group 32, K=64 group 64; int8: group 32 everywhere
+    assert loaded.model.layers[0].mlp.down_proj.scales.shape == (groups[0], 64)
+    assert loaded.model.layers[0].self_attn.q_proj.scales.shape == (groups[1], 64)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 97, n)) for n in PROMPT_LENS]
     want = hf_logits_with_weights_of(hf_model, loaded, prompts)
     for got, w in zip(model_logits(loaded.model, prompts), want):
         assert np.abs(got - w).max() <= 1e-4
     float_logits = model_logits(load_model(str(folder), use_cache=False, progress=False).model, prompts)
-    assert max(np.abs(g - f).max() for g, f in zip(model_logits(loaded.model, prompts), float_logits)) > 1e-3, (
-        "int4 should change the logits (else the comparison above checked the float model)"
+    changed = max(np.abs(g - f).max() for g, f in zip(model_logits(loaded.model, prompts), float_logits))
+    assert changed > (1e-3 if method == "int4" else 1e-5), (
+        f"{method} should change the logits (else the comparison above checked the float model)"
     )
 
 
-def test_int4_model_on_the_cpu_kernel_equals_transformers(tiny_folder):
-    """select_matmul on the CPU sends the int4 layers' products of up to MAX_ROWS rows to the C++
-    kernel: a step of 13 tokens (16 rows) runs there, with transformers' logits on the
-    dequantized weights."""
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_model_on_the_cpu_kernel_equals_transformers(tiny_folder, method):
+    """select_matmul on the CPU sends the int4 or int8 layers' products of up to MAX_ROWS rows
+    to the C++ kernels: a step of 13 tokens (16 rows) runs there, with transformers' logits on
+    the dequantized weights."""
     folder, hf_model = tiny_folder
-    loaded = load_model(str(folder), use_cache=False, progress=False, quantization="int4")
+    loaded = load_model(str(folder), use_cache=False, progress=False, quantization=method)
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, 97, n)) for n in (5, 1, 7)]
     want = hf_logits_with_weights_of(hf_model, loaded, prompts)
@@ -182,14 +231,17 @@ def test_int4_model_on_the_cpu_kernel_equals_transformers(tiny_folder):
         assert np.abs(got - w).max() <= 1e-4
 
 
-def test_int4_layer_in_the_cpu_layout_takes_the_kernel_up_to_its_rows():
-    layer = QuantizedLinear(64, 48, use_bias=False, quant=QuantConfig("int4", "int4", 32), dtype=jnp.float32)
+@pytest.mark.parametrize(
+    "kind, target", [("int4", cpu_kernels.INT4_MATMUL_TARGET), ("int8", cpu_kernels.INT8_MATMUL_TARGET)]
+)
+def test_layer_in_the_cpu_layout_takes_the_kernel_up_to_its_rows(kind, target):
+    layer = QuantizedLinear(64, 48, use_bias=False, quant=QuantConfig(kind, kind, 32), dtype=jnp.float32)
     layer.use_cpu_layout()
     graphdef, state = nnx.split(layer)
     targets = {}
     for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1):
         hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, jnp.zeros((rows, 64))).as_text()
-        targets[rows] = cpu_kernels.INT4_MATMUL_TARGET in hlo
+        targets[rows] = target in hlo
     assert targets == {1: True, cpu_kernels.MAX_ROWS: True, cpu_kernels.MAX_ROWS + 1: False}
 
 
@@ -222,7 +274,7 @@ def test_fp8_model_equals_transformers_with_e4m3_activations(tiny_folder):
     assert np.abs(got - want).max() <= 1e-4
 
 
-@pytest.mark.parametrize("method", ["int4", "fp8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
 def test_quantized_engine_batched_equals_alone(tiny_llama_dir, method):
     loaded = load_model(str(tiny_llama_dir), use_cache=False, progress=False, quantization=method)
     cfg = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=256, max_model_len=128)

@@ -222,16 +222,17 @@ def test_model_logits_with_the_kernels_equal_the_reference(method):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-q8_0"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_model_logits_in_the_cpu_int4_layout_equal_the_reference(dtype, tied):
-    """The whole (scanned) model with its int4 projections in the CPU kernel's tiled layout:
-    a step of 8 rows through the C++ kernel and one of 24 through the reference on the weight
-    untiled, against the canonical model on the reference. The kernel sums in another order
-    (each group's nibbles first, scaled once) and keeps the float32 dequantized weight the
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_model_logits_in_the_cpu_layout_equal_the_reference(method, dtype, tied):
+    """The whole (scanned) model with its int4 or int8 projections in the CPU kernels' tiled
+    layout: a step of 8 rows through the C++ kernel and one of 24 through the reference on the
+    weight untiled, against the canonical model on the reference. The kernel sums in another
+    order (each group's values first, scaled once) and keeps the float32 dequantized weight the
     reference rounds to x's dtype: float32 agrees to a few ulps, bfloat16 to its rounding.
     Tied to a table of Q8_0 blocks, the 8-row step's head reads them (int8_matmul) in float32;
     bfloat16 does not hold the blocks' values, so its head stays on the float table."""
     cfg = dataclasses.replace(CFG, tie_word_embeddings=True) if tied else CFG
-    model = randomly_quantized_model("int4", dtype, cfg=cfg)
+    model = randomly_quantized_model(method, dtype, cfg=cfg)
     if tied:
         table = q8_0_table(np.random.default_rng(1), CFG.vocab_size, CFG.hidden_size) / 4
         model.embed_tokens.embedding[...] = jnp.asarray(table, dtype)
@@ -249,7 +250,9 @@ def test_model_logits_in_the_cpu_int4_layout_equal_the_reference(dtype, tied):
 
     want = {rows: logits(model, inputs) for rows, inputs in steps.items()}
     assert select_matmul("cpu", model) == "cpu"
-    assert model.layers.mlp.down_proj.packed.shape == (2, 2, 64, cpu_kernels.INT4_TILE)  # [L, tiles, K // 2, 32]
+    down = model.layers.mlp.down_proj  # [L, tiles, K // 2 (int4: packed nibbles) or K (int8), 32]; K = 128
+    tiled = (down.packed, 64) if method == "int4" else (down.weight, 128)
+    assert tiled[0].shape == (2, 2, tiled[1], cpu_kernels.INT4_TILE)
     assert (model.int8_head is not None) == (tied and dtype == jnp.float32)
     assert np.abs(want[8]).max() > 0.1, "logits too flat for the comparison to mean anything"
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2

@@ -8,6 +8,8 @@ transformers' own GGUF loader (its own dequantizer, not the `gguf` package's tha
 calls, and its own undoing of llama.cpp's Q/K rotary permutation).
 """
 
+import logging
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -246,11 +248,13 @@ def test_a_gguf_config_is_parsed_once_then_remembered(tmp_path, monkeypatch):
     assert load.read_hf_config(str(path))[0] == GGUFFile(path).hf_config() != first
 
 
-def test_q4_k_projections_are_served_as_the_files_own_int4_values(tmp_path):
+@pytest.mark.parametrize("qtype, kind, group", [("Q4_K", "int4", 32), ("Q8_0", "int8", 32), ("Q6_K", "int8", 16)])
+def test_projections_are_served_as_the_files_own_values(tmp_path, qtype, kind, group):
     """`--quantization gguf` keeps a Q4_K projection's blocks as int4 with group 32 (its
-    sub-blocks' scales and mins) instead of re-rounding them: every kept weight dequantizes
-    to transformers' torch dequantizer of the file's bytes, and the logits (llama: the
-    rotary permutation applied to kept weights) equal transformers reading the file."""
+    sub-blocks' scales and mins), a Q8_0 file's as int8 with group 32 and a Q6_K file's as
+    int8 with group 16 (its 16-value scales times d), instead of re-rounding them: every kept
+    weight dequantizes to transformers' torch dequantizer of the file's bytes, and the logits
+    (llama: the rotary permutation applied to kept weights) equal transformers reading the file."""
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
     from transformers.integrations.gguf.dequant import dequantize
@@ -259,29 +263,54 @@ def test_q4_k_projections_are_served_as_the_files_own_int4_values(tmp_path):
     from jaxserve.weights.gguf_reader import hf_name
     from pallas_kernels.quantized_matmul import dequantize_int4
 
-    path = tmp_path / "tiny-qwen3-Q4_K.gguf"
-    write_tiny_gguf(path, "qwen3", "Q4_K")
+    path = tmp_path / f"tiny-qwen3-{qtype}.gguf"
+    write_tiny_gguf(path, "qwen3", qtype)
     loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
+    assert (loaded.quantization.kind, loaded.quantization.group_size) == (kind, group)
     layers = {f"model.{path.replace('/', '.')}.weight": m for path, m in quantized_layers(loaded.model)}
     kept = 0
     for t in GGUFReader(str(path)).tensors:
-        if t.tensor_type.name != "Q4_K" or hf_name(t.name) not in layers:
+        if t.tensor_type.name != qtype or hf_name(t.name) not in layers:
             continue
         layer = layers[hf_name(t.name)]
-        assert layer.kind == "int4" and layer.scales.shape[0] == layer.din // 32, t.name
+        assert layer.kind == kind and layer.scales.shape[0] == layer.din // group, t.name
         shape = tuple(int(n) for n in reversed(t.shape))
         raw = torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8))
         want = dequantize(raw, int(t.tensor_type), torch.float32).reshape(shape).numpy().T
-        got = np.asarray(dequantize_int4(layer.packed[...], layer.scales[...], layer.offsets[...]))
+        if kind == "int4":
+            got = np.asarray(dequantize_int4(layer.packed[...], layer.scales[...], layer.offsets[...]))
+        else:  # float32 holds each f16 scale times an int8 value exactly
+            got = np.asarray(layer.weight[...], np.float32) * np.repeat(np.asarray(layer.scales[...]), group, axis=0)
         np.testing.assert_array_equal(got, want, err_msg=t.name)
         kept += 1
     assert kept == 7 * LAYERS
 
-    path = tmp_path / "tiny-llama-Q4_K.gguf"
-    write_tiny_gguf(path, "llama", "Q4_K")
+    path = tmp_path / f"tiny-llama-{qtype}.gguf"
+    write_tiny_gguf(path, "llama", qtype)
     loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
         want = theirs(torch.tensor([PROMPT])).logits[0].double().numpy()
     err = np.abs(our_logits(loaded, PROMPT) - want).max()
     assert np.abs(want).max() > 1.0 and err <= 1e-4, f"max abs error {err:.2e}"
+
+
+def test_a_file_without_4_bit_projections_keeps_int8_and_re_quantizes_the_rest_to_it(tmp_path, caplog):
+    """An F16 file under `--quantization gguf` has no block type int8 holds exactly and none
+    that is 4-bit: its projections are re-quantized to int8 with group 32 (said in the log),
+    which stays far closer to the file than the int4 this used to take."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny-llama-F16.gguf"
+    write_tiny_gguf(path, "llama", "F16")
+    with caplog.at_level(logging.WARNING, logger="jaxserve.weights.gguf_reader"):
+        loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
+    assert (loaded.quantization.kind, loaded.quantization.group_size) == ("int8", 32)
+    want_log = f"{7 * LAYERS} projections are not Q8_0/Q6_K blocks; they were re-quantized to gguf (int8, group 32)"
+    assert want_log in caplog.text
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = theirs(torch.tensor([PROMPT])).logits[0].double().numpy()
+    int4 = load_model(str(path), use_cache=False, progress=False, quantization="int4")
+    err, err_int4 = (np.abs(our_logits(m, PROMPT) - want).max() for m in (loaded, int4))
+    assert err <= 0.1 * err_int4, f"max abs error {err:.2e} (int8) against {err_int4:.2e} (int4)"  # 7e-2, 1.7
