@@ -273,6 +273,10 @@ def make_plan(args) -> dict:
     args.device = args.device or default_device_name()
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     quant = QuantConfig.for_method(args.quantization)
+    if args.quantization == "gguf" and str(source).endswith(".gguf") and Path(source).is_file():
+        from jaxserve.weights.gguf_reader import GGUFFile
+
+        quant = GGUFFile(source).quant_config()  # int4, or int8 for a file without 4-bit projections
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype).name
     setup = Setup(cfg, dtype, quant, kv_dtype, args.tp, args.enable_expert_parallel and cfg.is_moe)
     device = device_figures(args, compute_dtype(dtype, quant))

@@ -92,8 +92,7 @@ class QuantizedExpertLinear(nnx.Module):
         self.layout = "canonical"  # or "mgpu"
         self.interpret = False
         e = num_experts
-        if quant.kind == "int8":
-            raise ValueError(f"{quant.label}: int8 is for dense projections; a mixture of experts takes int4 or fp8")
+        quant.check_experts()
         if quant.kind == "int4":
             if din % 2:
                 raise ValueError(f"int4 packs two values per byte along K; K={din} is odd")

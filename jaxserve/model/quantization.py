@@ -83,6 +83,11 @@ class QuantConfig:
         tried = ", ".join(str(g) for g in (self.group_size, *_FALLBACK_GROUPS) if g <= self.group_size)
         raise ValueError(f"{self.kind} quantization: K={k} is not a multiple of any group size ({tried})")
 
+    def check_experts(self) -> None:
+        """Raise if a mixture of experts' experts cannot be stored this way."""
+        if self.kind == "int8":
+            raise ValueError(f"{self.label}: int8 is for dense projections; a mixture of experts takes int4 or fp8")
+
     @property
     def label(self) -> str:
         layout = f"{self.kind}, group {self.group_size}" if self.kind != "fp8" else "fp8 e4m3, per-channel scales"

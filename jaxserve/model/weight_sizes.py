@@ -148,6 +148,8 @@ def embedding_bytes(cfg: ModelConfig, dtype) -> int:
 
 def expert_bytes(cfg: ModelConfig, dtype, quant: QuantConfig | None = None) -> int:
     """One routed expert's bytes (quantized like a dense MLP, expert by expert)."""
+    if quant is not None and cfg.is_moe:
+        quant.check_experts()
     return sum(projection_bytes(k, n, dtype, quant) for k, n in expert_shapes(cfg))
 
 

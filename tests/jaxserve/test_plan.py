@@ -110,6 +110,7 @@ def test_predicted_kv_bytes_are_what_the_engine_allocates(tiny_llama_dir, tiny_l
             for name in ("llama", "qwen3-tied", "llama-bias-mha", "qwen3-moe")
             for q in ("none", "int4", "fp8")
         ),
+        *((name, "int8") for name in ("llama", "qwen3-tied", "llama-bias-mha")),  # experts take no int8
         # these two's experts (F = 48) have no int4 group size: the plan says so (test_moe_plan_...)
         *((name, q) for name in ("mixtral", "qwen2-moe") for q in ("none", "fp8")),
     ],
@@ -121,6 +122,28 @@ def test_predicted_weight_bytes_are_what_loading_holds(tmp_path, name, quantizat
         str(tmp_path), use_cache=False, progress=False, quantization=None if quantization == "none" else quantization
     )
     assert p["weights_bytes"] == loaded.weight_bytes
+
+
+@pytest.mark.parametrize(
+    "qtype, layout", [("Q4_0", "int4, group 32"), ("Q8_0", "int8, group 32"), ("Q6_K", "int8, group 16")]
+)
+def test_a_gguf_files_own_blocks_are_planned_as_loading_keeps_them(tmp_path, qtype, layout):
+    from tests.jaxserve.weights.test_gguf_weights import write_tiny_gguf
+
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_gguf(path, "llama", qtype)
+    p = make(["--model", str(path), "--device", "h100", "--dtype", "float32", "--quantization", "gguf"])
+    loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
+    assert loaded.quantization.label == f"gguf ({layout})"
+    assert p["weights_bytes"] == loaded.weight_bytes
+
+
+def test_int8_experts_are_refused_by_the_plan_as_by_loading(tmp_path):
+    make_tiny_model("qwen3-moe", tmp_path)
+    with pytest.raises(ValueError, match="int8 is for dense projections; a mixture of experts takes int4 or fp8"):
+        load_model(str(tmp_path), use_cache=False, progress=False, quantization="int8")
+    with pytest.raises(ValueError, match="int8 is for dense projections"):
+        make(["--model", str(tmp_path), "--device", "h100", "--dtype", "float32", "--quantization", "int8"])
 
 
 def test_a_gguf_file_is_read_for_its_config():
