@@ -163,27 +163,29 @@ def column_ranges(array, axis: int, unit: int = 1) -> dict:
     return out
 
 
-@pytest.mark.parametrize("method", ["int4", "fp8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
 def test_quantized_weights_load_into_shards_with_their_scales(monkeypatch, tmp_path, tiny_llama_dir, method):
     one = load_model(str(tiny_llama_dir), use_cache=False, progress=False, quantization=method)
     loaded, _, _, whole = load_tracked(monkeypatch, tiny_llama_dir, 2, cache_dir=tmp_path, quantization=method)
     assert whole == []
     layer = params.model_params(loaded.model)["layers"][1]
     q, o = layer["self_attn"]["q_proj"], layer["self_attn"]["o_proj"]
-    weight = "packed" if method == "int4" else "weight"
+    weight = "packed" if method == "int4" else "weight"  # int8 and fp8: "weight"
     # Column-parallel: the scales' output columns on each device are its weight's columns.
     assert column_ranges(q[weight], -1) == column_ranges(q["scales"], -1)
     assert len({s.device for s in q[weight].addressable_shards}) == 2
     assert {s.data.shape[-1] for s in q[weight].addressable_shards} == {q[weight].shape[-1] // 2}
-    if method == "int4":
-        # Row-parallel: the inputs of a device's packed rows (2 per byte) lie in its scale groups
-        # (at these sizes K is one group, which cannot split: every device holds it whole).
+    if method in ("int4", "int8"):
+        # Row-parallel: the inputs of a device's rows (int4: 2 per byte) lie in its scale groups
+        # (int4 at these sizes: K is one group, which cannot split, so every device holds it whole).
+        unit = 2 if method == "int4" else 1
         for proj in (o, layer["mlp"]["down_proj"]):
-            group = 2 * proj["packed"].shape[0] // proj["scales"].shape[0]
-            rows, groups = column_ranges(proj["packed"], 0, unit=2), column_ranges(proj["scales"], 0, unit=group)
+            group = unit * proj[weight].shape[0] // proj["scales"].shape[0]
+            rows, groups = column_ranges(proj[weight], 0, unit=unit), column_ranges(proj["scales"], 0, unit=group)
             assert all(groups[d][0] <= rows[d][0] and rows[d][1] <= groups[d][1] for d in rows)
-            assert len(set(rows.values())) == 2  # the packed rows themselves are split
-            assert column_ranges(proj["offsets"], 0) == column_ranges(proj["scales"], 0)
+            assert len(set(rows.values())) == 2  # the rows themselves are split
+            if method == "int4":
+                assert column_ranges(proj["offsets"], 0) == column_ranges(proj["scales"], 0)
     else:
         assert o["scales"].sharding.is_fully_replicated  # per output channel: every device needs all
     want, _ = greedy_with_margins(one, 1)

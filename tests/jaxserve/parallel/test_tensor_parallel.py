@@ -123,7 +123,7 @@ def test_greedy_tokens_equal_one_device_and_nothing_compiles_after_warm_up(tiny_
     assert compiled_after_warm_up == 0
 
 
-@pytest.mark.parametrize("method", ["int4", "fp8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
 def test_quantized_weights_split_with_their_scales(tiny_llama_dir, method):
     """TP 2 splits the KV heads; TP 4 repeats each (a quantized K/V projection then holds
     twice its outputs)."""

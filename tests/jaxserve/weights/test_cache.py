@@ -85,12 +85,17 @@ def test_changed_content_is_a_new_entry(tmp_path, tiny_llama_dir):
 
 
 def test_variants_are_derived_from_the_float32_copy(tmp_path, tiny_llama_dir, monkeypatch):
-    """A float32 copy of a float32 checkpoint is lossless: bf16, int4 and fp8 come from it,
-    bit for bit what converting the checkpoint gives, and need no entry of their own."""
+    """A float32 copy of a float32 checkpoint is lossless: bf16, int4, int8 and fp8 come from
+    it, bit for bit what converting the checkpoint gives, and need no entry of their own."""
     base = load(tiny_llama_dir, tmp_path)
     assert cache.list_entries(tmp_path)[0].meta["lossless"] is True
     forbid_reading_weights(monkeypatch)
-    asks = [{"dtype": "bfloat16"}, {"quantization": "int4"}, {"dtype": "bfloat16", "quantization": "fp8"}]
+    asks = [
+        {"dtype": "bfloat16"},
+        {"quantization": "int4"},
+        {"quantization": "int8"},
+        {"dtype": "bfloat16", "quantization": "fp8"},
+    ]
     derived = [load(tiny_llama_dir, tmp_path, **kw) for kw in asks]
     monkeypatch.undo()
     for kw, loaded in zip(asks, derived):
