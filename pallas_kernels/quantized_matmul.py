@@ -1,4 +1,5 @@
-"""Quantized matmuls: int4 and int8 weight-only (W4A16, W8A16) and FP8 (e4m3) W8A8.
+"""Quantized matmuls: int4 and int8 weight-only (W4A16, W8A16), FP8 (e4m3) W8A8, and
+block-wise FP8 checkpoints' weights (W8A16).
 
 Weight layouts (K is the contracting axis, N the output axis):
 
@@ -9,6 +10,9 @@ Weight layouts (K is the contracting axis, N the output axis):
            scales  float32 [K // group, N]   w[k, n] = scales[g, n] * weight[k, n]
     fp8:   weight  e4m3    [K, N]
            scales  float32 [N]               w[k, n] = scales[n] * weight[k, n]
+    fp8_block (block-wise FP8 checkpoints, blocks of bk inputs by bn outputs):
+           weight  e4m3    [K, N]
+           scales  float32 [ceil(K / bk), ceil(N / bn)]   w[k, n] = scales[k // bk, n // bn] * weight[k, n]
 
 The asymmetric int4 form holds GGUF's Q4_1 (`d * q + m`) and Q4_0 (`d * (q - 8)`)
 exactly, and compressed-tensors' zero points (`s * (q - z)`); the symmetric int8 form
@@ -57,6 +61,22 @@ def int8_matmul_reference(x: jax.Array, weight: jax.Array, scales: jax.Array) ->
     groups, n = scales.shape
     w = weight.astype(jnp.float32).reshape(groups, -1, n) * scales[:, None, :]
     return jnp.dot(x, w.reshape(-1, n).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def dequantize_fp8_block(weight: jax.Array, scales: jax.Array, block: tuple[int, int], dtype=jnp.float32) -> jax.Array:
+    """The float weight [K, N] of an fp8_block layer; block = (bn, bk), as checkpoints give it."""
+    bn, bk = block
+    k, n = weight.shape
+    full = jnp.repeat(jnp.repeat(scales, bk, axis=0)[:k], bn, axis=1)[:, :n]
+    return (weight.astype(jnp.float32) * full).astype(dtype)
+
+
+def fp8_block_matmul_reference(x: jax.Array, weight: jax.Array, scales: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """x [M, K] @ the fp8_block weight -> [M, N] in x's dtype: the weight dequantized to x's
+    dtype (W8A16; the activations are not quantized), float32 accumulation."""
+    x, weight, scales = jax.lax.optimization_barrier((x, weight, scales))  # see int4_matmul_reference
+    w = dequantize_fp8_block(weight, scales, block, x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def quantize_fp8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -242,8 +242,8 @@ def _refuse_unsupported_fields(hf: dict[str, Any]) -> None:
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
     quant = hf.get("quantization_config")
-    # Those read by jaxserve.weights.compressed_tensors and gptq_awq, which check the rest.
-    if quant and quant.get("quant_method") not in ("compressed-tensors", "gptq", "awq"):
+    # Those read by jaxserve.weights.compressed_tensors, gptq_awq and fp8_block, which check the rest.
+    if quant and quant.get("quant_method") not in ("compressed-tensors", "gptq", "awq", "fp8"):
         raise UnsupportedModelError(
             f"quantization_config (quant_method={quant.get('quant_method')!r}) is not supported; use a "
             "compressed-tensors, GPTQ or AWQ checkpoint, an unquantized one (--quantization int4|int8|fp8) "

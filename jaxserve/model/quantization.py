@@ -13,8 +13,10 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
            group 32 or 16 (the file's exact values); other block types are re-quantized to that kind
 
 A checkpoint saved by llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel (GPTQ)
-or AutoAWQ (AWQ) brings its own int4 or fp8 weights and needs no flag. The layouts the layers hold are described in
-`pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.runner.kernels.select_matmul`
+or AutoAWQ (AWQ) brings its own int4 or fp8 weights and needs no flag; so does a block-wise
+FP8 one (DeepSeek's and Qwen3's FP8 releases: e4m3 with a scale per 128x128 block, kind
+"fp8_block", served W8A16 by the reference: no kernel reads its blocks yet). The layouts the
+layers hold are described in `pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.runner.kernels.select_matmul`
 converts the int4 and fp8 layers once to the Mosaic GPU kernels' layout
 (`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels (int8 has none: a model
 with int8 layers runs the references there); on the CPU it sends an int4 or int8 layer's
@@ -34,10 +36,16 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import cpu_kernels
-from pallas_kernels.quantized_matmul import FP8_MAX, fp8_matmul_reference, int4_matmul_reference, int8_matmul_reference
+from pallas_kernels.quantized_matmul import (
+    FP8_MAX,
+    fp8_block_matmul_reference,
+    fp8_matmul_reference,
+    int4_matmul_reference,
+    int8_matmul_reference,
+)
 
 METHODS = ("int4", "int8", "fp8", "gguf")
-KINDS = ("int4", "int8", "fp8")
+KINDS = ("int4", "int8", "fp8", "fp8_block")
 DEFAULT_GROUP_SIZE = 128
 Q8_0_GROUP = cpu_kernels.Q8_0_BLOCK  # int8's group along K: GGUF's Q8_0 block (32)
 _FALLBACK_GROUPS = (64, 32)
@@ -54,6 +62,7 @@ class QuantConfig:
     # int4 from a GPTQ checkpoint quantized with act-order: each layer's K rows are stored in
     # group order and it gathers its inputs into that order first (QuantizedLinear.input_order)
     act_order: bool = False
+    block: tuple[int, int] | None = None  # fp8_block: (outputs, inputs) a scale covers, as checkpoints give it
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -62,6 +71,8 @@ class QuantConfig:
             raise ValueError(f"int4 needs an even group size, got {self.group_size=}")
         if self.act_order and self.kind != "int4":
             raise ValueError("act-order is an int4 layout")
+        if (self.block is not None) != (self.kind == "fp8_block"):
+            raise ValueError("a block size goes with the fp8_block layout, and only with it")
 
     @classmethod
     def for_method(cls, method: str | None) -> QuantConfig | None:
@@ -85,12 +96,19 @@ class QuantConfig:
 
     def check_experts(self) -> None:
         """Raise if a mixture of experts' experts cannot be stored this way."""
-        if self.kind == "int8":
-            raise ValueError(f"{self.label}: int8 is for dense projections; a mixture of experts takes int4 or fp8")
+        if self.kind in ("int8", "fp8_block"):
+            raise ValueError(
+                f"{self.label}: {self.kind} is for dense projections; a mixture of experts takes int4 or fp8"
+            )
 
     @property
     def label(self) -> str:
-        layout = f"{self.kind}, group {self.group_size}" if self.kind != "fp8" else "fp8 e4m3, per-channel scales"
+        if self.kind == "fp8":
+            layout = "fp8 e4m3, per-channel scales"
+        elif self.kind == "fp8_block":
+            layout = f"fp8 e4m3, {self.block[0]}x{self.block[1]} block scales"
+        else:
+            layout = f"{self.kind}, group {self.group_size}"
         layout += ", act-order" if self.act_order else ""
         return f"{self.method} ({layout})" if self.method != self.kind else layout
 
@@ -123,6 +141,11 @@ class QuantizedLinear(nnx.Module):
             self.input_order = None
             self.weight = nnx.Param(jnp.zeros((din, dout), jnp.int8))
             self.scales = nnx.Param(jnp.zeros((din // quant.group_size_for(din), dout), jnp.float32))
+        elif quant.kind == "fp8_block":
+            self.input_order, self.block = None, quant.block
+            bn, bk = quant.block
+            self.weight = nnx.Param(jnp.zeros((din, dout), jnp.float8_e4m3fn))
+            self.scales = nnx.Param(jnp.ones((-(-din // bk), -(-dout // bn)), jnp.float32))
         else:
             self.input_order = None
             self.weight = nnx.Param(jnp.zeros((din, dout), jnp.float8_e4m3fn))
@@ -142,6 +165,8 @@ class QuantizedLinear(nnx.Module):
             y = int4_matmul_reference(x2, self.packed[...], self.scales[...], self.offsets[...])
         elif self.kind == "int8":
             y = int8_matmul_reference(x2, self.weight[...], self.scales[...])
+        elif self.kind == "fp8_block":
+            y = fp8_block_matmul_reference(x2, self.weight[...], self.scales[...], self.block)
         else:
             y = fp8_matmul_reference(x2, self.weight[...], self.scales[...])
         return self._output(y, lead)
@@ -185,7 +210,7 @@ class QuantizedLinear(nnx.Module):
         own) are kept in float16: fewer bytes, the same values."""
         if self.layout == "cpu":
             return
-        if self.kind == "fp8" or self.layout != "canonical":
+        if self.kind not in ("int4", "int8") or self.layout != "canonical":
             raise ValueError(f"the CPU layout is for canonical int4 and int8 layers, not {self.kind} in {self.layout}")
         if self.kind == "int8":
             half = cpu_kernels.half_scales_exact(self.scales[...])
@@ -223,8 +248,8 @@ class QuantizedLinear(nnx.Module):
         fixed-order config with `batch_invariant`), or None."""
         from pallas_kernels import quantized_matmul_mgpu as mgpu
 
-        if self.kind == "int8":
-            return "int8 layers have no Mosaic GPU kernel (they run the reference)"
+        if self.kind in ("int8", "fp8_block"):
+            return f"{self.kind} layers have no Mosaic GPU kernel (they run the reference)"
         x = jax.ShapeDtypeStruct((mgpu.MAX_TILE_T, self.din), jnp.dtype(dtype))  # the largest token tile
         if self.kind == "int4":
             groups = self.scales.shape[-2]  # [.., G, N] in both layouts
@@ -253,7 +278,7 @@ class QuantizedLinear(nnx.Module):
 
         if self.layout == "mgpu":
             return
-        if self.kind == "int8":
+        if self.kind in ("int8", "fp8_block"):
             raise ValueError(self.kernel_unsupported_reason(jnp.bfloat16))
         self.batch_invariant = batch_invariant
         if self.kind == "int4":
@@ -366,12 +391,28 @@ def quantize_fp8(w: np.ndarray) -> dict[str, np.ndarray]:
     return {"weight": q.astype(jnp.float8_e4m3fn), "scales": scales}
 
 
+def quantize_fp8_block(w: np.ndarray, block: tuple[int, int]) -> dict[str, np.ndarray]:
+    """e4m3 of a float weight [K, N] with one scale per block of bk inputs by bn outputs
+    (amax / 448; block = (bn, bk), as checkpoints give it), partial blocks at the ends."""
+    bn, bk = block
+    k, n = w.shape
+    padded = np.zeros((-(-k // bk) * bk, -(-n // bn) * bn), np.float32)
+    padded[:k, :n] = w
+    blocks = padded.reshape(padded.shape[0] // bk, bk, padded.shape[1] // bn, bn)
+    amax = np.abs(blocks).max(axis=(1, 3))
+    scales = np.where(amax > 0, amax / np.float32(FP8_MAX), 1).astype(np.float32)
+    q = np.clip(blocks / scales[:, None, :, None], -FP8_MAX, FP8_MAX).reshape(padded.shape)[:k, :n]
+    return {"weight": q.astype(jnp.float8_e4m3fn), "scales": scales}
+
+
 def quantize(w: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:
     """A float weight [K, N] as the parameters of a QuantizedLinear."""
     if quant.kind == "int4":
         return quantize_int4(w, quant.group_size_for(w.shape[0]))
     if quant.kind == "int8":
         return quantize_int8(w, quant.group_size_for(w.shape[0]))
+    if quant.kind == "fp8_block":
+        return quantize_fp8_block(w, quant.block)
     return quantize_fp8(w)
 
 

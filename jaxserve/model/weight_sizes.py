@@ -139,6 +139,9 @@ def projection_bytes(k: int, n: int, dtype, quant: QuantConfig | None) -> int:
         return k // 2 * n + 2 * (k // quant.group_size_for(k)) * n * 4 + (4 * k if quant.act_order else 0)
     if quant.kind == "int8":  # a byte a value, a float32 scale per group
         return k * n + (k // quant.group_size_for(k)) * n * 4
+    if quant.kind == "fp8_block":  # e4m3, a float32 scale per block
+        bn, bk = quant.block
+        return k * n + -(-k // bk) * -(-n // bn) * 4
     return k * n + n * 4  # fp8 e4m3, a float32 scale per output channel
 
 

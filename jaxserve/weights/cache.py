@@ -73,10 +73,12 @@ def checkpoint_dir(cache_dir: Path, source: Path) -> Path:
 
 def variant_name(dtype, quant) -> str:
     """'float32', 'bfloat16-int4', ...: what sets one entry of a checkpoint apart from another
-    (a GGUF file kept as int8 blocks: 'float32-gguf-int8')."""
+    (a method's second layout is named too: a GGUF kept as int8 blocks 'float32-gguf-int8', a
+    block-wise FP8 checkpoint 'float32-fp8-fp8_block')."""
     if quant is None:
         return str(dtype)
-    return f"{dtype}-{quant.method}" + (f"-{quant.kind}" if quant.method == "gguf" and quant.kind != "int4" else "")
+    second = quant.method in ("gguf", "fp8") and quant.kind not in ("int4", "fp8")
+    return f"{dtype}-{quant.method}" + (f"-{quant.kind}" if second else "")
 
 
 def file_hashes(files: list[Path], index_path: Path) -> dict[Path, str]:

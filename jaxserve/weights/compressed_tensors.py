@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED = (
     "jaxserve loads compressed-tensors checkpoints (pack-quantized int4, float-quantized fp8), "
-    "GPTQ and AWQ int4 checkpoints, or quantizes float checkpoints itself (--quantization int4|int8|fp8)"
+    "GPTQ and AWQ int4 checkpoints, block-wise FP8 checkpoints, or quantizes float checkpoints itself "
+    "(--quantization int4|int8|fp8)"
 )
 _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -22,7 +22,8 @@ _WIDER_THAN = {np.dtype(np.float32): {np.dtype(np.float16), np.dtype(bfloat16)}}
 
 def can_derive(quant: QuantConfig | None) -> bool:
     """Whether this variant can be computed from a lossless base."""
-    return quant is None or quant.method in ("int4", "int8", "fp8")
+    # our own round-to-nearest methods (whose layout is their name), not a checkpoint's own values
+    return quant is None or (quant.method in ("int4", "int8", "fp8") and quant.kind == quant.method)
 
 
 def holds_exactly(source_dtypes: set, dtype) -> bool:

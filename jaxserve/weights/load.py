@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLM
 from jaxserve.model.quantization import QuantConfig, weight_bytes
-from jaxserve.weights import cache, cache_entry, compressed_tensors, derive, gptq_awq, safetensors_reader
+from jaxserve.weights import cache, cache_entry, compressed_tensors, derive, fp8_block, gptq_awq, safetensors_reader
 from jaxserve.weights.cache import default_cache_dir
 from jaxserve.weights.default_model import default_model_path
 from jaxserve.weights.fast_tokenizer import fast_tokenizer_class
@@ -107,7 +107,7 @@ def load_model(
 
 def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None:
     """How the model at `source` will be stored: as asked, or as its checkpoint already is
-    (compressed-tensors, GPTQ or AWQ); a clear error when the two disagree."""
+    (compressed-tensors, GPTQ, AWQ or block-wise FP8); a clear error when the two disagree."""
     if source.is_file():  # a GGUF file: its own blocks as int4, or as int8 where none is 4-bit
         return GGUFFile(source).quant_config() if method == "gguf" else QuantConfig.for_method(method)
     with open(source / "config.json") as f:
@@ -119,6 +119,8 @@ def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None
         return QuantConfig.for_method(method)
     if spec.get("quant_method") in gptq_awq.METHODS:
         quant = gptq_awq.checkpoint_quant_config(spec)
+    elif spec.get("quant_method") in fp8_block.METHODS:
+        quant = fp8_block.checkpoint_quant_config(spec)
     else:  # refuses other methods by name, and targets that leave one of the model's projections in float
         quant = compressed_tensors.checkpoint_quant_config(spec, hf_config)
     if method not in (None, "none", quant.kind):
@@ -253,6 +255,8 @@ def _convert(
             tensors = compressed_tensors.read_tensors(files, hf_config["quantization_config"], hf_config)
         elif quant is not None and quant.method in gptq_awq.METHODS:
             tensors = gptq_awq.read_tensors(files, hf_config["quantization_config"])
+        elif quant is not None and quant.kind == "fp8_block":
+            tensors = fp8_block.read_tensors(files, hf_config["quantization_config"])
         else:
             tensors = safetensors_reader.read_tensors(files)
             stored = safetensors_reader.stored_dtypes(files)  # NOTE: read_tensors upcasts all to float32

@@ -244,7 +244,8 @@ def test_another_quant_method_is_refused_by_name(tmp_path, int4_folder):
         spec.update(quant_method="bitsandbytes", load_in_4bit=True)
 
     folder = with_config(int4_folder, tmp_path / "bnb", bitsandbytes)
-    with pytest.raises(WeightError, match=r"quant_method 'bitsandbytes' is not supported.*--quantization int4\|fp8"):
+    refused = r"quant_method 'bitsandbytes' is not supported.*--quantization int4\|int8\|fp8"
+    with pytest.raises(WeightError, match=refused):
         load_model(str(folder), use_cache=False, progress=False)
 
 
