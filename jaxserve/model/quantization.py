@@ -15,15 +15,15 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
 A checkpoint saved by llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel (GPTQ)
 or AutoAWQ (AWQ) brings its own int4 or fp8 weights and needs no flag; so does a block-wise
 FP8 one (DeepSeek's and Qwen3's FP8 releases: e4m3 with a scale per 128x128 block, kind
-"fp8_block", served W8A16 by the reference: no kernel reads its blocks yet). The layouts the
-layers hold are described in `pallas_kernels.quantized_matmul`. On a Hopper GPU `jaxserve.runner.kernels.select_matmul`
-converts the int4 and fp8 layers once to the Mosaic GPU kernels' layout
-(`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels (int8 has none: a model
-with int8 layers runs the references there); on the CPU it sends an int4 or int8 layer's
-few-row calls (decode steps) to C++ kernels that read the packed values
-(`pallas_kernels.cpu_kernels.int4_matmul`, `int8_matmul`), and a tied LM head whose table is
-a GGUF's Q8_0 blocks to one that reads those (`Int8Table`); elsewhere they call the pure-JAX
-references.
+"fp8_block", served W8A16 by the reference: no kernel reads its blocks yet). The layouts
+the layers hold are described in `pallas_kernels.quantized_matmul`. On a Hopper GPU
+`jaxserve.runner.kernels.select_matmul` converts the int4 and fp8 layers once to the Mosaic
+GPU kernels' layout (`pallas_kernels.quantized_matmul_mgpu`) and they call those kernels
+(int8 and fp8_block have none: a model with such layers runs the references there); on the
+CPU it sends an int4 or int8 layer's few-row calls (decode steps) to C++ kernels that read
+the packed values (`pallas_kernels.cpu_kernels.int4_matmul`, `int8_matmul`), and a tied LM
+head whose table is a GGUF's Q8_0 blocks to one that reads those (`Int8Table`); elsewhere
+they call the pure-JAX references.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 A cached unquantized entry whose dtype holds the checkpoint's values exactly (float32 from a
 GGUF file's dequantized blocks, bf16 from a bf16 safetensors checkpoint) is a lossless base:
-every other dtype, int4 and fp8 are computed from it exactly as from the checkpoint itself
+every other dtype, int4, int8 and fp8 are computed from it exactly as from the checkpoint itself
 (the same casts, the same quantizer over the same values), so they need no copy of their
 own. Measured on SmolLM2-135M (a 94 MiB Q4_1 GGUF), see docs/weights-cache.md. Not derived:
-`gguf` (it keeps the file's own 4-bit blocks, which a float copy no longer has) and
-compressed-tensors, GPTQ and AWQ checkpoints (their quantized values come from the file).
+`gguf` (it keeps the file's own blocks, which a float copy no longer has) and
+compressed-tensors, GPTQ, AWQ and block-wise FP8 checkpoints (their quantized values come from the file).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None
         hf_config = json.load(f)
     spec = hf_config.get("quantization_config")
     if method == "gguf":
-        raise ValueError(f"quantization 'gguf' keeps a GGUF file's own 4-bit blocks; {source} is not a .gguf file")
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks; {source} is not a .gguf file")
     if spec is None:
         return QuantConfig.for_method(method)
     if spec.get("quant_method") in gptq_awq.METHODS:
