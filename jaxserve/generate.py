@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from jaxserve.config_file import add_config_flag, parse_with_config
 from jaxserve.flags import HelpFormatter, add_model_flags, model_engine_kwargs, start_devices
@@ -43,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parse_with_config(p, argv)
     if (args.prompt is None) == (args.prompts_file is None):
         p.error("give exactly one of a prompt or --prompts-file")
+    if args.prompts_file is not None and not Path(args.prompts_file).is_file():
+        # NOTE: argparse also takes `--prompt TEXT` as an abbreviation of --prompts-file
+        p.error(f"--prompts-file {args.prompts_file!r} is not a file; to give one prompt, pass it as the last argument")
     return args
 
 
