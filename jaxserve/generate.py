@@ -44,9 +44,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parse_with_config(p, argv)
     if (args.prompt is None) == (args.prompts_file is None):
         p.error("give exactly one of a prompt or --prompts-file")
-    if args.prompts_file is not None and not Path(args.prompts_file).is_file():
-        # NOTE: argparse also takes `--prompt TEXT` as an abbreviation of --prompts-file
-        p.error(f"--prompts-file {args.prompts_file!r} is not a file; to give one prompt, pass it as the last argument")
     return args
 
 
@@ -56,6 +53,11 @@ CLI_DEFAULTS = dict(max_tokens=64, temperature=0.0)  # greedy, unless the model'
 def read_prompts(args) -> list[str]:
     if args.prompt is not None:
         return [args.prompt]
+    if not Path(args.prompts_file).is_file():  # NOTE: argparse reads `--prompt TEXT` as --prompts-file TEXT
+        raise SystemExit(
+            f"error: --prompts-file {args.prompts_file!r} is not a file; "
+            "to give one prompt, pass it as the last argument"
+        )
     with open(args.prompts_file) as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
