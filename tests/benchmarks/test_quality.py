@@ -129,7 +129,7 @@ def test_script_smoke_on_tiny_model(tiny_llama_tok_dir, tmp_path):
     assert result["windows"] == 2 and result["tokens"] == 2 * 31 and result["max_tokens"] == 4
     assert "gguf" in result["skipped"]  # a HF folder has no GGUF blocks
     assert result["reference"]["perplexity"] > 1
-    assert sorted(result["schemes"]) == ["fp8", "int4"]
+    assert sorted(result["schemes"]) == ["fp8", "int4", "int8"]
     for row in result["schemes"].values():
         assert row["perplexity"] > 1 and row["mean_kl"] >= 0
         assert 0 <= row["top1_agreement"] <= 1 and 0 <= row["greedy_agreement"] <= 1
