@@ -39,6 +39,7 @@ from jaxserve.runner.model_runner import ModelRunner, token_buckets
 from jaxserve.spec_decode.build import make_proposer
 from jaxserve.spec_decode.context import ProposerContext
 from jaxserve.spec_decode.proposers import Proposer
+from jaxserve.spec_decode.published_heads import eagle3_feature_layers
 from jaxserve.structured import GrammarCompiler
 from jaxserve.structured.llguidance import LLGuidanceBackend
 from jaxserve.weights.dtype import resolve_dtype
@@ -113,6 +114,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
         draft_distributions=spec is not None and spec.method == "draft_model",
         draft_tree=spec and spec.tree,
         keep_step_hidden=spec is not None and spec.method == "eagle",
+        feature_layers=eagle3_feature_layers(spec.model, mcfg) if spec is not None and spec.method == "eagle3" else (),
         mesh=mesh,
         expert_parallel=config.enable_expert_parallel,
         expert_dispatch=config.expert_dispatch,

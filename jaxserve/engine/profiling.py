@@ -191,7 +191,7 @@ def device_breakdown(runner, batch, repeats: int = 10) -> dict[str, float]:
     head_parts = op_parts(runner._head.lower(runner.params, hidden, meta).compile().as_text())
 
     def one_step():
-        hidden, runner.kv, _ = runner._body(runner.params, runner.kv, inputs, pending, runner.last_tokens)
+        hidden, runner.kv, *_ = runner._body(runner.params, runner.kv, inputs, pending, runner.last_tokens)
         out, *_ = runner._head(runner.params, hidden, meta)
         out.token_ids.block_until_ready()
 

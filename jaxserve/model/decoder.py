@@ -386,32 +386,44 @@ class DecoderLM(nnx.Module):
         self, inputs: ModelInputs, kv: KVCache, attention: AttentionFn = ragged_paged_attention_reference
     ) -> tuple[jax.Array, KVCache]:
         """The last layer's output [T, D] for every token, and the cache with this step's K/V."""
+        x, kv, _ = self.hidden_states_and_layer_inputs(inputs, kv, (), attention)
+        return x, kv
+
+    def hidden_states_and_layer_inputs(
+        self,
+        inputs: ModelInputs,
+        kv: KVCache,
+        layers: tuple[int, ...],
+        attention: AttentionFn = ragged_paged_attention_reference,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """`hidden_states`, and the inputs of `layers` (the residual stream entering each;
+        layer 0's: the embeddings) side by side in layer order, [T, len(layers) * D], or None
+        for no layers: the features an EAGLE-3 head reads."""
         with jax.named_scope("embed"):
             x = self.embed_tokens(inputs.input_ids)  # [T, D]
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         carry = (x, kv, jnp.int32(0))
+        layers = tuple(sorted(set(layers)))
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
             rows, invariant = self.few_row_kernels.layer_rows, self.few_row_kernels.batch_invariant
-            for layer in self.layers:  # one jitted layer per kind (a MoE model may mix dense and MoE layers)
+            captured = []
+            for i, layer in enumerate(
+                self.layers
+            ):  # one jitted layer per kind (a MoE model may mix dense and MoE layers)
+                if i in layers:
+                    captured.append(carry[0])
                 layer_fn = _jitted_layer(nnx.graphdef(layer), attention, rows, invariant)
                 carry = layer_fn(carry, nnx.state(layer), inputs, inv_freq)
         else:  # stacked layers: one scanned body, whatever the depth
             layer_def, layer_state = nnx.split(self.layers)
-            carry, _ = jax.lax.scan(
-                lambda c, state: (
-                    _layer(
-                        c,
-                        nnx.merge(layer_def, state),
-                        inputs,
-                        inv_freq,
-                        attention,
-                        self.few_row_kernels.layer_rows,
-                        self.few_row_kernels.batch_invariant,
-                    ),
-                    None,
-                ),
-                carry,
-                layer_state,
-            )
+
+            def step(c, state):
+                (x, kv, i), captured = c
+                captured = tuple(jnp.where(i == at, x, kept) for at, kept in zip(layers, captured))
+                layer = nnx.merge(layer_def, state)
+                rows, invariant = self.few_row_kernels.layer_rows, self.few_row_kernels.batch_invariant
+                return (_layer((x, kv, i), layer, inputs, inv_freq, attention, rows, invariant), captured), None
+
+            (carry, captured), _ = jax.lax.scan(step, (carry, tuple(jnp.zeros_like(x) for _ in layers)), layer_state)
         x, kv, _ = carry
-        return x, kv
+        return x, kv, jnp.concatenate(captured, axis=-1) if layers else None

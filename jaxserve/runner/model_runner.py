@@ -163,6 +163,7 @@ class ModelRunner:
         draft_distributions: bool = False,
         draft_tree: DraftTree | None = None,
         keep_step_hidden: bool = False,
+        feature_layers: tuple[int, ...] = (),
         mesh: jax.sharding.Mesh | None = None,
         expert_parallel: bool = False,
         expert_dispatch: str = "all-reduce",
@@ -239,6 +240,7 @@ class ModelRunner:
             num_speculative_tokens=k,
             tree=self.tree,
             keep_step_hidden=keep_step_hidden,
+            feature_layers=tuple(feature_layers),
             batch_invariant=model.batch_invariant,
         )
 
@@ -260,6 +262,7 @@ class ModelRunner:
         # With keep_step_hidden: the latest step's padded inputs and every token's hidden state.
         self.step_inputs: ModelInputs | None = None
         self.step_hidden: jax.Array | None = None
+        self.step_features: jax.Array | None = None  # with feature_layers: their inputs [T, n * D]
         self._copy_blocks = jit(copy_blocks, donate_argnames=("kv",))
         self._read_blocks = jit(read_blocks)
         self._write_blocks = jit(write_blocks, donate_argnames=("kv",), out_shardings=kv_shardings)
@@ -304,7 +307,7 @@ class ModelRunner:
         for t in self.buckets:
             bar.set_postfix_str(f"{t} tokens")
             inputs, pending = self.pad_inputs(None, *self.bucket_for(t))
-            hidden, self.kv, _ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
+            hidden, self.kv, *_ = self._body(self.params, self.kv, inputs, pending, self.last_tokens)
             bar.update()  # the call returns once its program is compiled (it runs asynchronously)
         self.kv = self._copy_blocks(self.kv, copy_pairs([], self.max_num_seqs))
         jax.block_until_ready(self.kv)
@@ -403,7 +406,9 @@ class ModelRunner:
             self.kv = self._copy_blocks(self.kv, plan.copies)
         keep_hidden = plan.prompt_targets is not None
         run_body = self._body_keeping_hidden if keep_hidden else self._body
-        hidden, self.kv, self.step_hidden = run_body(self.params, self.kv, plan.inputs, plan.pending, self.last_tokens)
+        hidden, self.kv, self.step_hidden, self.step_features = run_body(
+            self.params, self.kv, plan.inputs, plan.pending, self.last_tokens
+        )
         self.step_inputs = plan.inputs
         prompt = None
         if keep_hidden:

@@ -46,6 +46,7 @@ class StepStatics:
     num_speculative_tokens: int  # k: with k > 0 the body hands over k + 1 positions per sequence
     tree: DraftTree | None  # drafts shaped as a tree (None: a chain, or no drafts)
     keep_step_hidden: bool  # the body also returns every token's hidden state (an EAGLE head reads them)
+    feature_layers: tuple[int, ...] = ()  # ... and these layers' inputs side by side (an EAGLE-3 head's features)
     batch_invariant: bool = False  # a row's results do not depend on the step's other rows
 
 
@@ -82,12 +83,14 @@ def body(
     keep_hidden: bool = False,
 ):
     """Hidden states of each sequence's last token [max_num_seqs, D] (with speculation,
-    of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, and with
-    `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all)."""
+    of its k + 1 verified positions [max_num_seqs, k + 1, D]), the cache, with
+    `keep_step_hidden` every token's hidden state [T, D] (an EAGLE head reads them all),
+    and with `feature_layers` every token's inputs of those layers [T, n * D] (EAGLE-3's)."""
     inputs = dataclasses.replace(inputs, input_ids=pending.fill(inputs.input_ids, last_tokens))
-    hidden, kv = nnx.merge(s.graphdef, params).hidden_states(inputs, kv, attention=s.attention)
+    model = nnx.merge(s.graphdef, params)
+    hidden, kv, features = model.hidden_states_and_layer_inputs(inputs, kv, s.feature_layers, attention=s.attention)
     kv = jax.lax.with_sharding_constraint(kv, s.kv_shardings)  # the cache comes back as it went in
-    return hidden[inputs.logits_indices], kv, hidden if s.keep_step_hidden or keep_hidden else None
+    return hidden[inputs.logits_indices], kv, hidden if s.keep_step_hidden or keep_hidden else None, features
 
 
 def head(s: StepStatics, params, hidden, meta: SamplingMetadata):

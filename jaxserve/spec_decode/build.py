@@ -13,7 +13,7 @@ def make_proposer(config: SpeculativeConfig, context: ProposerContext) -> Propos
         from jaxserve.spec_decode.medusa import MedusaProposer
 
         return MedusaProposer(config, context)
-    if config.method == "eagle":
+    if config.method in ("eagle", "eagle3"):
         from jaxserve.spec_decode.eagle import EagleProposer
 
         return EagleProposer(config, context)

@@ -9,7 +9,7 @@ from typing import Any
 
 from scheduler.draft_tree import DraftTree
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 HEAD_METHODS = ("medusa", "eagle")  # heads trained by python -m jaxserve.train_draft
 
 
@@ -30,6 +30,9 @@ class SpeculativeConfig:
       (`model`: the folder `python -m jaxserve.train_draft --method eagle` saved, or
       published EAGLE-1 heads: a SafeAILab folder or hub repository), run
       autoregressively for a chain of drafts.
+    - `eagle3`: EAGLE-3's head on the inputs of three target layers, with its own LM head
+      over a draft vocabulary (`model`: published EAGLE-3 heads, a folder or hub repository
+      in the authors' or the speculators' layout), run as `eagle`'s.
 
     `speculative_token_tree` (vLLM's key: a list of paths of child ranks, or its text,
     e.g. "[(0,), (1,), (0, 0)]") shapes each step's drafts as a tree of candidates,
@@ -95,6 +98,7 @@ class SpeculativeConfig:
                 f"method {self.method} needs model: the folder python -m jaxserve.train_draft --method {self.method} "
                 "wrote, or published heads (Medusa-1, EAGLE-1)",
             ),
+            (self.method != "eagle3" or self.model is not None, "method eagle3 needs model: published EAGLE-3 heads"),
         ]
         for ok, message in checks:
             if not ok:

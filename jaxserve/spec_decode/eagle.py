@@ -1,5 +1,8 @@
 """EAGLE: a one-layer head drafts from the target's hidden states and the tokens after them.
 
+EAGLE-3 (`heads.Eagle3Head`) runs the same way: its features are the inputs of a few target
+layers side by side (the runner's `step_features`) brought to D by its fc; h below is that.
+
 The head's entry at position i reads (h_i, x_{i+1}): the target's hidden state there and
 the token that follows, and predicts h_{i+1}, whose logits (the target's own norm and LM
 head) guess x_{i+2}. Its layer keeps a one-layer paged KV cache with the target's block
@@ -51,7 +54,8 @@ if TYPE_CHECKING:
 class EagleProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.dtype = context.model.dtype
-        head = load_draft_heads(config.model, context.model_config, self.dtype, "eagle")
+        head = load_draft_heads(config.model, context.model_config, self.dtype, config.method)
+        self.feature_layers = head.feature_layers  # EAGLE-3: the target layers' inputs, else its last hidden state
         self.config, self.scheduler, self.target = config, context.scheduler, context.runner
         target = self.target
         self.head_def, params = nnx.split(head)
@@ -78,7 +82,8 @@ class EagleProposer:
         none = np.full(target.max_num_seqs, 0, np.int32)  # no row's ends (T = 0: none below it)
         for t in target.buckets:
             inputs, _ = target.pad_inputs(None, *target.bucket_for(t))
-            hidden = jax.device_put(np.zeros((t, target.config.hidden_size), self.dtype), target.replicated)
+            width = target.config.hidden_size * max(1, len(self.feature_layers))
+            hidden = jax.device_put(np.zeros((t, width), self.dtype), target.replicated)
             self._write(inputs, hidden, none + t, np.ones(1, np.int32))
         for r in target.row_buckets:
             self._ends(none, jax.device_put(np.ones(r, np.int32), target.replicated), np.int32(0))
@@ -111,7 +116,8 @@ class EagleProposer:
         first = np.full(target.max_num_seqs, t, np.int32)
         first[:m] = np.where(batch.samples, batch.logits_indices - batch.num_spec_tokens, t)
         counts = handle.out.num_tokens if batch.verify is not None else np.ones(target.rows_for(m), np.int32)
-        self._write(target.step_inputs, target.step_hidden, first, counts, batch)
+        hidden = target.step_features if self.feature_layers else target.step_hidden
+        self._write(target.step_inputs, hidden, first, counts, batch)
         self._rows = sampled_rows(batch)
 
     # -- the jitted parts ------------------------------------------------------------------
@@ -168,7 +174,7 @@ class EagleProposer:
         rows = positions.shape[0]
         row_ids = jnp.arange(rows, dtype=jnp.int32)
         f = features[feature_rows]
-        drafts = [jnp.argmax(head.logits(target, f), axis=-1).astype(jnp.int32)]
+        drafts = [head.draft_ids(target, f)]
         for _ in range(self.config.num_speculative_tokens - 1):
             block = tables[row_ids, jnp.minimum(positions // bs, tables.shape[1] - 1)]
             slots = jnp.where(positions < max_len, block * bs + positions % bs, 0)  # past the context: the null block
@@ -176,7 +182,7 @@ class EagleProposer:
                 drafts[-1], positions, slots, jnp.arange(rows + 1, dtype=jnp.int32), positions + 1, tables, row_ids
             )
             f, kv = head(target, f, drafts[-1], inputs, kv, self.target.attention)
-            drafts.append(jnp.argmax(head.logits(target, f), axis=-1).astype(jnp.int32))
+            drafts.append(head.draft_ids(target, f))
             positions = positions + 1
         return jnp.stack(drafts, axis=1), kv
 

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import AttentionFn, DecoderLayer, DecoderLM, _layer
+from jaxserve.model.decoder import AttentionFn, DecoderLayer, DecoderLM, RMSNorm, _layer
 from jaxserve.model.inputs import ModelInputs
 from jaxserve.model.kv_cache import KVCache, allocate_kv_cache
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -76,6 +76,8 @@ class MedusaHeads(nnx.Module):
 class EagleHead(nnx.Module):
     """fc(concat[feature, embedding of the next token]) and one decoder layer of the target's shape."""
 
+    feature_layers: tuple[int, ...] = ()  # the target layers whose inputs it reads (none: the last hidden state)
+
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
         d = cfg.hidden_size
         self.cfg = dataclasses.replace(cfg, num_layers=1)  # the head's KV cache has one layer
@@ -109,8 +111,77 @@ class EagleHead(nnx.Module):
         """Float32 logits of the head's output features."""
         return target.logits(features)
 
+    def draft_ids(self, target: DecoderLM, features: jax.Array) -> jax.Array:
+        """int32 [R]: the target's tokens the head's output features guess (greedy)."""
+        return jnp.argmax(self.logits(target, features), axis=-1).astype(jnp.int32)
+
     def _fc_input(self, features: jax.Array, embeddings: jax.Array) -> jax.Array:
         return jnp.concatenate([features, embeddings], axis=-1)
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3: its features are the inputs of a few target layers side by side, brought to
+    D by `fc`; its one layer attends over [norm(embedding of the next token); norm(feature)]
+    (q/k/v read 2D) and adds attention to the feature (`norm_before_residual`: to the normed
+    one); its own norm and LM head score a draft vocabulary, whose token i is the target's
+    i + draft_offsets[i]. Its output before that norm is the next feature, without fc."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        feature_layers: tuple[int, ...],
+        draft_vocab_size: int,
+        norm_before_residual: bool = False,
+        own_embeddings: bool = False,
+        dtype=jnp.float32,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.cfg = dataclasses.replace(cfg, num_layers=1)
+        self.feature_layers = tuple(sorted(feature_layers))
+        self.norm_before_residual = norm_before_residual
+        self.fc = nnx.Linear(len(self.feature_layers) * d, d, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layer = DecoderLayer(cfg, dtype, rngs)
+        attn = self.layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            out = getattr(attn, name).kernel.shape[1]
+            setattr(
+                attn,
+                name,
+                nnx.Linear(2 * d, out, use_bias=cfg.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs),
+            )
+        self.hidden_norm = RMSNorm(d, eps, dtype)
+        self.norm = RMSNorm(d, eps, dtype)
+        self.lm_head = nnx.Linear(d, draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.draft_offsets = nnx.Variable(jnp.zeros(draft_vocab_size, jnp.int32))
+        # A head whose file holds embeddings unlike the target's keeps them (else it reads the target's).
+        self.embed_tokens = (
+            nnx.Embed(cfg.vocab_size, d, dtype=dtype, param_dtype=dtype, rngs=rngs) if own_embeddings else None
+        )
+
+    def __call__(self, target, features, next_ids, inputs, kv, attention=ragged_paged_attention_reference):
+        embed = target.embed_tokens if self.embed_tokens is None else self.embed_tokens
+        embeddings = self.layer.input_layernorm(embed(next_ids))
+        normed = self.hidden_norm(features)
+        residual = normed if self.norm_before_residual else features
+        inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
+        x = jnp.concatenate([embeddings, normed], axis=-1)
+        out, kv = self.layer.self_attn(x, inputs, kv, jnp.int32(0), inv_freq, attention)
+        x = residual + out
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x)), kv
+
+    def target_features(self, target: DecoderLM, hidden: jax.Array) -> jax.Array:
+        """`hidden`: the feature layers' inputs [T, n * D] (ModelRunner.step_features)."""
+        return self.fc(hidden)
+
+    def logits(self, target: DecoderLM, features: jax.Array) -> jax.Array:
+        """Float32 logits over the draft vocabulary."""
+        return self.lm_head(self.norm(features)).astype(jnp.float32)
+
+    def draft_ids(self, target: DecoderLM, features: jax.Array) -> jax.Array:
+        guess = jnp.argmax(self.logits(target, features), axis=-1).astype(jnp.int32)
+        return guess + self.draft_offsets[...][guess]
 
 
 def trainable_attention(

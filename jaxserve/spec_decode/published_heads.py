@@ -1,4 +1,4 @@
-"""Draft heads as their authors publish them: Medusa-1 (FasterDecoding) and EAGLE-1 (SafeAILab).
+"""Draft heads as their authors publish them: Medusa-1 (FasterDecoding), EAGLE-1 and EAGLE-3 (SafeAILab).
 
 Medusa-1: `config.json` (`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`)
 and `medusa_lm_head.safetensors` (or `.pt`), the state dict of a list of heads. Head i is a
@@ -14,7 +14,15 @@ kind without `input_layernorm`. Its output feature goes to the target's LM head,
 norm, and is fed back for the next draft. The embedding is the target's (a copy in the
 file is ignored, as vLLM does).
 
-Both read the target's last hidden state after the final norm (the base model's
+EAGLE-3: `config.json` (one layer of the target's architecture; `draft_vocab_size`,
+optionally `eagle_aux_hidden_state_layer_ids` and `norm_before_residual`, also inside
+`eagle_config` or, in the speculators format, beside a `transformer_layer_config`) and
+weights: `fc.weight` [D, 3D] over the feature layers' inputs, `midlayer.*` (or `layers.0.*`)
+with `hidden_norm` and q/k/v over 2D, then `norm`, `lm_head` [draft vocabulary, D] and
+`d2t` (draft token i is the target's i + d2t[i]; `t2d` is not needed). Feature layers by
+default: 2, L // 2 and L - 3 of the target's L (the authors' and vLLM's choice).
+
+Medusa-1 and EAGLE-1 read the target's last hidden state after the final norm (the base model's
 `outputs[0]`). Ours (`heads.MedusaHeads`, `heads.EagleHead`) read it before the norm and
 end in the target's own norm and LM head; the classes here keep our heads' calls.
 """
@@ -33,7 +41,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLayer, DecoderLM
-from jaxserve.spec_decode.heads import EagleHead, MedusaBlock, load_heads
+from jaxserve.spec_decode.heads import Eagle3Head, EagleHead, MedusaBlock, load_heads
 from jaxserve.weights.hub import parse_hub_reference
 from jaxserve.weights.params import flatten_tree, param_path, unflatten_tree
 from jaxserve.weights.safetensors_reader import read_tensors
@@ -97,7 +105,7 @@ def load_draft_heads(model: str, cfg: ModelConfig, dtype, method: str) -> nnx.Mo
     published = published_folder(model, method)
     if published is None:
         return load_heads(model, cfg, dtype, method=method)[0]
-    load = load_published_medusa if method == "medusa" else load_published_eagle
+    load = {"medusa": load_published_medusa, "eagle": load_published_eagle, "eagle3": load_published_eagle3}[method]
     return load(published, cfg, dtype)[0]
 
 
@@ -117,12 +125,19 @@ def published_folder(model: str, method: str) -> Path | None:
     if (folder / "info.json").is_file() or (folder / "heads").is_dir() or not config.is_file():
         return None  # ours (heads.load_heads says what is wrong with a folder of neither kind)
     info = json.loads(config.read_text())
-    kind = "medusa" if "medusa_num_heads" in info else "eagle"
-    if "draft_vocab_size" in info or any("Eagle3" in a for a in info.get("architectures", [])):
-        raise ValueError(f"{folder} holds EAGLE-3 heads, which do not load yet (EAGLE-1 and Medusa-1 do)")
+    kind = "medusa" if "medusa_num_heads" in info else "eagle3" if _is_eagle3(info) else "eagle"
     if kind != method:
         raise ValueError(f"{folder} holds published {kind} heads, not {method} ones")
     return folder
+
+
+def _is_eagle3(info: dict) -> bool:
+    architectures = info.get("architectures") or []
+    return (
+        "draft_vocab_size" in info
+        or info.get("speculators_model_type") == "eagle3"
+        or any("Eagle3" in a for a in architectures)
+    )
 
 
 def load_published_medusa(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> tuple[PublishedMedusaHeads, dict]:
@@ -186,6 +201,106 @@ def load_published_eagle(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> t
         raise ValueError(f"{folder} lacks the head's {', '.join(missing[:4])}")
     nnx.update(head, nnx.State(unflatten_tree(found)))
     return head, {"method": "eagle", "num_heads": 1, "published": info}
+
+
+def eagle3_feature_layers(model: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The target layers whose inputs the EAGLE-3 head `model` names reads (the runner keeps them)."""
+    folder = published_folder(model, "eagle3")
+    if folder is None:
+        raise ValueError(
+            f"method eagle3 takes published EAGLE-3 heads (a folder or hub repository); {model} is not one"
+        )
+    return _eagle3_layers(folder, json.loads((folder / "config.json").read_text()), cfg)
+
+
+def _eagle3_setting(info: dict, key: str, default=None):
+    """A setting of the head's config: top level, in `eagle_config`, or in the speculators' layer config."""
+    for where in (info, info.get("eagle_config") or {}, info.get("transformer_layer_config") or {}):
+        if where.get(key) is not None:
+            return where[key]
+    return default
+
+
+def _eagle3_layers(folder: Path, info: dict, cfg: ModelConfig) -> tuple[int, ...]:
+    n = cfg.num_layers
+    layers = _eagle3_setting(info, "eagle_aux_hidden_state_layer_ids", (2, n // 2, n - 3))
+    if _eagle3_setting(info, "use_aux_hidden_state", True) is False:
+        raise ValueError(f"{folder} is an EAGLE-3 head without feature layers (use_aux_hidden_state: false)")
+    if len(set(layers)) != len(layers) or not all(0 <= int(i) < n for i in layers):
+        raise ValueError(f"{folder} reads the inputs of layers {list(layers)}: a target of {n} layers has not them all")
+    return tuple(sorted(int(i) for i in layers))
+
+
+def _eagle3_path(name: str) -> tuple[tuple[str, ...], bool]:
+    """Where a published EAGLE-3 tensor goes in `Eagle3Head`, and whether it is transposed
+    (torch's linear weights are [out, in], ours [in, out])."""
+    for prefix in ("midlayer.", "layers.0."):
+        if name.startswith(prefix):
+            *module, what = name.removeprefix(prefix).split(".")
+            linear = what == "weight" and module[-1].endswith("_proj")
+            where = tuple(module) if module == ["hidden_norm"] else ("layer", *module)
+            return (*where, "kernel" if linear else what), linear
+    module, _, what = name.rpartition(".")
+    linear = module in ("fc", "lm_head")
+    return (module, "kernel" if linear else "embedding" if module == "embed_tokens" else what), linear
+
+
+def load_published_eagle3(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> tuple[Eagle3Head, dict]:
+    """The EAGLE-3 head in a published folder for a target of config `cfg`, and the folder's config."""
+    info = json.loads((folder / "config.json").read_text())
+    tensors = {k: v for k, v in _read_weights(folder, ()).items() if k != "t2d"}
+    if "fc.weight" not in tensors or "lm_head.weight" not in tensors:
+        raise ValueError(f"{folder} holds no fc.weight or lm_head.weight: not an EAGLE-3 head")
+    layers = _eagle3_layers(folder, info, cfg)
+    layer = info.get("transformer_layer_config") or info
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{folder} is an EAGLE-3 head of {layer['num_hidden_layers']} layers; one-layer heads load")
+    dim = int(layer.get("hidden_size", tensors["fc.weight"].shape[0]))
+    _check_target(folder, info, cfg, dim, int(layer.get("vocab_size", cfg.vocab_size)))
+    if tensors["fc.weight"].shape != (dim, len(layers) * dim):
+        raise ValueError(
+            f"fc.weight in {folder} has shape {tensors['fc.weight'].shape}, not {(dim, len(layers) * dim)}"
+        )
+    num_heads = int(layer.get("num_attention_heads", cfg.num_heads))
+    head_cfg = dataclasses.replace(
+        cfg,
+        num_layers=1,
+        intermediate_size=int(layer.get("intermediate_size", cfg.intermediate_size)),
+        num_heads=num_heads,
+        num_kv_heads=int(layer.get("num_key_value_heads", num_heads)),
+        head_dim=int(layer.get("head_dim") or dim // num_heads),
+        rms_norm_eps=float(layer.get("rms_norm_eps", cfg.rms_norm_eps)),
+        attention_bias=bool(layer.get("attention_bias", False)),
+    )
+    draft_vocab = tensors["lm_head.weight"].shape[0]
+    head = Eagle3Head(
+        head_cfg,
+        layers,
+        draft_vocab,
+        bool(_eagle3_setting(info, "norm_before_residual", False)),
+        own_embeddings="embed_tokens.weight" in tensors,  # as vLLM: the file's copy, else the target's
+        dtype=dtype,
+        rngs=nnx.Rngs(0),
+    )
+    params = dict(flatten_tree(nnx.to_pure_dict(nnx.state(head, nnx.Param))))
+    offsets = tensors.pop("d2t", np.zeros(draft_vocab, np.float32))
+    found = {}
+    for name, value in tensors.items():
+        path, transpose = _eagle3_path(name)
+        if path not in params:
+            raise ValueError(f"{folder} holds {name}, which an EAGLE-3 head of this target has not")
+        value = value.T if transpose else value
+        if value.shape != params[path].shape:
+            raise ValueError(f"{name} in {folder} has shape {value.shape[::-1] if transpose else value.shape}")
+        found[path] = jnp.asarray(value, dtype)
+    if missing := sorted(".".join(map(str, p)) for p in params.keys() - found.keys()):
+        raise ValueError(f"{folder} lacks the head's {', '.join(missing[:4])}")
+    targets = np.arange(draft_vocab) + np.rint(offsets).astype(np.int64)
+    if offsets.shape != (draft_vocab,) or targets.min() < 0 or targets.max() >= cfg.vocab_size:
+        raise ValueError(f"d2t in {folder} does not map the {draft_vocab} draft tokens into the target's vocabulary")
+    nnx.update(head, nnx.State(unflatten_tree(found)))
+    head.draft_offsets[...] = jnp.asarray(targets - np.arange(draft_vocab), jnp.int32)
+    return head, {"method": "eagle3", "num_heads": 1, "published": info}
 
 
 def _check_names(folder: Path, tensors: dict, expected: set[str], what: str) -> None:

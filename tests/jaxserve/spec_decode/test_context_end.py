@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxserve.spec_decode.heads import make_heads, save_heads
 from scheduler import SamplingParams
+from tests.jaxserve.spec_decode.test_published_heads import eagle3_state, write_eagle3
 from tests.jaxserve.spec_decode.test_spec_decode import engine, run, tokens
 
 MAX_MODEL_LEN = 32  # 8 blocks of 4
@@ -42,13 +43,16 @@ def plain(tiny_llama):
     return tokens(run(engine(tiny_llama, max_model_len=MAX_MODEL_LEN), prompts, params))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "medusa", "medusa-tree"])
-def test_every_proposer_runs_to_the_context_end(tiny_llama, plain, method, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3", "medusa", "medusa-tree"])
+def test_every_proposer_runs_to_the_context_end(tiny_llama, tiny_llama_dir, plain, method, tmp_path):
     spec = {"method": method.removesuffix("-tree"), "num_speculative_tokens": K}
     if method == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
     elif method == "draft_model":
         spec["draft_num_layers"] = 1
+    elif method == "eagle3":  # published heads only
+        state = eagle3_state(tiny_llama_dir, own_embeddings=False, seed=6)[0]
+        spec["model"] = str(write_eagle3(tmp_path / "eagle3", state, tiny_llama_dir))
     else:
         spec["model"] = random_heads(spec["method"], tiny_llama, tmp_path)
     if method == "medusa-tree":

@@ -38,13 +38,12 @@ def heads_dir(tiny_llama, tmp_path_factory):
     return str(folder)
 
 
-def prompt_hidden_states(loaded, prompt: list[int]):
-    """The target's hidden states [T, D] (before its final norm) of one prefill of `prompt`."""
+def prompt_inputs(prompt: list[int]):
+    """One prefill of `prompt` in blocks 1 and 2 of a 4-block cache of block size 4."""
     from jaxserve.model.inputs import ModelInputs
-    from jaxserve.model.kv_cache import allocate_kv_cache
 
     n = len(prompt)
-    inputs = ModelInputs.from_numpy(
+    return ModelInputs.from_numpy(
         input_ids=prompt,
         positions=np.arange(n),
         slot_mapping=np.arange(n) + 4,
@@ -53,8 +52,14 @@ def prompt_hidden_states(loaded, prompt: list[int]):
         block_tables=[[1, 2]],
         logits_indices=[n - 1],
     )
+
+
+def prompt_hidden_states(loaded, prompt: list[int]):
+    """The target's hidden states [T, D] (before its final norm) of one prefill of `prompt`."""
+    from jaxserve.model.kv_cache import allocate_kv_cache
+
     kv = allocate_kv_cache(loaded.config, 4, 4, loaded.model.dtype)
-    return loaded.model.hidden_states(inputs, kv)[0][:n]
+    return loaded.model.hidden_states(prompt_inputs(prompt), kv)[0][: len(prompt)]
 
 
 @pytest.fixture(scope="module")
