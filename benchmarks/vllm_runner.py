@@ -8,13 +8,16 @@ log goes to stderr).
 
     python vllm_runner.py single     --model DIR      # then requests on stdin
     python vllm_runner.py throughput --model DIR      # then workload files on stdin
+    python vllm_runner.py groups     --model DIR [--speculative-config JSON]   # then groups on stdin
     python vllm_runner.py serve      --model DIR --port 8001
 
 `single` runs each request alone (time to first token, decode tokens/s; see run_single);
 `throughput` runs each workload named through one `LLM.generate` (see run_throughput); the
-caller times both, and counts their CPU. `serve` replaces itself with `vllm serve` (no
-JSON: the caller polls the port).
-All modes take greedy decoding, ignore_eos, float32 and the engine settings given.
+caller times both, and counts their CPU. `groups` runs groups of prompts added together and
+reports when each token arrived (see run_groups: spec_decode.py's vLLM side). `serve`
+replaces itself with `vllm serve` (no JSON: the caller polls the port).
+All modes take greedy decoding, float32 and the engine settings given; all but `groups`
+ignore EOS.
 """
 
 from __future__ import annotations
@@ -42,18 +45,18 @@ def engine_settings(args) -> dict:
     }
 
 
-def make_llm(args):
+def make_llm(args, **extra):
     from vllm import LLM
 
     start = time.perf_counter()
-    llm = LLM(**engine_settings(args))
+    llm = LLM(**engine_settings(args), **extra)
     return llm, time.perf_counter() - start
 
 
-def greedy(max_tokens: int):
+def greedy(max_tokens: int, ignore_eos: bool = True):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def run_single(args) -> None:
@@ -107,6 +110,49 @@ def run_throughput(args) -> None:
         print(json.dumps({"output_tokens": generated}), flush=True)
 
 
+def run_groups(args) -> None:
+    """A session: builds the engine (with `--speculative-config` when given; statistics on,
+    for its counters), prints {"startup_s", "vllm_version"}, then for each line on stdin
+    ({"prompts": [[token ids]], "max_tokens": n}) adds the prompts together, steps the
+    engine until all finish (greedy, stopping at EOS) and prints {"token_times": [[...]]
+    (time.perf_counter() when each request's tokens arrived), "token_ids": [[...]], "spec":
+    the speculative-decoding counters so far (or null)}. Ends at end of input."""
+    extra = {"disable_log_stats": False}
+    if args.speculative_config:
+        extra["speculative_config"] = json.loads(args.speculative_config)
+    llm, startup = make_llm(args, **extra)
+    engine = llm.llm_engine
+    import vllm
+
+    print(json.dumps({"startup_s": startup, "vllm_version": vllm.__version__}), flush=True)
+    for g, line in enumerate(sys.stdin):
+        group = json.loads(line)
+        ids = [f"g{g}-{i}" for i in range(len(group["prompts"]))]
+        for request_id, prompt in zip(ids, group["prompts"]):
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, greedy(group["max_tokens"], ignore_eos=False))
+        times = {request_id: [] for request_id in ids}
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                arrived = times[out.request_id]
+                arrived += [now] * (len(tokens[out.request_id]) - len(arrived))
+        result = {"token_times": [times[i] for i in ids], "token_ids": [tokens[i] for i in ids]}
+        print(json.dumps({**result, "spec": spec_counters(llm)}), flush=True)
+
+
+def spec_counters(llm) -> dict | None:
+    """vLLM's speculative-decoding counters (its metric names), or None without speculation."""
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    found = {}
+    for metric in llm.get_metrics():
+        for name in names:
+            if metric.name == f"vllm:spec_decode_{name}":
+                found[name] = int(getattr(metric, "value", 0))
+    return found if len(found) == len(names) else None
+
+
 def run_serve(args) -> None:
     """Become `vllm serve` with the same settings (this process is replaced)."""
     s = engine_settings(args)
@@ -130,7 +176,7 @@ def run_serve(args) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["single", "throughput", "serve"])
+    p.add_argument("mode", choices=["single", "throughput", "groups", "serve"])
     p.add_argument("--model", required=True, help="a Hugging Face folder (safetensors)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -139,6 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--served-model-name", default="vllm-baseline")
+    p.add_argument("--speculative-config", help="groups: vLLM's speculative config as JSON")
     return p.parse_args(argv)
 
 
@@ -162,7 +209,7 @@ def main(argv=None) -> int:
     prepare_process()
     if args.mode == "serve":
         run_serve(args)
-    {"single": run_single, "throughput": run_throughput}[args.mode](args)
+    {"single": run_single, "throughput": run_throughput, "groups": run_groups}[args.mode](args)
     return 0
 
 

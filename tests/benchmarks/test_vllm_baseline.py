@@ -14,7 +14,12 @@ from benchmarks.serving import SWEEP_COLUMNS, format_comparison, speed_up
 from benchmarks.workload import MIXES, mix_workload
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ["benchmarks/throughput.py", "benchmarks/single_stream.py", "benchmarks/serving.py"]
+SCRIPTS = [
+    "benchmarks/throughput.py",
+    "benchmarks/single_stream.py",
+    "benchmarks/serving.py",
+    "benchmarks/spec_decode.py",
+]
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -114,3 +119,28 @@ def test_runner_takes_the_engine_settings_as_vllm_names_them():
     }
     with pytest.raises(SystemExit):
         vllm_runner.parse_args(["single"])  # no --model
+
+
+def test_spec_decode_compares_each_engine_with_its_own_plain_run(capsys):
+    """vLLM's n-gram rows are against vLLM's plain run, ours against ours; a line sets the two
+    speed-ups side by side; mismatches count against the same engine's plain tokens."""
+    from benchmarks import spec_decode as sd
+
+    def measured(seconds: float, tokens: list[list[int]], accepted: int = 0) -> dict:
+        runs = [sd.RunResult(100, seconds, tokens)]
+        return {("chat", 1): sd.Measured(runs, sd.SpecCounts(10, 40, accepted, ()), 0)}
+
+    rows = sd.make_rows(
+        {
+            "none": measured(2.0, [[1, 2]]),
+            "ngram": measured(1.0, [[1, 2]], accepted=20),
+            "vllm none": measured(3.0, [[1, 3]]),
+            "vllm ngram": measured(2.0, [[1, 4]], accepted=10),
+        }
+    )
+    by_method = {r.method: r for r in rows}
+    assert by_method["ngram"].speedup == 2.0 and by_method["vllm ngram"].speedup == 1.5
+    assert by_method["ngram"].mismatches == 0 and by_method["vllm ngram"].mismatches == 1
+    assert by_method["vllm ngram"].mean_acceptance_length == 2.0 and by_method["vllm none"].speedup == 1.0
+    sd.print_table(rows, sd.parse_args([]))
+    assert "n-gram speed-up, chat batch 1: jaxserve 2.00x, vLLM 1.50x (1.33)" in capsys.readouterr().out
