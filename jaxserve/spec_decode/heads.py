@@ -155,7 +155,7 @@ class Eagle3Head(EagleHead):
         self.norm = RMSNorm(d, eps, dtype)
         self.lm_head = nnx.Linear(d, draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.draft_offsets = nnx.Variable(jnp.zeros(draft_vocab_size, jnp.int32))
-        # A head whose file holds embeddings unlike the target's keeps them (else it reads the target's).
+        # Embeddings of its own where its file holds them (vLLM's choice), else it reads the target's.
         self.embed_tokens = (
             nnx.Embed(cfg.vocab_size, d, dtype=dtype, param_dtype=dtype, rngs=rngs) if own_embeddings else None
         )

@@ -270,7 +270,13 @@ def load_published_eagle3(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> 
         num_kv_heads=int(layer.get("num_key_value_heads", num_heads)),
         head_dim=int(layer.get("head_dim") or dim // num_heads),
         rms_norm_eps=float(layer.get("rms_norm_eps", cfg.rms_norm_eps)),
-        attention_bias=bool(layer.get("attention_bias", False)),
+        # A Llama layer whatever the target (vLLM's): q/k/v/o biases as its config says, no q/k
+        # norms, no sliding window, a dense MLP; the rotary settings are the target's.
+        attention_bias=(bias := bool(layer.get("attention_bias", False))),
+        o_proj_bias=bias,
+        qk_norm=False,
+        sliding_window=None,
+        num_experts=0,
     )
     draft_vocab = tensors["lm_head.weight"].shape[0]
     head = Eagle3Head(
@@ -295,8 +301,8 @@ def load_published_eagle3(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> 
         found[path] = jnp.asarray(value, dtype)
     if missing := sorted(".".join(map(str, p)) for p in params.keys() - found.keys()):
         raise ValueError(f"{folder} lacks the head's {', '.join(missing[:4])}")
-    targets = np.arange(draft_vocab) + np.rint(offsets).astype(np.int64)
-    if offsets.shape != (draft_vocab,) or targets.min() < 0 or targets.max() >= cfg.vocab_size:
+    targets = np.arange(draft_vocab) + np.rint(offsets).astype(np.int64) if offsets.shape == (draft_vocab,) else None
+    if targets is None or targets.min() < 0 or targets.max() >= cfg.vocab_size:
         raise ValueError(f"d2t in {folder} does not map the {draft_vocab} draft tokens into the target's vocabulary")
     nnx.update(head, nnx.State(unflatten_tree(found)))
     head.draft_offsets[...] = jnp.asarray(targets - np.arange(draft_vocab), jnp.int32)

@@ -388,6 +388,24 @@ def test_greedy_with_published_eagle3_equals_plain(tiny_llama, tiny_llama_dir, t
     assert eng.scheduler.spec_stats.num_drafts > 0
 
 
+def test_eagle3_head_on_a_qwen3_target_is_a_llama_layer(tiny_llama_dir, tmp_path):
+    """The head is a Llama layer whatever the target: no q/k norms from a Qwen3 target."""
+    from jaxserve.weights import load_model
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model("qwen3", tmp_path / "qwen3", seed=2)
+    target = load_model(str(tmp_path / "qwen3"), use_cache=False, progress=False)
+    assert target.config.qk_norm
+    prompts, params = workload(seed=8, count=4)
+    want = tokens(run(engine(target), prompts, params))
+    folder = write_eagle3(
+        tmp_path / "eagle3", eagle3_state(tiny_llama_dir, own_embeddings=False, seed=7)[0], tiny_llama_dir
+    )
+    eng = engine(target, {"method": "eagle3", "model": str(folder), "num_speculative_tokens": K})
+    assert tokens(run(eng, prompts, params)) == want
+    assert eng.scheduler.spec_stats.num_drafts > 0
+
+
 def test_bad_published_eagle3_heads_are_refused(tiny_llama, tiny_llama_dir, tmp_path):
     from jaxserve.spec_decode.published_heads import load_published_eagle3
 
