@@ -404,12 +404,11 @@ class DecoderLM(nnx.Module):
         inv_freq = jnp.asarray(self.cfg.rope_inv_freq())
         carry = (x, kv, jnp.int32(0))
         layers = tuple(sorted(set(layers)))
+        rows, invariant = self.few_row_kernels.layer_rows, self.few_row_kernels.batch_invariant
         if isinstance(self.layers, nnx.List):  # separate layers (unstack_layers): unrolled
-            rows, invariant = self.few_row_kernels.layer_rows, self.few_row_kernels.batch_invariant
             captured = []
-            for i, layer in enumerate(
-                self.layers
-            ):  # one jitted layer per kind (a MoE model may mix dense and MoE layers)
+            # One jitted layer per kind (a MoE model may mix dense and MoE layers).
+            for i, layer in enumerate(self.layers):
                 if i in layers:
                     captured.append(carry[0])
                 layer_fn = _jitted_layer(nnx.graphdef(layer), attention, rows, invariant)
@@ -421,7 +420,6 @@ class DecoderLM(nnx.Module):
                 (x, kv, i), captured = c
                 captured = tuple(jnp.where(i == at, x, kept) for at, kept in zip(layers, captured))
                 layer = nnx.merge(layer_def, state)
-                rows, invariant = self.few_row_kernels.layer_rows, self.few_row_kernels.batch_invariant
                 return (_layer((x, kv, i), layer, inputs, inv_freq, attention, rows, invariant), captured), None
 
             (carry, captured), _ = jax.lax.scan(step, (carry, tuple(jnp.zeros_like(x) for _ in layers)), layer_state)
