@@ -47,7 +47,7 @@ def mixed_step_logits(loaded, tp: int, **kwargs):
     r = eng.runner
     inputs, pending = r.pad_inputs(batch, *r.bucket_for(batch.num_tokens))
     hlo = r._body.lower(r.params, r.kv, inputs, pending, r.last_tokens).compile().as_text()
-    _, r.kv, hidden = r._body_keeping_hidden(r.params, r.kv, inputs, pending, r.last_tokens)
+    _, r.kv, hidden, _ = r._body_keeping_hidden(r.params, r.kv, inputs, pending, r.last_tokens)
     logits = jax.jit(lambda params, h: nnx.merge(r.graphdef, params).logits(h))(r.params, hidden)
     return np.asarray(logits)[: batch.num_tokens], hlo
 
