@@ -17,8 +17,9 @@ from pathlib import Path
 # one picked on AVX2 machines like CI's) sums output columns 8-23 of every 32 in another order
 # than the rest, so a token's row changed with its place in the batch: the interpreter, not our
 # kernels, broke the batch-invariance tests. A GPU's wgmma computes every element alike, as the
-# Sandybridge kernel does. Set before numpy is first imported (OpenBLAS reads it when loaded).
-os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+# Sandybridge kernel does. Set before numpy is first imported (OpenBLAS reads it when loaded),
+# and over any value the machine sets (some set OPENBLAS_CORETYPE=Haswell in the environment).
+os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import pytest  # noqa: E402
 
