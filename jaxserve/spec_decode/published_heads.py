@@ -180,26 +180,17 @@ def load_published_eagle(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> t
         rms_norm_eps=float(info.get("rms_norm_eps", cfg.rms_norm_eps)),
     )
     head = PublishedEagleHead(head_cfg, "fc.bias" in tensors, dtype, rngs=nnx.Rngs(0))
-    params = dict(flatten_tree(nnx.to_pure_dict(nnx.state(head, nnx.Param))))
-    found = {}
-    for name, value in tensors.items():
+
+    def place(name: str) -> tuple[tuple[str, ...], bool]:
         if name.startswith("fc."):
-            path, transpose = ("fc", "kernel" if name == "fc.weight" else "bias"), name == "fc.weight"
-        else:
-            where = param_path(f"model.{name}", head_cfg)
-            if where is None or where[1] != 0:
-                raise ValueError(f"{folder} holds {name}, which an EAGLE-1 head has not")
-            (_, *module), _, transpose = where
-            path = ("layer", *module)
-        if path not in params:
-            raise ValueError(f"{folder} holds {name}, which an EAGLE-1 head of this target has not")
-        value = value.T if transpose else value
-        if value.shape != params[path].shape:
-            raise ValueError(f"{name} in {folder} has shape {value.shape[::-1] if transpose else value.shape}")
-        found[path] = jnp.asarray(value, dtype)
-    if missing := sorted(".".join(map(str, p)) for p in params.keys() - found.keys()):
-        raise ValueError(f"{folder} lacks the head's {', '.join(missing[:4])}")
-    nnx.update(head, nnx.State(unflatten_tree(found)))
+            return ("fc", "kernel" if name == "fc.weight" else "bias"), name == "fc.weight"
+        where = param_path(f"model.{name}", head_cfg)
+        if where is None or where[1] != 0:
+            raise ValueError(f"{folder} holds {name}, which an EAGLE-1 head has not")
+        (_, *module), _, transpose = where
+        return ("layer", *module), transpose
+
+    _fill_head(folder, head, tensors, place, "EAGLE-1", dtype)
     return head, {"method": "eagle", "num_heads": 1, "published": info}
 
 
@@ -288,25 +279,31 @@ def load_published_eagle3(folder: Path, cfg: ModelConfig, dtype=jnp.float32) -> 
         dtype=dtype,
         rngs=nnx.Rngs(0),
     )
-    params = dict(flatten_tree(nnx.to_pure_dict(nnx.state(head, nnx.Param))))
     offsets = tensors.pop("d2t", np.zeros(draft_vocab, np.float32))
+    _fill_head(folder, head, tensors, _eagle3_path, "EAGLE-3", dtype)
+    targets = np.arange(draft_vocab) + np.rint(offsets).astype(np.int64) if offsets.shape == (draft_vocab,) else None
+    if targets is None or targets.min() < 0 or targets.max() >= cfg.vocab_size:
+        raise ValueError(f"d2t in {folder} does not map the {draft_vocab} draft tokens into the target's vocabulary")
+    head.draft_offsets[...] = jnp.asarray(targets - np.arange(draft_vocab), jnp.int32)
+    return head, {"method": "eagle3", "num_heads": 1, "published": info}
+
+
+def _fill_head(folder: Path, head: nnx.Module, tensors: dict, place, kind: str, dtype) -> None:
+    """Set every parameter of `head` from the published `tensors`; `place(name)` gives a
+    tensor's (parameter path, transposed). Extra, missing or misshapen tensors are refused."""
+    params = dict(flatten_tree(nnx.to_pure_dict(nnx.state(head, nnx.Param))))
     found = {}
     for name, value in tensors.items():
-        path, transpose = _eagle3_path(name)
+        path, transpose = place(name)
         if path not in params:
-            raise ValueError(f"{folder} holds {name}, which an EAGLE-3 head of this target has not")
+            raise ValueError(f"{folder} holds {name}, which an {kind} head of this target has not")
         value = value.T if transpose else value
         if value.shape != params[path].shape:
             raise ValueError(f"{name} in {folder} has shape {value.shape[::-1] if transpose else value.shape}")
         found[path] = jnp.asarray(value, dtype)
     if missing := sorted(".".join(map(str, p)) for p in params.keys() - found.keys()):
         raise ValueError(f"{folder} lacks the head's {', '.join(missing[:4])}")
-    targets = np.arange(draft_vocab) + np.rint(offsets).astype(np.int64) if offsets.shape == (draft_vocab,) else None
-    if targets is None or targets.min() < 0 or targets.max() >= cfg.vocab_size:
-        raise ValueError(f"d2t in {folder} does not map the {draft_vocab} draft tokens into the target's vocabulary")
     nnx.update(head, nnx.State(unflatten_tree(found)))
-    head.draft_offsets[...] = jnp.asarray(targets - np.arange(draft_vocab), jnp.int32)
-    return head, {"method": "eagle3", "num_heads": 1, "published": info}
 
 
 def _check_names(folder: Path, tensors: dict, expected: set[str], what: str) -> None:
