@@ -5,9 +5,11 @@ request (128; a request may end earlier at its EOS), the methods:
 
 - none: no speculation;
 - ngram: prompt lookup, drafts copied from the request's own tokens
-  (`prompt_lookup_min` .. `prompt_lookup_max` tokens matched), each request verifying
-  as many as its acceptance makes pay (the adaptive draft length, `--draft-token-cost`);
-- ngram-fixed: the same drafts, always `--num-speculative-tokens` of them;
+  (`prompt_lookup_min` .. `prompt_lookup_max` tokens matched), verified in the steps where
+  the engine's measured step times say they pay (`disable_by_measured_cost`, the engine's
+  default), and with `--draft-token-cost` each request verifying as many as its
+  acceptance makes pay (the adaptive draft length);
+- ngram-fixed: the same drafts, always `--num-speculative-tokens` of them, every one verified;
 - draft: a self-draft, the target's first `--draft-num-layers` layers with its LM head;
 - medusa: Medusa heads (`--medusa-heads`, default the quick preset's; trained first with
   `python -m jaxserve.train_draft --method medusa --preset quick` when missing) proposing a
@@ -37,8 +39,9 @@ their windows. At batch 1 that is (output tokens - 1) / (last token time - first
 time); prefill and time to first token are left out (a batch-8 run's window still includes
 its tail, where requests that ended early leave a smaller batch). Speed-up: against
 `none`, same set and batch, same process. NOTE: `none` runs the engine's overlapped step
-loop and speculation its serial loop (the engine's choice), so a speed-up is net of the
-overlap given up.
+loop; n-gram speculation overlaps the steps without drafts and waits around the
+verifications, the other methods run the serial loop (the engine's choice), so a speed-up
+is net of the overlap given up.
 
 Acceptance, from the scheduler's counters (differences around a row's runs): mean acceptance
 length is the tokens one verification yields (1 + accepted / verifications), acceptance
@@ -178,7 +181,7 @@ def speculative_config(method: str, args) -> dict | None:
             "num_speculative_tokens": k,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max,
-            **(cost if method == "ngram" else {"draft_token_cost": None}),
+            **(cost if method == "ngram" else {"draft_token_cost": None, "disable_by_measured_cost": False}),
         }
     if method == "draft":
         return {"method": "draft_model", "num_speculative_tokens": k, "draft_num_layers": args.draft_num_layers, **cost}

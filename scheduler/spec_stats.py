@@ -72,6 +72,7 @@ class DraftLength:
     accepted: float = 0.0
     rejected: float = 0.0
     steps_without: int = 0  # decoding steps since it last drafted
+    decided: tuple[int, int] = (-1, 0)  # (the step's token count, its length): asked twice, one answer
 
     @property
     def acceptance(self) -> float:
@@ -83,8 +84,19 @@ class DraftLength:
         self.accepted = DECAY * self.accepted + num_accepted
         self.rejected = DECAY * self.rejected + (num_accepted < num_drafted)
 
-    def length(self, k_max: int, cost: float) -> int:
-        """The drafts to verify next step (called once per decoding step)."""
+    def length(self, k_max: int, cost: float, num_tokens: int | None = None) -> int:
+        """The drafts to verify next step (called once per decoding step). With the request's
+        `num_tokens`, a second call for the same step gives the first call's answer: the
+        engine asks before the step's last token arrives (may the loop stay overlapped?)
+        and again once it has."""
+        if num_tokens is not None and num_tokens == self.decided[0]:
+            return self.decided[1]
+        k = self._length(k_max, cost)
+        if num_tokens is not None:
+            self.decided = (num_tokens, k)
+        return k
+
+    def _length(self, k_max: int, cost: float) -> int:
         p = self.acceptance
         best_k, best, tokens, run = 0, 1.0, 1.0, 1.0
         for k in range(1, k_max + 1):

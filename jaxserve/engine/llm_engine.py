@@ -14,16 +14,23 @@ dispatches batch N+1 first and only then waits for batch N's tokens and turns th
 text, so the device never waits for the host between steps. Batch N+1 is built before the
 host knows N's tokens; the device feeds them in (see scheduler/request.py, pending
 tokens). A request that ended in step N may have had one more token computed in N+1: it
-is dropped, never shown. Requests with penalties need their whole history on the host,
-and a request with a grammar (structured output) needs its latest token to build its
-mask, so while one runs, a step first waits for the batch in flight (the serial loop).
+is dropped, never shown.
 
-Speculative decoding (`speculative_config`) runs the serial loop: a proposer needs each
-request's latest tokens to guess the next ones, and a step that verifies k drafts
-advances a request by up to k + 1 tokens, so the host's work per token shrinks anyway.
+Some batches need the tokens of the one in flight on the host before they are built:
+requests with penalties need their whole history, a request with a grammar (structured
+output) its latest token to build its mask, and a proposer of draft tokens (speculative
+decoding) the latest tokens to guess the next ones. Then the step first waits for batch
+N and writes its tokens back, and still turns them into text after dispatching N+1:
 
-    step k:   schedule(N+1) -> dispatch(N+1) -> fetch(N) -> update(N) -> detokenize(N)
-    device:   ...[ step N ][ step N+1 ]...
+    overlapped:  schedule(N+1) -> dispatch(N+1) -> fetch(N) -> update(N) -> detokenize(N)
+    waiting:     fetch(N) -> update(N) -> schedule(N+1) -> dispatch(N+1) -> detokenize(N)
+    device:      ...[ step N ][ step N+1 ]...
+
+A step that verified drafts is always waited for (how many of them were accepted decides
+the next batch). The n-gram proposer keeps nothing on the device, so with it the loop
+overlaps every step in which no request is about to draft (NgramProposer.wants_known_tokens);
+proposers that follow each step on the device (draft models, Medusa and EAGLE heads) run
+the serial loop, which waits for each batch before building the next.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from jaxserve.lora.request import LoRARequest
 from jaxserve.model.kv_cache import KVHandoff, kv_dtype_label
 from jaxserve.parallel.sharding import resident_bytes
 from jaxserve.runner.model_runner import StepHandle
+from jaxserve.spec_decode.step_costs import StepCosts
 from jaxserve.weights.load import LoadedModel
 from scheduler import Request, SamplingParams, StepBatch, StructuredOutputsParams
 from scheduler.request import SEED_BITS
@@ -55,10 +63,12 @@ logger = logging.getLogger(__name__)
 
 
 class InFlight(NamedTuple):
-    """A dispatched step: its batch (None when nothing was scheduled) and its device handle."""
+    """A dispatched step: its batch (None when nothing was scheduled), its device handle,
+    and when it was scheduled (time.perf_counter)."""
 
     batch: StepBatch | None
     handle: StepHandle | None
+    scheduled_at: float = 0.0
 
 
 class LLMEngine:
@@ -73,10 +83,17 @@ class LLMEngine:
         self.attention_backend, self.matmul_backend = parts.attention_backend, parts.matmul_backend
         self.scheduler, self.runner, self.proposer = parts.scheduler, parts.runner, parts.proposer
         self.grammars = parts.grammars
-        self.async_scheduling = config.async_scheduling and config.speculative_config is None
+        self.async_scheduling = config.async_scheduling
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed) if config.seed is not None else None  # for unseeded requests
         self._in_flight: InFlight | None = None
+        # Speculation with an overlapping proposer: the engine's pure decode step times, which
+        # say whether drafts pay at the batch running (see spec_decode.step_costs).
+        spec = config.speculative_config
+        measured = spec is not None and spec.disable_by_measured_cost
+        self.step_costs = StepCosts(self._token_bucket) if measured else None
+        self._steps = 0  # schedules so far: the step the drafting decision is for
+        self._last_ready = 0.0  # when the latest step's tokens reached the host
         self._exports: dict[str, tuple[list[int], str | None]] = {}  # add_request(export_kv=True): prompt, salt
         # Set a jaxserve.engine.profiling.StepProfiler here to time each step's phases.
         self.profiler: StepProfiler | NullProfiler = NullProfiler()
@@ -324,18 +341,22 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        if self._in_flight is not None and self._needs_known_tokens():
-            return self._collect(self._take_in_flight())  # the next batch needs this one's tokens on the host
-        if self.async_scheduling:
+        if self.async_scheduling and (self.proposer is None or self.proposer.overlaps):
             return self._step_overlapped()
         return self._collect(self._schedule_and_dispatch())
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Dispatch step N+1, then wait for step N and report it (vLLM's step_with_batch_queue);
-        a step with nothing scheduled reports at once."""
+        where N+1 needs N's tokens, wait for them first and report N after the dispatch. A
+        step with nothing scheduled reports at once."""
         previous = self._take_in_flight()
+        known = None
+        if previous is not None and self._needs_known_tokens(previous.batch):
+            known = self._wait_and_update(previous)
         self._in_flight = self._schedule_and_dispatch()
-        outputs = self._collect(previous) if previous is not None else []
+        outputs = []
+        if previous is not None:
+            outputs = self._report(*(known if known is not None else self._wait_and_update(previous)))
         if self._in_flight.batch is None:
             outputs += self._collect(self._take_in_flight())
         return outputs
@@ -343,9 +364,13 @@ class LLMEngine:
     def _schedule_and_dispatch(self) -> InFlight:
         """Propose drafts, schedule the next batch and enqueue it on the device (no wait)."""
         profiler = self.profiler
+        scheduled_at = time.perf_counter()
+        self._steps += 1
         if self.proposer is not None:
             with profiler.phase("propose"):
                 self.proposer.propose(self.scheduler.running)
+                if self.proposer.overlaps and self.step_costs is not None:
+                    self._decline_drafts_that_do_not_pay()
         with profiler.phase("schedule"):
             batch = self.scheduler.schedule()
         if batch is None:
@@ -358,33 +383,70 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.follow(batch, handle)
         profiler.dispatched_step(batch, handle.out.token_ids)
-        return InFlight(batch, handle)
+        return InFlight(batch, handle, scheduled_at)
+
+    def _decline_drafts_that_do_not_pay(self) -> None:
+        running = self.scheduler.running
+        drafting = [(r, len(r.spec_token_ids)) for r in running if r.spec_token_ids]
+        if drafting and not self.step_costs.drafts_pay(self._steps, len(running), drafting):
+            for req, _ in drafting:
+                req.spec_token_ids = []
+
+    def _token_bucket(self, num_tokens: int) -> int:
+        """The token bucket of the program a step of `num_tokens` runs in."""
+        return next((t for t in self.runner.buckets if t >= num_tokens), num_tokens)
 
     def _take_in_flight(self) -> InFlight | None:
         in_flight, self._in_flight = self._in_flight, None
         return in_flight
 
     def _collect(self, in_flight: InFlight) -> list[RequestOutput]:
-        """Wait for a dispatched step and write its tokens back."""
-        batch, handle = in_flight
+        """Wait for a dispatched step, write its tokens back and report them."""
+        return self._report(*self._wait_and_update(in_flight))
+
+    def _wait_and_update(self, in_flight: InFlight):
+        """Wait for a dispatched step and write its tokens back: (the scheduler's results, the step's output)."""
+        batch, handle, scheduled_at = in_flight
         profiler = self.profiler
         with profiler.phase("wait"):
             output = handle.fetch() if handle is not None else None
+        if output is not None and self.step_costs is not None:
+            self._time_step(batch, scheduled_at)
         with profiler.phase("update"):
             if output is None:
-                results = self.scheduler.update(batch)
-            else:
-                results = self.scheduler.update(batch, output.token_ids, output.num_tokens)
-        with profiler.phase("detokenize"):
+                return self.scheduler.update(batch), None
+            return self.scheduler.update(batch, output.token_ids, output.num_tokens), output
+
+    def _time_step(self, batch: StepBatch, scheduled_at: float) -> None:
+        """A pure decode step's time, from its predecessor's tokens (or its own scheduling, if
+        later) to its own: a step that waited for its predecessor pays the host's time between."""
+        ready = time.perf_counter()
+        if batch.num_tokens == batch.num_seqs + int(batch.num_spec_tokens.sum()):
+            seconds = ready - max(self._last_ready, scheduled_at)
+            self.step_costs.observe(batch.verify is not None, batch.num_tokens, seconds)
+        self._last_ready = ready
+
+    def _report(self, results, output) -> list[RequestOutput]:
+        with self.profiler.phase("detokenize"):
             return self.outputs.process(results, output, self.scheduler)
 
-    def _needs_known_tokens(self) -> bool:
-        """A running request with penalties, bad words or a grammar: the next batch needs its
-        last token on the host."""
-        return any(
-            r.sampling_params.uses_penalties or r.sampling_params.bad_words or r.grammar is not None
-            for r in self.scheduler.running
-        )
+    def _needs_known_tokens(self, in_flight: StepBatch | None) -> bool:
+        """The next batch needs the tokens of the one in flight on the host: it verified
+        drafts, or a running request has penalties, bad words or a grammar, or the
+        proposer is about to draft."""
+        if in_flight is not None and in_flight.verify is not None:
+            return True
+        running = self.scheduler.running
+        if any(
+            r.sampling_params.uses_penalties or r.sampling_params.bad_words or r.grammar is not None for r in running
+        ):
+            return True
+        if self.proposer is None:
+            return False
+        drafting = self.proposer.wants_known_tokens(running)
+        if not drafting or self.step_costs is None:
+            return bool(drafting)
+        return self.step_costs.drafts_pay(self._steps + 1, len(running), drafting)
 
     def generate_all(self) -> list[RequestOutput]:
         """Step until every request is done; the final output of each, in finishing order."""

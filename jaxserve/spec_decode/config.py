@@ -41,6 +41,9 @@ class SpeculativeConfig:
 
     No speculation while more than `disable_by_batch_size` sequences run (None: always):
     a large batch is compute-bound, and verifying drafts there costs more than it saves.
+    With `disable_by_measured_cost` (the default; for ngram, whose steps without drafts
+    stay overlapped) the engine times its own decode steps and verifies drafts only where
+    the tokens they are expected to add pay for the longer step (spec_decode.step_costs).
 
     Adaptive draft length (chains, opt-in): with a `draft_token_cost`, what one more draft
     token costs in plain decoding steps (about 0.15 on the CPU at batch 1: a 5-token verify
@@ -56,6 +59,7 @@ class SpeculativeConfig:
     model: str | None = None
     draft_num_layers: int | None = None
     disable_by_batch_size: int | None = None
+    disable_by_measured_cost: bool = True
     draft_token_cost: float | None = None
     speculative_token_tree: Any = None
 
@@ -82,6 +86,10 @@ class SpeculativeConfig:
                 self.disable_by_batch_size is None
                 or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
                 f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size!r}",
+            ),
+            (
+                isinstance(self.disable_by_measured_cost, bool),
+                f"disable_by_measured_cost must be true or false, got {self.disable_by_measured_cost!r}",
             ),
             (
                 self.draft_token_cost is None

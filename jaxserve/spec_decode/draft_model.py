@@ -73,6 +73,8 @@ def load_draft(config: SpeculativeConfig, context: ProposerContext) -> DecoderLM
 
 
 class DraftModelProposer:
+    overlaps = False  # its KV cache follows every step's tokens (follow): each step's must be known
+
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.config = config
         self.scheduler = context.scheduler

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 
 class EagleProposer:
+    overlaps = False  # the head's KV cache follows every step's hidden states (follow)
+
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.dtype = context.model.dtype
         head = load_draft_heads(config.model, context.model_config, self.dtype, config.method)

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 
 class MedusaProposer:
+    overlaps = False  # drafts from the newest token's hidden state: each step's must be known
+
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         heads = load_draft_heads(config.model, context.model_config, context.model.dtype, "medusa")
         self.tree = config.tree or DraftTree.chain(config.num_speculative_tokens)

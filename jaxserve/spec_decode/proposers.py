@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
+    # Whether steps without drafts may run in the overlapped loop (then the engine asks
+    # wants_known_tokens before each step). A proposer that follows every step on the
+    # device (a draft model's or a head's KV cache) needs each step's tokens: False.
+    overlaps: bool
+
+    def wants_known_tokens(self, running: list[Request]) -> list[tuple[Request, int]]:
+        """The requests whose newest token is still on the device that would draft next
+        step, with about how many drafts: where that pays, the engine waits for the step
+        in flight before proposing."""
+
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of the running requests to draft for."""
 
@@ -38,6 +48,16 @@ def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]
     only those whose own acceptance makes a draft pay (each gets its `max_drafts`)."""
     for req in running:
         req.spec_token_ids = []
+    return _may_draft(running, config, pending=False)
+
+
+def awaiting_token(running: list[Request], config: SpeculativeConfig) -> list[Request]:
+    """The requests `decoding` would propose for once their newest token, still on the
+    device (a step in flight), reaches the host."""
+    return _may_draft(running, config, pending=True)
+
+
+def _may_draft(running: list[Request], config: SpeculativeConfig, pending: bool) -> list[Request]:
     if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
         return []
     adaptive = config.draft_token_cost is not None and config.speculative_token_tree is None
@@ -45,12 +65,12 @@ def decoding(running: list[Request], config: SpeculativeConfig) -> list[Request]
     for r in running:
         if not (
             r.num_tokens - r.num_computed_tokens == 1
-            and r.num_pending == 0
+            and (r.num_pending > 0) == pending
             and r.num_output_tokens + 1 < r.sampling_params.max_tokens
         ):
             continue
-        if adaptive:
-            r.max_drafts = r.draft_length.length(config.num_speculative_tokens, config.draft_token_cost)
+        if adaptive:  # one decision per step, whether asked before the token arrives or after
+            r.max_drafts = r.draft_length.length(config.num_speculative_tokens, config.draft_token_cost, r.num_tokens)
             if r.max_drafts == 0:
                 continue
         out.append(r)
@@ -73,22 +93,39 @@ def sampled_rows(batch: StepBatch) -> dict[str, int]:
 
 class NgramProposer:
     """Prompt lookup in each request's own tokens (see spec_decode.ngram), through an index
-    per running request that is fed only the tokens that arrived since the last step."""
+    per running request that is fed only the tokens that arrived since the last step.
+
+    It keeps nothing on the device, so the engine's loop stays overlapped while no request
+    is copying: before each step it asks `wants_known_tokens`, which looks up the suffix
+    the host knows (all but the token in flight). A suffix that matched one step ago most
+    likely still matches with the next token, so the engine waits for that token (and
+    drafts) only there; in free text, where most lookups find nothing, steps overlap as
+    without speculation. A copy that begins is noticed one step late."""
+
+    overlaps = True
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.indexes: dict[str, NgramIndex] = {}
 
+    def wants_known_tokens(self, running: list[Request]) -> list[tuple[Request, int]]:
+        drafting = ((req, len(self._lookup(req))) for req in awaiting_token(running, self.config))
+        return [(req, n) for req, n in drafting if n]
+
     def propose(self, running: list[Request]) -> None:
-        c = self.config
-        for req in decoding(running, c):
-            index = self.indexes.get(req.request_id)
-            if index is None or len(index) > len(req.all_token_ids):
-                index = self.indexes[req.request_id] = NgramIndex(min(c.prompt_lookup_min, 2))
-            index.extend(req.all_token_ids[len(index) :])
-            req.spec_token_ids = index.propose(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
+        for req in decoding(running, self.config):
+            req.spec_token_ids = self._lookup(req)
         ids = {r.request_id for r in running}  # forget finished and preempted requests (rebuilt on resume)
         self.indexes = {rid: index for rid, index in self.indexes.items() if rid in ids}
+
+    def _lookup(self, req: Request) -> list[int]:
+        """Drafts to follow the request's known tokens."""
+        c = self.config
+        index = self.indexes.get(req.request_id)
+        if index is None or len(index) > len(req.all_token_ids):
+            index = self.indexes[req.request_id] = NgramIndex(min(c.prompt_lookup_min, 2))
+        index.extend(req.all_token_ids[len(index) :])
+        return index.propose(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
 
     def draft_probs(self, batch: StepBatch) -> None:
         return None

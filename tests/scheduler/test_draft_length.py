@@ -46,3 +46,18 @@ def test_free_drafts_are_always_worth_the_full_length():
         d.observe(4, 1)
     assert d.length(K, 0.0) == K  # any p > 0 adds expected tokens at no cost
     assert d.length(K, 10.0) == 0
+
+
+def test_a_step_asked_twice_gets_one_answer_and_counts_once():
+    """The engine asks before the step's last token arrives (may it stay overlapped?) and
+    again when proposing: with the request's token count both get the same length, and the
+    probe every PROBE_EVERY steps counts steps, not questions."""
+    d = DraftLength()
+    for _ in range(4):
+        d.observe(2, 0)
+    lengths = []
+    for num_tokens in range(100, 100 + 2 * PROBE_EVERY):
+        first = d.length(K, COST, num_tokens)
+        assert d.length(K, COST, num_tokens) == first
+        lengths.append(first)
+    assert lengths == ([0] * (PROBE_EVERY - 1) + [K]) * 2

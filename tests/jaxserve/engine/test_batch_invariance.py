@@ -164,7 +164,13 @@ def test_speculative_verify_equals_decode(tiny_llama_dir, dtype):
     loaded = load_model(str(tiny_llama_dir), use_cache=False, progress=False, dtype=dtype)
     prompt = [1, *[5, 6, 7, 8, 9] * 6]  # repetitive: the n-gram proposer finds drafts
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=20)
-    ngram = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    ngram = dict(
+        method="ngram",
+        num_speculative_tokens=4,
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
+        disable_by_measured_cost=False,
+    )
     plain = LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True))
     speculative = LLMEngine(loaded, EngineConfig(**SOLO, batch_invariant=True, speculative_config=ngram))
     expected = run(plain, [("t", prompt, params)])["t"].outputs[0]

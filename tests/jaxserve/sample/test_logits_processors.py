@@ -223,6 +223,8 @@ class FreeProposer:
     """Drafts the unconstrained greedy continuation (`free`): just what a constrained
     request must refuse at the word's end, or where a bias turns it elsewhere."""
 
+    overlaps = False  # drafts for every step: the serial loop
+
     def __init__(self, config, free: list[int]):
         self.config, self.free, self.proposed = config, free, 0
 

@@ -16,11 +16,19 @@ import pytest
 from jaxserve.engine import EngineConfig, LLMEngine
 from jaxserve.spec_decode import SpeculativeConfig
 from jaxserve.spec_decode.proposers import decoding
+from jaxserve.spec_decode.step_costs import StepCosts
 from scheduler import SamplingParams
 
 VOCAB = 97  # tests/tiny_models.py
 K = 4
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Every draft verified (the drafting decision by measured step times, a matter of timing, off).
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": K,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_measured_cost": False,
+}
 
 
 def workload(seed=0, count=24, shared_prefix=(), **overrides):
@@ -79,6 +87,8 @@ def tokens(outs):
 
 class OracleProposer:
     """Proposes the true greedy continuation with one position corrupted per step (or none)."""
+
+    overlaps = False  # drafts for every step: the serial loop
 
     def __init__(self, config: SpeculativeConfig, truth: dict[tuple, list[int]]):
         self.config, self.truth = config, truth
@@ -160,12 +170,132 @@ def test_greedy_with_oracle_drafts_equals_plain(tiny_llama, plain, setting):
         assert eng.scheduler.num_preemptions > 0
 
 
-def test_greedy_with_ngram_drafts_equals_plain(tiny_llama, plain):
+@pytest.mark.parametrize("measured", [False, True], ids=["every-draft", "measured-cost"])
+def test_greedy_with_ngram_drafts_equals_plain(tiny_llama, plain, measured):
     prompts, params = workload()
-    eng = engine(tiny_llama, NGRAM)
+    eng = engine(tiny_llama, {**NGRAM, "disable_by_measured_cost": measured})
     assert tokens(run(eng, prompts, params)) == tokens(plain)
     stats = eng.scheduler.spec_stats
+    if not measured:  # with the measured cost, how many are verified is a matter of timing
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
+class NeverPays(StepCosts):
+    """Step times kept as measured; drafts never verified."""
+
+    def __init__(self, bucket):
+        super().__init__(bucket)
+        self.asked, self.timed = 0, []
+
+    def observe(self, verified, tokens, seconds):
+        self.timed.append((verified, tokens))
+        super().observe(verified, tokens, seconds)
+
+    def drafts_pay(self, step, rows, drafting):
+        self.asked += 1
+        return False
+
+
+def test_declined_drafts_run_as_plain_decoding(tiny_llama, plain):
+    """Where drafts do not pay, none is verified and the loop overlaps as without speculation."""
+    prompts, params = workload()
+    eng = engine(tiny_llama, {**NGRAM, "disable_by_measured_cost": True})
+    eng.step_costs = costs = NeverPays(eng._token_bucket)
+    seen = watch_in_flight(eng)
+    assert tokens(run(eng, prompts, params)) == tokens(plain)
+    assert costs.asked > 0 and eng.scheduler.spec_stats.num_drafts == 0
+    # Pure decode steps only (one token per row, at most max_num_seqs rows), none verifying.
+    assert costs.timed and all(not verified and tokens <= 8 for verified, tokens in costs.timed)
+    without = engine(tiny_llama)
+    seen_without = watch_in_flight(without)
+    run(without, prompts, params)
+    assert [len(batches) for batches in seen] == [len(batches) for batches in seen_without]
+
+    # Penalties make every step wait for the one before, so drafts are proposed on known
+    # tokens: they are declined all the same.
+    prompts, params = workload(seed=3, count=12, repetition_penalty=1.3)
+    want = run(engine(tiny_llama), prompts, params)
+    eng = engine(tiny_llama, {**NGRAM, "disable_by_measured_cost": True})
+    eng.step_costs = NeverPays(eng._token_bucket)
+    assert tokens(run(eng, prompts, params)) == tokens(want)
+    assert eng.scheduler.spec_stats.num_drafts == 0
+
+
+def watch_in_flight(eng) -> list[list]:
+    """For each schedule() of `eng`'s scheduler, the batches then scheduled and not yet
+    updated (in flight, with the overlapped loop)."""
+    in_flight, seen = [], []
+    schedule, update = eng.scheduler.schedule, eng.scheduler.update
+
+    def watched_schedule():
+        seen.append(list(in_flight))
+        batch = schedule()
+        if batch is not None:
+            in_flight.append(batch)
+        return batch
+
+    def watched_update(batch, *args):
+        if batch is not None:
+            in_flight[:] = [b for b in in_flight if b is not batch]
+        return update(batch, *args)
+
+    eng.scheduler.schedule, eng.scheduler.update = watched_schedule, watched_update
+    return seen
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_steps_without_drafts_overlap(tiny_llama, adaptive):
+    """The n-gram proposer keeps nothing on the device, so a step is scheduled while the one
+    before it runs, unless that one verified drafts or a request is about to draft; the
+    tokens stay those of plain decoding."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.permutation(np.arange(3, VOCAB))[: int(rng.integers(6, 20))].tolist() for _ in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)] * len(prompts)
+    want = run(engine(tiny_llama), prompts, params)
+    # Prompts without a repeated token: lookups of 2 tokens and more first find nothing,
+    # until the model's output repeats itself.
+    spec = {**NGRAM, "prompt_lookup_min": 2, **({"draft_token_cost": 0.15} if adaptive else {})}
+    eng = engine(tiny_llama, spec)
+    seen = watch_in_flight(eng)
+    assert tokens(run(eng, prompts, params)) == tokens(want)
+    overlapped = [batches for batches in seen if batches]
+    assert all(len(batches) == 1 for batches in overlapped)
+    assert all(batches[0].verify is None for batches in overlapped), "a step that verified drafts ran on"
+    assert len(overlapped) > len(seen) // 4, (len(overlapped), len(seen))
+    stats = eng.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+    serial = engine(tiny_llama, spec, async_scheduling=False)
+    seen = watch_in_flight(serial)
+    assert tokens(run(serial, prompts, params)) == tokens(want)
+    assert not any(seen)
+
+
+class SometimesWaitingOracle(OracleProposer):
+    """The oracle's drafts in the overlapped loop, asking for the tokens in flight every
+    other step: steps after a verification sometimes have no request about to draft."""
+
+    overlaps = True
+
+    def __init__(self, config, truth):
+        super().__init__(config, truth)
+        self.asked = 0
+
+    def wants_known_tokens(self, running):
+        self.asked += 1
+        return [(req, K) for req in running] if self.asked % 2 == 0 else []
+
+
+def test_a_step_that_verified_drafts_is_waited_for(tiny_llama, plain):
+    prompts, params = workload()
+    eng = engine(tiny_llama, NGRAM)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    eng.proposer = oracle = SometimesWaitingOracle(eng.config.speculative_config, truth)
+    seen = watch_in_flight(eng)
+    assert tokens(run(eng, prompts, params)) == tokens(plain)
+    assert oracle.calls > 0 and eng.scheduler.spec_stats.num_accepted_tokens > 0
+    overlapped = [batches for batches in seen if batches]
+    assert overlapped and all(batches[0].verify is None for batches in overlapped)
 
 
 def test_prefix_cached_with_drafts_equals_plain(tiny_llama):
