@@ -27,9 +27,10 @@ spans of the prompt, what prompt lookup exploits) and `chat` (open-ended questio
 Two batch sizes: 1 (the prompts one at a time) and 8 (eight prompts added at once and run
 to the end together; the set is cycled to fill the last group). The engine has a
 server's settings (max_num_seqs 64 unless `--max-num-seqs`; see single_stream.py for why
-they matter); one engine per method, built once (it compiles then) and reused for every
-prompt set and batch size after an untimed warm-up (one prompt at batch 1, one group at
-batch 8).
+they matter); one engine per method, all built first (they compile then), each warmed up
+untimed (one prompt at batch 1, one group at batch 8); then they take turns group by
+group (A B C, then C B A) over every prompt set and batch size, so that the machine's
+drift falls on every method alike.
 
 Decode tokens/s, from the engine's per-token timings (RequestMetrics.token_times): a run
 (one request at batch 1, eight at batch 8) decodes from the moment every one of its
@@ -257,25 +258,31 @@ def run_group(engine, prompts: list[Prompt], params, tag: str) -> RunResult:
     return RunResult(tokens, end - start, [o.outputs[0].token_ids for o in outs])
 
 
-def measure_method(engine, method: str, sets: dict[str, list[Prompt]], batch_sizes: list[int], params) -> dict:
-    """{(set, batch): Measured} for one method on one engine."""
+def measure_methods(engines: dict, sets: dict[str, list[Prompt]], batch_sizes: list[int], params) -> dict:
+    """{method: {(set, batch): Measured}}. The engines take turns group by group (A B C,
+    then C B A), so that the machine's drift falls on every method alike."""
     first_prompt = next(iter(sets.values()))[0]
-    for batch in batch_sizes:  # warm-up, untimed
-        run_group(engine, [first_prompt] * batch, params, f"warm-{batch}")
-    results = {}
+    for engine in engines.values():
+        for batch in batch_sizes:  # warm-up, untimed
+            run_group(engine, [first_prompt] * batch, params, f"warm-{batch}")
+    results: dict = {method: {} for method in engines}
     for name, prompts in sets.items():
         for batch in batch_sizes:
-            compiled, counts = engine.compilations, spec_counts(engine)
-            runs = [
-                run_group(engine, [prompts[i] for i in group], params, f"{name}-{batch}-{n}")
-                for n, group in enumerate(groups(prompts, batch))
-            ]
-            results[name, batch] = Measured(runs, spec_counts(engine).minus(counts), engine.compilations - compiled)
-            print(
-                f"  {method:<5} {name:<10} batch {batch}: {decode_rate(runs):.1f} decode tok/s",
-                file=sys.stderr,
-                flush=True,
-            )
+            compiled = {method: engine.compilations for method, engine in engines.items()}
+            counts = {method: spec_counts(engine) for method, engine in engines.items()}
+            runs: dict[str, list[RunResult]] = {method: [] for method in engines}
+            for n, group in enumerate(groups(prompts, batch)):
+                for method in list(engines) if n % 2 == 0 else list(reversed(engines)):
+                    run = run_group(engines[method], [prompts[i] for i in group], params, f"{name}-{batch}-{n}")
+                    runs[method].append(run)
+            for method, engine in engines.items():
+                spec = spec_counts(engine).minus(counts[method])
+                results[method][name, batch] = Measured(runs[method], spec, engine.compilations - compiled[method])
+                print(
+                    f"  {method:<5} {name:<10} batch {batch}: {decode_rate(runs[method]):.1f} decode tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return results
 
 
@@ -540,18 +547,19 @@ def main(argv=None) -> int:
     from scheduler import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    sets, measured = None, {}
+    engines = {}
     for method in args.methods:
         start = time.perf_counter()
-        engine = build_engine(method, args)
+        engines[method] = build_engine(method, args)
+        compiled = engines[method].compilations
         print(
-            f"{method}: engine built in {time.perf_counter() - start:.0f} s ({engine.compilations} compilations)",
+            f"{method}: engine built in {time.perf_counter() - start:.0f} s ({compiled} compilations)",
             file=sys.stderr,
             flush=True,
         )
-        sets = sets or encode_prompt_sets(engine, args.sets, args.limit)
-        measured[method] = measure_method(engine, method, sets, args.batch_sizes, params)
-        del engine  # one engine's KV cache at a time
+    sets = encode_prompt_sets(next(iter(engines.values())), args.sets, args.limit)
+    measured = measure_methods(engines, sets, args.batch_sizes, params)
+    engines.clear()  # their KV caches, before vLLM's engine
     if args.baseline == "vllm":
         measured |= measure_vllm(args, sets)
     rows = make_rows(measured)
