@@ -64,11 +64,12 @@ logger = logging.getLogger(__name__)
 
 class InFlight(NamedTuple):
     """A dispatched step: its batch (None when nothing was scheduled), its device handle,
-    and when it was scheduled (time.perf_counter)."""
+    when it was scheduled (time.perf_counter) and whether after the step before's tokens."""
 
     batch: StepBatch | None
     handle: StepHandle | None
     scheduled_at: float = 0.0
+    waited: bool = True  # scheduled after the step before's tokens arrived
 
 
 class LLMEngine:
@@ -90,7 +91,7 @@ class LLMEngine:
         # Speculation with an overlapping proposer: the engine's pure decode step times, which
         # say whether drafts pay at the batch running (see spec_decode.step_costs).
         spec = config.speculative_config
-        measured = spec is not None and spec.disable_by_measured_cost
+        measured = spec is not None and spec.disable_by_measured_cost and self.proposer.overlaps
         self.step_costs = StepCosts(self._token_bucket) if measured else None
         self._steps = 0  # schedules so far: the step the drafting decision is for
         self._last_ready = 0.0  # when the latest step's tokens reached the host
@@ -353,7 +354,7 @@ class LLMEngine:
         known = None
         if previous is not None and self._needs_known_tokens(previous.batch):
             known = self._wait_and_update(previous)
-        self._in_flight = self._schedule_and_dispatch()
+        self._in_flight = self._schedule_and_dispatch(waited=known is not None)
         outputs = []
         if previous is not None:
             outputs = self._report(*(known if known is not None else self._wait_and_update(previous)))
@@ -361,8 +362,10 @@ class LLMEngine:
             outputs += self._collect(self._take_in_flight())
         return outputs
 
-    def _schedule_and_dispatch(self) -> InFlight:
-        """Propose drafts, schedule the next batch and enqueue it on the device (no wait)."""
+    def _schedule_and_dispatch(self, waited: bool = True) -> InFlight:
+        """Propose drafts, schedule the next batch and enqueue it on the device (no wait).
+        `waited`: the step before's tokens are on the host (the serial loop, or the
+        overlapped loop's waiting step)."""
         profiler = self.profiler
         scheduled_at = time.perf_counter()
         self._steps += 1
@@ -370,7 +373,7 @@ class LLMEngine:
             with profiler.phase("propose"):
                 self.proposer.propose(self.scheduler.running)
                 if self.proposer.overlaps and self.step_costs is not None:
-                    self._decline_drafts_that_do_not_pay()
+                    self._decline_drafts_that_do_not_pay(waited)
         with profiler.phase("schedule"):
             batch = self.scheduler.schedule()
         if batch is None:
@@ -383,12 +386,12 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.follow(batch, handle)
         profiler.dispatched_step(batch, handle.out.token_ids)
-        return InFlight(batch, handle, scheduled_at)
+        return InFlight(batch, handle, scheduled_at, waited)
 
-    def _decline_drafts_that_do_not_pay(self) -> None:
+    def _decline_drafts_that_do_not_pay(self, waited: bool) -> None:
         running = self.scheduler.running
         drafting = [(r, len(r.spec_token_ids)) for r in running if r.spec_token_ids]
-        if drafting and not self.step_costs.drafts_pay(self._steps, len(running), drafting):
+        if drafting and not self.step_costs.drafts_pay(self._steps, len(running), drafting, waited):
             for req, _ in drafting:
                 req.spec_token_ids = []
 
@@ -406,24 +409,24 @@ class LLMEngine:
 
     def _wait_and_update(self, in_flight: InFlight):
         """Wait for a dispatched step and write its tokens back: (the scheduler's results, the step's output)."""
-        batch, handle, scheduled_at = in_flight
+        batch, handle, scheduled_at, waited = in_flight
         profiler = self.profiler
         with profiler.phase("wait"):
             output = handle.fetch() if handle is not None else None
         if output is not None and self.step_costs is not None:
-            self._time_step(batch, scheduled_at)
+            self._time_step(batch, scheduled_at, waited)
         with profiler.phase("update"):
             if output is None:
                 return self.scheduler.update(batch), None
             return self.scheduler.update(batch, output.token_ids, output.num_tokens), output
 
-    def _time_step(self, batch: StepBatch, scheduled_at: float) -> None:
+    def _time_step(self, batch: StepBatch, scheduled_at: float, waited: bool) -> None:
         """A pure decode step's time, from its predecessor's tokens (or its own scheduling, if
         later) to its own: a step that waited for its predecessor pays the host's time between."""
         ready = time.perf_counter()
         if batch.num_tokens == batch.num_seqs + int(batch.num_spec_tokens.sum()):
             seconds = ready - max(self._last_ready, scheduled_at)
-            self.step_costs.observe(batch.verify is not None, batch.num_tokens, seconds)
+            self.step_costs.observe(batch.verify is not None, waited, batch.num_tokens, seconds)
         self._last_ready = ready
 
     def _report(self, results, output) -> list[RequestOutput]:
@@ -446,7 +449,7 @@ class LLMEngine:
         drafting = self.proposer.wants_known_tokens(running)
         if not drafting or self.step_costs is None:
             return bool(drafting)
-        return self.step_costs.drafts_pay(self._steps + 1, len(running), drafting)
+        return self.step_costs.drafts_pay(self._steps + 1, len(running), drafting, waited=False)
 
     def generate_all(self) -> list[RequestOutput]:
         """Step until every request is done; the final output of each, in finishing order."""

@@ -11,9 +11,13 @@ the engine times its pure decode steps, by token bucket and kind, and drafts onl
         > rows / seconds(plain step of rows tokens)
 
 with each request's expected accepted drafts from its own acceptance so far (a geometric
-run, as scheduler.spec_stats.DraftLength takes it). A kind not timed yet at a bucket is
-tried (plain first), and after PROBE_EVERY declines in a row drafting is tried once more,
-so a batch whose text turns repetitive, or a machine that gets busier, is followed.
+run, as scheduler.spec_stats.DraftLength takes it). Plain steps are timed apart by
+whether they waited for their predecessor: before the wait the choice is an overlapped
+plain step or a verify step (which waits), after a wait that something else forced (a
+verification before, a grammar) a plain step that waited too. A kind not timed yet at a
+bucket is tried (an overlapped plain step first), and after PROBE_EVERY declines in a row
+drafting is tried again, so a batch whose text turns repetitive, or a machine that gets
+busier, is followed.
 """
 
 from __future__ import annotations
@@ -27,34 +31,36 @@ PROBE_EVERY = 16  # declined steps before drafting is tried again
 
 
 class StepCosts:
-    """Seconds per pure decode step by (verified drafts?, token bucket), and the decision
-    whether this step's drafts pay, made once per step."""
+    """Seconds per pure decode step by (verified drafts?, waited for its predecessor?,
+    token bucket), and the decision whether a step's drafts pay, made once per step."""
 
     def __init__(self, bucket: Callable[[int], int]):
         self.bucket = bucket  # tokens -> the bucket of the program that runs them
-        self.seconds: dict[tuple[bool, int], float] = {}
+        self.seconds: dict[tuple[bool, bool, int], float] = {}
         self.declined = 0  # decisions in a row that declined drafting
         self.decided: tuple[int, bool] = (-1, False)  # (step, answer)
 
-    def observe(self, verified: bool, tokens: int, seconds: float) -> None:
+    def observe(self, verified: bool, waited: bool, tokens: int, seconds: float) -> None:
         """A pure decode step of `tokens` tokens took `seconds`, from its predecessor's
-        result (or its own scheduling, if later) to its own."""
-        key = (verified, self.bucket(tokens))
+        result (or its own scheduling, if later) to its own; `waited`: it was scheduled
+        after its predecessor's tokens arrived (a verify step always is)."""
+        key = (verified, waited or verified, self.bucket(tokens))
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
 
-    def drafts_pay(self, step: int, rows: int, drafting: list[tuple[Request, int]]) -> bool:
+    def drafts_pay(self, step: int, rows: int, drafting: list[tuple[Request, int]], waited: bool) -> bool:
         """Whether step `step`, `rows` decoding requests of which `drafting` would verify
-        so many drafts each, yields more tokens per second with the drafts than without.
-        Asked again for the same step (before and after its last tokens arrive), the same
+        so many drafts each, yields more tokens per second with the drafts than without;
+        `waited`: the step waits for its predecessor's tokens whatever the answer. Asked
+        again for the same step (before and after its last tokens arrive), the same
         answer."""
         if step == self.decided[0]:
             return self.decided[1]
         drafts = sum(n for _, n in drafting)
-        plain = self.seconds.get((False, self.bucket(rows)))
-        verify = self.seconds.get((True, self.bucket(rows + drafts)))
+        plain = self.seconds.get((False, waited, self.bucket(rows)))
+        verify = self.seconds.get((True, True, self.bucket(rows + drafts)))
         if plain is None:
-            pays = False  # time a plain step first
+            pays = waited  # time an overlapped plain step first; after a wait, the verify step
         elif verify is None:
             pays = True
         else:

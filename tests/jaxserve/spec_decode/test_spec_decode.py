@@ -187,11 +187,11 @@ class NeverPays(StepCosts):
         super().__init__(bucket)
         self.asked, self.timed = 0, []
 
-    def observe(self, verified, tokens, seconds):
+    def observe(self, verified, waited, tokens, seconds):
         self.timed.append((verified, tokens))
-        super().observe(verified, tokens, seconds)
+        super().observe(verified, waited, tokens, seconds)
 
-    def drafts_pay(self, step, rows, drafting):
+    def drafts_pay(self, step, rows, drafting, waited):
         self.asked += 1
         return False
 
