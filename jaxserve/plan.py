@@ -276,7 +276,7 @@ def make_plan(args) -> dict:
     if args.quantization == "gguf" and str(source).endswith(".gguf") and Path(source).is_file():
         from jaxserve.weights.gguf_reader import GGUFFile
 
-        quant = GGUFFile(source).quant_config()  # int4, or int8 for a file without 4-bit projections
+        quant = GGUFFile(source).quant_config()  # each projection as loading keeps it
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype).name
     setup = Setup(cfg, dtype, quant, kv_dtype, args.tp, args.enable_expert_parallel and cfg.is_moe)
     device = device_figures(args, compute_dtype(dtype, quant))

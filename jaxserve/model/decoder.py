@@ -85,10 +85,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None):
         d, h, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = linear(dtype, d, h * dh, cfg.attention_bias, rngs, quant)
-        self.k_proj = linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
-        self.v_proj = linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant)
-        self.o_proj = linear(dtype, h * dh, d, cfg.o_proj_bias, rngs, quant)
+        self.q_proj = linear(dtype, d, h * dh, cfg.attention_bias, rngs, quant, "q_proj")
+        self.k_proj = linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant, "k_proj")
+        self.v_proj = linear(dtype, d, kv * dh, cfg.attention_bias, rngs, quant, "v_proj")
+        self.o_proj = linear(dtype, h * dh, d, cfg.o_proj_bias, rngs, quant, "o_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
@@ -164,9 +164,10 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None, moe: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, quant)
+        self.self_attn = Attention(cfg, dtype, rngs, quant and quant.under("self_attn"))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = SparseMoE(cfg, dtype, rngs, quant) if moe else MLP(cfg, dtype, rngs, quant)
+        mlp_quant = quant and quant.under("mlp")
+        self.mlp = SparseMoE(cfg, dtype, rngs, mlp_quant) if moe else MLP(cfg, dtype, rngs, mlp_quant)
 
 
 def unstack_layers(model: DecoderLM) -> DecoderLM:
@@ -306,7 +307,8 @@ class DecoderLM(nnx.Module):
 
     The layers are stacked on a leading axis and scanned, or, after `unstack_layers`
     (what the serving engine does), separate modules run one after another; a mixture of
-    experts with some dense-MLP layers starts separate. With `quantization`, the attention
+    experts with some dense-MLP layers starts separate, as does a model whose layers are
+    quantized differently (`QuantConfig.exceptions`). With `quantization`, the attention
     and MLP projections (the experts' too) are quantized.
     `few_row_kernels`: the few-row products (a decode step's) that run through the CPU
     kernels (the layers' halves; a tied LM head's, where XLA's CPU dot with the
@@ -329,8 +331,14 @@ class DecoderLM(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
         moe = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
-        if len(set(moe)) > 1:  # dense and MoE layers: they cannot be stacked, so start separate
-            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization, moe=m) for m in moe])
+        if len(set(moe)) > 1 or (quantization and quantization.exceptions):
+            # dense and MoE layers, or layers quantized differently: they cannot be stacked, so start separate
+            self.layers = nnx.List(
+                [
+                    DecoderLayer(cfg, dtype, rngs, quantization and quantization.under(f"layers.{i}"), moe=m)
+                    for i, m in enumerate(moe)
+                ]
+            )
         else:
 
             @nnx.split_rngs(splits=cfg.num_layers)

@@ -25,9 +25,10 @@ def _kernel_dot_general(x, kernel, dimension_numbers, precision=None, *, interpr
 KERNEL_DOT_GENERAL = {mode: functools.partial(_kernel_dot_general, interpret=mode) for mode in (False, True)}
 
 
-def linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None):
+def linear(dtype, din: int, dout: int, bias: bool, rngs: nnx.Rngs, quant: QuantConfig | None = None, name: str = ""):
+    """A float projection, or with `quant` a quantized one: the layout `quant` gives `name`."""
     if quant is not None:
-        return QuantizedLinear(din, dout, use_bias=bias, quant=quant, dtype=dtype)
+        return QuantizedLinear(din, dout, use_bias=bias, quant=quant.at(name), dtype=dtype)
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
@@ -39,9 +40,9 @@ class MLP(nnx.Module):
         self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None, intermediate_size: int = 0
     ):
         d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_proj = linear(dtype, d, f, False, rngs, quant)
-        self.up_proj = linear(dtype, d, f, False, rngs, quant)
-        self.down_proj = linear(dtype, f, d, False, rngs, quant)
+        self.gate_proj = linear(dtype, d, f, False, rngs, quant, "gate_proj")
+        self.up_proj = linear(dtype, d, f, False, rngs, quant, "up_proj")
+        self.down_proj = linear(dtype, f, d, False, rngs, quant, "down_proj")
 
     def __call__(self, x):
         with jax.named_scope("mlp"):

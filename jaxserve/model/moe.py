@@ -258,7 +258,8 @@ class SparseMoE(nnx.Module):
         self.gate = nnx.Linear(d, cfg.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg, dtype, rngs, quant)
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, dtype, rngs, quant, intermediate_size=cfg.shared_expert_intermediate_size)
+            shared = quant and quant.under("shared_expert")
+            self.shared_expert = MLP(cfg, dtype, rngs, shared, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nnx.Linear(d, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
     def in_fixed_order(self, x: jax.Array) -> jax.Array:

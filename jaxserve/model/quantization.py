@@ -8,9 +8,11 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
     int8   weight-only, round-to-nearest, symmetric per group of 32 along K (GGUF's Q8_0 rule)
     fp8    e4m3 weights with a scale per output channel; activations quantized per token
            on the fly (W8A8), float32 accumulation
-    gguf   a GGUF file's own blocks instead of dequantized floats: Q4_0 / Q4_1 / Q4_K kept
-           as int4 with group 32, a file without 4-bit projections (Q8_0, Q6_K) as int8 with
-           group 32 or 16 (the file's exact values); other block types are re-quantized to that kind
+    gguf   a GGUF file's own blocks instead of dequantized floats, projection by projection:
+           Q4_0 / Q4_1 / Q4_K kept as int4 with group 32, Q8_0 and Q5_0 as int8 with group 32,
+           Q6_K as int8 with group 16 (the file's exact values); other block types are
+           re-quantized, to int4 if they have 4 bits or fewer, else to int8. A file that mixes
+           them (Q4_K_M: Q4_K with some Q6_K) has layers of both kinds (`QuantConfig.exceptions`)
 
 A checkpoint saved by llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel (GPTQ)
 or AutoAWQ (AWQ) brings its own int4 or fp8 weights and needs no flag; so does a block-wise
@@ -46,6 +48,7 @@ from pallas_kernels.quantized_matmul import (
 
 METHODS = ("int4", "int8", "fp8", "gguf")
 KINDS = ("int4", "int8", "fp8", "fp8_block")
+KERNEL_KINDS = ("int4", "fp8")  # the layouts the Mosaic GPU kernels read
 DEFAULT_GROUP_SIZE = 128
 Q8_0_GROUP = cpu_kernels.Q8_0_BLOCK  # int8's group along K: GGUF's Q8_0 block (32)
 _FALLBACK_GROUPS = (64, 32)
@@ -63,6 +66,10 @@ class QuantConfig:
     # group order and it gathers its inputs into that order first (QuantizedLinear.input_order)
     act_order: bool = False
     block: tuple[int, int] | None = None  # fp8_block: (outputs, inputs) a scale covers, as checkpoints give it
+    # Projections stored another way than `kind`, as (module path, kind, group size): a GGUF
+    # file's mixed block types (a Q4_K_M keeps some v and down projections in Q6_K). Paths are
+    # relative to where the config applies: "layers.3.mlp.down_proj" for the model (see `under`).
+    exceptions: tuple[tuple[str, str, int], ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -73,6 +80,24 @@ class QuantConfig:
             raise ValueError("act-order is an int4 layout")
         if (self.block is not None) != (self.kind == "fp8_block"):
             raise ValueError("a block size goes with the fp8_block layout, and only with it")
+        for path, kind, group in self.exceptions:
+            if kind not in ("int4", "int8") or self.kind not in ("int4", "int8") or self.act_order:
+                raise ValueError(f"{path}: only int4 and int8 layouts mix in a model, not {kind} with {self.kind}")
+            if kind == "int4" and (group < 2 or group % 2):
+                raise ValueError(f"{path}: int4 needs an even group size, got {group}")
+
+    def under(self, prefix: str) -> QuantConfig:
+        """The config of the modules under `prefix` ("layers.3", then "mlp"): the exceptions
+        there, their paths relative to it."""
+        inner = tuple((p[len(prefix) + 1 :], k, g) for p, k, g in self.exceptions if p.startswith(prefix + "."))
+        return self if inner == self.exceptions else dataclasses.replace(self, exceptions=inner)
+
+    def at(self, path: str) -> QuantConfig:
+        """The layout of the one projection at `path` (relative, as the exceptions' paths are)."""
+        for p, kind, group in self.exceptions:
+            if p == path:
+                return dataclasses.replace(self, kind=kind, group_size=group, exceptions=())
+        return dataclasses.replace(self, exceptions=()) if self.exceptions else self
 
     @classmethod
     def for_method(cls, method: str | None) -> QuantConfig | None:
@@ -110,6 +135,10 @@ class QuantConfig:
         else:
             layout = f"{self.kind}, group {self.group_size}"
         layout += ", act-order" if self.act_order else ""
+        others = sorted({(k, g) for _, k, g in self.exceptions})
+        for kind, group in others:
+            count = sum((k, g) == (kind, group) for _, k, g in self.exceptions)
+            layout += f"; {count} projection{'s' if count > 1 else ''} {kind}, group {group}"
         return f"{self.method} ({layout})" if self.method != self.kind else layout
 
 
@@ -248,7 +277,7 @@ class QuantizedLinear(nnx.Module):
         fixed-order config with `batch_invariant`), or None."""
         from pallas_kernels import quantized_matmul_mgpu as mgpu
 
-        if self.kind in ("int8", "fp8_block"):
+        if self.kind not in KERNEL_KINDS:
             return f"{self.kind} layers have no Mosaic GPU kernel (they run the reference)"
         x = jax.ShapeDtypeStruct((mgpu.MAX_TILE_T, self.din), jnp.dtype(dtype))  # the largest token tile
         if self.kind == "int4":
@@ -278,7 +307,7 @@ class QuantizedLinear(nnx.Module):
 
         if self.layout == "mgpu":
             return
-        if self.kind in ("int8", "fp8_block"):
+        if self.kind not in KERNEL_KINDS:
             raise ValueError(self.kernel_unsupported_reason(jnp.bfloat16))
         self.batch_invariant = batch_invariant
         if self.kind == "int4":
@@ -341,10 +370,11 @@ def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
 
 
 def use_kernel_layout(model: nnx.Module, *, interpret: bool = False, batch_invariant: bool = False) -> int:
-    """Convert every QuantizedLinear of the model to the Mosaic GPU kernels' layout (see
-    `QuantizedLinear.use_kernel_layout`); returns how many layers were converted."""
-    layers = quantized_layers(model)
-    for _, layer in layers:
+    """Convert every QuantizedLinear of the model that has a Mosaic GPU kernel (int4, fp8) to
+    the kernels' layout (see `QuantizedLinear.use_kernel_layout`); the others (a GGUF's int8
+    layers beside its int4 ones) keep running the reference. Returns how many were converted."""
+    layers = [layer for _, layer in quantized_layers(model) if layer.kind in KERNEL_KINDS]
+    for layer in layers:
         layer.use_kernel_layout(interpret=interpret, batch_invariant=batch_invariant)
     return len(layers)
 

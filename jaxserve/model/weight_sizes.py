@@ -32,33 +32,35 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.quantization import QuantConfig
 
 
-def attention_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """(K, N) of a layer's q, k, v and o projections."""
+def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(K, N) of a layer's q, k, v and o projections, by name."""
     d, dh = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
-    return [(d, q), (d, kv), (d, kv), (q, d)]
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d)}
 
 
-def mlp_shapes(hidden: int, intermediate: int) -> list[tuple[int, int]]:
-    """(K, N) of a gated MLP's gate, up and down projections (also one expert's)."""
-    return [(hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
+def mlp_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of a gated MLP's gate, up and down projections (also one expert's), by name."""
+    return {"gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
 
 
-def layer_projection_shapes(cfg: ModelConfig, layer: int) -> list[tuple[int, int]]:
-    """The quantizable projections of decoder layer `layer` that every token multiplies
-    by: attention, and the dense MLP (or, in a MoE layer, the shared expert if any). The
-    routed experts are counted apart (`expert_shapes`)."""
-    shapes = attention_shapes(cfg)
+def layer_projections(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of the quantizable projections of decoder layer `layer` that every token
+    multiplies by, by module path in the layer: attention, and the dense MLP (or, in a MoE
+    layer, the shared expert if any). The routed experts are counted apart (`expert_shapes`)."""
+    shapes = {f"self_attn.{name}": shape for name, shape in attention_shapes(cfg).items()}
     if not cfg.is_moe_layer(layer):
-        return shapes + mlp_shapes(cfg.hidden_size, cfg.intermediate_size)
+        mlp = mlp_shapes(cfg.hidden_size, cfg.intermediate_size)
+        return shapes | {f"mlp.{name}": shape for name, shape in mlp.items()}
     if cfg.shared_expert_intermediate_size:
-        return shapes + mlp_shapes(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        mlp = mlp_shapes(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        return shapes | {f"mlp.shared_expert.{name}": shape for name, shape in mlp.items()}
     return shapes
 
 
 def expert_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """(K, N) of one routed expert's projections (none for a dense model)."""
-    return mlp_shapes(cfg.hidden_size, cfg.moe_intermediate_size) if cfg.is_moe else []
+    return list(mlp_shapes(cfg.hidden_size, cfg.moe_intermediate_size).values()) if cfg.is_moe else []
 
 
 def num_moe_layers(cfg: ModelConfig) -> int:
@@ -94,7 +96,7 @@ class ParamCounts(NamedTuple):
 def parameter_counts(cfg: ModelConfig) -> ParamCounts:
     """The model's parameters as Hugging Face counts them (a tied table once)."""
     layers = sum(
-        sum(k * n for k, n in layer_projection_shapes(cfg, i)) + _unquantized_layer_params(cfg, i)
+        sum(k * n for k, n in layer_projections(cfg, i).values()) + _unquantized_layer_params(cfg, i)
         for i in range(cfg.num_layers)
     )
     tables = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * cfg.hidden_size
@@ -110,7 +112,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     dense MLPs, and in MoE layers the router, the shared expert and the top k experts."""
     per_token = 0
     for i in range(cfg.num_layers):
-        per_token += sum(k * n for k, n in layer_projection_shapes(cfg, i))
+        per_token += sum(k * n for k, n in layer_projections(cfg, i).values())
         if cfg.is_moe_layer(i):
             per_token += cfg.hidden_size * cfg.num_experts  # the router
             per_token += cfg.hidden_size if cfg.shared_expert_intermediate_size else 0
@@ -172,7 +174,10 @@ class WeightBytes(NamedTuple):
 def weight_parts(cfg: ModelConfig, dtype, quant: QuantConfig | None = None) -> WeightBytes:
     item = jnp.dtype(dtype).itemsize
     layers = sum(
-        sum(projection_bytes(k, n, dtype, quant) for k, n in layer_projection_shapes(cfg, i))
+        sum(
+            projection_bytes(k, n, dtype, quant and quant.at(f"layers.{i}.{name}"))
+            for name, (k, n) in layer_projections(cfg, i).items()
+        )
         + _unquantized_layer_params(cfg, i) * item
         for i in range(cfg.num_layers)
     )

@@ -32,7 +32,13 @@ from jaxserve.model.moe import (
     run_touched_experts,
     run_touched_experts_in_cpp,
 )
-from jaxserve.model.quantization import Int8Table, QuantizedLinear, quantized_layers, use_kernel_layout
+from jaxserve.model.quantization import (
+    KERNEL_KINDS,
+    Int8Table,
+    QuantizedLinear,
+    quantized_layers,
+    use_kernel_layout,
+)
 from jaxserve.model.sizing import per_device_config
 from jaxserve.parallel.sharding import shard_attention, tensor_parallel_size
 from jaxserve.weights.load import default_cache_dir
@@ -148,10 +154,12 @@ def select_attention(
 
 
 def matmul_unsupported_reason(model, device: jax.Device) -> str | None:
-    """Why the Mosaic GPU quantized matmuls cannot serve this model here, or None."""
-    layers = quantized_layers(model)
+    """Why the Mosaic GPU quantized matmuls cannot serve this model here, or None (its layers
+    of a kind without a kernel, a GGUF's int8 ones beside int4, then run the reference)."""
+    layers = [(path, layer) for path, layer in quantized_layers(model) if layer.kind in KERNEL_KINDS]
     if not layers:
-        return "the model has no quantized layers"
+        kinds = "/".join(sorted({layer.kind for _, layer in quantized_layers(model)}))
+        return f"the model has no int4 or fp8 layers ({kinds or 'none quantized'})"
     if not is_hopper(device):
         return f"it needs a Hopper GPU (sm_90); this device is {device.device_kind}"
     dtype = jnp.dtype(model.dtype)
@@ -465,10 +473,12 @@ def select_matmul(name: str | None, model, mesh: jax.sharding.Mesh | None = None
         )
     if name == "pallas":
         count = use_kernel_layout(model)
+        rest = len(quantized_layers(model)) - count
         logger.info(
-            "matmul backend: pallas on %s (%d quantized layers converted to the kernel layout)",
+            "matmul backend: pallas on %s (%d quantized layers converted to the kernel layout%s)",
             device.device_kind,
             count,
+            f"; {rest} without a kernel run the reference" if rest else "",
         )
     else:
         why = f" (Pallas kernels not used: {reason})" if reason else ""

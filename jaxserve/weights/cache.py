@@ -73,11 +73,14 @@ def checkpoint_dir(cache_dir: Path, source: Path) -> Path:
 
 def variant_name(dtype, quant) -> str:
     """'float32', 'bfloat16-int4', ...: what sets one entry of a checkpoint apart from another
-    (a method's second layout is named too: a GGUF kept as int8 blocks 'float32-gguf-int8', a
-    block-wise FP8 checkpoint 'float32-fp8-fp8_block')."""
+    (a method's second layout is named too: a block-wise FP8 checkpoint 'float32-fp8-fp8_block';
+    a GGUF names the layouts its projections take, 'float32-gguf-int4g32-int8g16' for a Q4_K_M)."""
     if quant is None:
         return str(dtype)
-    second = quant.method in ("gguf", "fp8") and quant.kind not in ("int4", "fp8")
+    if quant.method == "gguf":
+        layouts = sorted({(quant.kind, quant.group_size), *((k, g) for _, k, g in quant.exceptions)})
+        return f"{dtype}-gguf-" + "-".join(f"{kind}g{group}" for kind, group in layouts)
+    second = quant.method == "fp8" and quant.kind != "fp8"
     return f"{dtype}-{quant.method}" + (f"-{quant.kind}" if second else "")
 
 

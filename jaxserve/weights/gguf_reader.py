@@ -1,11 +1,12 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face-style config and tensors.
 
 Quantized tensors are dequantized with the `gguf` package, or, for `--quantization gguf`,
-the projections' blocks are kept: Q4_0 / Q4_1 / Q4_K as int4 with group 32
-(`q4_blocks_as_int4`, `q4_k_blocks_as_int4`), and in a file without 4-bit projections Q8_0
-and Q6_K as int8 with group 32, or 16 where Q6_K's scales need it (`q8_0_blocks_as_int8`,
-`q6_k_blocks_as_int8`): the file's exact values, as llama.cpp computes them
-(`GGUFFile.quant_config` says which). llama.cpp
+each projection's blocks are kept in the layout that holds them exactly (`GGUFFile.quant_config`):
+Q4_0 / Q4_1 / Q4_K as int4 with group 32 (`q4_blocks_as_int4`, `q4_k_blocks_as_int4`), Q8_0
+and Q5_0 as int8 with group 32 (`q8_0_blocks_as_int8`, `q5_0_blocks_as_int8`), Q6_K as int8
+with group 16 (`q6_k_blocks_as_int8`): the file's exact values, as llama.cpp computes them.
+A file may mix them (a Q4_K_M keeps some v and down projections in Q6_K); the model then has
+layers of both kinds. Other block types are re-quantized (`projection_layout`). llama.cpp
 stores the Q and K projections of Llama-architecture models with the rows of each head
 interleaved for its rotary kernel; we undo that permutation so the weights match Hugging
 Face's layout.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,17 @@ from jaxserve.weights.params import WeightError
 
 logger = logging.getLogger(__name__)
 
-# Block types kept as they are, by the layout that holds them exactly.
-_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-_KEPT = {"int4": _FOUR_BIT, "int8": ("Q8_0", "Q6_K")}
+# Block types kept as they are: the layout and group that hold their values exactly.
+_EXACT = {
+    "Q4_0": ("int4", 32),
+    "Q4_1": ("int4", 32),
+    "Q4_K": ("int4", 32),
+    "Q8_0": ("int8", 32),
+    "Q5_0": ("int8", 32),
+    "Q6_K": ("int8", 16),
+}
+# Block types of 4 bits a value or fewer, re-quantized to int4 (more bits: to int8).
+_FEW_BITS = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"}
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MOE_ARCHITECTURES = {"qwen2moe", "qwen3moe", "mixtral"}
@@ -122,39 +132,39 @@ class GGUFFile:
         return len(self.reader.tensors)
 
     def quant_config(self) -> QuantConfig:
-        """How `--quantization gguf` keeps this file's projections: int4 with group 32 when
-        any is a 4-bit block type (Q4_0, Q4_1, Q4_K), else int8 (Q8_0 and Q6_K kept exactly;
-        Q5_K or float projections re-quantized to int8, which loses far less than int4) with
-        group 32, or 16 when a projection is Q6_K (its scales cover 16 values)."""
-        types = {t.tensor_type.name for t in self.reader.tensors if _is_projection(t)}
-        if types & set(_FOUR_BIT):
+        """How `--quantization gguf` keeps this file's projections, each in its block type's
+        `projection_layout`: the layout most projections take, and the others as exceptions
+        (a Q4_K_M: int4 with group 32, its Q6_K projections int8 with group 16)."""
+        layouts = {_module_path(t.name): projection_layout(t.tensor_type.name) for t in self._projections()}
+        if not layouts:
             return QuantConfig("gguf", "int4", 32)
-        return QuantConfig("gguf", "int8", 16 if "Q6_K" in types else 32)
+        kind, group = Counter(layouts.values()).most_common(1)[0][0]
+        exceptions = tuple((path, *layout) for path, layout in layouts.items() if layout != (kind, group))
+        return QuantConfig("gguf", kind, group, exceptions=exceptions)
+
+    def _projections(self) -> list:
+        return [t for t in self.reader.tensors if _is_projection(t)]
 
     def tensors(self, keep: QuantConfig | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
         """(Hugging Face name, float32 array in Hugging Face layout) for every tensor; with
-        `keep` (quant_config's), the projections stored in the block types its layout holds
-        come as `QuantizedWeight`s of it."""
+        `keep` (quant_config's), the projections whose block type the layout `keep` gives them
+        holds exactly come as `QuantizedWeight`s of it, the others as floats (re-quantized by
+        the loader, said in the log)."""
         from gguf import dequantize
 
         cfg = self.hf_config()
-        layout = keep and keep.kind
-        requantized = 0
+        requantized: Counter = Counter()
         for t in self.reader.tensors:
             name = hf_name(t.name)
             shape = tuple(int(n) for n in reversed(t.shape))
             kind = t.tensor_type.name if keep is not None and _is_projection(t) else None
+            layout = keep.at(_module_path(t.name)) if kind is not None else None
             try:
-                if kind in ("Q4_0", "Q4_1") and layout == "int4":
-                    array = q4_blocks_as_int4(np.asarray(t.data), kind == "Q4_1", shape)
-                elif kind == "Q4_K" and layout == "int4":
-                    array = q4_k_blocks_as_int4(np.asarray(t.data), shape)
-                elif kind == "Q8_0" and layout == "int8":
-                    array = q8_0_blocks_as_int8(np.asarray(t.data), shape, keep.group_size)
-                elif kind == "Q6_K" and layout == "int8":
-                    array = q6_k_blocks_as_int8(np.asarray(t.data), shape)
+                if kind is not None and _EXACT.get(kind) == (layout.kind, layout.group_size):
+                    array = _KEEP[kind](np.asarray(t.data), shape)
                 else:
-                    requantized += kind is not None
+                    if kind is not None:
+                        requantized[kind, layout.label] += 1
                     array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
             except Exception as e:
                 raise WeightError(f"{self.path}: tensor {t.name!r} could not be read: {e}") from e
@@ -168,14 +178,31 @@ class GGUFFile:
                 else:
                     array = unpermute_rotary(array, heads)
             yield name, array
-        if requantized:
+        for (kind, label), count in sorted(requantized.items()):
             logger.warning(
-                "%s: %d projections are not %s blocks; they were re-quantized to %s",
+                "%s: %d %s projection%s re-quantized to %s (no layout holds %s blocks exactly)",
                 self.path.name,
-                requantized,
-                "/".join(_KEPT[layout]),
-                keep.label,
+                count,
+                kind,
+                "s were" if count > 1 else " was",
+                label,
+                kind,
             )
+
+
+def projection_layout(type_name: str) -> tuple[str, int]:
+    """(kind, group) `--quantization gguf` stores a projection of this block type in: the one
+    that holds its values exactly (_EXACT), else int4 with group 32 for 4 bits a value or fewer
+    and int8 with group 32 for more (Q5_1, Q5_K, F16, ...), which loses far less than int4."""
+    if type_name in _EXACT:
+        return _EXACT[type_name]
+    return ("int4", 32) if type_name in _FEW_BITS else ("int8", 32)
+
+
+def _module_path(gguf_name: str) -> str:
+    """A projection's module path in the model ("blk.3.ffn_down.weight" -> "layers.3.mlp.down_proj")."""
+    m = _BLOCK.match(gguf_name)
+    return f"layers.{m.group(1)}.{_IN_LAYER[m.group(2)]}"
 
 
 def _is_projection(tensor) -> bool:
@@ -227,14 +254,30 @@ def _int4_weight(nibbles: np.ndarray, scales: np.ndarray, offsets: np.ndarray, s
     return QuantizedWeight("int4", params, shape)
 
 
-def q8_0_blocks_as_int8(data: np.ndarray, shape: tuple[int, int], group: int = 32) -> QuantizedWeight:
-    """A projection's Q8_0 blocks as int8 with group 32 (or 16: each scale twice), exactly: a
-    block covers 32 consecutive inputs of one output row, f16 d then 32 int8 values q (`d * q`)."""
+def q8_0_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A projection's Q8_0 blocks as int8 with group 32, exactly: a block covers 32
+    consecutive inputs of one output row, f16 d then 32 int8 values q (`d * q`)."""
     n, k = shape
     blocks = data.reshape(n, k // 32, 34)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
     q = blocks[..., 2:34].copy().view(np.int8).reshape(n, k)
-    return _int8_weight(q, np.repeat(d, 32 // group, axis=1), shape)
+    return _int8_weight(q, d, shape)
+
+
+def q5_0_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A projection's Q5_0 blocks as int8 with group 32, exactly: a block covers 32
+    consecutive inputs of one output row, f16 d, a little-endian 32-bit word whose bit i is
+    input i's fifth bit, then 16 bytes whose low nibbles are inputs 0..15 and high nibbles
+    inputs 16..31. Input i is `d * (q - 16)`, q in [0, 31]: symmetric int8 with scale d."""
+    n, k = shape
+    blocks = data.reshape(n, k // 32, 22)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    high = blocks[..., 2:6].copy().view("<u4")  # [N, K/32, 1]
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, K/32, 32]
+    qs = blocks[..., 6:22]
+    low = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    q = ((low | (fifth << 4)).astype(np.int16) - 16).astype(np.int8).reshape(n, k)
+    return _int8_weight(q, d, shape)
 
 
 def q6_k_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -288,3 +331,14 @@ def q4_k_blocks_as_int4(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWe
     qs = blocks[..., 16:144].reshape(n, k // 256, 4, 1, 32)
     nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, k)  # [N, K] in input order
     return _int4_weight(nibbles, (d * scales).reshape(n, k // 32), (-(dmin * mins)).reshape(n, k // 32), shape)
+
+
+# The decoders of the block types kept exactly, each to its _EXACT layout.
+_KEEP = {
+    "Q4_0": lambda data, shape: q4_blocks_as_int4(data, False, shape),
+    "Q4_1": lambda data, shape: q4_blocks_as_int4(data, True, shape),
+    "Q4_K": q4_k_blocks_as_int4,
+    "Q8_0": q8_0_blocks_as_int8,
+    "Q5_0": q5_0_blocks_as_int8,
+    "Q6_K": q6_k_blocks_as_int8,
+}

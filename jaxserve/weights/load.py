@@ -287,8 +287,9 @@ def _log_group_sizes(specs: dict, quant: QuantConfig) -> None:
     """Say which int4 group size each projection got (a K the preferred size does not divide gets a smaller one)."""
     groups: dict[int, set[str]] = {}
     for path, spec in specs.items():
-        if path[0] == "layers" and path[-1] == "scales":
-            k = 2 * specs[path[:-1] + ("packed",)].shape[0]
+        packed = specs.get(path[:-1] + ("packed",))
+        if path[0] == "layers" and path[-1] == "scales" and packed is not None:  # int4 (a GGUF may mix int8 in)
+            k = 2 * packed.shape[0]
             groups.setdefault(k // spec.shape[0], set()).add(path[-2])
     for group, names in sorted(groups.items()):
         note = "" if group == quant.group_size else f" (K not a multiple of {quant.group_size})"

@@ -112,17 +112,18 @@ class ParamAssembler:
     def _add_quantized(
         self, name: str, module: tuple, tensor: np.ndarray | QuantizedWeight, expert: int | None
     ) -> None:
-        kind = self.quant.kind
+        quant = self.quant.at(".".join(map(str, module)))  # a GGUF's layers may mix int4 and int8
+        kind = quant.kind
         k, n = self.specs[module + (("packed",) if kind == "int4" else ("weight",))].shape[-2:]
         if kind == "int4":
             k *= 2
         if isinstance(tensor, QuantizedWeight):
             if tensor.kind != kind:
-                raise WeightError(f"tensor {name!r} is {tensor.kind}, but this model is quantized as {kind}")
+                raise WeightError(f"tensor {name!r} is {tensor.kind}, but this model quantizes it as {kind}")
             got, pieces = tuple(tensor.shape), tensor.params
         else:
             got = tuple(tensor.shape)
-            pieces = quantize(tensor.T, self.quant) if got == (n, k) else {}
+            pieces = quantize(tensor.T, quant) if got == (n, k) else {}
         if got != (n, k):
             raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {(n, k)}")
         for leaf, value in pieces.items():

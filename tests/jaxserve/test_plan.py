@@ -138,6 +138,17 @@ def test_a_gguf_files_own_blocks_are_planned_as_loading_keeps_them(tmp_path, qty
     assert p["weights_bytes"] == loaded.weight_bytes
 
 
+def test_a_gguf_file_that_mixes_block_types_is_planned_projection_by_projection(tmp_path):
+    from tests.jaxserve.weights.test_gguf_weights import MIXED, write_tiny_gguf
+
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    write_tiny_gguf(path, "llama", "Q4_K", types=MIXED)
+    p = make(["--model", str(path), "--device", "h100", "--dtype", "float32", "--quantization", "gguf"])
+    loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
+    assert len(loaded.quantization.exceptions) == len(MIXED)
+    assert p["weights_bytes"] == loaded.weight_bytes
+
+
 def test_int8_experts_are_refused_by_the_plan_as_by_loading(tmp_path):
     make_tiny_model("qwen3-moe", tmp_path)
     with pytest.raises(ValueError, match="int8 is for dense projections; a mixture of experts takes int4 or fp8"):

@@ -83,6 +83,29 @@ def test_unknown_method_is_refused():
         QuantConfig.for_method("int3")
 
 
+def test_exceptions_give_a_projection_its_own_layout_and_the_model_separate_layers():
+    """A GGUF's mixed block types: the projections named in `exceptions` take their own
+    layout, the rest the config's; paths are scoped layer by layer, module by module."""
+    from jaxserve.model.decoder import DecoderLM
+    from tests.jaxserve.runner.test_backend_matmul import CFG
+
+    quant = QuantConfig("gguf", "int4", 32, exceptions=(("layers.1.mlp.down_proj", "int8", 16),))
+    assert quant.label == "gguf (int4, group 32; 1 projection int8, group 16)"
+    down = quant.under("layers.1").under("mlp").at("down_proj")
+    assert (down.kind, down.group_size, down.exceptions) == ("int8", 16, ())
+    assert quant.under("layers.1").under("mlp").at("up_proj") == QuantConfig("gguf", "int4", 32)
+    assert quant.under("layers.0") == quant.under("layers.1").under("self_attn") == QuantConfig("gguf", "int4", 32)
+    assert quant.under("layers.10").exceptions == ()  # "layers.1" is not a prefix of "layers.10.…"
+    model = DecoderLM(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0), quantization=quant)
+    kinds = {path: (layer.kind, layer.din // layer.scales.shape[-2]) for path, layer in quantized_layers(model)}
+    assert kinds.pop("layers/1/mlp/down_proj") == ("int8", 16)
+    assert set(kinds.values()) == {("int4", 32)} and len(kinds) == 7 * CFG.num_layers - 1
+    with pytest.raises(ValueError, match="only int4 and int8 layouts mix"):
+        QuantConfig("fp8", "fp8", exceptions=(("layers.0.mlp.up_proj", "int8", 32),))
+    with pytest.raises(ValueError, match="even group size"):
+        QuantConfig("gguf", "int8", 32, exceptions=(("layers.0.mlp.up_proj", "int4", 15),))
+
+
 # -- quantizers and matmuls -------------------------------------------------------------
 
 

@@ -179,6 +179,18 @@ def test_use_kernel_layout_converts_every_projection_once():
         select_matmul("reference", model)  # one-way: the canonical arrays are gone
 
 
+@pytest.mark.interpret
+def test_use_kernel_layout_leaves_int8_layers_beside_int4_ones_on_the_reference():
+    """A GGUF mixing int4 and int8 layers: the int4 ones take the Mosaic GPU kernels' layout,
+    the int8 ones (no kernel) stay canonical and run the reference."""
+    quant = QuantConfig("gguf", "int4", 32, exceptions=(("layers.0.self_attn.v_proj", "int8", 16),))
+    model = DecoderLM(CFG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), quantization=quant)
+    assert use_kernel_layout(model, interpret=True) == 7 * CFG.num_layers - 1
+    layouts = {path: layer.layout for path, layer in quantized_layers(model)}
+    assert layouts.pop("layers/0/self_attn/v_proj") == "canonical"
+    assert set(layouts.values()) == {"mgpu"}
+
+
 def randomly_quantized_model(method, dtype, seed=0, cfg=CFG):
     """A tiny model whose quantized projections hold random weights (per stacked layer)."""
     rng = np.random.default_rng(seed)

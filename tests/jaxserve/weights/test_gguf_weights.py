@@ -68,15 +68,17 @@ def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, arch: str, qtype_name: str, seed: int = 0, vocabulary: dict | None = None) -> None:
-    """A random model; `vocabulary`: its tokenizer as GGUFWriter `add_*` calls (default: small_vocabulary())."""
+def write_tiny_gguf(
+    path, arch: str, qtype_name: str, seed: int = 0, vocabulary: dict | None = None, types: dict | None = None
+) -> None:
+    """A random model; `vocabulary`: its tokenizer as GGUFWriter `add_*` calls (default:
+    small_vocabulary()); `types`: block types of some tensors by GGUF name (the rest `qtype_name`)."""
     import gguf
 
     vocabulary = vocabulary or small_vocabulary()
     vocab = len(vocabulary["token_list"])
 
     g = GEOMETRY[arch]
-    qtype = gguf.GGMLQuantizationType[qtype_name]
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -95,7 +97,9 @@ def write_tiny_gguf(path, arch: str, qtype_name: str, seed: int = 0, vocabulary:
         getattr(writer, f"add_{method}")(value)
 
     def matrix(name, rows, cols):
-        if qtype_name in ("Q4_K", "Q6_K"):
+        type_name = (types or {}).get(name, qtype_name)
+        qtype = gguf.GGMLQuantizationType[type_name]
+        if type_name in ("Q4_K", "Q6_K"):
             writer.add_tensor(name, random_k_blocks(rows, cols, qtype, rng), raw_dtype=qtype)
         else:
             weights = (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
@@ -248,25 +252,60 @@ def test_a_gguf_config_is_parsed_once_then_remembered(tmp_path, monkeypatch):
     assert load.read_hf_config(str(path))[0] == GGUFFile(path).hf_config() != first
 
 
-@pytest.mark.parametrize("qtype, kind, group", [("Q4_K", "int4", 32), ("Q8_0", "int8", 32), ("Q6_K", "int8", 16)])
+def file_values(t) -> np.ndarray:
+    """A GGUF tensor's float values [out, in] as a decoder we did not write computes them:
+    transformers' torch dequantizer, or for the block types it lacks (Q5_0) the gguf package's."""
+    from gguf import dequantize as gguf_dequantize
+    from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize
+
+    shape = tuple(int(n) for n in reversed(t.shape))
+    if int(t.tensor_type) not in GGML_BLOCK:
+        return gguf_dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+    raw = torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8))  # a writable copy
+    return dequantize(raw, int(t.tensor_type), torch.float32).reshape(shape).numpy()
+
+
+def kept_values(layer) -> np.ndarray:
+    """A quantized layer's weight [in, out] as its int4 or int8 values and scales give it."""
+    from pallas_kernels.quantized_matmul import dequantize_int4
+
+    if layer.kind == "int4":
+        return np.asarray(dequantize_int4(layer.packed[...], layer.scales[...], layer.offsets[...]))
+    group = layer.din // layer.scales.shape[0]  # float32 holds each f16 scale times an int8 value exactly
+    return np.asarray(layer.weight[...], np.float32) * np.repeat(np.asarray(layer.scales[...]), group, axis=0)
+
+
+def transformers_logits(path) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return theirs(torch.tensor([PROMPT])).logits[0].double().numpy()
+
+
+@pytest.mark.parametrize(
+    "qtype, kind, group", [("Q4_K", "int4", 32), ("Q8_0", "int8", 32), ("Q5_0", "int8", 32), ("Q6_K", "int8", 16)]
+)
 def test_projections_are_served_as_the_files_own_values(tmp_path, qtype, kind, group):
     """`--quantization gguf` keeps a Q4_K projection's blocks as int4 with group 32 (its
-    sub-blocks' scales and mins), a Q8_0 file's as int8 with group 32 and a Q6_K file's as
-    int8 with group 16 (its 16-value scales times d), instead of re-rounding them: every kept
-    weight dequantizes to transformers' torch dequantizer of the file's bytes, and the logits
-    (llama: the rotary permutation applied to kept weights) equal transformers reading the file."""
+    sub-blocks' scales and mins), a Q8_0 or Q5_0 file's as int8 with group 32 (Q5_0's five
+    bits less 16) and a Q6_K file's as int8 with group 16 (its 16-value scales times d),
+    instead of re-rounding them: every kept weight dequantizes to the file's values (a
+    decoder we did not write), and the logits (llama: the rotary permutation applied to kept
+    weights) equal transformers reading the file."""
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations.gguf.dequant import dequantize
 
     from jaxserve.model.quantization import quantized_layers
     from jaxserve.weights.gguf_reader import hf_name
-    from pallas_kernels.quantized_matmul import dequantize_int4
 
     path = tmp_path / f"tiny-qwen3-{qtype}.gguf"
     write_tiny_gguf(path, "qwen3", qtype)
     loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
-    assert (loaded.quantization.kind, loaded.quantization.group_size) == (kind, group)
+    assert (loaded.quantization.kind, loaded.quantization.group_size, loaded.quantization.exceptions) == (
+        kind,
+        group,
+        (),
+    )
     layers = {f"model.{path.replace('/', '.')}.weight": m for path, m in quantized_layers(loaded.model)}
     kept = 0
     for t in GGUFReader(str(path)).tensors:
@@ -274,24 +313,68 @@ def test_projections_are_served_as_the_files_own_values(tmp_path, qtype, kind, g
             continue
         layer = layers[hf_name(t.name)]
         assert layer.kind == kind and layer.scales.shape[0] == layer.din // group, t.name
-        shape = tuple(int(n) for n in reversed(t.shape))
-        raw = torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8))
-        want = dequantize(raw, int(t.tensor_type), torch.float32).reshape(shape).numpy().T
-        if kind == "int4":
-            got = np.asarray(dequantize_int4(layer.packed[...], layer.scales[...], layer.offsets[...]))
-        else:  # float32 holds each f16 scale times an int8 value exactly
-            got = np.asarray(layer.weight[...], np.float32) * np.repeat(np.asarray(layer.scales[...]), group, axis=0)
-        np.testing.assert_array_equal(got, want, err_msg=t.name)
+        np.testing.assert_array_equal(kept_values(layer), file_values(t).T, err_msg=t.name)
         kept += 1
     assert kept == 7 * LAYERS
 
     path = tmp_path / f"tiny-llama-{qtype}.gguf"
     write_tiny_gguf(path, "llama", qtype)
     loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = theirs(torch.tensor([PROMPT])).logits[0].double().numpy()
+    want = transformers_logits(path)
     err = np.abs(our_logits(loaded, PROMPT) - want).max()
+    assert np.abs(want).max() > 1.0 and err <= 1e-4, f"max abs error {err:.2e}"
+
+
+# A Q4_K_M-style file: Q4_K projections, some v and down projections in Q6_K (llama.cpp's
+# "more bits" layers), and the fallbacks llama.cpp takes where a row is not a multiple of 256
+# (Q5_0 for Q4_K, Q8_0 for Q6_K).
+MIXED = {
+    "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_k.weight": "Q5_0",
+    "blk.1.ffn_up.weight": "Q8_0",
+}
+
+
+@pytest.mark.parametrize("matmul", ["reference", "cpu"])
+def test_a_file_that_mixes_block_types_keeps_each_projection_in_its_own_layout(tmp_path, matmul):
+    """A Q4_K_M-style file keeps every projection's own values: its Q4_K ones as int4 with
+    group 32, its Q6_K ones as int8 with group 16, Q5_0 and Q8_0 as int8 with group 32 (before,
+    the whole model took int4 and the Q6_K layers lost two bits). Every weight dequantizes to
+    the file's values, the logits equal transformers reading the file, through the reference
+    and through the CPU kernels (which take each layer's layout), and the weight cache
+    restores the same layers."""
+    from gguf import GGUFReader
+
+    from jaxserve.model.quantization import quantized_layers
+    from jaxserve.runner.kernels import select_matmul
+    from jaxserve.weights.gguf_reader import hf_name
+
+    path = tmp_path / "tiny-llama-Q4_K_M.gguf"
+    write_tiny_gguf(path, "llama", "Q4_K", types=MIXED)
+    loaded = load_model(str(path), use_cache=True, cache_dir=tmp_path / "cache", progress=False, quantization="gguf")
+    quant = loaded.quantization
+    assert (quant.kind, quant.group_size) == ("int4", 32)
+    assert quant.label == "gguf (int4, group 32; 2 projections int8, group 16; 2 projections int8, group 32)"
+    layouts = {"Q4_K": ("int4", 32), "Q6_K": ("int8", 16), "Q5_0": ("int8", 32), "Q8_0": ("int8", 32)}
+    layers = {f"model.{path.replace('/', '.')}.weight": m for path, m in quantized_layers(loaded.model)}
+    kept = 0
+    for t in GGUFReader(str(path)).tensors:
+        if hf_name(t.name) not in layers:
+            continue
+        layer = layers[hf_name(t.name)]
+        kind, group = layouts[t.tensor_type.name]
+        assert (layer.kind, layer.din // layer.scales.shape[0]) == (kind, group), t.name
+        if t.name.split(".")[-2] not in ("attn_q", "attn_k"):  # llama: Q and K rows permuted (the logits check those)
+            np.testing.assert_array_equal(kept_values(layer), file_values(t).T, err_msg=t.name)
+            kept += 1
+    assert kept == 5 * LAYERS
+
+    restored = load_model(str(path), use_cache=True, cache_dir=tmp_path / "cache", progress=False, quantization="gguf")
+    assert restored.from_cache and restored.quantization == quant
+    assert select_matmul(matmul, restored.model) == matmul
+    want = transformers_logits(path)
+    err = np.abs(our_logits(restored, PROMPT) - want).max()
     assert np.abs(want).max() > 1.0 and err <= 1e-4, f"max abs error {err:.2e}"
 
 
@@ -306,8 +389,8 @@ def test_a_file_without_4_bit_projections_keeps_int8_and_re_quantizes_the_rest_t
     with caplog.at_level(logging.WARNING, logger="jaxserve.weights.gguf_reader"):
         loaded = load_model(str(path), use_cache=False, progress=False, quantization="gguf")
     assert (loaded.quantization.kind, loaded.quantization.group_size) == ("int8", 32)
-    want_log = f"{7 * LAYERS} projections are not Q8_0/Q6_K blocks; they were re-quantized to gguf (int8, group 32)"
-    assert want_log in caplog.text
+    want_log = f"{7 * LAYERS} F16 projections were re-quantized to gguf (int8, group 32)"
+    assert f"{want_log} (no layout holds F16 blocks exactly)" in caplog.text
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
         want = theirs(torch.tensor([PROMPT])).logits[0].double().numpy()
