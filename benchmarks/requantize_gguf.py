@@ -7,15 +7,35 @@ are, and `general.file_type` names the new type. The values are the source's re-
 not a quantization of the original float weights: fine for timing, and llama.cpp and
 jaxserve then read the same blocks.
 
-    python benchmarks/requantize_gguf.py SRC.gguf DST.gguf [--type Q8_0]
+    python benchmarks/requantize_gguf.py SRC.gguf DST.gguf [--type Q8_0|Q4_0|Q4_1|F32]
+
+The K-quant mixes people download (Q4_K_M, Q5_K_M, ...) are made by llama.cpp's own
+quantizer, which the `gguf` package lacks: with `--llama-cpp-python` (the venv of
+benchmarks/install_llama_cpp.sh) the source is written as F32 first and
+`llama_model_quantize` makes DST from it, choosing each tensor's type as llama.cpp does
+(for the default model's rows of 576, not a multiple of 256: Q5_0 and Q8_0 where Q4_K and
+Q6_K do not fit).
+
+    python benchmarks/requantize_gguf.py SRC.gguf DST.gguf --type Q4_K_M --llama-cpp-python .venv-llama-cpp/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 from pathlib import Path
 
-FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
+FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "F32": "ALL_F32"}
+LLAMA_CPP_TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q3_K_M")
+# Run in llama.cpp's venv: its quantizer on argv[1] -> argv[2], file type argv[3] (LLAMA_FTYPE_MOSTLY_*).
+QUANTIZE_SCRIPT = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
+if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params) != 0:
+    raise SystemExit("llama_model_quantize failed")
+"""
 
 
 def requantize(src: Path, dst: Path, qtype_name: str) -> int:
@@ -51,8 +71,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
-    p.add_argument("--type", default="Q8_0", choices=sorted(FILE_TYPES), help="the block type to write")
+    p.add_argument(
+        "--type", default="Q8_0", choices=sorted(FILE_TYPES) + list(LLAMA_CPP_TYPES), help="the block type to write"
+    )
+    p.add_argument("--llama-cpp-python", help="Python of llama.cpp's venv: its quantizer makes the K-quant mixes")
     args = p.parse_args(argv)
+    if args.type in LLAMA_CPP_TYPES:
+        if not args.llama_cpp_python or not Path(args.llama_cpp_python).is_file():
+            p.error(f"--type {args.type} is made by llama.cpp: pass --llama-cpp-python (see install_llama_cpp.sh)")
+        with tempfile.TemporaryDirectory() as tmp:
+            f32 = Path(tmp) / "f32.gguf"
+            requantize(args.src, f32, "F32")
+            cmd = [args.llama_cpp_python, "-c", QUANTIZE_SCRIPT, str(f32), str(args.dst), args.type]
+            subprocess.run(cmd, check=True)
+        print(f"{args.dst}: {args.type} by llama.cpp, {args.dst.stat().st_size / 2**20:.1f} MiB")
+        return 0
     changed = requantize(args.src, args.dst, args.type)
     print(f"{args.dst}: {changed} tensors as {args.type}, {args.dst.stat().st_size / 2**20:.1f} MiB")
     return 0

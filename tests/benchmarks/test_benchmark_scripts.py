@@ -414,3 +414,16 @@ def test_requantize_gguf_writes_the_same_model_in_q8_0(tmp_path):
         assert np.all(np.abs((now - was).reshape(-1, 32 if len(old.shape) == 2 else 1)) <= bound), old.name
     loaded = load_model(str(dst), use_cache=False, progress=False, quantization="gguf")
     assert loaded.quantization.kind == "int8" and loaded.config == load_model(str(src), use_cache=False).config
+
+
+def test_requantize_gguf_asks_for_llama_cpp_to_make_a_k_quant_mix(tmp_path):
+    """Q4_K_M and the other mixes are llama.cpp's quantizer's: without its venv the script
+    stops at once, saying how to make one, and writes nothing."""
+    from tests.jaxserve.weights.test_gguf_weights import write_tiny_gguf
+
+    src, dst = tmp_path / "tiny-Q4_0.gguf", tmp_path / "tiny-Q4_K_M.gguf"
+    write_tiny_gguf(src, "llama", "Q4_0")
+    args = [str(src), str(dst), "--type", "Q4_K_M", "--llama-cpp-python", str(tmp_path / "missing")]
+    script = [sys.executable, "benchmarks/requantize_gguf.py"]
+    out = subprocess.run([*script, *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "install_llama_cpp.sh" in out.stderr and not dst.exists()
