@@ -70,6 +70,9 @@ MAX_ROWS = 16  # the most rows of x small_matmul takes
 # 1 / 2 / 4 / 8 / 16 rows, XLA 24.4 / 30.6 / 35.7 / 42.4 / 47.0 ms.
 LAYER_MAX_ROWS = 8
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
+# More compiler flags, space-separated: "-mno-avx512f" builds the AVX2 paths on a machine with
+# AVX-512 (tests compare the two).
+FLAGS_ENV_VAR = "JAXSERVE_CPU_KERNEL_FLAGS"
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 _lock = threading.Lock()
@@ -100,8 +103,9 @@ def _build(cache_dir: Path) -> str | None:
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on the PATH; set CXX)"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    flags = (*FLAGS, *os.environ.get(FLAGS_ENV_VAR, "").split())
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.lib.__version__, _cpu_identity()]).encode()
+        "\n".join([SOURCE.read_text(), " ".join(flags), version, jax.lib.__version__, _cpu_identity()]).encode()
     ).hexdigest()[:16]
     library = cache_dir / "cpu_kernels" / f"cpu_kernels_{key}.so"
     if not library.exists():
@@ -111,7 +115,7 @@ def _build(cache_dir: Path) -> str | None:
         logger.info("compiling the CPU kernels (once per machine) into %s", library)
         start = time.perf_counter()
         done = subprocess.run(
-            [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", partial], capture_output=True, text=True
+            [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", partial], capture_output=True, text=True
         )
         if done.returncode:
             os.unlink(partial)

@@ -357,6 +357,51 @@ def test_int8_matmul_rows_are_computed_alone_and_in_bfloat16():
         cpu_kernels.int8_matmul(x, head[0].astype(jnp.int16), head[1], 300)
 
 
+def quantized_products() -> dict[str, np.ndarray]:
+    """int4_matmul and int8_matmul of seeded random weights (float16 and float32 scales) for
+    1 to 16 rows, with the kernels built as this process builds them."""
+    assert cpu_kernels.build(default_cache_dir()) is None
+    rng = np.random.default_rng(11)
+    k, n = 576, 80
+    x = jnp.asarray(rng.standard_normal((16, k)), jnp.float32)
+    int4 = cpu_kernels.tile_int4(
+        jnp.asarray(rng.integers(0, 256, (k // 2, n), dtype=np.uint8)),
+        jnp.asarray(rng.random((k // 32, n)), jnp.float16),
+        jnp.asarray(rng.random((k // 32, n)) - 0.5, jnp.float16),
+    )
+    int8 = cpu_kernels.tile_int8(
+        jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8)), jnp.asarray(rng.random((k // 16, n)), jnp.float32)
+    )
+    out = {}
+    for m in (1, 2, 3, 4, 5, 16):
+        out[f"int4_{m}"] = np.asarray(cpu_kernels.int4_matmul(x[:m], *int4, n))
+        out[f"int8_{m}"] = np.asarray(cpu_kernels.int8_matmul(x[:m], *int8, n))
+    return out
+
+
+def test_the_avx2_kernels_give_the_bits_of_the_avx512_ones(tmp_path):
+    """int4_matmul and int8_matmul built without AVX-512 (its AVX2 paths, what a machine without
+    it runs) give the same bits as built here: each column's sums run the same fma chain."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    saved = tmp_path / "avx2.npz"
+    code = (
+        "import numpy as np; from tests.pallas_kernels.test_cpu_kernels import quantized_products; "
+        f"np.savez({str(saved)!r}, **quantized_products())"
+    )
+    env = {**os.environ, cpu_kernels.FLAGS_ENV_VAR: "-mno-avx512f"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    here, avx2 = quantized_products(), np.load(saved)
+    assert sorted(avx2.files) == sorted(here)
+    for name, values in here.items():
+        np.testing.assert_array_equal(avx2[name], values, err_msg=name)
+
+
 def rms_norm64(x, weight, eps):
     return weight * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
 
