@@ -135,15 +135,13 @@ class GGUFFile:
         """How `--quantization gguf` keeps this file's projections, each in its block type's
         `projection_layout`: the layout most projections take, and the others as exceptions
         (a Q4_K_M: int4 with group 32, its Q6_K projections int8 with group 16)."""
-        layouts = {_module_path(t.name): projection_layout(t.tensor_type.name) for t in self._projections()}
+        projections = [t for t in self.reader.tensors if _is_projection(t)]
+        layouts = {_module_path(t.name): projection_layout(t.tensor_type.name) for t in projections}
         if not layouts:
             return QuantConfig("gguf", "int4", 32)
         kind, group = Counter(layouts.values()).most_common(1)[0][0]
         exceptions = tuple((path, *layout) for path, layout in layouts.items() if layout != (kind, group))
         return QuantConfig("gguf", kind, group, exceptions=exceptions)
-
-    def _projections(self) -> list:
-        return [t for t in self.reader.tensors if _is_projection(t)]
 
     def tensors(self, keep: QuantConfig | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
         """(Hugging Face name, float32 array in Hugging Face layout) for every tensor; with
@@ -201,8 +199,7 @@ def projection_layout(type_name: str) -> tuple[str, int]:
 
 def _module_path(gguf_name: str) -> str:
     """A projection's module path in the model ("blk.3.ffn_down.weight" -> "layers.3.mlp.down_proj")."""
-    m = _BLOCK.match(gguf_name)
-    return f"layers.{m.group(1)}.{_IN_LAYER[m.group(2)]}"
+    return hf_name(gguf_name).removeprefix("model.").rsplit(".", 1)[0]
 
 
 def _is_projection(tensor) -> bool:
