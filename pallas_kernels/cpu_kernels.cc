@@ -799,19 +799,24 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
 
 // ---- 8-bit weights for a few rows: JaxserveInt8Matmul ----
 //
-// y = x @ W for W [K, N] with w[k, n] = scales[g, n] * q[k, n], q int8 and g = k / group: GGUF's
-// Q8_0 blocks (32 values and a float16 scale), as a tied LM head's table often comes. Tiled as the
-// int4 weights are (cpu_kernels.tile_int8): q [tiles, K, kInt4Tile], scales [tiles, G, kInt4Tile]
-// in float32 or float16. A group's sum is taken over the int8 values and scaled once (llama.cpp's
-// Q8_0 dot), in one order per column whatever the rows of the call.
+// y = x @ W for W [K, N] with w[k, n] = scales[g, n] * q[k, n] (+ offsets[g, n]), q int8 and
+// g = k / group: GGUF's Q8_0 blocks (32 values and a float16 scale), as a tied LM head's table
+// often comes, its Q5_0 and Q6_K blocks, and with offsets its Q5_1 and Q5_K ones. Tiled as the
+// int4 weights are (cpu_kernels.tile_int8): q [tiles, K, kInt4Tile], scales (and offsets)
+// [tiles, G, kInt4Tile] in float32 or float16. A group's sum is taken over the int8 values and
+// scaled once (llama.cpp's Q8_0 dot), its offset times the group's sum of x added after (as the
+// int4 kernel does), in one order per column whatever the rows of the call. Without offsets
+// (nullptr) there is no offset term at all.
 
 template <typename ST>
-float int8_column(const float* x, const int8_t* q, const ST* scales, int64_t k, int64_t group, int64_t c) {
+float int8_column(const float* x, const float* xsum, const int8_t* q, const ST* scales, const ST* offsets, int64_t k,
+                  int64_t group, int64_t c) {
   float total = 0.0f;
   for (int64_t g = 0; g < k / group; ++g) {
     float sum = 0.0f;
     for (int64_t i = g * group; i < (g + 1) * group; ++i) sum = std::fma(x[i], float(q[i * kInt4Tile + c]), sum);
     total = std::fma(load(scales[g * kInt4Tile + c]), sum, total);
+    if (offsets) total = std::fma(load(offsets[g * kInt4Tile + c]), xsum[g], total);
   }
   return total;
 }
@@ -820,8 +825,8 @@ float int8_column(const float* x, const int8_t* q, const ST* scales, int64_t k, 
 // int8_column for R rows and C vectors of 8 columns from column c0 of a tile, in registers: the
 // int8 values converted once for all rows. out[r] gets the C * 8 columns.
 template <int R, int C, typename ST>
-void int8_columns_avx2(const float* const* x, const int8_t* q, const ST* scales, int64_t k, int64_t group, int64_t c0,
-                       float* const* out) {
+void int8_columns_avx2(const float* const* x, const float* const* xsum, const int8_t* q, const ST* scales,
+                       const ST* offsets, int64_t k, int64_t group, int64_t c0, float* const* out) {
   __m256 total[R][C];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < C; ++v) total[r][v] = _mm256_setzero_ps();
@@ -842,17 +847,22 @@ void int8_columns_avx2(const float* const* x, const int8_t* q, const ST* scales,
     for (int v = 0; v < C; ++v) {
       const __m256 s = load8(scales + g * kInt4Tile + c0 + 8 * v);
       for (int r = 0; r < R; ++r) total[r][v] = _mm256_fmadd_ps(s, sum[r][v], total[r][v]);
+      if (offsets) {
+        const __m256 o = load8(offsets + g * kInt4Tile + c0 + 8 * v);
+        for (int r = 0; r < R; ++r) total[r][v] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(xsum[r] + g), total[r][v]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < C; ++v) _mm256_storeu_ps(out[r] + 8 * v, total[r][v]);
 }
+#endif
 
 #if defined(JAXSERVE_AVX512)
 // int8_columns_avx2 for R rows and a whole tile (two vectors of 16 columns).
 template <int R, typename ST>
-void int8_tile_avx512(const float* const* x, const int8_t* q, const ST* scales, int64_t k, int64_t group,
-                      float* const* out) {
+void int8_tile_avx512(const float* const* x, const float* const* xsum, const int8_t* q, const ST* scales,
+                      const ST* offsets, int64_t k, int64_t group, float* const* out) {
   __m512 total[R][2];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2; ++v) total[r][v] = _mm512_setzero_ps();
@@ -873,6 +883,10 @@ void int8_tile_avx512(const float* const* x, const int8_t* q, const ST* scales, 
     for (int v = 0; v < 2; ++v) {
       const __m512 s = load16(scales + g * kInt4Tile + 16 * v);
       for (int r = 0; r < R; ++r) total[r][v] = _mm512_fmadd_ps(s, sum[r][v], total[r][v]);
+      if (offsets) {
+        const __m512 o = load16(offsets + g * kInt4Tile + 16 * v);
+        for (int r = 0; r < R; ++r) total[r][v] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[r][g]), total[r][v]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -880,87 +894,108 @@ void int8_tile_avx512(const float* const* x, const int8_t* q, const ST* scales, 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
 // Rows [r0, r0 + R) of one tile, as int4_tile_rows takes them.
 template <int R, typename ST>
-void int8_tile_rows(const float* xf, const int8_t* q, const ST* scales, int64_t k, int64_t group, int64_t r0,
-                    float* out) {
-  const float* x[R];
+void int8_tile_rows(const float* xf, const float* xsums, const int8_t* q, const ST* scales, const ST* offsets,
+                    int64_t k, int64_t group, int64_t r0, float* out) {
+  const float *x[R], *xs[R];
   float* o[R];
-  for (int r = 0; r < R; ++r) x[r] = xf + (r0 + r) * k;
+  for (int r = 0; r < R; ++r) x[r] = xf + (r0 + r) * k, xs[r] = xsums ? xsums + (r0 + r) * (k / group) : nullptr;
 #if defined(JAXSERVE_AVX512)
   for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile;
-  return int8_tile_avx512<R>(x, q, scales, k, group, o);
+  return int8_tile_avx512<R>(x, xs, q, scales, offsets, k, group, o);
 #endif
   if (R == 1) {
     o[0] = out + r0 * kInt4Tile;
-    return int8_columns_avx2<R, 4>(x, q, scales, k, group, 0, o);
+    return int8_columns_avx2<R, 4>(x, xs, q, scales, offsets, k, group, 0, o);
   }
   for (int64_t half = 0; half < kInt4Tile; half += 16) {
     for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile + half;
-    int8_columns_avx2<R, 2>(x, q, scales, k, group, half, o);
+    int8_columns_avx2<R, 2>(x, xs, q, scales, offsets, k, group, half, o);
   }
 }
 #endif
 
-// One tile for all m rows: out [m, kInt4Tile].
+// One tile for all m rows: out [m, kInt4Tile]. xsums [m, k / group]: x's group sums (with offsets).
 template <typename ST>
-void int8_tile(const float* xf, const int8_t* q, const ST* scales, int64_t m, int64_t k, int64_t group, float* out) {
+void int8_tile(const float* xf, const float* xsums, const int8_t* q, const ST* scales, const ST* offsets, int64_t m,
+               int64_t k, int64_t group, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   int64_t r = 0;
-  for (; r + 4 <= m; r += 4) int8_tile_rows<4>(xf, q, scales, k, group, r, out);
-  for (; r + 2 <= m; r += 2) int8_tile_rows<2>(xf, q, scales, k, group, r, out);
-  for (; r < m; ++r) int8_tile_rows<1>(xf, q, scales, k, group, r, out);
+  for (; r + 4 <= m; r += 4) int8_tile_rows<4>(xf, xsums, q, scales, offsets, k, group, r, out);
+  for (; r + 2 <= m; r += 2) int8_tile_rows<2>(xf, xsums, q, scales, offsets, k, group, r, out);
+  for (; r < m; ++r) int8_tile_rows<1>(xf, xsums, q, scales, offsets, k, group, r, out);
 #else
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t c = 0; c < kInt4Tile; ++c) out[r * kInt4Tile + c] = int8_column(xf + r * k, q, scales, k, group, c);
+    for (int64_t c = 0; c < kInt4Tile; ++c)
+      out[r * kInt4Tile + c] =
+          int8_column(xf + r * k, xsums ? xsums + r * (k / group) : nullptr, q, scales, offsets, k, group, c);
 #endif
 }
 
 template <typename XT, typename ST>
-void int8_matmul(ffi::ThreadPool& pool, const XT* x, const int8_t* q, const ST* scales, XT* y, int64_t m, int64_t k,
-                 int64_t n, int64_t group) {
+void int8_matmul(ffi::ThreadPool& pool, const XT* x, const int8_t* q, const ST* scales, const ST* offsets, XT* y,
+                 int64_t m, int64_t k, int64_t n, int64_t group) {
   const std::vector<float> xf = as_floats(x, m * k);
+  const std::vector<float> sums = offsets ? group_sums(xf, m, k, group) : std::vector<float>();
   const float* xp = xf.data();
+  const float* sp = offsets ? sums.data() : nullptr;
   run_units(pool, (n + kInt4Tile - 1) / kInt4Tile, [=](int64_t t) {
     float out[kMaxRows * kInt4Tile];
-    int8_tile(xp, q + t * k * kInt4Tile, scales + t * (k / group) * kInt4Tile, m, k, group, out);
+    const int64_t stride = t * (k / group) * kInt4Tile;
+    int8_tile(xp, sp, q + t * k * kInt4Tile, scales + stride, offsets ? offsets + stride : nullptr, m, k, group, out);
     store_tile(out, y, m, n, t);
   });
 }
 
+template <typename XT, typename ST>
+void int8_matmul_typed(ffi::ThreadPool& pool, const void* x, const int8_t* q, const void* scales, const void* offsets,
+                       void* y, int64_t m, int64_t k, int64_t n, int64_t group) {
+  int8_matmul(pool, static_cast<const XT*>(x), q, static_cast<const ST*>(scales), static_cast<const ST*>(offsets),
+              static_cast<XT*>(y), m, k, n, group);
+}
+
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> q, ffi::AnyBuffer scales,
-                      ffi::Result<ffi::AnyBuffer> y) {
+                      ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   const bool shapes_ok = xd.size() == 2 && qd.size() == 3 && sd.size() == 3 && yd.size() == 2 &&
                          xd[0] <= kMaxRows && yd[0] == xd[0] && xd[1] == qd[1] && qd[2] == kInt4Tile &&
                          sd[0] == qd[0] && sd[2] == kInt4Tile && sd[1] >= 1 && xd[1] % sd[1] == 0 &&
-                         yd[1] <= qd[0] * kInt4Tile && yd[1] > (qd[0] - 1) * kInt4Tile;
+                         yd[1] <= qd[0] * kInt4Tile && yd[1] > (qd[0] - 1) * kInt4Tile && rest.size() <= 1;
   if (!shapes_ok)
     return ffi::Error::InvalidArgument(
-        "expected x [M <= 16, K], q [tiles, K, 32], scales [tiles, G, 32] with G dividing K, y [M, N] with N in the "
-        "last tile");
+        "expected x [M <= 16, K], q [tiles, K, 32], scales [tiles, G, 32] with G dividing K, at most offsets "
+        "beside, y [M, N] with N in the last tile");
   const auto xt = x.element_type(), st = scales.element_type();
   if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || y->element_type() != xt)
     return ffi::Error::InvalidArgument("x must be float32 or bfloat16, y as x");
   if (st != ffi::DataType::F32 && st != ffi::DataType::F16)
     return ffi::Error::InvalidArgument("scales must be float32 or float16");
+  const void* offsets = nullptr;
+  if (rest.size() == 1) {
+    auto o = rest.get<ffi::AnyBuffer>(0);
+    if (o.has_error()) return o.error();
+    auto od = o->dimensions();
+    if (o->element_type() != st || od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
+      return ffi::Error::InvalidArgument("offsets must be as scales: [tiles, G, 32], their dtype");
+    offsets = o->untyped_data();
+  }
+  // NOTE: an odd group cannot take x's group sums (group_sums adds pairs); cpu_kernels.py refuses it.
+  if (offsets && (xd[1] / sd[1]) % 2) return ffi::Error::InvalidArgument("offsets need an even group size");
   const int64_t m = xd[0], k = xd[1], n = yd[1], group = k / sd[1];
   const int8_t* qp = q.typed_data();
   const void *xv = x.untyped_data(), *sv = scales.untyped_data();
   void* yv = y->untyped_data();
   const bool x32 = xt == ffi::DataType::F32, s32 = st == ffi::DataType::F32;
   if (x32 && s32)
-    int8_matmul(pool, static_cast<const float*>(xv), qp, static_cast<const float*>(sv), static_cast<float*>(yv), m, k,
-                n, group);
+    int8_matmul_typed<float, float>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
   else if (x32)
-    int8_matmul(pool, static_cast<const float*>(xv), qp, static_cast<const Half*>(sv), static_cast<float*>(yv), m, k, n,
-                group);
+    int8_matmul_typed<float, Half>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
   else if (s32)
-    int8_matmul(pool, static_cast<const uint16_t*>(xv), qp, static_cast<const float*>(sv), static_cast<uint16_t*>(yv),
-                m, k, n, group);
+    int8_matmul_typed<uint16_t, float>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
   else
-    int8_matmul(pool, static_cast<const uint16_t*>(xv), qp, static_cast<const Half*>(sv), static_cast<uint16_t*>(yv),
-                m, k, n, group);
+    int8_matmul_typed<uint16_t, Half>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
   return ffi::Error::Success();
 }
 
@@ -1331,6 +1366,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8Matmul,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::Buffer<ffi::S8>>()  // q [tiles, K, 32]
                                   .Arg<ffi::AnyBuffer>()  // scales [tiles, G, 32], float32 or float16
+                                  .RemainingArgs()  // nothing, or offsets as scales
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attention,

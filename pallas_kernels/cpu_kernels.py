@@ -356,19 +356,30 @@ def q8_0_blocks(table, block: int = Q8_0_BLOCK) -> tuple[np.ndarray, np.ndarray]
 
 def tile_int8(q: jax.Array, scales: jax.Array, scale_dtype=jnp.float16) -> tuple[jax.Array, jax.Array]:
     """An int8 weight q [K, N] with scales [G, N] in int8_matmul's layout: q [tiles, K,
-    INT4_TILE], scales [tiles, G, INT4_TILE] in `scale_dtype`, as tile_int4 tiles int4."""
-    return _tile_columns(q), _tile_columns(scales.astype(scale_dtype))
+    INT4_TILE], scales [tiles, G, INT4_TILE] in `scale_dtype`, as tile_int4 tiles int4
+    (offsets, where a weight has them, tile as its scales: tile_scales)."""
+    return _tile_columns(q), tile_scales(scales, scale_dtype)
+
+
+def tile_scales(a: jax.Array, scale_dtype=jnp.float16) -> jax.Array:
+    """Per-group values [G, N] (an int8 weight's scales or offsets) in int8_matmul's layout."""
+    return _tile_columns(a.astype(scale_dtype))
 
 
 def untile_int8(q: jax.Array, scales: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """tile_int8 undone: the weight of N output columns in quantized_matmul's layout."""
-    return _untile_columns(q, n), _untile_columns(scales, n).astype(jnp.float32)
+    return _untile_columns(q, n), untile_scales(scales, n)
 
 
-def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int) -> jax.Array:
-    """x [M <= MAX_ROWS, K] @ W with W[k, c] = scales[g, c] * q[k, c] (g = k // (K // G)), in
-    tile_int8's layout, N output columns -> [M, N] in x's dtype (float32 or bfloat16),
-    accumulated in float32, the weight never written out as floats. Not differentiable."""
+def untile_scales(a: jax.Array, n: int) -> jax.Array:
+    """tile_scales undone, in float32."""
+    return _untile_columns(a, n).astype(jnp.float32)
+
+
+def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int, offsets: jax.Array | None = None) -> jax.Array:
+    """x [M <= MAX_ROWS, K] @ W with W[k, c] = scales[g, c] * q[k, c] (+ offsets[g, c]; g = k //
+    (K // G)), in tile_int8's layout, N output columns -> [M, N] in x's dtype (float32 or
+    bfloat16), accumulated in float32, the weight never written out as floats. Not differentiable."""
     _check_built()
     m, k = x.shape
     tiles, groups = scales.shape[:2]
@@ -378,19 +389,22 @@ def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int) -> jax.Ar
         or scales.shape != (tiles, groups, INT4_TILE)
         or k % groups
         or not (tiles - 1) * INT4_TILE < n <= tiles * INT4_TILE
+        or (offsets is not None and (offsets.shape != scales.shape or (k // groups) % 2))
     ):
         raise ValueError(
-            f"int8_matmul takes x [M <= {MAX_ROWS}, K], q [tiles, K, {INT4_TILE}] and scales [tiles, G, "
-            f"{INT4_TILE}] (tile_int8's layout) with G dividing K, and N in the last tile; got {x.shape}, "
-            f"{q.shape}, {scales.shape}, N={n}"
+            f"int8_matmul takes x [M <= {MAX_ROWS}, K], q [tiles, K, {INT4_TILE}] and scales (and offsets) [tiles, "
+            f"G, {INT4_TILE}] (tile_int8's layout) with G dividing K (evenly, with offsets), and N in the last "
+            f"tile; got {x.shape}, {q.shape}, {scales.shape}, {None if offsets is None else offsets.shape}, N={n}"
         )
     if x.dtype not in KV_DTYPES or q.dtype != jnp.int8 or scales.dtype not in (jnp.float32, jnp.float16):
         raise ValueError(
             f"int8_matmul takes float32 or bfloat16 x, int8 q and float32 or float16 scales, got {x.dtype}, "
             f"{q.dtype}, {scales.dtype}"
         )
+    if offsets is not None and offsets.dtype != scales.dtype:
+        raise ValueError(f"int8_matmul takes offsets in the scales' dtype, got {offsets.dtype} and {scales.dtype}")
     call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
-    return call(x, q, scales)
+    return call(x, q, scales) if offsets is None else call(x, q, scales, offsets)
 
 
 def _check_block(name: str, x: jax.Array, *arrays: jax.Array) -> None:

@@ -8,6 +8,7 @@ Weight layouts (K is the contracting axis, N the output axis):
            offsets float32 [K // group, N]   w[k, n] = scales[g, n] * nibble + offsets[g, n], g = k // group
     int8:  weight  int8    [K, N]
            scales  float32 [K // group, N]   w[k, n] = scales[g, n] * weight[k, n]
+    int8_asym: int8's, and offsets float32 [K // group, N]   w[k, n] = scales[g, n] * weight[k, n] + offsets[g, n]
     fp8:   weight  e4m3    [K, N]
            scales  float32 [N]               w[k, n] = scales[n] * weight[k, n]
     fp8_block (block-wise FP8 checkpoints, blocks of bk inputs by bn outputs):
@@ -16,7 +17,8 @@ Weight layouts (K is the contracting axis, N the output axis):
 
 The asymmetric int4 form holds GGUF's Q4_1 (`d * q + m`) and Q4_0 (`d * (q - 8)`)
 exactly, and compressed-tensors' zero points (`s * (q - z)`); the symmetric int8 form
-holds GGUF's Q8_0 (`d * q`, group 32) exactly. This module holds the
+holds GGUF's Q8_0 (`d * q`, group 32), Q5_0 and Q6_K exactly, the asymmetric one its Q5_1
+(`d * q + m`) and Q5_K. This module holds the
 pure-JAX versions: the CPU serving path and the oracle for the Pallas kernels. Those
 (`quantized_matmul_mgpu`) take the same weights after a one-time, load-time conversion
 to their own layout (`prepare_int4`, `prepare_fp8`: K-major [N, K], N padded); these
@@ -55,11 +57,16 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, of
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def int8_matmul_reference(x: jax.Array, weight: jax.Array, scales: jax.Array) -> jax.Array:
-    """x [M, K] @ the int8 weight -> [M, N] in x's dtype (the weight is upcast to it)."""
-    x, weight, scales = jax.lax.optimization_barrier((x, weight, scales))  # see int4_matmul_reference
+def int8_matmul_reference(
+    x: jax.Array, weight: jax.Array, scales: jax.Array, offsets: jax.Array | None = None
+) -> jax.Array:
+    """x [M, K] @ the int8 weight (scales * q, + offsets per group where given) -> [M, N] in
+    x's dtype (the weight is upcast to it)."""
+    x, weight, scales, offsets = jax.lax.optimization_barrier((x, weight, scales, offsets))  # see int4_matmul_reference
     groups, n = scales.shape
     w = weight.astype(jnp.float32).reshape(groups, -1, n) * scales[:, None, :]
+    if offsets is not None:
+        w = w + offsets[:, None, :]
     return jnp.dot(x, w.reshape(-1, n).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 

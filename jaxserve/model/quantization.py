@@ -10,9 +10,10 @@ embeddings, norms and LM head stay in the model dtype. Methods (`--quantization`
            on the fly (W8A8), float32 accumulation
     gguf   a GGUF file's own blocks instead of dequantized floats, projection by projection:
            Q4_0 / Q4_1 / Q4_K kept as int4 with group 32, Q8_0 and Q5_0 as int8 with group 32,
-           Q6_K as int8 with group 16 (the file's exact values); other block types are
-           re-quantized, to int4 if they have 4 bits or fewer, else to int8. A file that mixes
-           them (Q4_K_M: Q4_K with some Q6_K) has layers of both kinds (`QuantConfig.exceptions`)
+           Q5_1 and Q5_K as int8 with an offset per 32 (the layout "int8_asym"), Q6_K as int8
+           with group 16 (the file's exact values); other block types are re-quantized, to
+           int4 if they have 4 bits or fewer, else to int8. A file that mixes them (Q4_K_M:
+           Q4_K with some Q6_K) has layers of each kind (`QuantConfig.exceptions`)
 
 A checkpoint saved by llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel (GPTQ)
 or AutoAWQ (AWQ) brings its own int4 or fp8 weights and needs no flag; so does a block-wise
@@ -47,7 +48,9 @@ from pallas_kernels.quantized_matmul import (
 )
 
 METHODS = ("int4", "int8", "fp8", "gguf")
-KINDS = ("int4", "int8", "fp8", "fp8_block")
+KINDS = ("int4", "int8", "int8_asym", "fp8", "fp8_block")
+INT8_KINDS = ("int8", "int8_asym")  # int8 values; int8_asym adds an offset per group (GGUF's Q5_1, Q5_K)
+MIXABLE_KINDS = ("int4", *INT8_KINDS)  # the layouts a GGUF's projections may mix in one model
 KERNEL_KINDS = ("int4", "fp8")  # the layouts the Mosaic GPU kernels read
 DEFAULT_GROUP_SIZE = 128
 Q8_0_GROUP = cpu_kernels.Q8_0_BLOCK  # int8's group along K: GGUF's Q8_0 block (32)
@@ -81,7 +84,7 @@ class QuantConfig:
         if (self.block is not None) != (self.kind == "fp8_block"):
             raise ValueError("a block size goes with the fp8_block layout, and only with it")
         for path, kind, group in self.exceptions:
-            if kind not in ("int4", "int8") or self.kind not in ("int4", "int8") or self.act_order:
+            if kind not in MIXABLE_KINDS or self.kind not in MIXABLE_KINDS or self.act_order:
                 raise ValueError(f"{path}: only int4 and int8 layouts mix in a model, not {kind} with {self.kind}")
             if kind == "int4" and (group < 2 or group % 2):
                 raise ValueError(f"{path}: int4 needs an even group size, got {group}")
@@ -121,7 +124,7 @@ class QuantConfig:
 
     def check_experts(self) -> None:
         """Raise if a mixture of experts' experts cannot be stored this way."""
-        if self.kind in ("int8", "fp8_block"):
+        if self.kind in ("int8", "int8_asym", "fp8_block"):
             raise ValueError(
                 f"{self.label}: {self.kind} is for dense projections; a mixture of experts takes int4 or fp8"
             )
@@ -166,10 +169,12 @@ class QuantizedLinear(nnx.Module):
             self.offsets = nnx.Param(jnp.zeros((din // group, dout), jnp.float32))
             # act-order: the packed rows are the inputs in this order (y = x[:, order] @ rows)
             self.input_order = nnx.Param(jnp.arange(din, dtype=jnp.int32)) if quant.act_order else None
-        elif quant.kind == "int8":
+        elif quant.kind in INT8_KINDS:
             self.input_order = None
+            groups = din // quant.group_size_for(din)
             self.weight = nnx.Param(jnp.zeros((din, dout), jnp.int8))
-            self.scales = nnx.Param(jnp.zeros((din // quant.group_size_for(din), dout), jnp.float32))
+            self.scales = nnx.Param(jnp.zeros((groups, dout), jnp.float32))
+            self.offsets = nnx.Param(jnp.zeros((groups, dout), jnp.float32)) if quant.kind == "int8_asym" else None
         elif quant.kind == "fp8_block":
             self.input_order, self.block = None, quant.block
             bn, bk = quant.block
@@ -192,8 +197,8 @@ class QuantizedLinear(nnx.Module):
             y = self._cpu_matmul(x2)
         elif self.kind == "int4":
             y = int4_matmul_reference(x2, self.packed[...], self.scales[...], self.offsets[...])
-        elif self.kind == "int8":
-            y = int8_matmul_reference(x2, self.weight[...], self.scales[...])
+        elif self.kind in INT8_KINDS:
+            y = int8_matmul_reference(x2, self.weight[...], self.scales[...], self._int8_offsets())
         elif self.kind == "fp8_block":
             y = fp8_block_matmul_reference(x2, self.weight[...], self.scales[...], self.block)
         else:
@@ -205,6 +210,9 @@ class QuantizedLinear(nnx.Module):
         # parameters may hold each KV head several times (sharding.replicate_kv_heads).
         y = y.reshape(*lead, y.shape[-1])
         return y if self.bias is None else y + self.bias[...]
+
+    def _int8_offsets(self) -> jax.Array | None:
+        return self.offsets[...] if self.kind == "int8_asym" else None
 
     def _kernel_matmul(self, x: jax.Array) -> jax.Array:
         # NOTE: the kernel module is imported where used (here and below), as backend.py does
@@ -221,11 +229,13 @@ class QuantizedLinear(nnx.Module):
         # A prefill chunk (more rows than the kernels take) runs the reference on the weight
         # untiled in the step (its dequantization to floats costs the same; the chunk's rows share it).
         small = x.shape[0] <= cpu_kernels.MAX_ROWS
-        if self.kind == "int8":
-            q, scales = self.weight[...], self.scales[...]
+        if self.kind in INT8_KINDS:
+            q, scales, offsets = self.weight[...], self.scales[...], self._int8_offsets()
             if small:
-                return cpu_kernels.int8_matmul(x, q, scales, self.dout)
-            return int8_matmul_reference(x, *cpu_kernels.untile_int8(q, scales, self.dout))
+                return cpu_kernels.int8_matmul(x, q, scales, self.dout, offsets)
+            if offsets is not None:
+                offsets = cpu_kernels.untile_scales(offsets, self.dout)
+            return int8_matmul_reference(x, *cpu_kernels.untile_int8(q, scales, self.dout), offsets)
         weight = (self.packed[...], self.scales[...], self.offsets[...])
         if small:
             return cpu_kernels.int4_matmul(x, *weight, self.dout)
@@ -239,13 +249,19 @@ class QuantizedLinear(nnx.Module):
         own) are kept in float16: fewer bytes, the same values."""
         if self.layout == "cpu":
             return
-        if self.kind not in ("int4", "int8") or self.layout != "canonical":
+        if self.kind not in MIXABLE_KINDS or self.layout != "canonical":
             raise ValueError(f"the CPU layout is for canonical int4 and int8 layers, not {self.kind} in {self.layout}")
-        if self.kind == "int8":
-            half = cpu_kernels.half_scales_exact(self.scales[...])
+        if self.kind in INT8_KINDS:
+            offsets = self._int8_offsets()
+            half = cpu_kernels.half_scales_exact(self.scales[...], *([] if offsets is None else [offsets]))
+            dtype = jnp.float16 if half else jnp.float32
             tile = jax.jit(cpu_kernels.tile_int8, static_argnames="scale_dtype")
-            q, scales = tile(self.weight[...], self.scales[...], scale_dtype=jnp.float16 if half else jnp.float32)
+            q, scales = tile(self.weight[...], self.scales[...], scale_dtype=dtype)
             self.weight, self.scales = nnx.Param(q), nnx.Param(scales)
+            if offsets is not None:
+                self.offsets = nnx.Param(
+                    jax.jit(cpu_kernels.tile_scales, static_argnames="scale_dtype")(offsets, dtype)
+                )
         else:
             weight = (self.packed[...], self.scales[...], self.offsets[...])
             half = cpu_kernels.half_scales_exact(*weight[1:])
@@ -261,10 +277,14 @@ class QuantizedLinear(nnx.Module):
             raise ValueError("the Mosaic GPU layout is one-way (its canonical arrays are gone)")
         if self.layout != "cpu":
             return
-        if self.kind == "int8":
+        if self.kind in INT8_KINDS:
             untile = jax.jit(cpu_kernels.untile_int8, static_argnums=2)
             q, scales = untile(self.weight[...], self.scales[...], self.dout)
             self.weight, self.scales = nnx.Param(q), nnx.Param(scales)
+            if self.kind == "int8_asym":
+                self.offsets = nnx.Param(
+                    jax.jit(cpu_kernels.untile_scales, static_argnums=1)(self.offsets[...], self.dout)
+                )
         else:
             weight = (self.packed[...], self.scales[...], self.offsets[...])
             untile = jax.jit(cpu_kernels.untile_int4, static_argnums=3)
@@ -441,6 +461,8 @@ def quantize(w: np.ndarray, quant: QuantConfig) -> dict[str, np.ndarray]:
         return quantize_int4(w, quant.group_size_for(w.shape[0]))
     if quant.kind == "int8":
         return quantize_int8(w, quant.group_size_for(w.shape[0]))
+    if quant.kind == "int8_asym":  # nothing rounds to it: it holds a GGUF's Q5_1 and Q5_K blocks as stored
+        raise ValueError("int8_asym holds a GGUF's Q5_1 / Q5_K blocks as they are; a float weight is not rounded to it")
     if quant.kind == "fp8_block":
         return quantize_fp8_block(w, quant.block)
     return quantize_fp8(w)

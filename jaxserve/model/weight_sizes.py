@@ -139,8 +139,8 @@ def projection_bytes(k: int, n: int, dtype, quant: QuantConfig | None) -> int:
         return k * n * jnp.dtype(dtype).itemsize
     if quant.kind == "int4":  # packed nibbles, a float32 scale and offset per group (act-order: an int32 order)
         return k // 2 * n + 2 * (k // quant.group_size_for(k)) * n * 4 + (4 * k if quant.act_order else 0)
-    if quant.kind == "int8":  # a byte a value, a float32 scale per group
-        return k * n + (k // quant.group_size_for(k)) * n * 4
+    if quant.kind in ("int8", "int8_asym"):  # a byte a value, a float32 scale (and offset) per group
+        return k * n + (2 if quant.kind == "int8_asym" else 1) * (k // quant.group_size_for(k)) * n * 4
     if quant.kind == "fp8_block":  # e4m3, a float32 scale per block
         bn, bk = quant.block
         return k * n + -(-k // bk) * -(-n // bn) * 4

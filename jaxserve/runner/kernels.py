@@ -34,6 +34,7 @@ from jaxserve.model.moe import (
 )
 from jaxserve.model.quantization import (
     KERNEL_KINDS,
+    MIXABLE_KINDS,
     Int8Table,
     QuantizedLinear,
     quantized_layers,
@@ -294,7 +295,7 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
         restore_canonical_layout(model)
         logger.info("matmul backend: reference on %s (CPU kernel not used: %s)", device.device_kind, reason)
         return "reference"
-    packed = [layer for _, layer in quantized_layers(model) if layer.kind in ("int4", "int8")]
+    packed = [layer for _, layer in quantized_layers(model) if layer.kind in MIXABLE_KINDS]
     if not packed and not model.cfg.tie_word_embeddings:
         logger.info(
             "matmul backend: reference on %s (the CPU kernels take int4, int8 or float weights)", device.device_kind

@@ -3,8 +3,9 @@
 Quantized tensors are dequantized with the `gguf` package, or, for `--quantization gguf`,
 each projection's blocks are kept in the layout that holds them exactly (`GGUFFile.quant_config`):
 Q4_0 / Q4_1 / Q4_K as int4 with group 32 (`q4_blocks_as_int4`, `q4_k_blocks_as_int4`), Q8_0
-and Q5_0 as int8 with group 32 (`q8_0_blocks_as_int8`, `q5_0_blocks_as_int8`), Q6_K as int8
-with group 16 (`q6_k_blocks_as_int8`): the file's exact values, as llama.cpp computes them.
+and Q5_0 as int8 with group 32 (`q8_0_blocks_as_int8`, `q5_0_blocks_as_int8`), Q5_1 and Q5_K
+as int8 with an offset per 32 (int8_asym: `q5_1_blocks_as_int8`, `q5_k_blocks_as_int8`), Q6_K
+as int8 with group 16 (`q6_k_blocks_as_int8`): the file's exact values, as llama.cpp computes them.
 A file may mix them (a Q4_K_M keeps some v and down projections in Q6_K); the model then has
 layers of both kinds. Other block types are re-quantized (`projection_layout`). llama.cpp
 stores the Q and K projections of Llama-architecture models with the rows of each head
@@ -36,6 +37,8 @@ _EXACT = {
     "Q4_K": ("int4", 32),
     "Q8_0": ("int8", 32),
     "Q5_0": ("int8", 32),
+    "Q5_1": ("int8_asym", 32),
+    "Q5_K": ("int8_asym", 32),
     "Q6_K": ("int8", 16),
 }
 # Block types of 4 bits a value or fewer, re-quantized to int4 (more bits: to int8).
@@ -191,7 +194,7 @@ class GGUFFile:
 def projection_layout(type_name: str) -> tuple[str, int]:
     """(kind, group) `--quantization gguf` stores a projection of this block type in: the one
     that holds its values exactly (_EXACT), else int4 with group 32 for 4 bits a value or fewer
-    and int8 with group 32 for more (Q5_1, Q5_K, F16, ...), which loses far less than int4."""
+    and int8 with group 32 for more (F16, BF16, F32, ...), which loses far less than int4."""
     if type_name in _EXACT:
         return _EXACT[type_name]
     return ("int4", 32) if type_name in _FEW_BITS else ("int8", 32)
@@ -263,18 +266,55 @@ def q8_0_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWe
 
 def q5_0_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
     """A projection's Q5_0 blocks as int8 with group 32, exactly: a block covers 32
-    consecutive inputs of one output row, f16 d, a little-endian 32-bit word whose bit i is
-    input i's fifth bit, then 16 bytes whose low nibbles are inputs 0..15 and high nibbles
-    inputs 16..31. Input i is `d * (q - 16)`, q in [0, 31]: symmetric int8 with scale d."""
+    consecutive inputs of one output row, f16 d, then the five-bit values (`_five_bits`).
+    Input i is `d * (q - 16)`, q in [0, 31]: symmetric int8 with scale d."""
     n, k = shape
     blocks = data.reshape(n, k // 32, 22)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
-    high = blocks[..., 2:6].copy().view("<u4")  # [N, K/32, 1]
-    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, K/32, 32]
-    qs = blocks[..., 6:22]
-    low = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
-    q = ((low | (fifth << 4)).astype(np.int16) - 16).astype(np.int8).reshape(n, k)
-    return _int8_weight(q, d, shape)
+    q = _five_bits(blocks[..., 2:6], blocks[..., 6:22]).astype(np.int16) - 16
+    return _int8_weight(q.astype(np.int8).reshape(n, k), d, shape)
+
+
+def q5_1_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A projection's Q5_1 blocks as asymmetric int8 with group 32, exactly: Q5_0's block with
+    an f16 m after d; input i is `d * q + m`, q in [0, 31]."""
+    n, k = shape
+    blocks = data.reshape(n, k // 32, 24)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = _five_bits(blocks[..., 4:8], blocks[..., 8:24]).astype(np.int8).reshape(n, k)
+    return _int8_weight(q, d, shape, m)
+
+
+def q5_k_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A projection's Q5_K blocks as asymmetric int8 with group 32, exactly.
+
+    A Q5_K super-block covers 256 consecutive inputs of one output row: f16 d and dmin, Q4_K's
+    12 bytes of 6-bit scales and mins (one pair per 32 inputs), 32 bytes of fifth bits, then 128
+    bytes of nibbles, each 32 of them holding 64 inputs (low nibbles the first 32, high the
+    next). Input l of sub-block j takes bit j of fifth-bit byte l. Input i of sub-block j is
+    `d * scale_j * q - dmin * min_j`, q in [0, 31]: scale `d * scale_j`, offset `-dmin * min_j`.
+    """
+    n, k = shape
+    blocks = data.reshape(n, k // 256, 176)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, K/256, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    scales, mins = _k_quant_scales(blocks[..., 4:16])
+    fifth = blocks[..., 16:48]  # [N, K/256, 32]
+    qs = blocks[..., 48:176].reshape(n, k // 256, 4, 1, 32)
+    nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, k // 256, 8, 32)  # sub-block j, input l
+    high = (fifth[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, K/256, 8, 32]
+    q = (nibbles | (high << 4)).astype(np.int8).reshape(n, k)
+    return _int8_weight(q, (d * scales).reshape(n, k // 32), shape, (-(dmin * mins)).reshape(n, k // 32))
+
+
+def _five_bits(high: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 values in [0, 31], [..., 32]: `high` a little-endian 32-bit word per block
+    whose bit i is input i's fifth bit, `qs` 16 bytes whose low nibbles are inputs 0..15 and
+    high nibbles inputs 16..31."""
+    word = high.copy().view("<u4")  # [..., 1]
+    fifth = ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1) | (fifth << 4)
 
 
 def q6_k_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -299,10 +339,13 @@ def q6_k_blocks_as_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWe
     return _int8_weight(q, scales.reshape(n, k // 16), shape)
 
 
-def _int8_weight(q: np.ndarray, scales: np.ndarray, shape) -> QuantizedWeight:
-    """Values [N, K] in input order and scales [N, K / group]: our int8 layout ([K, N])."""
+def _int8_weight(q: np.ndarray, scales: np.ndarray, shape, offsets: np.ndarray | None = None) -> QuantizedWeight:
+    """Values [N, K] in input order, scales (and offsets) [N, K / group]: our int8 layout
+    ([K, N]), int8_asym with offsets."""
     params = {"weight": np.ascontiguousarray(q.T), "scales": np.ascontiguousarray(scales.T)}
-    return QuantizedWeight("int8", params, shape)
+    if offsets is None:
+        return QuantizedWeight("int8", params, shape)
+    return QuantizedWeight("int8_asym", params | {"offsets": np.ascontiguousarray(offsets.T)}, shape)
 
 
 def q4_k_blocks_as_int4(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -319,15 +362,22 @@ def q4_k_blocks_as_int4(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWe
     blocks = data.reshape(n, k // 256, 144)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, K/256, 1]
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-    packed = blocks[..., 4:16].astype(np.uint8)
-    low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    # Sub-blocks 0-3 keep their 6 bits in bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7
-    # take 4 low bits from bytes 8-11 and their top 2 from the top bits of bytes 0-3 / 4-7.
-    scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
-    mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    scales, mins = _k_quant_scales(blocks[..., 4:16])
     qs = blocks[..., 16:144].reshape(n, k // 256, 4, 1, 32)
     nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, k)  # [N, K] in input order
     return _int4_weight(nibbles, (d * scales).reshape(n, k // 32), (-(dmin * mins)).reshape(n, k // 32), shape)
+
+
+def _k_quant_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes [..., 12] as eight 6-bit scales and eight 6-bit mins, float32
+    [..., 8] each. Sub-blocks 0-3 keep their 6 bits in bytes 0-3 (scales) and 4-7 (mins);
+    sub-blocks 4-7 take 4 low bits from bytes 8-11 and their top 2 from the top bits of bytes
+    0-3 / 4-7."""
+    packed = packed.astype(np.uint8)
+    low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    return scales, mins
 
 
 # The decoders of the block types kept exactly, each to its _EXACT layout.
@@ -337,5 +387,7 @@ _KEEP = {
     "Q4_K": q4_k_blocks_as_int4,
     "Q8_0": q8_0_blocks_as_int8,
     "Q5_0": q5_0_blocks_as_int8,
+    "Q5_1": q5_1_blocks_as_int8,
+    "Q5_K": q5_k_blocks_as_int8,
     "Q6_K": q6_k_blocks_as_int8,
 }

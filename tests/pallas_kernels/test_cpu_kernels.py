@@ -357,9 +357,33 @@ def test_int8_matmul_rows_are_computed_alone_and_in_bfloat16():
         cpu_kernels.int8_matmul(x, head[0].astype(jnp.int16), head[1], 300)
 
 
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.float32])
+def test_int8_matmul_with_offsets_equals_numpy(scale_dtype):
+    """Asymmetric int8 (GGUF's Q5_1 and Q5_K: `scale * q + offset` per group of 32): x @ W
+    against float64 NumPy for 1 to 16 rows (fours, twos and ones, a ragged last tile), each row
+    the same bits computed alone, and the offsets' shape and dtype checked."""
+    rng = np.random.default_rng(21)
+    k, n = 576, 70
+    q = rng.integers(0, 32, (k, n), dtype=np.int8)
+    scales = (rng.random((k // 32, n)) * 0.01).astype(np.float16).astype(np.float32)
+    offsets = (-rng.random((k // 32, n)) * 0.1).astype(np.float16).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(scales, 32, 0) + np.repeat(offsets, 32, 0)
+    tq, ts = cpu_kernels.tile_int8(jnp.asarray(q), jnp.asarray(scales), scale_dtype=scale_dtype)
+    to = cpu_kernels.tile_scales(jnp.asarray(offsets), scale_dtype)
+    x = jnp.asarray(rng.standard_normal((16, k)), jnp.float32)
+    together = np.asarray(cpu_kernels.int8_matmul(x, tq, ts, n, to))
+    np.testing.assert_allclose(together, np.asarray(x, np.float64) @ w, rtol=1e-5, atol=1e-5)
+    for m in (1, 2, 3, 5):
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.int8_matmul(x[:m], tq, ts, n, to)), together[:m])
+    with pytest.raises(ValueError, match="offsets"):
+        cpu_kernels.int8_matmul(x, tq, ts, n, to[:, :3])
+    with pytest.raises(ValueError, match="offsets in the scales' dtype"):
+        cpu_kernels.int8_matmul(x, tq, ts, n, to.astype(jnp.float32 if scale_dtype == jnp.float16 else jnp.float16))
+
+
 def quantized_products() -> dict[str, np.ndarray]:
-    """int4_matmul and int8_matmul of seeded random weights (float16 and float32 scales) for
-    1 to 16 rows, with the kernels built as this process builds them."""
+    """int4_matmul and int8_matmul (with and without offsets) of seeded random weights (float16
+    and float32 scales) for 1 to 16 rows, with the kernels built as this process builds them."""
     assert cpu_kernels.build(default_cache_dir()) is None
     rng = np.random.default_rng(11)
     k, n = 576, 80
@@ -372,10 +396,12 @@ def quantized_products() -> dict[str, np.ndarray]:
     int8 = cpu_kernels.tile_int8(
         jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8)), jnp.asarray(rng.random((k // 16, n)), jnp.float32)
     )
+    offsets = cpu_kernels.tile_scales(jnp.asarray(rng.random((k // 16, n)) - 0.5), jnp.float16)
     out = {}
     for m in (1, 2, 3, 4, 5, 16):
         out[f"int4_{m}"] = np.asarray(cpu_kernels.int4_matmul(x[:m], *int4, n))
         out[f"int8_{m}"] = np.asarray(cpu_kernels.int8_matmul(x[:m], *int8, n))
+        out[f"int8_asym_{m}"] = np.asarray(cpu_kernels.int8_matmul(x[:m], *int8, n, offsets))
     return out
 
 

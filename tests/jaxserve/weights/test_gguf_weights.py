@@ -52,13 +52,13 @@ def small_vocabulary() -> dict:
 
 
 def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks whose values come out near N(0, 1/cols)."""
+    """Random Q4_K / Q5_K / Q6_K blocks whose values come out near N(0, 1/cols)."""
     from gguf import GGML_QUANT_SIZES, dequantize
 
     block, size = GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    # The f16 super-block scales: d (and Q4_K's dmin) lead a Q4_K block; d ends a Q6_K block.
-    scale_at = [slice(0, 2), slice(2, 4)] if qtype.name == "Q4_K" else [slice(size - 2, size)]
+    # The f16 super-block scales: d and dmin lead a Q4_K or Q5_K block; d ends a Q6_K block.
+    scale_at = [slice(0, 2), slice(2, 4)] if qtype.name in ("Q4_K", "Q5_K") else [slice(size - 2, size)]
     for at in scale_at:
         data[..., at] = np.full((rows, cols // block, 1), 1.0, np.float16).view(np.uint8)
     spread = dequantize(data.reshape(rows, -1), qtype).std()
@@ -99,7 +99,7 @@ def write_tiny_gguf(
     def matrix(name, rows, cols):
         type_name = (types or {}).get(name, qtype_name)
         qtype = gguf.GGMLQuantizationType[type_name]
-        if type_name in ("Q4_K", "Q6_K"):
+        if type_name in ("Q4_K", "Q5_K", "Q6_K"):
             writer.add_tensor(name, random_k_blocks(rows, cols, qtype, rng), raw_dtype=qtype)
         else:
             weights = (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
@@ -272,7 +272,10 @@ def kept_values(layer) -> np.ndarray:
     if layer.kind == "int4":
         return np.asarray(dequantize_int4(layer.packed[...], layer.scales[...], layer.offsets[...]))
     group = layer.din // layer.scales.shape[0]  # float32 holds each f16 scale times an int8 value exactly
-    return np.asarray(layer.weight[...], np.float32) * np.repeat(np.asarray(layer.scales[...]), group, axis=0)
+    values = np.asarray(layer.weight[...], np.float32) * np.repeat(np.asarray(layer.scales[...]), group, axis=0)
+    if layer.kind == "int8_asym":  # then the offset added, as the file's dequantizers do
+        values += np.repeat(np.asarray(layer.offsets[...]), group, axis=0)
+    return values
 
 
 def transformers_logits(path) -> np.ndarray:
@@ -284,12 +287,21 @@ def transformers_logits(path) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "qtype, kind, group", [("Q4_K", "int4", 32), ("Q8_0", "int8", 32), ("Q5_0", "int8", 32), ("Q6_K", "int8", 16)]
+    "qtype, kind, group",
+    [
+        ("Q4_K", "int4", 32),
+        ("Q8_0", "int8", 32),
+        ("Q5_0", "int8", 32),
+        ("Q5_1", "int8_asym", 32),
+        ("Q5_K", "int8_asym", 32),
+        ("Q6_K", "int8", 16),
+    ],
 )
 def test_projections_are_served_as_the_files_own_values(tmp_path, qtype, kind, group):
     """`--quantization gguf` keeps a Q4_K projection's blocks as int4 with group 32 (its
     sub-blocks' scales and mins), a Q8_0 or Q5_0 file's as int8 with group 32 (Q5_0's five
-    bits less 16) and a Q6_K file's as int8 with group 16 (its 16-value scales times d),
+    bits less 16), Q5_1's and Q5_K's as int8 with an offset per 32 (their five bits, scale and
+    min) and a Q6_K file's as int8 with group 16 (its 16-value scales times d),
     instead of re-rounding them: every kept weight dequantizes to the file's values (a
     decoder we did not write), and the logits (llama: the rotary permutation applied to kept
     weights) equal transformers reading the file."""
@@ -327,19 +339,22 @@ def test_projections_are_served_as_the_files_own_values(tmp_path, qtype, kind, g
 
 # A Q4_K_M-style file: Q4_K projections, some v and down projections in Q6_K (llama.cpp's
 # "more bits" layers), and the fallbacks llama.cpp takes where a row is not a multiple of 256
-# (Q5_0 for Q4_K, Q8_0 for Q6_K).
+# (Q5_0 for Q4_K, Q8_0 for Q6_K); a Q5_K_M's Q5_K and Q5_1.
 MIXED = {
     "blk.0.attn_v.weight": "Q6_K",
     "blk.0.ffn_down.weight": "Q6_K",
     "blk.1.attn_k.weight": "Q5_0",
     "blk.1.ffn_up.weight": "Q8_0",
+    "blk.0.ffn_gate.weight": "Q5_1",
+    "blk.1.attn_output.weight": "Q5_K",
 }
 
 
 @pytest.mark.parametrize("matmul", ["reference", "cpu"])
 def test_a_file_that_mixes_block_types_keeps_each_projection_in_its_own_layout(tmp_path, matmul):
     """A Q4_K_M-style file keeps every projection's own values: its Q4_K ones as int4 with
-    group 32, its Q6_K ones as int8 with group 16, Q5_0 and Q8_0 as int8 with group 32 (before,
+    group 32, its Q6_K ones as int8 with group 16, Q5_0 and Q8_0 as int8 with group 32, Q5_1
+    and Q5_K as int8 with an offset per 32 (before,
     the whole model took int4 and the Q6_K layers lost two bits). Every weight dequantizes to
     the file's values, the logits equal transformers reading the file, through the reference
     and through the CPU kernels (which take each layer's layout), and the weight cache
@@ -355,8 +370,12 @@ def test_a_file_that_mixes_block_types_keeps_each_projection_in_its_own_layout(t
     loaded = load_model(str(path), use_cache=True, cache_dir=tmp_path / "cache", progress=False, quantization="gguf")
     quant = loaded.quantization
     assert (quant.kind, quant.group_size) == ("int4", 32)
-    assert quant.label == "gguf (int4, group 32; 2 projections int8, group 16; 2 projections int8, group 32)"
+    assert quant.label == (
+        "gguf (int4, group 32; 2 projections int8, group 16; 2 projections int8, group 32; "
+        "2 projections int8_asym, group 32)"
+    )
     layouts = {"Q4_K": ("int4", 32), "Q6_K": ("int8", 16), "Q5_0": ("int8", 32), "Q8_0": ("int8", 32)}
+    layouts |= {"Q5_1": ("int8_asym", 32), "Q5_K": ("int8_asym", 32)}
     layers = {f"model.{path.replace('/', '.')}.weight": m for path, m in quantized_layers(loaded.model)}
     kept = 0
     for t in GGUFReader(str(path)).tensors:
