@@ -655,8 +655,8 @@ void int4_tile_rows(const float* xf, const float* xsums, const uint8_t* packed, 
   for (int r = 0; r < R; ++r) x[r] = xf + (r0 + r) * k, xs[r] = xsums + (r0 + r) * (k / group);
 #if defined(JAXSERVE_AVX512)
   for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile;
-  return int4_tile_avx512<R>(x, xs, packed, scales, offsets, k, group, o);
-#endif
+  int4_tile_avx512<R>(x, xs, packed, scales, offsets, k, group, o);
+#else
   if (R == 1) {
     o[0] = out + r0 * kInt4Tile;
     return int4_columns_avx2<R, 4>(x, xs, packed, scales, offsets, k, group, 0, o);
@@ -665,6 +665,7 @@ void int4_tile_rows(const float* xf, const float* xsums, const uint8_t* packed, 
     for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile + half;
     int4_columns_avx2<R, 2>(x, xs, packed, scales, offsets, k, group, half, o);
   }
+#endif
 }
 #endif
 
@@ -904,8 +905,8 @@ void int8_tile_rows(const float* xf, const float* xsums, const int8_t* q, const 
   for (int r = 0; r < R; ++r) x[r] = xf + (r0 + r) * k, xs[r] = xsums ? xsums + (r0 + r) * (k / group) : nullptr;
 #if defined(JAXSERVE_AVX512)
   for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile;
-  return int8_tile_avx512<R>(x, xs, q, scales, offsets, k, group, o);
-#endif
+  int8_tile_avx512<R>(x, xs, q, scales, offsets, k, group, o);
+#else
   if (R == 1) {
     o[0] = out + r0 * kInt4Tile;
     return int8_columns_avx2<R, 4>(x, xs, q, scales, offsets, k, group, 0, o);
@@ -914,6 +915,7 @@ void int8_tile_rows(const float* xf, const float* xsums, const int8_t* q, const 
     for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * kInt4Tile + half;
     int8_columns_avx2<R, 2>(x, xs, q, scales, offsets, k, group, half, o);
   }
+#endif
 }
 #endif
 
