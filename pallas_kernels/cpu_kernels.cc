@@ -23,7 +23,9 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
@@ -500,7 +502,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
-// ---- 4-bit weights for a few rows: JaxserveInt4Matmul ----
+// ---- 4-bit weights for a few rows (JaxserveQuantizedMatmul) ----
 //
 // y = x @ W for an int4 weight W [K, N] (w[k, n] = scales[g, n] * nibble + offsets[g, n] for
 // g = k / group, as in quantized_matmul.py) in the tiled layout of cpu_kernels.tile_int4: tiles of
@@ -703,16 +705,6 @@ void store_tile(const float* out, XT* y, int64_t m, int64_t n, int64_t t) {
     for (int64_t c = 0; c < cols; ++c) store(out[r * kInt4Tile + c], y + r * n + first + c);
 }
 
-// One int4 weight of a JaxserveInt4Matmul call, checked; y [m, n] is its output.
-struct Int4Weight {
-  const uint8_t* packed;
-  const void* scales;
-  const void* offsets;
-  bool half;  // float16 scales and offsets, else float32
-  int64_t n, group, tiles;
-  void* y;
-};
-
 // x's sum over each group of `group` values, per row: [m, k / group].
 std::vector<float> group_sums(const std::vector<float>& xf, int64_t m, int64_t k, int64_t group) {
   std::vector<float> sums(m * (k / group));
@@ -725,80 +717,7 @@ std::vector<float> group_sums(const std::vector<float>& xf, int64_t m, int64_t k
   return sums;
 }
 
-// Every weight's tiles as one pool of units, x converted once: q, k and v (or gate and up) read
-// the same rows, and a call costs a dispatch and a wake-up of the helpers, so one call for all
-// of them pays that once.
-template <typename XT>
-void int4_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k, const std::vector<Int4Weight>& weights) {
-  const std::vector<float> xf = as_floats(x, m * k);
-  std::vector<std::vector<float>> sums;
-  std::vector<int64_t> first(1, 0);  // the first unit of each weight, and the total
-  for (const Int4Weight& w : weights) {
-    sums.push_back(group_sums(xf, m, k, w.group));
-    first.push_back(first.back() + w.tiles);
-  }
-  const float* xp = xf.data();
-  const Int4Weight* ws = weights.data();
-  const std::vector<float>* sp = sums.data();
-  const int64_t* fp = first.data();
-  run_units(pool, first.back(), [=](int64_t u) {
-    int64_t i = 0;
-    while (u >= fp[i + 1]) ++i;
-    const Int4Weight& w = ws[i];
-    const int64_t t = u - fp[i], groups = k / w.group, stride = t * groups * kInt4Tile;
-    const uint8_t* packed = w.packed + t * (k / 2) * kInt4Tile;
-    float out[kMaxRows * kInt4Tile];
-    if (w.half)
-      int4_tile(xp, sp[i].data(), packed, static_cast<const Half*>(w.scales) + stride,
-                static_cast<const Half*>(w.offsets) + stride, m, k, w.group, out);
-    else
-      int4_tile(xp, sp[i].data(), packed, static_cast<const float*>(w.scales) + stride,
-                static_cast<const float*>(w.offsets) + stride, m, k, w.group, out);
-    store_tile(out, static_cast<XT*>(w.y), m, w.n, t);
-  });
-}
-
-// x, then (packed, scales, offsets) per weight; one y per weight.
-ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  auto xd = x.dimensions();
-  const auto xt = x.element_type();
-  if (xd.size() != 2 || xd[0] > kMaxRows || rets.size() == 0 || args.size() != 3 * rets.size())
-    return ffi::Error::InvalidArgument("expected x [M <= 16, K], then packed, scales and offsets per output");
-  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
-  const int64_t m = xd[0], k = xd[1];
-  std::vector<Int4Weight> weights;
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto packed = args.get<ffi::Buffer<ffi::U8>>(3 * i);
-    auto scales = args.get<ffi::AnyBuffer>(3 * i + 1), offsets = args.get<ffi::AnyBuffer>(3 * i + 2);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!packed || !scales || !offsets || !y)
-      return ffi::Error::InvalidArgument("expected uint8 packed nibbles, scales, offsets and a result per weight");
-    auto pd = packed->dimensions(), sd = scales->dimensions(), od = offsets->dimensions(), yd = (*y)->dimensions();
-    const bool shapes_ok = pd.size() == 3 && sd.size() == 3 && od.size() == 3 && yd.size() == 2 && yd[0] == m &&
-                           k == 2 * pd[1] && pd[2] == kInt4Tile && sd[0] == pd[0] && sd[2] == kInt4Tile &&
-                           sd[1] >= 1 && k % sd[1] == 0 && (k / sd[1]) % 2 == 0 && od[0] == sd[0] &&
-                           od[1] == sd[1] && od[2] == sd[2] && yd[1] <= pd[0] * kInt4Tile &&
-                           yd[1] > (pd[0] - 1) * kInt4Tile;
-    if (!shapes_ok)
-      return ffi::Error::InvalidArgument(
-          "expected x [M <= 16, K], packed [tiles, K / 2, 32], scales and offsets [tiles, G, 32] with an even "
-          "K / G, y [M, N] with N in the last tile");
-    const auto st = scales->element_type();
-    if ((st != ffi::DataType::F32 && st != ffi::DataType::F16) || offsets->element_type() != st)
-      return ffi::Error::InvalidArgument("scales and offsets must both be float32 or both float16");
-    if ((*y)->element_type() != xt) return ffi::Error::InvalidArgument("y must have x's dtype");
-    weights.push_back({packed->typed_data(), scales->untyped_data(), offsets->untyped_data(),
-                       st == ffi::DataType::F16, yd[1], k / sd[1], pd[0], (*y)->untyped_data()});
-  }
-  if (xt == ffi::DataType::F32)
-    int4_matmuls(pool, static_cast<const float*>(x.untyped_data()), m, k, weights);
-  else
-    int4_matmuls(pool, static_cast<const uint16_t*>(x.untyped_data()), m, k, weights);
-  return ffi::Error::Success();
-}
-
-// ---- 8-bit weights for a few rows: JaxserveInt8Matmul ----
+// ---- 8-bit weights for a few rows (JaxserveQuantizedMatmul) ----
 //
 // y = x @ W for W [K, N] with w[k, n] = scales[g, n] * q[k, n] (+ offsets[g, n]), q int8 and
 // g = k / group: GGUF's Q8_0 blocks (32 values and a float16 scale), as a tied LM head's table
@@ -936,68 +855,152 @@ void int8_tile(const float* xf, const float* xsums, const int8_t* q, const ST* s
 #endif
 }
 
-template <typename XT, typename ST>
-void int8_matmul(ffi::ThreadPool& pool, const XT* x, const int8_t* q, const ST* scales, const ST* offsets, XT* y,
-                 int64_t m, int64_t k, int64_t n, int64_t group) {
-  const std::vector<float> xf = as_floats(x, m * k);
-  const std::vector<float> sums = offsets ? group_sums(xf, m, k, group) : std::vector<float>();
-  const float* xp = xf.data();
-  const float* sp = offsets ? sums.data() : nullptr;
-  run_units(pool, (n + kInt4Tile - 1) / kInt4Tile, [=](int64_t t) {
-    float out[kMaxRows * kInt4Tile];
+// ---- Either kind, any mix, in one call: JaxserveQuantizedMatmul ----
+//
+// y_j = x @ W_j for int4 and int8 weights of one K (q, k and v, or gate and up): x converted and
+// the helpers woken once, every weight's tiles one pool of units. Each weight has its own kind,
+// group and scale dtype, as a GGUF's mixes come.
+
+// One weight in its tiled layout: int4 (packed) or int8 (q), scales and offsets [tiles, G, 32];
+// offsets nullptr: none (symmetric int8). n: its output columns (the last tile's rest is padding).
+struct QuantWeight {
+  const uint8_t* packed = nullptr;  // int4 [tiles, K / 2, 32]
+  const int8_t* q = nullptr;        // int8 [tiles, K, 32]
+  const void* scales = nullptr;
+  const void* offsets = nullptr;
+  bool half = false;  // float16 scales and offsets, else float32
+  int64_t k = 0, n = 0, group = 0, tiles = 0;
+
+  // x's group sums [m, k / group] where the weight has offsets (the tiles add offset * sum), else empty.
+  std::vector<float> sums(const std::vector<float>& xf, int64_t m) const {
+    return offsets ? group_sums(xf, m, k, group) : std::vector<float>();
+  }
+  // Tile t of x @ W for m rows of xf [m, k]: out [m, kInt4Tile]. xsums: sums(xf, m).
+  void tile(const float* xf, const std::vector<float>& xsums, int64_t m, int64_t t, float* out) const {
+    if (half)
+      tile_as<Half>(xf, xsums, m, t, out);
+    else
+      tile_as<float>(xf, xsums, m, t, out);
+  }
+
+ private:
+  template <typename ST>
+  void tile_as(const float* xf, const std::vector<float>& xsums, int64_t m, int64_t t, float* out) const {
     const int64_t stride = t * (k / group) * kInt4Tile;
-    int8_tile(xp, sp, q + t * k * kInt4Tile, scales + stride, offsets ? offsets + stride : nullptr, m, k, group, out);
-    store_tile(out, y, m, n, t);
+    const ST* s = static_cast<const ST*>(scales) + stride;
+    const ST* o = offsets ? static_cast<const ST*>(offsets) + stride : nullptr;
+    if (packed)
+      int4_tile(xf, xsums.data(), packed + t * (k / 2) * kInt4Tile, s, o, m, k, group, out);
+    else
+      int8_tile(xf, offsets ? xsums.data() : nullptr, q + t * k * kInt4Tile, s, o, m, k, group, out);
+  }
+};
+
+// The weight that starts at args[at], checked: int4 as packed (uint8), scales, offsets; int8 as q
+// (int8), scales, and offsets where the next argument is a float array. `k`: its inputs; `n`: its
+// outputs, 0 for any the tiles hold (the caller sets and checks it). Moves `at` past it; returns
+// an empty string, or what is wrong.
+std::string read_weight(const ffi::RemainingArgs& args, size_t& at, int64_t k, int64_t n, QuantWeight& w) {
+  auto values = args.get<ffi::AnyBuffer>(at), scales = args.get<ffi::AnyBuffer>(at + 1);
+  if (values.has_error() || scales.has_error()) return "a weight needs its values and scales";
+  const bool int4 = values->element_type() == ffi::DataType::U8;
+  if (!int4 && values->element_type() != ffi::DataType::S8)
+    return "a weight's values must be uint8 (int4, packed) or int8";
+  const auto st = scales->element_type();
+  if (st != ffi::DataType::F32 && st != ffi::DataType::F16) return "scales must be float32 or float16";
+  w = QuantWeight();
+  const void* offsets = nullptr;
+  at += 2;
+  if (at < args.size()) {
+    auto next = args.get<ffi::AnyBuffer>(at);
+    if (next.has_error()) return "an unreadable argument";
+    if (next->element_type() == ffi::DataType::F32 || next->element_type() == ffi::DataType::F16) {
+      if (next->element_type() != st || !std::equal(next->dimensions().begin(), next->dimensions().end(),
+                                                    scales->dimensions().begin(), scales->dimensions().end()))
+        return "offsets must be as their scales: [tiles, G, 32], the same dtype";
+      offsets = next->untyped_data();
+      ++at;
+    }
+  }
+  if (int4 && !offsets) return "an int4 weight needs offsets";
+  auto vd = values->dimensions(), sd = scales->dimensions();
+  if (vd.size() != 3 || sd.size() != 3 || vd[2] != kInt4Tile || sd[2] != kInt4Tile || sd[0] != vd[0] || sd[1] < 1)
+    return "expected values [tiles, K (int8) or K / 2 (int4), 32] and scales [tiles, G, 32]";
+  const int64_t rows = int4 ? 2 * vd[1] : vd[1];
+  if (rows != k || k % sd[1]) return "a weight's K must be its input's, with G dividing it";
+  // NOTE: x's group sums add pairs (group_sums): an offset needs an even group.
+  if (offsets && (k / sd[1]) % 2) return "offsets need an even group size";
+  if (n && !((vd[0] - 1) * kInt4Tile < n && n <= vd[0] * kInt4Tile)) return "N must fall in the last tile";
+  if (int4)
+    w.packed = static_cast<const uint8_t*>(values->untyped_data());
+  else
+    w.q = static_cast<const int8_t*>(values->untyped_data());
+  w.scales = scales->untyped_data(), w.offsets = offsets, w.half = st == ffi::DataType::F16;
+  w.k = k, w.n = n ? n : vd[0] * kInt4Tile, w.group = k / sd[1], w.tiles = vd[0];
+  return "";
+}
+
+// The weights of a call, one after another from args[at] to the end.
+std::string read_weights(const ffi::RemainingArgs& args, size_t at, int64_t k, const std::vector<int64_t>& ns,
+                         std::vector<QuantWeight>& weights) {
+  weights.resize(ns.size());
+  for (size_t j = 0; j < ns.size(); ++j) {
+    if (at >= args.size()) return "fewer weights than outputs";
+    if (std::string why = read_weight(args, at, k, ns[j], weights[j]); !why.empty()) return why;
+  }
+  return at == args.size() ? "" : "more arguments than weights";
+}
+
+template <typename XT>
+void quantized_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k, const std::vector<QuantWeight>& weights,
+                       const std::vector<XT*>& ys) {
+  const std::vector<float> xf = as_floats(x, m * k);
+  std::vector<std::vector<float>> sums;
+  std::vector<int64_t> first(1, 0);  // the first unit of each weight, and the total
+  for (const QuantWeight& w : weights) {
+    sums.push_back(w.sums(xf, m));
+    first.push_back(first.back() + w.tiles);
+  }
+  run_units(pool, first.back(), [&](int64_t u) {
+    size_t j = 0;
+    while (u >= first[j + 1]) ++j;
+    float out[kMaxRows * kInt4Tile];
+    weights[j].tile(xf.data(), sums[j], m, u - first[j], out);
+    store_tile(out, ys[j], m, weights[j].n, u - first[j]);
   });
 }
 
-template <typename XT, typename ST>
-void int8_matmul_typed(ffi::ThreadPool& pool, const void* x, const int8_t* q, const void* scales, const void* offsets,
-                       void* y, int64_t m, int64_t k, int64_t n, int64_t group) {
-  int8_matmul(pool, static_cast<const XT*>(x), q, static_cast<const ST*>(scales), static_cast<const ST*>(offsets),
-              static_cast<XT*>(y), m, k, n, group);
-}
-
-ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> q, ffi::AnyBuffer scales,
-                      ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y) {
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
-  const bool shapes_ok = xd.size() == 2 && qd.size() == 3 && sd.size() == 3 && yd.size() == 2 &&
-                         xd[0] <= kMaxRows && yd[0] == xd[0] && xd[1] == qd[1] && qd[2] == kInt4Tile &&
-                         sd[0] == qd[0] && sd[2] == kInt4Tile && sd[1] >= 1 && xd[1] % sd[1] == 0 &&
-                         yd[1] <= qd[0] * kInt4Tile && yd[1] > (qd[0] - 1) * kInt4Tile && rest.size() <= 1;
-  if (!shapes_ok)
-    return ffi::Error::InvalidArgument(
-        "expected x [M <= 16, K], q [tiles, K, 32], scales [tiles, G, 32] with G dividing K, at most offsets "
-        "beside, y [M, N] with N in the last tile");
-  const auto xt = x.element_type(), st = scales.element_type();
-  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || y->element_type() != xt)
-    return ffi::Error::InvalidArgument("x must be float32 or bfloat16, y as x");
-  if (st != ffi::DataType::F32 && st != ffi::DataType::F16)
-    return ffi::Error::InvalidArgument("scales must be float32 or float16");
-  const void* offsets = nullptr;
-  if (rest.size() == 1) {
-    auto o = rest.get<ffi::AnyBuffer>(0);
-    if (o.has_error()) return o.error();
-    auto od = o->dimensions();
-    if (o->element_type() != st || od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
-      return ffi::Error::InvalidArgument("offsets must be as scales: [tiles, G, 32], their dtype");
-    offsets = o->untyped_data();
+// x, then the weights (see read_weight); one y [M, N] per weight.
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto xd = x.dimensions();
+  const auto xt = x.element_type();
+  if (xd.size() != 2 || xd[0] > kMaxRows || rets.size() == 0)
+    return ffi::Error::InvalidArgument("expected x [M <= 16, K], then a weight per output");
+  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
+  const int64_t m = xd[0], k = xd[1];
+  std::vector<int64_t> ns;
+  std::vector<void*> ys;
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto y = rets.get<ffi::AnyBuffer>(j);
+    if (y.has_error() || (*y)->dimensions().size() != 2 || (*y)->dimensions()[0] != m || (*y)->element_type() != xt)
+      return ffi::Error::InvalidArgument("each y must be [M, N] in x's dtype");
+    ns.push_back((*y)->dimensions()[1]);
+    ys.push_back((*y)->untyped_data());
   }
-  // NOTE: an odd group cannot take x's group sums (group_sums adds pairs); cpu_kernels.py refuses it.
-  if (offsets && (xd[1] / sd[1]) % 2) return ffi::Error::InvalidArgument("offsets need an even group size");
-  const int64_t m = xd[0], k = xd[1], n = yd[1], group = k / sd[1];
-  const int8_t* qp = q.typed_data();
-  const void *xv = x.untyped_data(), *sv = scales.untyped_data();
-  void* yv = y->untyped_data();
-  const bool x32 = xt == ffi::DataType::F32, s32 = st == ffi::DataType::F32;
-  if (x32 && s32)
-    int8_matmul_typed<float, float>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
-  else if (x32)
-    int8_matmul_typed<float, Half>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
-  else if (s32)
-    int8_matmul_typed<uint16_t, float>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
+  std::vector<QuantWeight> weights;
+  if (std::string why = read_weights(args, 0, k, ns, weights); !why.empty())
+    return ffi::Error::InvalidArgument("quantized_matmul: " + why);
+  auto typed = [&](auto* x_typed) {
+    using XT = std::remove_const_t<std::remove_pointer_t<decltype(x_typed)>>;
+    std::vector<XT*> out;
+    for (void* y : ys) out.push_back(static_cast<XT*>(y));
+    quantized_matmuls(pool, x_typed, m, k, weights, out);
+  };
+  if (xt == ffi::DataType::F32)
+    typed(static_cast<const float*>(x.untyped_data()));
   else
-    int8_matmul_typed<uint16_t, Half>(pool, xv, qp, sv, offsets, yv, m, k, n, group);
+    typed(static_cast<const uint16_t*>(x.untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -1320,6 +1323,157 @@ ffi::Error OProjMLP(ffi::ThreadPool pool, ffi::AnyBuffer attn, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+// ---- The same blocks on 4- and 8-bit weights: JaxserveQuantizedNormQKV, JaxserveQuantizedOProjMLP ----
+//
+// norm_qkv and o_proj_mlp for a layer whose projections are QuantWeights (int4 or int8, each its
+// own layout), computed as the model's ops compute them with the quantized_matmul products: the
+// same rounding to the model's dtype between them. A unit is a tile of 32 output columns (a
+// weight's tiles already give the cores enough units; no K-split).
+
+template <typename T>
+void quantized_norm_qkv(ffi::ThreadPool& pool, const T* x, const T* norm_w, const std::vector<QuantWeight>& w,
+                        float eps, int64_t m, int64_t d, T* const* outs) {
+  std::vector<float> h(m * d);
+  std::vector<std::vector<float>> sums(3);
+  const int64_t first[4] = {0, w[0].tiles, w[0].tiles + w[1].tiles, w[0].tiles + w[1].tiles + w[2].tiles};
+  run_phases(pool, {1, first[3]}, [&](size_t phase, int64_t u) {
+    if (phase == 0) {
+      rms_norm(x, norm_w, eps, m, d, h.data());
+      for (int j = 0; j < 3; ++j) sums[j] = w[j].sums(h, m);
+      return;
+    }
+    const int j = u < first[1] ? 0 : u < first[2] ? 1 : 2;
+    float tile[kMaxRows * kInt4Tile];
+    w[j].tile(h.data(), sums[j], m, u - first[j], tile);
+    store_tile(tile, outs[j], m, w[j].n, u - first[j]);
+  });
+}
+
+// w: o_proj, gate, up, down. Phases: o_proj's tiles; the residual, the norm; gate's and up's tile
+// t together, with the activation of their columns; the activation's group sums (for down's
+// offsets); down's tiles, each adding its columns' residual.
+template <typename T>
+void quantized_o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, const T* norm_w,
+                          const std::vector<QuantWeight>& w, float eps, int64_t m, int64_t a, int64_t d, T* out) {
+  const QuantWeight &wo = w[0], &wg = w[1], &wu = w[2], &wd = w[3];
+  const int64_t f = wd.k;
+  const std::vector<float> af = as_floats(attn, m * a), a_sums = wo.sums(af, m);
+  std::vector<float> o(m * d), h(m * d), act(m * f), h_sums_g, h_sums_u, act_sums;
+  std::vector<T> x1(m * d);
+  run_phases(pool, {wo.tiles, 1, wg.tiles, 1, wd.tiles}, [&](size_t phase, int64_t t) {
+    float tile[kMaxRows * kInt4Tile];
+    switch (phase) {
+      case 0:
+        wo.tile(af.data(), a_sums, m, t, tile);
+        return store_tile(tile, o.data(), m, d, t);
+      case 1:
+        for (int64_t e = 0; e < m * d; ++e) store(load(x[e]) + rounded<T>(o[e]), &x1[e]);
+        rms_norm(x1.data(), norm_w, eps, m, d, h.data());
+        h_sums_g = wg.sums(h, m), h_sums_u = wu.sums(h, m);
+        return;
+      case 2: {
+        float up[kMaxRows * kInt4Tile];
+        wg.tile(h.data(), h_sums_g, m, t, tile);
+        wu.tile(h.data(), h_sums_u, m, t, up);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = t * kInt4Tile; c < std::min(f, (t + 1) * kInt4Tile); ++c) {
+            const int64_t i = r * kInt4Tile + c - t * kInt4Tile;
+            const float gc = rounded<T>(tile[i]), uc = rounded<T>(up[i]);
+            act[r * f + c] = rounded<T>(rounded<T>(gc / (1.0f + std::exp(-gc))) * uc);
+          }
+        return;
+      }
+      case 3:
+        act_sums = wd.sums(act, m);
+        return;
+      default:
+        wd.tile(act.data(), act_sums, m, t, tile);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = t * kInt4Tile; c < std::min(d, (t + 1) * kInt4Tile); ++c)
+            store(load(x1[r * d + c]) + rounded<T>(tile[r * kInt4Tile + c - t * kInt4Tile]), out + r * d + c);
+    }
+  });
+}
+
+// The activations of a quantized layer block, checked: float32 or bfloat16, one dtype.
+bool one_float_dtype(std::initializer_list<ffi::DataType> types) {
+  for (auto t : types)
+    if (!is_float(t) || t != *types.begin()) return false;
+  return true;
+}
+
+ffi::Error QuantizedNormQKV(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer norm_w, ffi::RemainingArgs args,
+                            ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> k,
+                            ffi::Result<ffi::AnyBuffer> v, float eps) {
+  if (!one_float_dtype({x.element_type(), norm_w.element_type(), q->element_type(), k->element_type(),
+                        v->element_type()}))
+    return ffi::Error::InvalidArgument("x, the norm's weight and q, k, v must be float32, or bfloat16");
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[0] > kMaxRows) return ffi::Error::InvalidArgument("expected x [M <= 16, D]");
+  const int64_t m = xd[0], d = xd[1];
+  ffi::AnyBuffer* outs[3] = {&*q, &*k, &*v};
+  std::vector<int64_t> ns;
+  for (auto* out : outs) {
+    if (out->dimensions().size() != 2 || out->dimensions()[0] != m)
+      return ffi::Error::InvalidArgument("q, k and v must be [M, N]");
+    ns.push_back(out->dimensions()[1]);
+  }
+  std::vector<QuantWeight> w;
+  if (!shape_is(norm_w, {d})) return ffi::Error::InvalidArgument("the norm's weight must be [D]");
+  if (std::string why = read_weights(args, 0, d, ns, w); !why.empty())
+    return ffi::Error::InvalidArgument("quantized_norm_qkv: " + why);
+  if (x.element_type() == ffi::DataType::F32) {
+    float* ys[3] = {q->typed_data<float>(), k->typed_data<float>(), v->typed_data<float>()};
+    quantized_norm_qkv<float>(pool, x.typed_data<float>(), norm_w.typed_data<float>(), w, eps, m, d, ys);
+  } else {
+    uint16_t* ys[3];
+    for (int j = 0; j < 3; ++j) ys[j] = static_cast<uint16_t*>(outs[j]->untyped_data());
+    quantized_norm_qkv<uint16_t>(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                                 static_cast<const uint16_t*>(norm_w.untyped_data()), w, eps, m, d, ys);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizedOProjMLP(ffi::ThreadPool pool, ffi::AnyBuffer attn, ffi::AnyBuffer x, ffi::AnyBuffer norm_w,
+                             ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, float eps) {
+  if (!one_float_dtype({x.element_type(), attn.element_type(), norm_w.element_type(), out->element_type()}))
+    return ffi::Error::InvalidArgument("attn, x, the norm's weight and the result must be float32, or bfloat16");
+  auto ad = attn.dimensions(), xd = x.dimensions();
+  if (ad.size() != 2 || xd.size() != 2 || ad[0] > kMaxRows || xd[0] != ad[0])
+    return ffi::Error::InvalidArgument("expected attn [M <= 16, A] and x [M, D]");
+  const int64_t m = ad[0], a = ad[1], d = xd[1];
+  if (!shape_is(norm_w, {d}) || !shape_is(*out, {m, d}))
+    return ffi::Error::InvalidArgument("the norm's weight must be [D] and the result [M, D]");
+  // o_proj [A -> D], then gate and up [D -> F], down [F -> D]: F is down's K, read first.
+  std::vector<QuantWeight> w(4);
+  size_t at = 0;
+  std::string why = read_weight(args, at, a, d, w[0]);
+  for (int j = 1; j < 3 && why.empty(); ++j) why = at < args.size() ? read_weight(args, at, d, 0, w[j]) : "too few weights";
+  if (why.empty()) {
+    auto down = args.get<ffi::AnyBuffer>(at);
+    if (down.has_error() || down->dimensions().size() != 3) why = "too few weights";
+    else {
+      const int64_t f = (down->element_type() == ffi::DataType::U8 ? 2 : 1) * down->dimensions()[1];
+      why = read_weight(args, at, f, d, w[3]);
+      for (int j = 1; j < 3 && why.empty(); ++j) {
+        if (!((w[j].tiles - 1) * kInt4Tile < f && f <= w[j].tiles * kInt4Tile)) why = "gate and up must have F outputs, down's K";
+        w[j].n = f;
+      }
+      if (why.empty() && (at != args.size() || w[1].tiles != w[2].tiles)) why = "expected four weights, gate and up alike";
+    }
+  }
+  if (!why.empty()) return ffi::Error::InvalidArgument("quantized_o_proj_mlp: " + why);
+  if (x.element_type() == ffi::DataType::F32)
+    quantized_o_proj_mlp<float>(pool, attn.typed_data<float>(), x.typed_data<float>(), norm_w.typed_data<float>(), w,
+                                eps, m, a, d, out->typed_data<float>());
+  else {
+    auto in = [](const ffi::AnyBuffer& b) { return static_cast<const uint16_t*>(b.untyped_data()); };
+    quantized_o_proj_mlp<uint16_t>(pool, in(attn), in(x), in(norm_w), w, eps, m, a, d,
+                                   static_cast<uint16_t*>(out->untyped_data()));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> chosen,
                       ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd,
                       ffi::Result<ffi::AnyBuffer> y) {
@@ -1354,22 +1508,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transposed"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matmul, Int4Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
-                                  .RemainingArgs()  // per weight: packed [tiles, K / 2, 32] uint8, scales and
-                                                    // offsets [tiles, G, 32] float32 or float16
+                                  .RemainingArgs()  // per weight: int4 packed [tiles, K / 2, 32] uint8 or int8
+                                                    // q [tiles, K, 32], scales [tiles, G, 32] float32 or
+                                                    // float16, offsets as scales (int4; int8 where it has them)
                                   .RemainingRets());  // per weight: y [M, N]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::Buffer<ffi::S8>>()  // q [tiles, K, 32]
-                                  .Arg<ffi::AnyBuffer>()  // scales [tiles, G, 32], float32 or float16
-                                  .RemainingArgs()  // nothing, or offsets as scales
-                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attention,
                               ffi::Ffi::Bind()
@@ -1423,3 +1569,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeExperts, MoeExperts,
                                   .Arg<ffi::AnyBuffer>()  // up [E, D, F]
                                   .Arg<ffi::AnyBuffer>()  // down [E, F, D]
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedNormQKV, QuantizedNormQKV,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // the norm's weight
+                                  .RemainingArgs()  // wq, wk, wv as JaxserveQuantizedMatmul takes weights
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // k
+                                  .Ret<ffi::AnyBuffer>()  // v
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedOProjMLP, QuantizedOProjMLP,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // attn
+                                  .Arg<ffi::AnyBuffer>()  // x, the layer's input
+                                  .Arg<ffi::AnyBuffer>()  // the post-attention norm's weight
+                                  .RemainingArgs()  // wo, w_gate, w_up, w_down as JaxserveQuantizedMatmul's
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"));

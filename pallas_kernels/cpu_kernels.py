@@ -22,6 +22,9 @@
 - `int8_matmul` is the same for 8-bit values with a scale per group (GGUF's Q8_0 blocks:
   `--quantization int8`, a Q8_0 GGUF's projections, and a GGUF's tied embedding table, which
   usually comes as Q8_0: `q8_0_blocks` finds them in the float table).
+- `quantized_matmuls` is both for any mix of int4 and int8 weights of one K in one call (q/k/v,
+  gate/up), and `quantized_norm_qkv` / `quantized_o_proj_mlp` the two halves of a decoder
+  layer whose projections are such weights (`QuantizedWeight`), as `norm_qkv` / `o_proj_mlp`.
 
 `build(cache_dir)` compiles the source with the system C++ compiler (`$CXX`, else `c++`)
 against the FFI headers that jaxlib ships. It writes `cache_dir/cpu_kernels/<key>.so`, the
@@ -34,6 +37,7 @@ to pure JAX.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -60,8 +64,9 @@ MATMUL_TARGET = "jaxserve_small_matmul"
 NORM_QKV_TARGET = "jaxserve_norm_qkv"
 O_PROJ_MLP_TARGET = "jaxserve_o_proj_mlp"
 MOE_EXPERTS_TARGET = "jaxserve_moe_experts"
-INT4_MATMUL_TARGET = "jaxserve_int4_matmul"
-INT8_MATMUL_TARGET = "jaxserve_int8_matmul"
+QUANTIZED_MATMUL_TARGET = "jaxserve_quantized_matmul"
+QUANTIZED_NORM_QKV_TARGET = "jaxserve_quantized_norm_qkv"
+QUANTIZED_O_PROJ_MLP_TARGET = "jaxserve_quantized_o_proj_mlp"
 INT4_TILE = 32  # output columns per tile of int4_matmul's and int8_matmul's layouts (kInt4Tile in the .cc)
 Q8_0_BLOCK = 32  # values per float16 scale in GGUF's Q8_0
 MAX_ROWS = 16  # the most rows of x small_matmul takes
@@ -129,8 +134,9 @@ def _build(cache_dir: Path) -> str | None:
         (NORM_QKV_TARGET, lib.JaxserveNormQKV),
         (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP),
         (MOE_EXPERTS_TARGET, lib.JaxserveMoeExperts),
-        (INT4_MATMUL_TARGET, lib.JaxserveInt4Matmul),
-        (INT8_MATMUL_TARGET, lib.JaxserveInt8Matmul),
+        (QUANTIZED_MATMUL_TARGET, lib.JaxserveQuantizedMatmul),
+        (QUANTIZED_NORM_QKV_TARGET, lib.JaxserveQuantizedNormQKV),
+        (QUANTIZED_O_PROJ_MLP_TARGET, lib.JaxserveQuantizedOProjMLP),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _built["library"] = lib  # keep it loaded
@@ -297,41 +303,75 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax
     """x [M <= MAX_ROWS, K] @ an int4 weight of N output columns in tile_int4's layout ->
     [M, N] in x's dtype (float32 or bfloat16), accumulated in float32, the weight never
     dequantized to memory. Not differentiable."""
-    return int4_matmuls(x, [(packed, scales, offsets, n)])[0]
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"int4_matmul takes packed uint8 nibbles, got {packed.dtype}")
+    return quantized_matmuls(x, [QuantizedWeight(packed, scales, offsets, n)])[0]
 
 
-def int4_matmuls(x: jax.Array, weights) -> list[jax.Array]:
-    """int4_matmul of one x with each of `weights` ((packed, scales, offsets, N) each, in
-    tile_int4's layout, K alike, group sizes free), as one call: q, k and v (or gate and up)
-    pay one dispatch and one wake-up of the thread pool, and their tiles share it."""
-    _check_built()
-    m, k = x.shape
-    for packed, scales, offsets, n in weights:
-        tiles, groups = scales.shape[:2]
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "offsets"], meta_fields=["n"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A 4- or 8-bit weight of N output columns in the CPU kernels' tiled layout: int4 as
+    tile_int4 makes it (values: packed uint8 [tiles, K // 2, INT4_TILE]), int8 as tile_int8
+    (values: int8 [tiles, K, INT4_TILE]); scales [tiles, G, INT4_TILE] in float32 or float16;
+    offsets as the scales (int4 always; int8 where it has them, else None). A pytree whose N
+    is static."""
+
+    values: jax.Array
+    scales: jax.Array
+    offsets: jax.Array | None
+    n: int
+
+    @property
+    def k(self) -> int:
+        return self.values.shape[1] * (2 if self.values.dtype == jnp.uint8 else 1)
+
+    def arrays(self) -> list[jax.Array]:
+        return [self.values, self.scales] + ([] if self.offsets is None else [self.offsets])
+
+    def check(self, k: int, name: str = "quantized_matmul") -> None:
+        """Raise ValueError unless this is a weight of K inputs the kernels take."""
+        values, scales, offsets, n = self.values, self.scales, self.offsets, self.n
+        tiles, groups = scales.shape[:2] if scales.ndim == 3 else (0, 0)
+        int4 = values.dtype == jnp.uint8
         if (
-            m > MAX_ROWS
-            or packed.shape != (tiles, k // 2, INT4_TILE)
+            values.dtype not in (jnp.uint8, jnp.int8)
+            or values.shape != (tiles, k // 2 if int4 else k, INT4_TILE)
             or scales.shape != (tiles, groups, INT4_TILE)
-            or offsets.shape != scales.shape
             or k % groups
-            or (k // groups) % 2
             or not (tiles - 1) * INT4_TILE < n <= tiles * INT4_TILE
+            or (int4 and offsets is None)
+            or (offsets is not None and (offsets.shape != scales.shape or (k // groups) % 2))
         ):
             raise ValueError(
-                f"int4_matmul takes x [M <= {MAX_ROWS}, K], packed [tiles, K // 2, {INT4_TILE}], scales and offsets "
-                f"[tiles, G, {INT4_TILE}] (tile_int4's layout) with an even K // G, and N in the last tile; got "
-                f"{x.shape}, {packed.shape}, {scales.shape}, {offsets.shape}, N={n}"
+                f"{name} takes weights of K={k} inputs in tile_int4's layout (packed uint8 [tiles, K // 2, "
+                f"{INT4_TILE}], scales and offsets [tiles, G, {INT4_TILE}]) or tile_int8's (int8 [tiles, K, "
+                f"{INT4_TILE}], scales and maybe offsets), G dividing K (an even K // G with offsets), N in the last "
+                f"tile; "
+                f"got {values.dtype} {values.shape}, {scales.shape}, {None if offsets is None else offsets.shape}, "
+                f"N={n}"
             )
-        if scales.dtype != offsets.dtype or scales.dtype not in (jnp.float32, jnp.float16):
+        if scales.dtype not in (jnp.float32, jnp.float16) or (offsets is not None and offsets.dtype != scales.dtype):
             raise ValueError(
-                f"int4_matmul takes float32 or float16 scales and offsets, not {scales.dtype}, {offsets.dtype}"
+                f"{name} takes float32 or float16 scales, offsets in the scales' dtype, not {scales.dtype}"
+                + ("" if offsets is None else f", {offsets.dtype}")
             )
-    if x.dtype not in KV_DTYPES:
-        raise ValueError(f"int4_matmul takes float32 or bfloat16 x, got {x.dtype}")
-    shapes = [jax.ShapeDtypeStruct((m, n), x.dtype) for *_, n in weights]
-    call = jax.ffi.ffi_call(INT4_MATMUL_TARGET, shapes, vmap_method="sequential")
-    arrays = [a for packed, scales, offsets, _ in weights for a in (packed.astype(jnp.uint8), scales, offsets)]
-    return list(call(x, *arrays))
+
+
+def quantized_matmuls(x: jax.Array, weights: list[QuantizedWeight]) -> list[jax.Array]:
+    """x [M <= MAX_ROWS, K] @ each of `weights` (int4 or int8, any mix of layouts, K alike) ->
+    [M, N] each in x's dtype (float32 or bfloat16), accumulated in float32, as one call: q, k
+    and v (or gate and up) pay one dispatch and one wake-up of the thread pool, and their
+    tiles share it. Not differentiable."""
+    _check_built()
+    m, k = x.shape
+    if m > MAX_ROWS or x.dtype not in KV_DTYPES:
+        raise ValueError(f"quantized_matmul takes float32 or bfloat16 x [M <= {MAX_ROWS}, K], got {x.dtype} {x.shape}")
+    for w in weights:
+        w.check(k)
+    shapes = [jax.ShapeDtypeStruct((m, w.n), x.dtype) for w in weights]
+    call = jax.ffi.ffi_call(QUANTIZED_MATMUL_TARGET, shapes, vmap_method="sequential")
+    return list(call(x, *(a for w in weights for a in w.arrays())))
 
 
 def q8_0_blocks(table, block: int = Q8_0_BLOCK) -> tuple[np.ndarray, np.ndarray] | None:
@@ -380,31 +420,9 @@ def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int, offsets: 
     """x [M <= MAX_ROWS, K] @ W with W[k, c] = scales[g, c] * q[k, c] (+ offsets[g, c]; g = k //
     (K // G)), in tile_int8's layout, N output columns -> [M, N] in x's dtype (float32 or
     bfloat16), accumulated in float32, the weight never written out as floats. Not differentiable."""
-    _check_built()
-    m, k = x.shape
-    tiles, groups = scales.shape[:2]
-    if (
-        m > MAX_ROWS
-        or q.shape != (tiles, k, INT4_TILE)
-        or scales.shape != (tiles, groups, INT4_TILE)
-        or k % groups
-        or not (tiles - 1) * INT4_TILE < n <= tiles * INT4_TILE
-        or (offsets is not None and (offsets.shape != scales.shape or (k // groups) % 2))
-    ):
-        raise ValueError(
-            f"int8_matmul takes x [M <= {MAX_ROWS}, K], q [tiles, K, {INT4_TILE}] and scales (and offsets) [tiles, "
-            f"G, {INT4_TILE}] (tile_int8's layout) with G dividing K (evenly, with offsets), and N in the last "
-            f"tile; got {x.shape}, {q.shape}, {scales.shape}, {None if offsets is None else offsets.shape}, N={n}"
-        )
-    if x.dtype not in KV_DTYPES or q.dtype != jnp.int8 or scales.dtype not in (jnp.float32, jnp.float16):
-        raise ValueError(
-            f"int8_matmul takes float32 or bfloat16 x, int8 q and float32 or float16 scales, got {x.dtype}, "
-            f"{q.dtype}, {scales.dtype}"
-        )
-    if offsets is not None and offsets.dtype != scales.dtype:
-        raise ValueError(f"int8_matmul takes offsets in the scales' dtype, got {offsets.dtype} and {scales.dtype}")
-    call = jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype), vmap_method="sequential")
-    return call(x, q, scales) if offsets is None else call(x, q, scales, offsets)
+    if q.dtype != jnp.int8:
+        raise ValueError(f"int8_matmul takes int8 q, got {q.dtype}")
+    return quantized_matmuls(x, [QuantizedWeight(q, scales, offsets, n)])[0]
 
 
 def _check_block(name: str, x: jax.Array, *arrays: jax.Array) -> None:
@@ -448,6 +466,49 @@ def o_proj_mlp(
     _check_block("o_proj_mlp", attn, x, wo, norm_weight, w_gate, w_up, w_down)
     call = jax.ffi.ffi_call(O_PROJ_MLP_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
     return call(attn, x, wo, norm_weight, w_gate, w_up, w_down, eps=np.float32(eps))
+
+
+def quantized_norm_qkv(
+    x: jax.Array, norm_weight: jax.Array, wq: QuantizedWeight, wk: QuantizedWeight, wv: QuantizedWeight, *, eps: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """norm_qkv on 4- and 8-bit weights (each its own layout, as quantized_matmuls takes them):
+    h = norm_weight * RMSNorm(x) rounded to x's dtype, then h @ wq, h @ wk, h @ wv, as one call.
+    x [M <= MAX_ROWS, D] float32 or bfloat16, the norm's weight alike. Not differentiable."""
+    _check_block("quantized_norm_qkv", x, norm_weight)
+    for w in (wq, wk, wv):
+        w.check(x.shape[1], "quantized_norm_qkv")
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], w.n), x.dtype) for w in (wq, wk, wv)]
+    call = jax.ffi.ffi_call(QUANTIZED_NORM_QKV_TARGET, shapes, vmap_method="sequential")
+    return tuple(call(x, norm_weight, *wq.arrays(), *wk.arrays(), *wv.arrays(), eps=np.float32(eps)))
+
+
+def quantized_o_proj_mlp(
+    attn: jax.Array,
+    x: jax.Array,
+    wo: QuantizedWeight,
+    norm_weight: jax.Array,
+    w_gate: QuantizedWeight,
+    w_up: QuantizedWeight,
+    w_down: QuantizedWeight,
+    *,
+    eps: float,
+) -> jax.Array:
+    """o_proj_mlp on 4- and 8-bit weights (each its own layout, as quantized_matmuls takes
+    them), as one call; each product's result rounded to x's dtype as the model's ops round it.
+    attn [M <= MAX_ROWS, A], x [M, D]; float32 or bfloat16, one dtype. Not differentiable."""
+    _check_block("quantized_o_proj_mlp", attn, x, norm_weight)
+    a, d, f = attn.shape[1], x.shape[1], w_down.k
+    for w, k, n in ((wo, a, d), (w_gate, d, f), (w_up, d, f), (w_down, f, d)):
+        if w.n != n:
+            raise ValueError(f"quantized_o_proj_mlp: a weight of {w.n} outputs where {n} are needed")
+        w.check(k, "quantized_o_proj_mlp")
+    if w_gate.values.shape[0] != w_up.values.shape[0]:
+        raise ValueError("quantized_o_proj_mlp takes gate and up of the same tiles")
+    arrays = [a for w in (wo, w_gate, w_up, w_down) for a in w.arrays()]
+    call = jax.ffi.ffi_call(
+        QUANTIZED_O_PROJ_MLP_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential"
+    )
+    return call(attn, x, norm_weight, *arrays, eps=np.float32(eps))
 
 
 def moe_experts(

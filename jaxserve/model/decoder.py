@@ -25,7 +25,7 @@ from jaxserve.model.kv_cache import KVCache, fold_layers, write_kv
 from jaxserve.model.lora import lora_layer
 from jaxserve.model.mlp import MLP, linear
 from jaxserve.model.moe import SparseMoE
-from jaxserve.model.quantization import Int8Table, QuantConfig, project
+from jaxserve.model.quantization import Int8Table, QuantConfig, QuantizedLinear, project
 from pallas_kernels import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -59,7 +59,8 @@ class FewRowKernels:
     as jaxserve.runner.kernels.select_matmul chose them; 0 rows: XLA serves them all. The
     model follows this choice and makes none of its own."""
 
-    layer_rows: int = 0  # a decoder layer's two halves (cpu_kernels.norm_qkv and o_proj_mlp)
+    # A decoder layer's two halves (cpu_kernels.norm_qkv and o_proj_mlp, or their quantized_ forms).
+    layer_rows: int = 0
     lm_head_rows: int = 0  # a tied LM head's product (cpu_kernels.small_matmul)
     # Batch invariance: every row of the layers and the LM head (tied or not) through the
     # kernels, in blocks (cpu_kernels.in_row_blocks): a row's result then depends on its
@@ -70,6 +71,15 @@ class FewRowKernels:
 def _fits(x: jax.Array, w: jax.Array, max_rows: int) -> bool:
     """x [rows, K] goes to a kernel chosen for up to `max_rows` rows of w's dtype."""
     return x.ndim == 2 and x.shape[0] <= max_rows and x.dtype == w.dtype
+
+
+def _fits_layer_kernels(x: jax.Array, layer: DecoderLayer, max_rows: int) -> bool:
+    """x [rows, D] goes to the layer kernels chosen for up to `max_rows` rows: the float ones
+    take the weights' dtype, the quantized ones float32 or bfloat16."""
+    q_proj = layer.self_attn.q_proj
+    if isinstance(q_proj, QuantizedLinear):
+        return x.ndim == 2 and x.shape[0] <= max_rows and x.dtype in cpu_kernels.KV_DTYPES
+    return _fits(x, q_proj.kernel, max_rows)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -205,20 +215,35 @@ def has_plain_attention(layer: DecoderLayer) -> bool:
     return all(isinstance(p, nnx.Linear) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
 
 
+def has_quantized_kernel_projections(layer: DecoderLayer) -> bool:
+    """What the quantized layer kernels compute: every projection int4 or int8 in the CPU
+    kernels' layout (QuantizedLinear.use_cpu_layout), no o_proj bias, a dense MLP."""
+    if not isinstance(layer.mlp, MLP):
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return all(isinstance(p, QuantizedLinear) and p.on_cpu_kernels for p in projections) and attn.o_proj.bias is None
+
+
 def _attention_in_kernels(x, kv, layer_idx, layer: DecoderLayer, inputs, inv_freq, attention, fixed_rows: bool):
     """The attention half of a layer on the CPU kernels: the norm and q/k/v in one call
-    (cpu_kernels.norm_qkv, in row blocks), then attention. Returns its output before o_proj."""
-    attn = layer.self_attn
+    (cpu_kernels.norm_qkv, in row blocks, or quantized_norm_qkv on quantized weights), then
+    attention. Returns its output before o_proj."""
+    attn, norm = layer.self_attn, layer.input_layernorm
     with jax.named_scope("qkv_proj"):
-        q, k, v = cpu_kernels.in_row_blocks(
-            cpu_kernels.norm_qkv,
-            (x,),
-            layer.input_layernorm.weight[...],
-            attn.q_proj.kernel[...],
-            attn.k_proj.kernel[...],
-            attn.v_proj.kernel[...],
-            eps=layer.input_layernorm.eps,
-        )
+        if isinstance(attn.q_proj, QuantizedLinear):
+            weights = (attn.q_proj.cpu_weight(), attn.k_proj.cpu_weight(), attn.v_proj.cpu_weight())
+            q, k, v = cpu_kernels.quantized_norm_qkv(x, norm.weight[...], *weights, eps=norm.eps)
+        else:
+            q, k, v = cpu_kernels.in_row_blocks(
+                cpu_kernels.norm_qkv,
+                (x,),
+                norm.weight[...],
+                attn.q_proj.kernel[...],
+                attn.k_proj.kernel[...],
+                attn.v_proj.kernel[...],
+                eps=norm.eps,
+            )
         if attn.q_proj.bias is not None:
             q, k, v = q + attn.q_proj.bias[...], k + attn.k_proj.bias[...], v + attn.v_proj.bias[...]
     return attn.attend(q, k, v, inputs, kv, layer_idx, inv_freq, attention, fixed_rows)
@@ -245,19 +270,24 @@ def _layer_kernels(
     wake-up of its thread pool. More rows than a call takes go in blocks; `fixed_rows`
     (batch invariance): the row-wise work between the kernels too (Attention.attend)."""
     x, kv, layer_idx = carry
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     out, kv = _attention_in_kernels(x, kv, layer_idx, layer, inputs, inv_freq, attention, fixed_rows)
     with jax.named_scope("mlp"):  # o_proj's time is charged here
-        x = cpu_kernels.in_row_blocks(
-            cpu_kernels.o_proj_mlp,
-            (out, x),
-            attn.o_proj.kernel[...],
-            layer.post_attention_layernorm.weight[...],
-            mlp.gate_proj.kernel[...],
-            mlp.up_proj.kernel[...],
-            mlp.down_proj.kernel[...],
-            eps=layer.post_attention_layernorm.eps,
-        )
+        if isinstance(attn.o_proj, QuantizedLinear):
+            projections = (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            wo, wg, wu, wd = (p.cpu_weight() for p in projections)
+            x = cpu_kernels.quantized_o_proj_mlp(out, x, wo, norm.weight[...], wg, wu, wd, eps=norm.eps)
+        else:
+            x = cpu_kernels.in_row_blocks(
+                cpu_kernels.o_proj_mlp,
+                (out, x),
+                attn.o_proj.kernel[...],
+                norm.weight[...],
+                mlp.gate_proj.kernel[...],
+                mlp.up_proj.kernel[...],
+                mlp.down_proj.kernel[...],
+                eps=norm.eps,
+            )
     return x, kv, layer_idx + 1
 
 
@@ -277,7 +307,7 @@ def _layer(
         return lora_layer(carry, layer, inputs, inv_freq, attention)
     if batch_invariant and isinstance(layer.mlp, SparseMoE):
         return _moe_layer_kernels(carry, layer, inputs, inv_freq, attention)
-    if batch_invariant or (kernel_rows and _fits(x, layer.self_attn.q_proj.kernel, kernel_rows)):
+    if batch_invariant or (kernel_rows and _fits_layer_kernels(x, layer, kernel_rows)):
         return _layer_kernels(carry, layer, inputs, inv_freq, attention, fixed_rows=batch_invariant)
     with jax.named_scope("norm"):
         h = layer.input_layernorm(x)

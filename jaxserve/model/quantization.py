@@ -228,18 +228,28 @@ class QuantizedLinear(nnx.Module):
     def _cpu_matmul(self, x: jax.Array) -> jax.Array:
         # A prefill chunk (more rows than the kernels take) runs the reference on the weight
         # untiled in the step (its dequantization to floats costs the same; the chunk's rows share it).
-        small = x.shape[0] <= cpu_kernels.MAX_ROWS
+        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.quantized_matmuls(x, [self.cpu_weight()])[0]
         if self.kind in INT8_KINDS:
-            q, scales, offsets = self.weight[...], self.scales[...], self._int8_offsets()
-            if small:
-                return cpu_kernels.int8_matmul(x, q, scales, self.dout, offsets)
+            offsets = self._int8_offsets()
             if offsets is not None:
                 offsets = cpu_kernels.untile_scales(offsets, self.dout)
-            return int8_matmul_reference(x, *cpu_kernels.untile_int8(q, scales, self.dout), offsets)
+            return int8_matmul_reference(
+                x, *cpu_kernels.untile_int8(self.weight[...], self.scales[...], self.dout), offsets
+            )
         weight = (self.packed[...], self.scales[...], self.offsets[...])
-        if small:
-            return cpu_kernels.int4_matmul(x, *weight, self.dout)
         return int4_matmul_reference(x, *cpu_kernels.untile_int4(*weight, self.dout))
+
+    def cpu_weight(self) -> cpu_kernels.QuantizedWeight:
+        """The weight as the CPU kernels take it (after use_cpu_layout)."""
+        if self.kind in INT8_KINDS:
+            return cpu_kernels.QuantizedWeight(self.weight[...], self.scales[...], self._int8_offsets(), self.dout)
+        return cpu_kernels.QuantizedWeight(self.packed[...], self.scales[...], self.offsets[...], self.dout)
+
+    @property
+    def on_cpu_kernels(self) -> bool:
+        """Whether its few-row products run the CPU kernels as they are (the tiled layout, inputs in order)."""
+        return self.layout == "cpu" and self.input_order is None
 
     def use_cpu_layout(self) -> None:
         """Convert an int4 or int8 layer, once, into the CPU kernels' tiled layout (in place;
@@ -369,17 +379,13 @@ class Int8Table(nnx.Module):
 
 
 def project(x: jax.Array, *layers) -> tuple[jax.Array, ...]:
-    """Each layer's output for the same x (q, k and v; gate and up). Int4 layers in the CPU
-    layout share one kernel call for a few rows (`cpu_kernels.int4_matmuls`): a decode step
-    pays one dispatch for them instead of one each."""
+    """Each layer's output for the same x (q, k and v; gate and up). Int4 and int8 layers in
+    the CPU layout share one kernel call for a few rows (`cpu_kernels.quantized_matmuls`): a
+    decode step pays one dispatch for them instead of one each."""
     x2 = x.reshape(-1, x.shape[-1])
     fused = len(layers) > 1 and x2.shape[0] <= cpu_kernels.MAX_ROWS
-    if fused and all(
-        isinstance(q, QuantizedLinear) and q.kind == "int4" and q.layout == "cpu" and q.input_order is None
-        for q in layers
-    ):
-        weights = [(layer.packed[...], layer.scales[...], layer.offsets[...], layer.dout) for layer in layers]
-        ys = cpu_kernels.int4_matmuls(x2, weights)
+    if fused and all(isinstance(q, QuantizedLinear) and q.on_cpu_kernels for q in layers):
+        ys = cpu_kernels.quantized_matmuls(x2, [layer.cpu_weight() for layer in layers])
         return tuple(layer._output(y, x.shape[:-1]) for layer, y in zip(layers, ys))
     return tuple(layer(x) for layer in layers)
 

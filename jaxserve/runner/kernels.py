@@ -21,7 +21,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder import AttentionFn, FewRowKernels, RMSNorm, has_plain_attention, has_plain_projections
+from jaxserve.model.decoder import (
+    AttentionFn,
+    FewRowKernels,
+    RMSNorm,
+    has_plain_attention,
+    has_plain_projections,
+    has_quantized_kernel_projections,
+)
 from jaxserve.model.mlp import KERNEL_DOT_GENERAL
 from jaxserve.model.moe import (
     EXPERT_LOOP_MAX_TOKENS,
@@ -311,11 +318,12 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
         head = " from its Q8_0 blocks" if model.int8_head is not None else ""
         head = f" and the tied LM head's{head} of up to {cpu_kernels.MAX_ROWS}"
     logger.info(
-        "matmul backend: cpu on %s for %d %s layers' products of up to %d rows (tiled layout)%s",
+        "matmul backend: cpu on %s for %d %s layers' products of up to %d rows (tiled layout%s)%s",
         device.device_kind,
         len(packed),
         "/".join(sorted({layer.kind for layer in packed})) or "int4",
         cpu_kernels.MAX_ROWS,
+        "; a decoder layer's halves one call each" if model.few_row_kernels.layer_rows else "",
         head,
     )
     return "cpu"
@@ -427,13 +435,19 @@ def use_invariant_mgpu_kernels(model, *, interpret: bool = False) -> None:
 
 
 def few_row_kernels(model) -> FewRowKernels:
-    """The products the CPU kernels take in a float model: every layer's up to LAYER_MAX_ROWS
-    rows when all its layers have plain projections, and a tied head's up to MAX_ROWS."""
+    """The products the CPU kernels take: every layer's when all its layers have plain float
+    projections (up to LAYER_MAX_ROWS rows) or all have int4 / int8 ones in the kernels'
+    layout (up to MAX_ROWS: the quantized kernels stay ahead of XLA there), and a tied head's
+    up to MAX_ROWS."""
     layers = model.layers if isinstance(model.layers, nnx.List) else [model.layers]  # unstacked, or stacked
-    plain = all(has_plain_projections(layer) for layer in layers)
+    if all(has_plain_projections(layer) for layer in layers):
+        layer_rows = cpu_kernels.LAYER_MAX_ROWS
+    elif all(has_quantized_kernel_projections(layer) for layer in layers):
+        layer_rows = cpu_kernels.MAX_ROWS
+    else:
+        layer_rows = 0
     return FewRowKernels(
-        layer_rows=cpu_kernels.LAYER_MAX_ROWS if plain else 0,
-        lm_head_rows=cpu_kernels.MAX_ROWS if model.cfg.tie_word_embeddings else 0,
+        layer_rows=layer_rows, lm_head_rows=cpu_kernels.MAX_ROWS if model.cfg.tie_word_embeddings else 0
     )
 
 

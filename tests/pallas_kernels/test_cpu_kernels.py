@@ -4,6 +4,7 @@ a read outside a sequence's context shows up as NaN); the small matmul, the int4
 decoder-layer blocks against NumPy in float64."""
 
 import concurrent.futures
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -243,9 +244,10 @@ def test_int4_matmul_with_float16_scales_equals_float32_scales(m):
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_int4_matmuls_share_one_call_and_equal_each_alone(m):
-    """q, k and v in one call: weights of other widths, groups and scale dtypes, each the same
-    bits as its own call (itself checked against float64 NumPy above), the first too."""
+def test_quantized_matmuls_share_one_call_and_equal_each_alone(m):
+    """q, k and v in one call: int4 weights of other widths, groups and scale dtypes beside an
+    int8 one with offsets and one without, each the same bits as its own call (itself checked
+    against float64 NumPy), the first too."""
     rng = np.random.default_rng(m)
     cases = [int4_case(rng, m, 576, n, group) for n, group in ((576, 32), (192, 64), (45, 192))]
     x = cases[0][0][0]
@@ -254,10 +256,16 @@ def test_int4_matmuls_share_one_call_and_equal_each_alone(m):
         if i == 1:  # float16 scales and offsets beside float32 ones
             scales, offsets = (a.astype(np.float16).astype(np.float32) for a in (scales, offsets))
         dtype = jnp.float16 if i == 1 else jnp.float32
-        weights.append((*cpu_kernels.tile_int4(packed, scales, offsets, scale_dtype=dtype), packed.shape[1]))
-    together = jax.jit(lambda x: cpu_kernels.int4_matmuls(x, weights))(x)
-    for got, weight in zip(together, weights):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(cpu_kernels.int4_matmul(x, *weight)))
+        tiled = cpu_kernels.tile_int4(packed, scales, offsets, scale_dtype=dtype)
+        weights.append(cpu_kernels.QuantizedWeight(*tiled, packed.shape[1]))
+    q, s = cpu_kernels.tile_int8(jnp.asarray(rng.integers(-127, 128, (576, 70), dtype=np.int8)), jnp.ones((36, 70)))
+    offsets = cpu_kernels.tile_scales(jnp.asarray(rng.random((36, 70)) - 0.5), jnp.float16)
+    weights += [cpu_kernels.QuantizedWeight(q, s, offsets, 70), cpu_kernels.QuantizedWeight(q, s, None, 70)]
+    together = jax.jit(lambda x: cpu_kernels.quantized_matmuls(x, weights))(x)
+    alone = [cpu_kernels.int4_matmul(x, *w.arrays(), w.n) for w in weights[:3]]
+    alone += [cpu_kernels.int8_matmul(x, q, s, 70, offsets), cpu_kernels.int8_matmul(x, q, s, 70)]
+    for got, want in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_allclose(np.asarray(together[0]), cases[0][1], atol=1e-5 * np.sqrt(576), rtol=1e-5)
 
 
@@ -503,6 +511,120 @@ def test_decoder_layer_blocks_in_bfloat16_and_their_errors():
             ins["wu"],
             ins["wd"],
             eps=1e-6,
+        )
+
+
+def quantized_weight(rng, k, n, kind, group, scale_dtype):
+    """A random weight [k, n] of `kind` (int4, int8, int8_asym) in the CPU kernels' layout, and
+    its values in float64 (read with plain arithmetic from the untiled values)."""
+    g = k // group
+    if kind == "int4":
+        packed = rng.integers(0, 256, (k // 2, n), dtype=np.uint8)
+        values = np.empty((k, n))
+        values[0::2], values[1::2] = packed & 15, packed >> 4
+        scales, offsets = rng.uniform(0.005, 0.02, (g, n)), rng.uniform(-0.15, -0.05, (g, n))
+    else:
+        packed = rng.integers(-127, 128, (k, n), dtype=np.int8)
+        values = packed.astype(np.float64)
+        scales = rng.uniform(2e-4, 1e-3, (g, n))
+        offsets = rng.uniform(-0.05, 0.05, (g, n)) if kind == "int8_asym" else None
+    scales, offsets = (None if a is None else a.astype(scale_dtype).astype(np.float64) for a in (scales, offsets))
+    dense = values * np.repeat(scales, group, 0) + (0 if offsets is None else np.repeat(offsets, group, 0))
+    if kind == "int4":
+        tiled = cpu_kernels.tile_int4(jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(offsets), scale_dtype)
+    else:
+        tiled = cpu_kernels.tile_int8(jnp.asarray(packed), jnp.asarray(scales), scale_dtype)
+        tiled = (*tiled, None if offsets is None else cpu_kernels.tile_scales(jnp.asarray(offsets), scale_dtype))
+    return cpu_kernels.QuantizedWeight(*tiled, n), dense
+
+
+# (kind, group, scale dtype) of q, k, v, o, gate, up, down: every layout a GGUF mix gives, beside each other.
+MIXED_LAYER = (
+    ("int4", 32, np.float16),
+    ("int8", 16, np.float16),
+    ("int8_asym", 32, np.float32),
+    ("int4", 64, np.float32),
+    ("int4", 32, np.float16),
+    ("int8_asym", 16, np.float32),
+    ("int8_asym", 20, np.float16),
+)
+
+
+def quantized_block_case(m, d, a, nk, f, dtype, seed, layouts=MIXED_LAYER):
+    """block_case's activations with quantized weights (`layouts`): the kernels' arguments and
+    the float64 oracle's values."""
+    want, ins = block_case(m, d, a, nk, f, dtype, seed)
+    rng = np.random.default_rng(seed + 1)
+    shapes = {"wq": (d, a), "wk": (d, nk), "wv": (d, nk), "wo": (a, d), "wg": (d, f), "wu": (d, f), "wd": (f, d)}
+    for (name, (k, n)), (kind, group, scale_dtype) in zip(shapes.items(), layouts, strict=True):
+        ins[name], want[name] = quantized_weight(rng, k, n, kind, group if k % group == 0 else 4, scale_dtype)
+    return want, ins
+
+
+def block_oracle(want, eps):
+    """q, k, v and the layer's output in float64 (the float kernels' test's math)."""
+    h = rms_norm64(want["x"], want["norm1"], eps)
+    x1 = want["x"] + want["attn"] @ want["wo"]
+    h2 = rms_norm64(x1, want["norm2"], eps)
+    gate = h2 @ want["wg"]
+    return (
+        h @ want["wq"],
+        h @ want["wk"],
+        h @ want["wv"],
+        x1 + (gate / (1 + np.exp(-gate)) * (h2 @ want["wu"])) @ want["wd"],
+    )
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("d,a,nk,f", [(576, 576, 192, 1536), (48, 32, 8, 100)])
+def test_quantized_decoder_layer_blocks_equal_numpy(m, d, a, nk, f):
+    """quantized_norm_qkv and quantized_o_proj_mlp on a layer whose seven projections mix int4,
+    int8 and int8 with offsets, groups of 16 to 64, float16 and float32 scales, against float64
+    NumPy on the dequantized weights; ragged last tiles (the small shapes); each row's bits the
+    same computed alone."""
+    eps = 1e-5
+    want, ins = quantized_block_case(m, d, a, nk, f, jnp.float32, seed=m + d)
+    norm_qkv = jax.jit(cpu_kernels.quantized_norm_qkv, static_argnames="eps")
+    o_proj_mlp = jax.jit(cpu_kernels.quantized_o_proj_mlp, static_argnames="eps")
+    qkv = norm_qkv(ins["x"], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps)
+    out = o_proj_mlp(ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps)
+    for got, expected in zip((*qkv, out), block_oracle(want, eps), strict=True):
+        np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5 * np.sqrt(f), rtol=1e-5)
+    if m > 1:
+        last = norm_qkv(ins["x"][-1:], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps)
+        for got, alone in zip(qkv, last, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[-1:], np.asarray(alone))
+        alone = o_proj_mlp(
+            ins["attn"][-1:], ins["x"][-1:], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps
+        )
+        np.testing.assert_array_equal(np.asarray(out)[-1:], np.asarray(alone))
+
+
+def test_quantized_decoder_layer_blocks_in_bfloat16_and_their_errors():
+    """bfloat16 activations against the same float64 math; a mismatched weight, an int4 weight
+    without offsets and mixed dtypes are refused."""
+    eps = 1e-6
+    want, ins = quantized_block_case(2, 64, 64, 16, 128, jnp.bfloat16, seed=0)
+    q, k, v = cpu_kernels.quantized_norm_qkv(ins["x"], ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps)
+    out = cpu_kernels.quantized_o_proj_mlp(
+        ins["attn"], ins["x"], ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps
+    )
+    assert q.dtype == out.dtype == jnp.bfloat16
+    for got, expected in zip((q, k, v, out), block_oracle(want, eps), strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64), expected, atol=6e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="K=64 inputs"):
+        cpu_kernels.quantized_norm_qkv(ins["x"], ins["norm1"], ins["wq"], ins["wd"], ins["wv"], eps=eps)
+    with pytest.raises(ValueError, match="K=64 inputs"):
+        cpu_kernels.quantized_norm_qkv(
+            ins["x"], ins["norm1"], dataclasses.replace(ins["wq"], offsets=None), ins["wk"], ins["wv"], eps=eps
+        )
+    with pytest.raises(ValueError, match="128 outputs where 64"):
+        cpu_kernels.quantized_o_proj_mlp(
+            ins["attn"], ins["x"], ins["wg"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps
+        )
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_kernels.quantized_norm_qkv(
+            ins["x"].astype(jnp.float32), ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps
         )
 
 
