@@ -13,6 +13,8 @@ each kernel:
     spill       bytes of spill stores / loads per thread (0 / 0 is what we want)
     smem KiB    dynamic shared memory Mosaic GPU allocated
     wgmma tma   [HQI]GMMA and UTMALDG instructions in the SASS (the tensor cores and the TMA used)
+    i2f         I2F / I2FP instructions (integer to float: an int4 weight goes through bf16 bit
+                operations instead, none expected in the int4 kernels)
     maxnreg     setmaxnreg present (warp specialization rebalancing registers)
     lower s / compile s   jax.export, then the plugin's compile (ptxas included)
 
@@ -242,6 +244,7 @@ class KernelReport:
     stack_bytes: int | None = None
     wgmma: int = 0
     tma_loads: int = 0
+    int_to_float: int = 0  # I2F / I2FP instructions (an int4 weight's conversion should have none)
     setmaxnreg: bool = False
     compile_s: float = 0.0
     error: str = ""
@@ -264,6 +267,7 @@ def parse_compiler_output(text: str, compiled: bool) -> KernelReport:
         report.stack_bytes, report.spill_stores, report.spill_loads = map(int, m.groups())
     report.wgmma = len(re.findall(r"\b[HQI]GMMA\.", text))  # bf16 / f16, fp8, int8 operands
     report.tma_loads = len(re.findall(r"\bUTMALDG\b", text))
+    report.int_to_float = len(re.findall(r"\bI2FP?\.", text))
     report.setmaxnreg = "USETMAXREG" in text
     if not compiled:
         lines = [line for line in text.splitlines() if "error" in line.lower()] or text.splitlines()[-5:]
@@ -365,6 +369,7 @@ COLUMNS = (
     ("smem KiB", 8),
     ("wgmma", 5),
     ("tma", 4),
+    ("i2f", 4),
     ("maxnreg", 7),
     ("lower s", 7),
     ("compile s", 9),
@@ -391,6 +396,7 @@ def format_row(row: dict) -> str:
         cell(smem, 8),
         cell(row["wgmma"], 5),
         cell(row["tma_loads"], 4),
+        cell(row["int_to_float"], 4),
         cell("yes" if row["setmaxnreg"] else "no", 7),
         cell(f"{row['lower_s']:.1f}", 7),
         cell(f"{row['compile_s']:.1f}", 9),

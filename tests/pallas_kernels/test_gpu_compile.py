@@ -2,7 +2,8 @@
 
 The CI subset of the cases runs through the CUDA plugin's own compiler (MLIR passes, LLVM's
 NVPTX back end, ptxas) over a stand-in driver: every kernel must reach a cubin, use the
-tensor cores (wgmma) and the TMA, and the cases marked must-not-spill must not spill. Two
+tensor cores (wgmma) and the TMA, the int4 kernels convert their nibbles without I2F, and the
+cases marked must-not-spill must not spill. Two
 controls show the checks can fail: a broken module does not compile, and a config known
 to spill (the 8-bit cache's old 128-key blocks) is reported as spilling.
 
@@ -77,6 +78,8 @@ def test_ci_subset_compiles_to_sm90a_without_spills(tmp_path):
         assert row["wgmma"] > 0 and row["tma_loads"] > 0, row  # tensor cores and TMA, not a fallback
         if row["must_not_spill"]:
             assert row["spill_stores"] == row["spill_loads"] == 0, row
+        if row["kernel"].startswith("int4"):  # nibbles to bf16 by bit operations, not I2F (1 per value)
+            assert row["int_to_float"] == 0, row
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"attention", "int4 matmul", "fp8 matmul", "bf16 matmul", "gmm", "int4 gmm", "fp8 gmm"}
     assert "compiled to sm_90a" in result.stdout
