@@ -516,6 +516,10 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // path dequantizes the whole weight to floats first, every step). A unit is one tile; a column's
 // sums run in one order (int4_column) whatever the rows of the call (batch invariance).
 constexpr int64_t kInt4Tile = 32;
+// Rows of x the quantized kernels take: a tile's weights are converted in registers once per
+// four rows, so up to 64 rows (a batch of decode steps) still beat dequantizing the whole
+// weight to floats first (the pure-JAX path, which longer steps take).
+constexpr int64_t kQuantizedMaxRows = 64;
 
 // A float16 value (an int4 weight's scales and offsets where float16 holds them exactly, as GGUF's
 // own d and m: half the bytes of float32 to read).
@@ -964,7 +968,7 @@ void quantized_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k,
   run_units(pool, first.back(), [&](int64_t u) {
     size_t j = 0;
     while (u >= first[j + 1]) ++j;
-    float out[kMaxRows * kInt4Tile];
+    float out[kQuantizedMaxRows * kInt4Tile];
     weights[j].tile(xf.data(), sums[j], m, u - first[j], out);
     store_tile(out, ys[j], m, weights[j].n, u - first[j]);
   });
@@ -974,8 +978,8 @@ void quantized_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k,
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto xd = x.dimensions();
   const auto xt = x.element_type();
-  if (xd.size() != 2 || xd[0] > kMaxRows || rets.size() == 0)
-    return ffi::Error::InvalidArgument("expected x [M <= 16, K], then a weight per output");
+  if (xd.size() != 2 || xd[0] > kQuantizedMaxRows || rets.size() == 0)
+    return ffi::Error::InvalidArgument("expected x [M <= 64, K], then a weight per output");
   if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
   const int64_t m = xd[0], k = xd[1];
@@ -1343,7 +1347,7 @@ void quantized_norm_qkv(ffi::ThreadPool& pool, const T* x, const T* norm_w, cons
       return;
     }
     const int j = u < first[1] ? 0 : u < first[2] ? 1 : 2;
-    float tile[kMaxRows * kInt4Tile];
+    float tile[kQuantizedMaxRows * kInt4Tile];
     w[j].tile(h.data(), sums[j], m, u - first[j], tile);
     store_tile(tile, outs[j], m, w[j].n, u - first[j]);
   });
@@ -1361,7 +1365,7 @@ void quantized_o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, cons
   std::vector<float> o(m * d), h(m * d), act(m * f), h_sums_g, h_sums_u, act_sums;
   std::vector<T> x1(m * d);
   run_phases(pool, {wo.tiles, 1, wg.tiles, 1, wd.tiles}, [&](size_t phase, int64_t t) {
-    float tile[kMaxRows * kInt4Tile];
+    float tile[kQuantizedMaxRows * kInt4Tile];
     switch (phase) {
       case 0:
         wo.tile(af.data(), a_sums, m, t, tile);
@@ -1372,7 +1376,7 @@ void quantized_o_proj_mlp(ffi::ThreadPool& pool, const T* attn, const T* x, cons
         h_sums_g = wg.sums(h, m), h_sums_u = wu.sums(h, m);
         return;
       case 2: {
-        float up[kMaxRows * kInt4Tile];
+        float up[kQuantizedMaxRows * kInt4Tile];
         wg.tile(h.data(), h_sums_g, m, t, tile);
         wu.tile(h.data(), h_sums_u, m, t, up);
         for (int64_t r = 0; r < m; ++r)
@@ -1409,7 +1413,7 @@ ffi::Error QuantizedNormQKV(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                         v->element_type()}))
     return ffi::Error::InvalidArgument("x, the norm's weight and q, k, v must be float32, or bfloat16");
   auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[0] > kMaxRows) return ffi::Error::InvalidArgument("expected x [M <= 16, D]");
+  if (xd.size() != 2 || xd[0] > kQuantizedMaxRows) return ffi::Error::InvalidArgument("expected x [M <= 64, D]");
   const int64_t m = xd[0], d = xd[1];
   ffi::AnyBuffer* outs[3] = {&*q, &*k, &*v};
   std::vector<int64_t> ns;
@@ -1439,8 +1443,8 @@ ffi::Error QuantizedOProjMLP(ffi::ThreadPool pool, ffi::AnyBuffer attn, ffi::Any
   if (!one_float_dtype({x.element_type(), attn.element_type(), norm_w.element_type(), out->element_type()}))
     return ffi::Error::InvalidArgument("attn, x, the norm's weight and the result must be float32, or bfloat16");
   auto ad = attn.dimensions(), xd = x.dimensions();
-  if (ad.size() != 2 || xd.size() != 2 || ad[0] > kMaxRows || xd[0] != ad[0])
-    return ffi::Error::InvalidArgument("expected attn [M <= 16, A] and x [M, D]");
+  if (ad.size() != 2 || xd.size() != 2 || ad[0] > kQuantizedMaxRows || xd[0] != ad[0])
+    return ffi::Error::InvalidArgument("expected attn [M <= 64, A] and x [M, D]");
   const int64_t m = ad[0], a = ad[1], d = xd[1];
   if (!shape_is(norm_w, {d}) || !shape_is(*out, {m, d}))
     return ffi::Error::InvalidArgument("the norm's weight must be [D] and the result [M, D]");

@@ -70,6 +70,10 @@ QUANTIZED_O_PROJ_MLP_TARGET = "jaxserve_quantized_o_proj_mlp"
 INT4_TILE = 32  # output columns per tile of int4_matmul's and int8_matmul's layouts (kInt4Tile in the .cc)
 Q8_0_BLOCK = 32  # values per float16 scale in GGUF's Q8_0
 MAX_ROWS = 16  # the most rows of x small_matmul takes
+# The most rows of x the quantized kernels take (kQuantizedMaxRows): each tile's weights are
+# converted once per four rows, so a batch of up to 64 decode steps still beats dequantizing
+# the whole weight to floats (the pure-JAX path).
+QUANTIZED_MAX_ROWS = 64
 # The most rows the decoder-layer kernels (norm_qkv, o_proj_mlp) serve in the engine. For
 # SmolLM2-135M's 30 layers on two cores they take 18.7 / 22.8 / 26.8 / 36.0 / 59.2 ms at
 # 1 / 2 / 4 / 8 / 16 rows, XLA 24.4 / 30.6 / 35.7 / 42.4 / 47.0 ms.
@@ -300,7 +304,7 @@ def _untile_columns(a: jax.Array, n: int) -> jax.Array:
 
 
 def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array, n: int) -> jax.Array:
-    """x [M <= MAX_ROWS, K] @ an int4 weight of N output columns in tile_int4's layout ->
+    """x [M <= QUANTIZED_MAX_ROWS, K] @ an int4 weight of N output columns in tile_int4's layout ->
     [M, N] in x's dtype (float32 or bfloat16), accumulated in float32, the weight never
     dequantized to memory. Not differentiable."""
     if packed.dtype != jnp.uint8:
@@ -359,14 +363,16 @@ class QuantizedWeight:
 
 
 def quantized_matmuls(x: jax.Array, weights: list[QuantizedWeight]) -> list[jax.Array]:
-    """x [M <= MAX_ROWS, K] @ each of `weights` (int4 or int8, any mix of layouts, K alike) ->
+    """x [M <= QUANTIZED_MAX_ROWS, K] @ each of `weights` (int4 or int8, any mix of layouts, K alike) ->
     [M, N] each in x's dtype (float32 or bfloat16), accumulated in float32, as one call: q, k
     and v (or gate and up) pay one dispatch and one wake-up of the thread pool, and their
     tiles share it. Not differentiable."""
     _check_built()
     m, k = x.shape
-    if m > MAX_ROWS or x.dtype not in KV_DTYPES:
-        raise ValueError(f"quantized_matmul takes float32 or bfloat16 x [M <= {MAX_ROWS}, K], got {x.dtype} {x.shape}")
+    if m > QUANTIZED_MAX_ROWS or x.dtype not in KV_DTYPES:
+        raise ValueError(
+            f"quantized_matmul takes float32 or bfloat16 x [M <= {QUANTIZED_MAX_ROWS}, K], got {x.dtype} {x.shape}"
+        )
     for w in weights:
         w.check(k)
     shapes = [jax.ShapeDtypeStruct((m, w.n), x.dtype) for w in weights]
@@ -417,7 +423,7 @@ def untile_scales(a: jax.Array, n: int) -> jax.Array:
 
 
 def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int, offsets: jax.Array | None = None) -> jax.Array:
-    """x [M <= MAX_ROWS, K] @ W with W[k, c] = scales[g, c] * q[k, c] (+ offsets[g, c]; g = k //
+    """x [M <= QUANTIZED_MAX_ROWS, K] @ W with W[k, c] = scales[g, c] * q[k, c] (+ offsets[g, c]; g = k //
     (K // G)), in tile_int8's layout, N output columns -> [M, N] in x's dtype (float32 or
     bfloat16), accumulated in float32, the weight never written out as floats. Not differentiable."""
     if q.dtype != jnp.int8:
@@ -425,10 +431,10 @@ def int8_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, n: int, offsets: 
     return quantized_matmuls(x, [QuantizedWeight(q, scales, offsets, n)])[0]
 
 
-def _check_block(name: str, x: jax.Array, *arrays: jax.Array) -> None:
+def _check_block(name: str, x: jax.Array, *arrays: jax.Array, max_rows: int = MAX_ROWS) -> None:
     _check_built()
-    if x.ndim != 2 or x.shape[0] > MAX_ROWS:
-        raise ValueError(f"{name} takes up to {MAX_ROWS} rows [M, D], got {x.shape}")
+    if x.ndim != 2 or x.shape[0] > max_rows:
+        raise ValueError(f"{name} takes up to {max_rows} rows [M, D], got {x.shape}")
     if x.dtype not in KV_DTYPES or any(a.dtype != x.dtype for a in arrays):
         raise ValueError(
             f"{name} takes float32 or bfloat16 arrays of one dtype, got {sorted({str(a.dtype) for a in (x, *arrays)})}"
@@ -473,8 +479,8 @@ def quantized_norm_qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """norm_qkv on 4- and 8-bit weights (each its own layout, as quantized_matmuls takes them):
     h = norm_weight * RMSNorm(x) rounded to x's dtype, then h @ wq, h @ wk, h @ wv, as one call.
-    x [M <= MAX_ROWS, D] float32 or bfloat16, the norm's weight alike. Not differentiable."""
-    _check_block("quantized_norm_qkv", x, norm_weight)
+    x [M <= QUANTIZED_MAX_ROWS, D] float32 or bfloat16, the norm's weight alike. Not differentiable."""
+    _check_block("quantized_norm_qkv", x, norm_weight, max_rows=QUANTIZED_MAX_ROWS)
     for w in (wq, wk, wv):
         w.check(x.shape[1], "quantized_norm_qkv")
     shapes = [jax.ShapeDtypeStruct((x.shape[0], w.n), x.dtype) for w in (wq, wk, wv)]
@@ -495,8 +501,8 @@ def quantized_o_proj_mlp(
 ) -> jax.Array:
     """o_proj_mlp on 4- and 8-bit weights (each its own layout, as quantized_matmuls takes
     them), as one call; each product's result rounded to x's dtype as the model's ops round it.
-    attn [M <= MAX_ROWS, A], x [M, D]; float32 or bfloat16, one dtype. Not differentiable."""
-    _check_block("quantized_o_proj_mlp", attn, x, norm_weight)
+    attn [M <= QUANTIZED_MAX_ROWS, A], x [M, D]; float32 or bfloat16, one dtype. Not differentiable."""
+    _check_block("quantized_o_proj_mlp", attn, x, norm_weight, max_rows=QUANTIZED_MAX_ROWS)
     a, d, f = attn.shape[1], x.shape[1], w_down.k
     for w, k, n in ((wo, a, d), (w_gate, d, f), (w_up, d, f), (w_down, f, d)):
         if w.n != n:

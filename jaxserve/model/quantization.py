@@ -228,7 +228,7 @@ class QuantizedLinear(nnx.Module):
     def _cpu_matmul(self, x: jax.Array) -> jax.Array:
         # A prefill chunk (more rows than the kernels take) runs the reference on the weight
         # untiled in the step (its dequantization to floats costs the same; the chunk's rows share it).
-        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+        if x.shape[0] <= cpu_kernels.QUANTIZED_MAX_ROWS:
             return cpu_kernels.quantized_matmuls(x, [self.cpu_weight()])[0]
         if self.kind in INT8_KINDS:
             offsets = self._int8_offsets()
@@ -254,7 +254,7 @@ class QuantizedLinear(nnx.Module):
     def use_cpu_layout(self) -> None:
         """Convert an int4 or int8 layer, once, into the CPU kernels' tiled layout (in place;
         see `cpu_kernels.tile_int4` and `tile_int8`). Its calls of up to
-        `cpu_kernels.MAX_ROWS` rows (decode steps) then run the C++ kernel, which reads the
+        `cpu_kernels.QUANTIZED_MAX_ROWS` rows (decode steps) then run the C++ kernel, which reads the
         packed values; longer ones the reference. Scales float16 holds exactly (a GGUF's
         own) are kept in float16: fewer bytes, the same values."""
         if self.layout == "cpu":
@@ -383,7 +383,7 @@ def project(x: jax.Array, *layers) -> tuple[jax.Array, ...]:
     the CPU layout share one kernel call for a few rows (`cpu_kernels.quantized_matmuls`): a
     decode step pays one dispatch for them instead of one each."""
     x2 = x.reshape(-1, x.shape[-1])
-    fused = len(layers) > 1 and x2.shape[0] <= cpu_kernels.MAX_ROWS
+    fused = len(layers) > 1 and x2.shape[0] <= cpu_kernels.QUANTIZED_MAX_ROWS
     if fused and all(isinstance(q, QuantizedLinear) and q.on_cpu_kernels for q in layers):
         ys = cpu_kernels.quantized_matmuls(x2, [layer.cpu_weight() for layer in layers])
         return tuple(layer._output(y, x.shape[:-1]) for layer, y in zip(layers, ys))

@@ -291,7 +291,7 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
 
 def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -> str:
     """For a quantized model on the CPU: "cpu" converts its int4 and int8 layers, in place,
-    to the C++ kernels' tiled layout (their few-row products, decode steps of up to MAX_ROWS
+    to the C++ kernels' tiled layout (their few-row products, decode steps of up to QUANTIZED_MAX_ROWS
     rows, then read the packed values) and marks a tied LM head for the CPU kernels: int8_matmul
     on the table's Q8_0 blocks where it is made of them (a GGUF's), else small_matmul; else
     "reference" (fp8 layers always run the reference)."""
@@ -322,7 +322,7 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
         device.device_kind,
         len(packed),
         "/".join(sorted({layer.kind for layer in packed})) or "int4",
-        cpu_kernels.MAX_ROWS,
+        cpu_kernels.QUANTIZED_MAX_ROWS,
         "; a decoder layer's halves one call each" if model.few_row_kernels.layer_rows else "",
         head,
     )
@@ -437,13 +437,13 @@ def use_invariant_mgpu_kernels(model, *, interpret: bool = False) -> None:
 def few_row_kernels(model) -> FewRowKernels:
     """The products the CPU kernels take: every layer's when all its layers have plain float
     projections (up to LAYER_MAX_ROWS rows) or all have int4 / int8 ones in the kernels'
-    layout (up to MAX_ROWS: the quantized kernels stay ahead of XLA there), and a tied head's
-    up to MAX_ROWS."""
+    layout (up to QUANTIZED_MAX_ROWS: the weights converted in registers stay ahead of the
+    reference's dequantized copy there), and a tied head's up to MAX_ROWS."""
     layers = model.layers if isinstance(model.layers, nnx.List) else [model.layers]  # unstacked, or stacked
     if all(has_plain_projections(layer) for layer in layers):
         layer_rows = cpu_kernels.LAYER_MAX_ROWS
     elif all(has_quantized_kernel_projections(layer) for layer in layers):
-        layer_rows = cpu_kernels.MAX_ROWS
+        layer_rows = cpu_kernels.QUANTIZED_MAX_ROWS
     else:
         layer_rows = 0
     return FewRowKernels(

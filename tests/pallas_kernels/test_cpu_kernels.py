@@ -295,8 +295,8 @@ def test_int4_matmul_in_bfloat16_and_its_errors():
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-7, atol=1e-5 * np.sqrt(128))
     x, *weight = args
     tiled = cpu_kernels.tile_int4(*weight)
-    with pytest.raises(ValueError, match="M <= 16"):
-        cpu_kernels.int4_matmul(jnp.zeros((17, 128)), *tiled, 96)
+    with pytest.raises(ValueError, match="M <= 64"):
+        cpu_kernels.int4_matmul(jnp.zeros((65, 128)), *tiled, 96)
     with pytest.raises(ValueError, match="even K // G"):  # groups of 3: odd
         cpu_kernels.int4_matmul(jnp.zeros((1, 6)), tiled[0][:, :3], tiled[1][:, :2], tiled[2][:, :2], 96)
     with pytest.raises(ValueError, match="N in the last tile"):
@@ -357,8 +357,8 @@ def test_int8_matmul_rows_are_computed_alone_and_in_bfloat16():
     want = np.asarray(x.astype(jnp.bfloat16), np.float64) @ table.T.astype(np.float64)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-7, atol=1e-3)
-    with pytest.raises(ValueError, match="M <= 16"):
-        cpu_kernels.int8_matmul(jnp.zeros((17, 576)), *head)
+    with pytest.raises(ValueError, match="M <= 64"):
+        cpu_kernels.int8_matmul(jnp.zeros((65, 576)), *head)
     with pytest.raises(ValueError, match="N in the last tile"):
         cpu_kernels.int8_matmul(x, head[0], head[1], 256)
     with pytest.raises(ValueError, match="int8 q"):
@@ -575,7 +575,7 @@ def block_oracle(want, eps):
     )
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 37, 64])
 @pytest.mark.parametrize("d,a,nk,f", [(576, 576, 192, 1536), (48, 32, 8, 100)])
 def test_quantized_decoder_layer_blocks_equal_numpy(m, d, a, nk, f):
     """quantized_norm_qkv and quantized_o_proj_mlp on a layer whose seven projections mix int4,
@@ -626,6 +626,9 @@ def test_quantized_decoder_layer_blocks_in_bfloat16_and_their_errors():
         cpu_kernels.quantized_norm_qkv(
             ins["x"].astype(jnp.float32), ins["norm1"], ins["wq"], ins["wk"], ins["wv"], eps=eps
         )
+    with pytest.raises(ValueError, match="up to 64 rows"):
+        x = jnp.zeros((65, 64), jnp.bfloat16)
+        cpu_kernels.quantized_o_proj_mlp(x, x, ins["wo"], ins["norm2"], ins["wg"], ins["wu"], ins["wd"], eps=eps)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

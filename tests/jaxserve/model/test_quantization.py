@@ -241,27 +241,27 @@ def test_model_equals_transformers_on_the_dequantized_weights(tiny_folder, metho
 @pytest.mark.parametrize("method", ["int4", "int8"])
 @pytest.mark.parametrize("name", ["llama-bias-mha", "qwen2", "qwen3"])
 def test_model_on_the_cpu_kernel_equals_transformers(tmp_path, name, method):
-    """select_matmul on the CPU sends the int4 or int8 layers' products of up to MAX_ROWS rows to
-    the C++ kernels: each half of a layer one call (quantized_norm_qkv, quantized_o_proj_mlp;
-    q/k/v biases added after, q/k norms between), or, with an o_proj bias (llama-bias-mha), each
-    projection its own. A step of 13 tokens (16 rows) runs there, with transformers' logits on
-    the dequantized weights."""
+    """select_matmul on the CPU sends the int4 or int8 layers' products of up to QUANTIZED_MAX_ROWS
+    rows to the C++ kernels: each half of a layer one call (quantized_norm_qkv,
+    quantized_o_proj_mlp; q/k/v biases added after, q/k norms between), or, with an o_proj bias
+    (llama-bias-mha), each projection its own. A step of 51 tokens (64 rows) runs there, with
+    transformers' logits on the dequantized weights."""
     hf_model = make_tiny_model(name, tmp_path)
     loaded = load_model(str(tmp_path), use_cache=False, progress=False, quantization=method)
     rng = np.random.default_rng(1)
-    prompts = [list(rng.integers(0, 97, n)) for n in (5, 1, 7)]
+    prompts = [list(rng.integers(0, 97, n)) for n in (20, 1, 30)]
     want = hf_logits_with_weights_of(hf_model, loaded, prompts)
     assert select_matmul("auto", loaded.model) == "cpu"
     assert {layer.layout for _, layer in quantized_layers(loaded.model)} == {"cpu"}
     layer_kernels = name != "llama-bias-mha"
-    assert loaded.model.few_row_kernels.layer_rows == (cpu_kernels.MAX_ROWS if layer_kernels else 0)
-    inputs = PagedSequences([13], 4, num_blocks=20).step([list(range(13))], [(0, 13)], pad_to=16)
+    assert loaded.model.few_row_kernels.layer_rows == (cpu_kernels.QUANTIZED_MAX_ROWS if layer_kernels else 0)
+    inputs = PagedSequences([51], 4, num_blocks=20).step([list(range(51))], [(0, 51)], pad_to=64)
     kv = allocate_kv_cache(loaded.model.cfg, 20, 4, jnp.float32)
     lowered = jax.jit(lambda i, c: loaded.model(i, c)[0]).lower(inputs, kv).as_text()
     targets = (cpu_kernels.QUANTIZED_NORM_QKV_TARGET, cpu_kernels.QUANTIZED_O_PROJ_MLP_TARGET)
     assert [target in lowered for target in targets] == [layer_kernels] * 2
     assert (cpu_kernels.QUANTIZED_MATMUL_TARGET in lowered) != layer_kernels
-    for got, w in zip(model_logits(loaded.model, prompts, pad_to=16), want):
+    for got, w in zip(model_logits(loaded.model, prompts, pad_to=64), want):
         assert np.abs(got - w).max() <= 1e-4
 
 
@@ -271,10 +271,10 @@ def test_layer_in_the_cpu_layout_takes_the_kernel_up_to_its_rows(kind):
     layer.use_cpu_layout()
     graphdef, state = nnx.split(layer)
     targets = {}
-    for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1):
+    for rows in (1, cpu_kernels.QUANTIZED_MAX_ROWS, cpu_kernels.QUANTIZED_MAX_ROWS + 1):
         hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, jnp.zeros((rows, 64))).as_text()
         targets[rows] = cpu_kernels.QUANTIZED_MATMUL_TARGET in hlo
-    assert targets == {1: True, cpu_kernels.MAX_ROWS: True, cpu_kernels.MAX_ROWS + 1: False}
+    assert targets == {1: True, cpu_kernels.QUANTIZED_MAX_ROWS: True, cpu_kernels.QUANTIZED_MAX_ROWS + 1: False}
 
 
 def fake_quantize_e4m3_per_token(module, args):
