@@ -351,9 +351,8 @@ class QuantizedWeight:
                 f"{name} takes weights of K={k} inputs in tile_int4's layout (packed uint8 [tiles, K // 2, "
                 f"{INT4_TILE}], scales and offsets [tiles, G, {INT4_TILE}]) or tile_int8's (int8 [tiles, K, "
                 f"{INT4_TILE}], scales and maybe offsets), G dividing K (an even K // G with offsets), N in the last "
-                f"tile; "
-                f"got {values.dtype} {values.shape}, {scales.shape}, {None if offsets is None else offsets.shape}, "
-                f"N={n}"
+                f"tile; got {values.dtype} {values.shape}, {scales.shape}, "
+                f"{None if offsets is None else offsets.shape}, N={n}"
             )
         if scales.dtype not in (jnp.float32, jnp.float16) or (offsets is not None and offsets.dtype != scales.dtype):
             raise ValueError(
@@ -510,7 +509,7 @@ def quantized_o_proj_mlp(
         w.check(k, "quantized_o_proj_mlp")
     if w_gate.values.shape[0] != w_up.values.shape[0]:
         raise ValueError("quantized_o_proj_mlp takes gate and up of the same tiles")
-    arrays = [a for w in (wo, w_gate, w_up, w_down) for a in w.arrays()]
+    arrays = [array for w in (wo, w_gate, w_up, w_down) for array in w.arrays()]
     call = jax.ffi.ffi_call(
         QUANTIZED_O_PROJ_MLP_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential"
     )
