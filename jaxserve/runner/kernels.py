@@ -330,12 +330,14 @@ def select_quantized_cpu_matmul(name: str, model, device: jax.Device, tp: int) -
 
 
 def restore_canonical_layout(model) -> None:
-    """Int4 layers an earlier engine put in the CPU kernel's tiled layout back in the canonical
-    one (exact), for an engine on the same model that shards them or runs the reference."""
+    """Int4 / int8 layers an earlier engine put in the CPU kernels' tiled layout back in the
+    canonical one (exact), for an engine on the same model that shards them or runs the
+    reference; the kernels that engine chose for its few-row products are dropped with it."""
     for _, layer in quantized_layers(model):
         if layer.layout == "cpu":
             layer.use_canonical_layout()
     model.int8_head = None
+    model.few_row_kernels = FewRowKernels()
 
 
 def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> str:
