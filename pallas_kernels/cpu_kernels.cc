@@ -502,6 +502,199 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+// ---- Float products of a few dozen rows (JaxserveDenseMatmul) ----
+//
+// y = x @ w for w [K, N] as the model stores it. A unit is a tile of kDenseTile output columns for
+// every row of x, in blocks of kDenseRowBlock rows: a block's 8 x 48 sums live in 24 AVX-512
+// registers through K, so each weight value read feeds eight FMAs (small_matmul's column loop
+// keeps its sums in memory, which costs more than XLA's dot from about 8 rows). A tile's rows lie
+// N apart, a page or more, which the hardware prefetcher does not follow: while its first row
+// block runs, a worker prefetches the tile it will likely take next (read on demand, the same
+// loop ran at 60 % of the speed). Each sum is one fma chain over k in order, so a row's result
+// is the same bits whatever the other rows of the call (batch invariance), with AVX-512 or not.
+constexpr int64_t kDenseTile = 48;
+constexpr int64_t kDenseRowBlock = 8;
+// Rows of x the engine sends here; more (a prefill) go to XLA's dot, which packs its operands.
+constexpr int64_t kDenseMaxRows = 64;
+
+// Where the next tile of a worker starts, to prefetch while this one runs; null for none.
+template <typename WT>
+struct DenseTile {
+  const WT* w;  // the tile's first column in row 0
+  int64_t n;    // the weight's row stride (its N)
+  int64_t cols;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define JAXSERVE_DENSE_AVX512 1
+// 16 weights as floats; the lanes outside `mask` zero (a full mask reads without one).
+inline __m512 load_masked(const float* p, __mmask16 mask) {
+  return mask == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask, p);
+}
+inline __m512 load_masked(const uint16_t* p, __mmask16 mask) {  // bfloat16: the high half of a float
+  const __m256i bits = mask == 0xffff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                      : _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __mmask16 lanes_from(int64_t cols, int64_t first) {
+  const int64_t left = std::clamp<int64_t>(cols - first, 0, 16);
+  return __mmask16((1u << left) - 1);
+}
+
+// One block's sums over k in [0, K) into out [MR][kDenseTile]; with kPrefetch, the next tile's
+// rows are fetched too; kRagged: a last tile of fewer columns, read with masks. (The sums are
+// this function's locals, and the loops separate, so that the compiler keeps the sums in
+// registers: with masked loads for every tile, or a branch in the loop, it stored them to the
+// stack every step, at 40 % of the speed.)
+template <int MR, bool kPrefetch, bool kRagged, typename XT, typename WT>
+void dense_sums(const XT* x, int64_t k, const WT* w, int64_t n, __mmask16 m0, __mmask16 m1, __mmask16 m2,
+                const char* next, int64_t next_n, int64_t next_bytes, float* out) {
+  __m512 acc[MR][3];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    if constexpr (kPrefetch) {
+      const char* p = next + i * next_n * int64_t(sizeof(WT));
+      for (int64_t b = 0; b < next_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+      _mm_prefetch(p + next_bytes - 1, _MM_HINT_T1);  // the last line, where the tile is not aligned
+    }
+    const WT* wi = w + i * n;
+    __m512 w0, w1, w2;
+    if constexpr (kRagged)
+      w0 = load_masked(wi, m0), w1 = load_masked(wi + 16, m1), w2 = load_masked(wi + 32, m2);
+    else
+      w0 = load_masked(wi, 0xffff), w1 = load_masked(wi + 16, 0xffff), w2 = load_masked(wi + 32, 0xffff);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(load(x[r * k + i]));
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(out + r * kDenseTile + 16 * j, acc[r][j]);
+}
+
+template <int MR, typename XT, typename WT>
+void dense_block(const XT* x, int64_t k, const DenseTile<WT>& tile, XT* y, int64_t ldy, const DenseTile<WT>* next) {
+  const int64_t cols = tile.cols;
+  const __mmask16 m0 = lanes_from(cols, 0), m1 = lanes_from(cols, 16), m2 = lanes_from(cols, 32);
+  alignas(64) float sums[MR * kDenseTile];
+  const char* ahead = next ? reinterpret_cast<const char*>(next->w) : nullptr;
+  const int64_t ahead_n = next ? next->n : 0, ahead_bytes = next ? next->cols * int64_t(sizeof(WT)) : 0;
+  if (cols < kDenseTile)  // a last tile: it has no next
+    dense_sums<MR, false, true>(x, k, tile.w, tile.n, m0, m1, m2, nullptr, 0, 0, sums);
+  else if (next)
+    dense_sums<MR, true, false>(x, k, tile.w, tile.n, m0, m1, m2, ahead, ahead_n, ahead_bytes, sums);
+  else
+    dense_sums<MR, false, false>(x, k, tile.w, tile.n, m0, m1, m2, nullptr, 0, 0, sums);
+  for (int r = 0; r < MR; ++r) {
+    const float* s = sums + r * kDenseTile;
+    XT* yr = y + r * ldy;
+    if constexpr (std::is_same_v<XT, float>)
+      std::memcpy(yr, s, cols * sizeof(float));
+    else
+      for (int64_t c = 0; c < cols; ++c) store(s[c], yr + c);
+  }
+}
+
+template <typename XT, typename WT>
+void dense_tile(const XT* x, int64_t m, int64_t k, const DenseTile<WT>& tile, XT* y, const DenseTile<WT>* next) {
+  using Block = void (*)(const XT*, int64_t, const DenseTile<WT>&, XT*, int64_t, const DenseTile<WT>*);
+  static constexpr Block blocks[kDenseRowBlock + 1] = {
+      nullptr,
+      dense_block<1, XT, WT>,
+      dense_block<2, XT, WT>,
+      dense_block<3, XT, WT>,
+      dense_block<4, XT, WT>,
+      dense_block<5, XT, WT>,
+      dense_block<6, XT, WT>,
+      dense_block<7, XT, WT>,
+      dense_block<8, XT, WT>,
+  };
+  for (int64_t r = 0; r < m; r += kDenseRowBlock) {
+    const int64_t rows = std::min(kDenseRowBlock, m - r);
+    blocks[rows](x + r * k, k, tile, y + r * tile.n, tile.n, r == 0 ? next : nullptr);
+  }
+}
+#else
+// The same fma chains, one sum at a time.
+template <typename XT, typename WT>
+void dense_tile(const XT* x, int64_t m, int64_t k, const DenseTile<WT>& tile, XT* y, const DenseTile<WT>*) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < tile.cols; ++c) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < k; ++i) sum = std::fma(load(x[r * k + i]), load(tile.w[i * tile.n + c]), sum);
+      store(sum, y + r * tile.n + c);
+    }
+}
+#endif
+
+#if defined(JAXSERVE_DENSE_AVX512)
+constexpr bool kDenseVectorized = true;
+#else
+constexpr bool kDenseVectorized = false;
+#endif
+
+template <typename XT, typename WT>
+void dense_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k, const std::vector<const void*>& ws,
+                   const std::vector<int64_t>& ns, const std::vector<void*>& ys) {
+  std::vector<DenseTile<WT>> tiles;  // every weight's tiles, one unit each
+  std::vector<XT*> outs;             // where each tile's columns start in its y
+  for (size_t j = 0; j < ws.size(); ++j)
+    for (int64_t c = 0; c < ns[j]; c += kDenseTile) {
+      tiles.push_back({static_cast<const WT*>(ws[j]) + c, ns[j], std::min(kDenseTile, ns[j] - c)});
+      outs.push_back(static_cast<XT*>(ys[j]) + c);
+    }
+  // run_units hands out units in turn, so a worker's next unit is about `workers` further on.
+  const int64_t units = int64_t(tiles.size());
+  const int64_t workers = 1 + std::min<int64_t>(pool.num_threads(), std::max<int64_t>(units - 1, 0));
+  run_units(pool, units, [&](int64_t u) {
+    const int64_t after = u + workers;
+    dense_tile(x, m, k, tiles[u], outs[u], after < units ? &tiles[after] : nullptr);
+  });
+}
+
+// x [M <= 64, K], then one w [K, N] per output y [M, N]; float32 or bfloat16 (the weights one dtype).
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto xd = x.dimensions();
+  const auto xt = x.element_type();
+  const bool x_ok = xt == ffi::DataType::F32 || xt == ffi::DataType::BF16;
+  if (xd.size() != 2 || xd[0] > kDenseMaxRows || !x_ok || rets.size() == 0 || args.size() != rets.size())
+    return ffi::Error::InvalidArgument("dense_matmul: expected x [M <= 64, K] float32 or bfloat16, then a w per y");
+  const int64_t m = xd[0], k = xd[1];
+  std::vector<const void*> ws;
+  std::vector<void*> ys;
+  std::vector<int64_t> ns;
+  ffi::DataType wt = ffi::DataType::F32;
+  for (size_t j = 0; j < args.size(); ++j) {
+    auto w = args.get<ffi::AnyBuffer>(j);
+    auto y = rets.get<ffi::AnyBuffer>(j);
+    if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument("dense_matmul: unreadable buffers");
+    auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (j == 0) wt = w->element_type();
+    const bool w_ok = w->element_type() == wt && (wt == ffi::DataType::F32 || wt == ffi::DataType::BF16);
+    if (wd.size() != 2 || wd[0] != k || !w_ok || yd.size() != 2 || yd[0] != m || yd[1] != wd[1] ||
+        (*y)->element_type() != xt)
+      return ffi::Error::InvalidArgument(
+          "dense_matmul: each w must be [K, N] (float32 or bfloat16, all alike) and its y [M, N] in x's dtype");
+    ws.push_back(w->untyped_data());
+    ys.push_back((*y)->untyped_data());
+    ns.push_back(wd[1]);
+  }
+  const bool x32 = xt == ffi::DataType::F32, w32 = wt == ffi::DataType::F32;
+  const void* xp = x.untyped_data();
+  if (x32 && w32)
+    dense_matmuls<float, float>(pool, static_cast<const float*>(xp), m, k, ws, ns, ys);
+  else if (x32)
+    dense_matmuls<float, uint16_t>(pool, static_cast<const float*>(xp), m, k, ws, ns, ys);
+  else if (w32)
+    dense_matmuls<uint16_t, float>(pool, static_cast<const uint16_t*>(xp), m, k, ws, ns, ys);
+  else
+    dense_matmuls<uint16_t, uint16_t>(pool, static_cast<const uint16_t*>(xp), m, k, ws, ns, ys);
+  return ffi::Error::Success();
+}
+
 // ---- 4-bit weights for a few rows (JaxserveQuantizedMatmul) ----
 //
 // y = x @ W for an int4 weight W [K, N] (w[k, n] = scales[g, n] * nibble + offsets[g, n] for
@@ -1511,6 +1704,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transposed"));
+
+// Whether the dense kernel has its vector path here (else the engine leaves its products to XLA).
+extern "C" int JaxserveDenseMatmulVectorized() { return kDenseVectorized; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDenseMatmul, DenseMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .RemainingArgs()        // one w [K, N] per output
+                                  .RemainingRets());      // y [M, N] per weight
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()

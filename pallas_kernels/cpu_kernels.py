@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".cc")
 ATTENTION_TARGET = "jaxserve_ragged_paged_attention"
 MATMUL_TARGET = "jaxserve_small_matmul"
+DENSE_MATMUL_TARGET = "jaxserve_dense_matmul"
 NORM_QKV_TARGET = "jaxserve_norm_qkv"
 O_PROJ_MLP_TARGET = "jaxserve_o_proj_mlp"
 MOE_EXPERTS_TARGET = "jaxserve_moe_experts"
@@ -74,6 +75,12 @@ MAX_ROWS = 16  # the most rows of x small_matmul takes
 # converted once per four rows, so a batch of up to 64 decode steps still beats dequantizing
 # the whole weight to floats (the pure-JAX path).
 QUANTIZED_MAX_ROWS = 64
+# The most rows of x dense_matmuls takes (kDenseMaxRows): a batch of decode steps. Longer
+# steps go to XLA's dot, which packs its operands for many rows.
+DENSE_MAX_ROWS = 64
+# The fewest rows dense_dot_general sends to it: up to 16 rows XLA's dot is as fast or faster
+# (one row: 2.3 against 3.1 ms for a [576, 49152] head; 16 rows of [576, 1536] weights alike).
+DENSE_MIN_ROWS = 17
 # The most rows the decoder-layer kernels (norm_qkv, o_proj_mlp) serve in the engine. For
 # SmolLM2-135M's 30 layers on two cores they take 18.7 / 22.8 / 26.8 / 36.0 / 59.2 ms at
 # 1 / 2 / 4 / 8 / 16 rows, XLA 24.4 / 30.6 / 35.7 / 42.4 / 47.0 ms.
@@ -135,6 +142,7 @@ def _build(cache_dir: Path) -> str | None:
     for target, handler in (
         (ATTENTION_TARGET, lib.JaxserveRaggedPagedAttention),
         (MATMUL_TARGET, lib.JaxserveSmallMatmul),
+        (DENSE_MATMUL_TARGET, lib.JaxserveDenseMatmul),
         (NORM_QKV_TARGET, lib.JaxserveNormQKV),
         (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP),
         (MOE_EXPERTS_TARGET, lib.JaxserveMoeExperts),
@@ -258,6 +266,71 @@ def _small_matmul_bwd(transposed, residuals, g):
 
 
 _small_matmul.defvjp(_small_matmul_fwd, _small_matmul_bwd)
+
+
+def dense_vectorized() -> bool:
+    """Whether dense_matmuls has its AVX-512 path in the built kernels (without it, a plain
+    loop with the same results, slower than XLA's dot)."""
+    _check_built()
+    return bool(_built["library"].JaxserveDenseMatmulVectorized())
+
+
+def dense_matmuls(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
+    """[x @ w for w in ws] in one call, for x [M <= DENSE_MAX_ROWS, K] and float weights
+    [K, N] as stored (q/k/v, or gate/up: one dispatch for them), float32 or bfloat16 (the
+    weights of one dtype); each result in x's dtype, accumulated in float32. Each sum is one
+    fused multiply-add chain over K in order: a row's result does not depend on the other
+    rows. Differentiable (the gradients are XLA dots)."""
+    return list(_dense_matmuls(x, tuple(ws)))
+
+
+def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w for one weight: `dense_matmuls(x, [w])`."""
+    return _dense_matmuls(x, (w,))[0]
+
+
+@jax.custom_vjp
+def _dense_matmuls(x, ws):
+    _check_built()
+    if x.ndim != 2 or x.shape[0] > DENSE_MAX_ROWS or x.dtype not in KV_DTYPES:
+        raise ValueError(
+            f"dense_matmuls takes x [M <= {DENSE_MAX_ROWS}, K] float32 or bfloat16, got {x.shape} {x.dtype}"
+        )
+    if not ws or any(w.ndim != 2 or w.shape[0] != x.shape[1] or w.dtype != ws[0].dtype for w in ws):
+        raise ValueError(f"dense_matmuls takes weights [K={x.shape[1]}, N] of one dtype, got {[w.shape for w in ws]}")
+    if ws[0].dtype not in KV_DTYPES:
+        raise ValueError(f"dense_matmuls takes float32 or bfloat16 weights, got {ws[0].dtype}")
+    shapes = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype) for w in ws)
+    # Under vmap: one call per element (correct, not fast; the engine does not vmap it).
+    return tuple(jax.ffi.ffi_call(DENSE_MATMUL_TARGET, shapes, vmap_method="sequential")(x, *ws))
+
+
+def _dense_matmuls_fwd(x, ws):
+    return _dense_matmuls(x, ws), (x, ws)
+
+
+def _dense_matmuls_bwd(residuals, gs):
+    x, ws = residuals
+    dx = sum(g @ w.T for g, w in zip(gs, ws))
+    return dx.astype(x.dtype), tuple((x.T @ g).astype(w.dtype) for g, w in zip(gs, ws))
+
+
+_dense_matmuls.defvjp(_dense_matmuls_fwd, _dense_matmuls_bwd)
+
+
+def dense_dot_general(x, kernel, dimension_numbers, precision=None, **kwargs):
+    """`jax.lax.dot_general` for a layer's x [..., K] @ kernel [K, N] (what nnx.Linear asks for):
+    DENSE_MIN_ROWS to DENSE_MAX_ROWS rows of one float dtype through dense_matmul, anything else
+    through XLA. runner.kernels sets it as the float projections' `dot_general` on the CPU."""
+    rows = int(np.prod(x.shape[:-1]))
+    if (
+        kernel.ndim == 2
+        and DENSE_MIN_ROWS <= rows <= DENSE_MAX_ROWS
+        and x.dtype == kernel.dtype
+        and x.dtype in KV_DTYPES
+    ):
+        return dense_matmul(x.reshape(rows, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
+    return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
 
 
 def tile_int4(

@@ -380,13 +380,21 @@ class Int8Table(nnx.Module):
 
 def project(x: jax.Array, *layers) -> tuple[jax.Array, ...]:
     """Each layer's output for the same x (q, k and v; gate and up). Int4 and int8 layers in
-    the CPU layout share one kernel call for a few rows (`cpu_kernels.quantized_matmuls`): a
-    decode step pays one dispatch for them instead of one each."""
+    the CPU layout share one kernel call for a few rows (`cpu_kernels.quantized_matmuls`), as
+    do float layers marked for the CPU's dense kernel (`cpu_kernels.dense_matmuls`): a decode
+    step pays one dispatch for them instead of one each."""
     x2 = x.reshape(-1, x.shape[-1])
     fused = len(layers) > 1 and x2.shape[0] <= cpu_kernels.QUANTIZED_MAX_ROWS
     if fused and all(isinstance(q, QuantizedLinear) and q.on_cpu_kernels for q in layers):
         ys = cpu_kernels.quantized_matmuls(x2, [layer.cpu_weight() for layer in layers])
         return tuple(layer._output(y, x.shape[:-1]) for layer, y in zip(layers, ys))
+    fused = len(layers) > 1 and cpu_kernels.DENSE_MIN_ROWS <= x2.shape[0] <= cpu_kernels.DENSE_MAX_ROWS
+    if fused and all(getattr(p, "dot_general", None) is cpu_kernels.dense_dot_general for p in layers):
+        kernels = [layer.kernel[...] for layer in layers]
+        if all(k.dtype == x.dtype for k in kernels) and x.dtype in cpu_kernels.KV_DTYPES:
+            ys = cpu_kernels.dense_matmuls(x2, kernels)
+            ys = [y if p.bias is None else y + p.bias[...] for p, y in zip(layers, ys)]
+            return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     return tuple(layer(x) for layer in layers)
 
 

@@ -277,11 +277,16 @@ def select_dense_matmul(name: str, model, device: jax.Device, tp: int) -> str:
         raise ValueError(f"the CPU matmul kernel cannot run: {reason}")
     use = name != "reference" and reason is None
     model.few_row_kernels = few_row_kernels(model) if use else FewRowKernels()
+    dense = use and cpu_kernels.dense_vectorized()
+    set_dense_dot_general(model, dense)
     if use:
         logger.info(
-            "matmul backend: cpu on %s for the decoder layers' products of up to %d rows%s",
+            "matmul backend: cpu on %s for the decoder layers' products of up to %d rows%s%s",
             device.device_kind,
             model.few_row_kernels.layer_rows,
+            f", every float projection's of {cpu_kernels.DENSE_MIN_ROWS} to {cpu_kernels.DENSE_MAX_ROWS}"
+            if dense
+            else "",
             f" and the tied LM head's of up to {cpu_kernels.MAX_ROWS}" if model.cfg.tie_word_embeddings else "",
         )
     elif name == "auto":
@@ -338,6 +343,19 @@ def restore_canonical_layout(model) -> None:
             layer.use_canonical_layout()
     model.int8_head = None
     model.few_row_kernels = FewRowKernels()
+    set_dense_dot_general(model, False)
+
+
+def set_dense_dot_general(model, on: bool) -> None:
+    """Send every float projection's products of DENSE_MIN_ROWS to DENSE_MAX_ROWS rows
+    (nnx.Linear's `dot_general`) to the CPU's dense kernel (`on`: cpu_kernels.dense_dot_general;
+    XLA's dot, made for fewer or many more rows, loses to it there), or back to XLA's dot."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.Linear) and module.dot_general in (
+            jax.lax.dot_general,
+            cpu_kernels.dense_dot_general,
+        ):
+            module.dot_general = cpu_kernels.dense_dot_general if on else jax.lax.dot_general
 
 
 def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> str:
@@ -365,6 +383,7 @@ def _batch_invariant_matmul(name: str, model, device: jax.Device, tp: int) -> st
     if reason is not None:
         raise ValueError(f"batch invariance cannot be kept: {reason}")
     model.few_row_kernels = dataclasses.replace(few_row_kernels(model), batch_invariant=True)
+    set_dense_dot_general(model, False)  # every row goes through small_matmul's blocks instead
     model.batch_invariant = True
     logger.info("matmul backend: cpu on %s for every row (batch invariant)", device.device_kind)
     return "cpu"

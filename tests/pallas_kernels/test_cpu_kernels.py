@@ -196,6 +196,67 @@ def test_small_matmul_gradients_equal_xla(transposed):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 64])
+@pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (40, (301, 88)), (1536, (576, 48, 7))])
+def test_dense_matmuls_equal_numpy_and_each_row_alone(m, k, ns):
+    """Tiles of 48 columns in blocks of 8 rows: a ragged last tile (301, 88, 7: 13, 40, 7 columns), a last row block of
+    fewer rows (3, 13), several weights in one call; each row's bits are those it gets alone,
+    and each weight's those of its own call."""
+    rng = np.random.default_rng(m * 5 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ws = [rng.standard_normal((k, n)).astype(np.float32) for n in ns]
+    got = [np.asarray(y) for y in jax.jit(cpu_kernels.dense_matmuls)(x, ws)]
+    for w, y in zip(ws, got):
+        want = x.astype(np.float64) @ w.astype(np.float64)
+        np.testing.assert_allclose(y, want, atol=1e-4 * np.sqrt(k), rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.dense_matmul(x, w)), y)
+    for r in {0, m // 2, m - 1}:
+        alone = cpu_kernels.dense_matmuls(x[r : r + 1], ws)
+        for y, a in zip(got, alone):
+            np.testing.assert_array_equal(np.asarray(a)[0], y[r])
+
+
+def test_dense_matmul_in_bfloat16_its_gradients_and_its_errors():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((24, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 100)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)  # the rounded inputs, summed exactly
+    got = cpu_kernels.dense_matmul(x, w)
+    assert got.dtype == jnp.bfloat16  # float32 sums, rounded once
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8, atol=1e-3)
+    wide = cpu_kernels.dense_matmul(x.astype(jnp.float32), w)  # float32 rows at bfloat16 weights
+    np.testing.assert_allclose(np.asarray(wide), want, rtol=1e-5, atol=1e-4)
+
+    x32, w32 = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32), jnp.asarray(rng.standard_normal((32, 60)))
+    loss = lambda mm: lambda x, w: jnp.sum(jnp.tanh(mm(x, w)))  # noqa: E731
+    got_grads = jax.grad(loss(cpu_kernels.dense_matmul), argnums=(0, 1))(x32, w32)
+    want_grads = jax.grad(loss(lambda x, w: x @ w), argnums=(0, 1))(x32, w32)
+    for g, e in zip(got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
+
+    with pytest.raises(ValueError, match="M <= 64"):
+        cpu_kernels.dense_matmul(jnp.zeros((65, 32)), w32)
+    with pytest.raises(ValueError, match="K=32"):
+        cpu_kernels.dense_matmul(x32, jnp.zeros((33, 4)))
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_kernels.dense_matmuls(x32, [w32, w32.astype(jnp.bfloat16)])
+    with pytest.raises(ValueError, match="float32 or bfloat16 weights"):
+        cpu_kernels.dense_matmul(x32, jnp.zeros((32, 4), jnp.float16))
+
+
+def test_dense_dot_general_takes_few_rows_and_leaves_more_to_xla():
+    """What an nnx.Linear marked for the kernel calls: DENSE_MIN_ROWS to DENSE_MAX_ROWS rows
+    (any leading shape) through the kernel, fewer or more through XLA's dot; all equal x @ w."""
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((48, 30)), jnp.float32)
+    dims = (((2,), (0,)), ((), ()))
+    for shape, kernel in [((1, 16, 48), False), ((1, 17, 48), True), ((2, 32, 48), True), ((3, 22, 48), False)]:
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        f = jax.jit(lambda x: cpu_kernels.dense_dot_general(x, w, dims))
+        assert (cpu_kernels.DENSE_MATMUL_TARGET in f.lower(x).as_text()) == kernel
+        np.testing.assert_allclose(np.asarray(f(x)), np.asarray(x) @ np.asarray(w), atol=1e-4, rtol=1e-5)
+
+
 def int4_case(rng, m, k, n, group, x_dtype=jnp.float32):
     """x, and an int4 weight with random nibbles, scales and offsets in quantized_matmul's
     layout; the float64 product, the weight read with plain bit operations."""
@@ -391,7 +452,8 @@ def test_int8_matmul_with_offsets_equals_numpy(scale_dtype):
 
 def quantized_products() -> dict[str, np.ndarray]:
     """int4_matmul and int8_matmul (with and without offsets) of seeded random weights (float16
-    and float32 scales) for 1 to 16 rows, with the kernels built as this process builds them."""
+    and float32 scales) for 1 to 16 rows, and dense_matmul (float32, bfloat16) for 1 to 64,
+    with the kernels built as this process builds them."""
     assert cpu_kernels.build(default_cache_dir()) is None
     rng = np.random.default_rng(11)
     k, n = 576, 80
@@ -406,6 +468,14 @@ def quantized_products() -> dict[str, np.ndarray]:
     )
     offsets = cpu_kernels.tile_scales(jnp.asarray(rng.random((k // 16, n)) - 0.5), jnp.float16)
     out = {}
+    dense = [
+        jnp.asarray(rng.standard_normal((k, n)), jnp.float32),
+        jnp.asarray(rng.standard_normal((k, 50)), jnp.bfloat16),
+    ]
+    for m in (1, 3, 8, 13, 64):
+        xs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        out[f"dense_{m}"] = np.asarray(cpu_kernels.dense_matmul(xs, dense[0]))
+        out[f"dense_bf16_{m}"] = np.asarray(cpu_kernels.dense_matmul(xs.astype(jnp.bfloat16), dense[1]), np.float32)
     for m in (1, 2, 3, 4, 5, 16):
         out[f"int4_{m}"] = np.asarray(cpu_kernels.int4_matmul(x[:m], *int4, n))
         out[f"int8_{m}"] = np.asarray(cpu_kernels.int8_matmul(x[:m], *int8, n))
@@ -415,7 +485,8 @@ def quantized_products() -> dict[str, np.ndarray]:
 
 def test_the_avx2_kernels_give_the_bits_of_the_avx512_ones(tmp_path):
     """int4_matmul and int8_matmul built without AVX-512 (its AVX2 paths, what a machine without
-    it runs) give the same bits as built here: each column's sums run the same fma chain."""
+    it runs) give the same bits as built here: each column's sums run the same fma chain; so
+    does dense_matmul (its plain loop there)."""
     import os
     import subprocess
     import sys

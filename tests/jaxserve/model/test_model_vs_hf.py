@@ -97,3 +97,36 @@ def test_decode_on_the_cpu_layer_kernels_matches_hf(tiny):
             assert (target in program) == plain
     finally:
         select_matmul("reference", loaded.model)
+
+
+def test_steps_of_up_to_64_rows_on_the_cpu_dense_kernel_match_hf(tiny):
+    """A model marked for the CPU kernels sends its float projections' products of
+    DENSE_MIN_ROWS to DENSE_MAX_ROWS rows (cpu_kernels.dense_matmul; q/k/v and gate/up one call each) past the
+    layer kernels' few rows: a step of all five prompts (58 tokens, 64 rows) against
+    transformers. A step of 128 rows stays on XLA's dot in the layers. (Marked by hand: select_matmul does
+    it only where the kernel has its AVX-512 path, and the plain loop gives the same bits.)"""
+    from jaxserve.runner.kernels import set_dense_dot_general
+
+    loaded, prompts, want = tiny
+    assert select_matmul("cpu", loaded.model) == "cpu"
+    set_dense_dot_general(loaded.model, True)
+    try:
+        step, state = jitted_step(loaded.model)
+        calls = {}
+        for rows in (64, 128):
+            seqs = PagedSequences(PROMPT_LENS, BLOCK_SIZE, num_blocks=40)
+            kv = allocate_kv_cache(loaded.config, 40, BLOCK_SIZE, jnp.float32)
+            inputs = seqs.step(prompts, [(0, n) for n in PROMPT_LENS], pad_to=rows, all_logits=True)
+            calls[rows] = step.lower(state, kv, inputs).as_text().count(cpu_kernels.DENSE_MATMUL_TARGET)
+            logits, kv = step(state, kv, inputs)
+            got = np.split(np.asarray(logits, np.float64), np.cumsum(PROMPT_LENS)[:-1])
+            for s, (g, w) in enumerate(zip(got, want)):
+                err = np.abs(g - w).max()
+                assert err <= 1e-4, f"{rows} rows, sequence {s}: max abs error {err:.2e}"
+        head = 0 if loaded.config.tie_word_embeddings else 1  # an untied head's 58 rows take it too
+        assert calls[128] == head and calls[64] > head, calls
+    finally:
+        select_matmul("reference", loaded.model)
+    assert all(
+        m.dot_general is jax.lax.dot_general for _, m in nnx.iter_modules(loaded.model) if isinstance(m, nnx.Linear)
+    )
