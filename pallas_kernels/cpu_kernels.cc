@@ -695,6 +695,63 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
   return ffi::Error::Success();
 }
 
+// ---- The greedy token of each row (JaxserveGreedyArgmax) ----
+//
+// jnp.argmax over each row of float32 logits [S, V], bit for bit: the first maximum, or the
+// first NaN of a row that has one. XLA's CPU argmax reduces (value, index) pairs, and the
+// sampler's max-compare-min form loses XLA's fast reductions in the same program as the
+// sampler's draw (4.8 against 0.7 ms on [48, 49152]); here a row is read twice from cache:
+// its maximum (and whether it has a NaN), then where that maximum first is.
+int32_t first_of(const float* row, int64_t v, float value, bool nan) {
+  int64_t i = 0;
+#if defined(JAXSERVE_DENSE_AVX512)
+  const __m512 want = _mm512_set1_ps(value);
+  for (; i + 16 <= v; i += 16) {
+    const __m512 x = _mm512_loadu_ps(row + i);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(x, want, _CMP_EQ_OQ);
+    if (hit) return int32_t(i + __builtin_ctz(hit));
+  }
+#endif
+  for (; i < v; ++i)
+    if (nan ? std::isnan(row[i]) : row[i] == value) return int32_t(i);
+  return 0;  // not reached: the maximum is in the row
+}
+
+int32_t row_argmax(const float* row, int64_t v) {
+  float top = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(JAXSERVE_DENSE_AVX512)
+  __m512 tops = _mm512_set1_ps(top);
+  __mmask16 nans = 0;
+  for (; i + 16 <= v; i += 16) {
+    const __m512 x = _mm512_loadu_ps(row + i);
+    nans |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    tops = _mm512_max_ps(tops, x);
+  }
+  top = _mm512_reduce_max_ps(tops), nan = nans != 0;
+#endif
+  for (; i < v; ++i) {
+    nan = nan || std::isnan(row[i]);
+    top = std::max(top, row[i]);
+  }
+  return first_of(row, v, top, nan);
+}
+
+ffi::Error GreedyArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  auto d = logits.dimensions();
+  if (d.size() != 2 || d[1] < 1 || out->element_count() != size_t(d[0]))
+    return ffi::Error::InvalidArgument("greedy_argmax: expected logits [S, V >= 1] and out [S]");
+  const int64_t s = d[0], v = d[1];
+  const float* x = logits.typed_data();
+  int32_t* y = out->typed_data();
+  constexpr int64_t kRowsPerUnit = 4;
+  run_units(pool, (s + kRowsPerUnit - 1) / kRowsPerUnit, [=](int64_t u) {
+    for (int64_t r = u * kRowsPerUnit; r < std::min(s, (u + 1) * kRowsPerUnit); ++r) y[r] = row_argmax(x + r * v, v);
+  });
+  return ffi::Error::Success();
+}
+
 // ---- 4-bit weights for a few rows (JaxserveQuantizedMatmul) ----
 //
 // y = x @ W for an int4 weight W [K, N] (w[k, n] = scales[g, n] * nibble + offsets[g, n] for
@@ -1714,6 +1771,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDenseMatmul, DenseMatmul,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .RemainingArgs()        // one w [K, N] per output
                                   .RemainingRets());      // y [M, N] per weight
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGreedyArgmax, GreedyArgmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // logits [S, V]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // [S]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()

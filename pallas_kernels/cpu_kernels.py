@@ -62,6 +62,7 @@ SOURCE = Path(__file__).with_suffix(".cc")
 ATTENTION_TARGET = "jaxserve_ragged_paged_attention"
 MATMUL_TARGET = "jaxserve_small_matmul"
 DENSE_MATMUL_TARGET = "jaxserve_dense_matmul"
+GREEDY_ARGMAX_TARGET = "jaxserve_greedy_argmax"
 NORM_QKV_TARGET = "jaxserve_norm_qkv"
 O_PROJ_MLP_TARGET = "jaxserve_o_proj_mlp"
 MOE_EXPERTS_TARGET = "jaxserve_moe_experts"
@@ -143,6 +144,7 @@ def _build(cache_dir: Path) -> str | None:
         (ATTENTION_TARGET, lib.JaxserveRaggedPagedAttention),
         (MATMUL_TARGET, lib.JaxserveSmallMatmul),
         (DENSE_MATMUL_TARGET, lib.JaxserveDenseMatmul),
+        (GREEDY_ARGMAX_TARGET, lib.JaxserveGreedyArgmax),
         (NORM_QKV_TARGET, lib.JaxserveNormQKV),
         (O_PROJ_MLP_TARGET, lib.JaxserveOProjMLP),
         (MOE_EXPERTS_TARGET, lib.JaxserveMoeExperts),
@@ -153,6 +155,11 @@ def _build(cache_dir: Path) -> str | None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _built["library"] = lib  # keep it loaded
     return None
+
+
+def is_built() -> bool:
+    """Whether build() has registered the kernels in this process."""
+    return _built.get("library") is not None
 
 
 def _check_built() -> None:
@@ -266,6 +273,18 @@ def _small_matmul_bwd(transposed, residuals, g):
 
 
 _small_matmul.defvjp(_small_matmul_fwd, _small_matmul_bwd)
+
+
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """i32 [S]: `jnp.argmax(logits, axis=-1)` of float32 logits [S, V], bit for bit (the first
+    maximum; the first NaN of a row that has one), each row read twice from cache."""
+    _check_built()
+    if logits.ndim != 2 or logits.dtype != jnp.float32 or logits.shape[1] < 1:
+        raise ValueError(f"greedy_argmax takes float32 logits [S, V], got {logits.shape} {logits.dtype}")
+    call = jax.ffi.ffi_call(
+        GREEDY_ARGMAX_TARGET, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32), vmap_method="sequential"
+    )
+    return call(logits)
 
 
 def dense_vectorized() -> bool:

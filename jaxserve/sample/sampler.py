@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.fixed_order import in_fixed_row_blocks
+from pallas_kernels import cpu_kernels
 from scheduler.sampling_params import SamplingParams
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs are always computed this wide, then cut per request
@@ -155,8 +156,17 @@ def adjust_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 def greedy_argmax(logits: jax.Array) -> jax.Array:
     """i32 [S]: `jnp.argmax(logits, axis=-1)`, bit for bit (the first maximum; the first NaN
-    in a row that has one), as reductions and a compare that XLA fuses: its CPU argmax
-    reduces (value, index) pairs, 3-6x slower on [64, 49152] (issue 39's profile)."""
+    in a row that has one). On the CPU, where its kernels are built, the C++ kernel
+    (`cpu_kernels.greedy_argmax`); elsewhere reductions and a compare that XLA fuses: its CPU
+    argmax reduces (value, index) pairs, 3-6x slower on [64, 49152] (issue 39's profile), and
+    beside the sampler's draw XLA's CPU compiles these reductions slowly too (4.8 against
+    0.7 ms on [48, 49152] when alone)."""
+    if cpu_kernels.is_built() and logits.ndim == 2 and logits.dtype == jnp.float32:
+        return jax.lax.platform_dependent(logits, cpu=cpu_kernels.greedy_argmax, default=_greedy_argmax)
+    return _greedy_argmax(logits)
+
+
+def _greedy_argmax(logits: jax.Array) -> jax.Array:
     vocab = logits.shape[-1]
     nan = jnp.isnan(logits)
     # NOTE: the NaN rows apart: XLA's vectorized CPU max can miss a NaN in a row's tail.

@@ -452,8 +452,8 @@ def test_int8_matmul_with_offsets_equals_numpy(scale_dtype):
 
 def quantized_products() -> dict[str, np.ndarray]:
     """int4_matmul and int8_matmul (with and without offsets) of seeded random weights (float16
-    and float32 scales) for 1 to 16 rows, and dense_matmul (float32, bfloat16) for 1 to 64,
-    with the kernels built as this process builds them."""
+    and float32 scales) for 1 to 16 rows, dense_matmul (float32, bfloat16) for 1 to 64 and
+    greedy_argmax, with the kernels built as this process builds them."""
     assert cpu_kernels.build(default_cache_dir()) is None
     rng = np.random.default_rng(11)
     k, n = 576, 80
@@ -472,6 +472,10 @@ def quantized_products() -> dict[str, np.ndarray]:
         jnp.asarray(rng.standard_normal((k, n)), jnp.float32),
         jnp.asarray(rng.standard_normal((k, 50)), jnp.bfloat16),
     ]
+    logits = rng.integers(-3, 3, (6, 1000)).astype(np.float32)  # ties
+    logits[1, [5, 700]] = np.nan
+    logits[2] = -np.inf
+    out["greedy"] = np.asarray(cpu_kernels.greedy_argmax(jnp.asarray(logits)))
     for m in (1, 3, 8, 13, 64):
         xs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         out[f"dense_{m}"] = np.asarray(cpu_kernels.dense_matmul(xs, dense[0]))
@@ -486,7 +490,7 @@ def quantized_products() -> dict[str, np.ndarray]:
 def test_the_avx2_kernels_give_the_bits_of_the_avx512_ones(tmp_path):
     """int4_matmul and int8_matmul built without AVX-512 (its AVX2 paths, what a machine without
     it runs) give the same bits as built here: each column's sums run the same fma chain; so
-    does dense_matmul (its plain loop there)."""
+    does dense_matmul (its plain loop there), and greedy_argmax picks the same tokens."""
     import os
     import subprocess
     import sys

@@ -225,8 +225,22 @@ def test_filters_keep_exactly_the_documented_set_when_logits_tie(dtype):
             assert (logits[row] == kth).sum() > 1
 
 
-@pytest.mark.parametrize("vocab", [7, 49152])
-def test_greedy_argmax_is_numpys_argmax_with_ties_infinities_and_nans(vocab):
+@pytest.mark.parametrize("path", ["xla", "cpu_kernel"])
+@pytest.mark.parametrize("vocab", [7, 37, 49152])
+def test_greedy_argmax_is_numpys_argmax_with_ties_infinities_and_nans(vocab, path):
+    """Both forms: the fused reductions (`_greedy_argmax`, what a GPU runs) and the CPU
+    kernel, which `greedy_argmax` takes on the CPU once the kernels are built (checked in the
+    lowering)."""
+    from jaxserve.sample.sampler import _greedy_argmax
+    from jaxserve.weights.load import default_cache_dir
+    from pallas_kernels import cpu_kernels
+
+    if path == "cpu_kernel":
+        assert cpu_kernels.build(default_cache_dir()) is None
+        assert (
+            cpu_kernels.GREEDY_ARGMAX_TARGET in jax.jit(greedy_argmax).lower(np.zeros((2, vocab), np.float32)).as_text()
+        )
+    fn = cpu_kernels.greedy_argmax if path == "cpu_kernel" else _greedy_argmax
     rng = np.random.default_rng(vocab)
     logits = rng.integers(-3, 3, size=(12, vocab)).astype(np.float32)  # many ties for the max
     logits[1] = -np.inf  # every token banned: the first
@@ -237,7 +251,11 @@ def test_greedy_argmax_is_numpys_argmax_with_ties_infinities_and_nans(vocab):
     logits[6, [0, 3]] = np.inf
     logits[7] = 0.0  # all tied
     logits[8, 2:5] = 1e38
-    got = np.asarray(jax.jit(greedy_argmax)(logits))
+    logits[9] = -np.abs(logits[9])
+    logits[9, vocab // 3] = -0.0  # a negative zero first: it ties with the zeros after it
+    logits[9, -1] = 0.0
+    logits[10, vocab - 1] = 100.0  # the maximum in a row's ragged tail
+    got = np.asarray(jax.jit(fn)(logits))
     np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
     np.testing.assert_array_equal(got, np.asarray(jax.numpy.argmax(logits, axis=-1)))
 
