@@ -510,19 +510,21 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // keeps its sums in memory, which costs more than XLA's dot from about 8 rows). A tile's rows lie
 // N apart, a page or more, which the hardware prefetcher does not follow: while its first row
 // block runs, a worker prefetches the tile it will likely take next (read on demand, the same
-// loop ran at 60 % of the speed). Each sum is one fma chain over k in order, so a row's result
-// is the same bits whatever the other rows of the call (batch invariance), with AVX-512 or not.
+// loop ran at 55-75 % of the speed; with it, as fast as on weights packed at load). Each sum is
+// one fma chain over k in order, so a row's result is the same bits whatever the other rows of
+// the call (batch invariance), with AVX-512 or not. (The greedy argmax below uses the same
+// AVX-512 test.)
 constexpr int64_t kDenseTile = 48;
 constexpr int64_t kDenseRowBlock = 8;
 // Rows of x the engine sends here; more (a prefill) go to XLA's dot, which packs its operands.
 constexpr int64_t kDenseMaxRows = 64;
 
-// Where the next tile of a worker starts, to prefetch while this one runs; null for none.
+// A unit's tile of a weight (and, passed as `next`, the one to prefetch meanwhile).
 template <typename WT>
 struct DenseTile {
-  const WT* w;  // the tile's first column in row 0
-  int64_t n;    // the weight's row stride (its N)
-  int64_t cols;
+  const WT* w;   // the tile's first column in row 0
+  int64_t n;     // the weight's row stride (its N)
+  int64_t cols;  // kDenseTile, or fewer in a last tile
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
