@@ -337,17 +337,18 @@ def _dense_matmuls_bwd(residuals, gs):
 _dense_matmuls.defvjp(_dense_matmuls_fwd, _dense_matmuls_bwd)
 
 
+def dense_takes(rows: int, x_dtype, kernel: jax.Array) -> bool:
+    """Whether dense_dot_general sends a product of `rows` rows of x_dtype at `kernel` to the kernel."""
+    in_range = DENSE_MIN_ROWS <= rows <= DENSE_MAX_ROWS
+    return kernel.ndim == 2 and in_range and x_dtype == kernel.dtype and x_dtype in KV_DTYPES
+
+
 def dense_dot_general(x, kernel, dimension_numbers, precision=None, **kwargs):
     """`jax.lax.dot_general` for a layer's x [..., K] @ kernel [K, N] (what nnx.Linear asks for):
     DENSE_MIN_ROWS to DENSE_MAX_ROWS rows of one float dtype through dense_matmul, anything else
     through XLA. runner.kernels sets it as the float projections' `dot_general` on the CPU."""
     rows = int(np.prod(x.shape[:-1]))
-    if (
-        kernel.ndim == 2
-        and DENSE_MIN_ROWS <= rows <= DENSE_MAX_ROWS
-        and x.dtype == kernel.dtype
-        and x.dtype in KV_DTYPES
-    ):
+    if dense_takes(rows, x.dtype, kernel):
         return dense_matmul(x.reshape(rows, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
     return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
 

@@ -388,13 +388,12 @@ def project(x: jax.Array, *layers) -> tuple[jax.Array, ...]:
     if fused and all(isinstance(q, QuantizedLinear) and q.on_cpu_kernels for q in layers):
         ys = cpu_kernels.quantized_matmuls(x2, [layer.cpu_weight() for layer in layers])
         return tuple(layer._output(y, x.shape[:-1]) for layer, y in zip(layers, ys))
-    fused = len(layers) > 1 and cpu_kernels.DENSE_MIN_ROWS <= x2.shape[0] <= cpu_kernels.DENSE_MAX_ROWS
-    if fused and all(getattr(p, "dot_general", None) is cpu_kernels.dense_dot_general for p in layers):
-        kernels = [layer.kernel[...] for layer in layers]
-        if all(k.dtype == x.dtype for k in kernels) and x.dtype in cpu_kernels.KV_DTYPES:
-            ys = cpu_kernels.dense_matmuls(x2, kernels)
-            ys = [y if p.bias is None else y + p.bias[...] for p, y in zip(layers, ys)]
-            return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+    marked = len(layers) > 1 and all(getattr(p, "dot_general", None) is cpu_kernels.dense_dot_general for p in layers)
+    kernels = [layer.kernel[...] for layer in layers] if marked else []
+    if marked and all(cpu_kernels.dense_takes(x2.shape[0], x.dtype, kernel) for kernel in kernels):
+        ys = cpu_kernels.dense_matmuls(x2, kernels)
+        ys = [y if p.bias is None else y + p.bias[...] for p, y in zip(layers, ys)]
+        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     return tuple(layer(x) for layer in layers)
 
 
