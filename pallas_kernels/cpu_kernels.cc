@@ -41,6 +41,7 @@ namespace {
 constexpr int64_t kQueryBlock = 16;  // query tokens of one sequence that share a pass over its keys
 constexpr int64_t kKeyChunk = 64;    // keys scored together before one softmax rescale
 constexpr int64_t kTransposeRows = 8;  // from this many query rows, transposing a key chunk pays
+constexpr int64_t kHeadsTogetherUnits = 16;  // from this many (sequence, token block) units, see Attention
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float load(float x) { return x; }
@@ -114,6 +115,85 @@ struct Unit {
   int64_t first, count;  // query tokens [first, first + count) of the sequence's new tokens
 };
 
+#if defined(__AVX512F__)
+#define JAXSERVE_ATTEND_AVX512 1
+// The decode rows of a unit (its query heads for one or a few tokens), head_dim a multiple of 16.
+// A key's score was a dot product ending in a horizontal sum; here 16 keys' lane-wise products
+// are reduced together (sums_of_16), and the value rows feed accumulators held in registers.
+inline __m512 floats16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 floats16(const uint16_t* p) {  // bfloat16: the high half of a float
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes. Pairs of vectors are folded into one, then
+// pairs of those, down to one: 15 adds for the 16 sums, where 16 reductions take 64.
+inline __m512 sums_of_16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: four keys' sums of that lane
+    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)  // 128-bit lanes: keys 8j..8j+3 (two halves), keys 8j+4..8j+7 (two halves)
+    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// sr[c] = qr . k_rows[c] for c < n <= kKeyChunk (sr is written up to the next multiple of 16).
+template <int NV, typename KT>
+void decode_scores(const float* qr, const KT* const* k_rows, int64_t n, float* sr) {
+  __m512 q[NV];
+  for (int j = 0; j < NV; ++j) q[j] = _mm512_loadu_ps(qr + 16 * j);
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    __m512 t[16];
+    for (int c = 0; c < 16; ++c) {
+      const KT* k = k_rows[std::min<int64_t>(c0 + c, n - 1)];  // past n: the last key again, unused
+      __m512 s = _mm512_mul_ps(q[0], floats16(k));
+      for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(q[j], floats16(k + 16 * j), s);
+      t[c] = s;
+    }
+    _mm512_storeu_ps(sr + c0, sums_of_16(t));
+  }
+}
+
+// acc[r] += sum over c < n of pr[r][c] * v_rows[c] for MR rows (pr's rows kKeyChunk apart).
+template <int NV, int MR, typename KT>
+void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* acc) {
+  __m512 a[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + (r * NV + j) * 16);
+  for (int64_t c = 0; c < n; ++c) {
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = floats16(v_rows[c] + 16 * j);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 w = _mm512_set1_ps(pr[r * kKeyChunk + c]);
+      for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(w, v[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (r * NV + j) * 16, a[r][j]);
+}
+
+// decode_values for any number of rows: blocks of as many as fit in registers with a value row.
+template <int NV, typename KT>
+void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* acc, int64_t rows) {
+  constexpr int kRows = NV <= 4 ? 4 : 2;
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) decode_values<NV, kRows>(pr + r * kKeyChunk, v_rows, n, acc + r * NV * 16);
+  const float* pr_left = pr + r * kKeyChunk;
+  float* acc_left = acc + r * NV * 16;
+  switch (rows - r) {
+    case 3: decode_values<NV, 3>(pr_left, v_rows, n, acc_left); break;
+    case 2: decode_values<NV, 2>(pr_left, v_rows, n, acc_left); break;
+    case 1: decode_values<NV, 1>(pr_left, v_rows, n, acc_left); break;
+    default: break;
+  }
+}
+#endif
+
 // One unit: the query heads of `kv_head` for `count` new tokens of `seq`, over its context.
 // kD: the head dim when known at compile time (the loops over it unroll), else 0.
 template <typename QT, typename KT, int kD>
@@ -131,6 +211,14 @@ void attend(const Problem& p, const Unit& u) {
 
   // Many rows (a prefill block): score against a transposed copy of each key chunk.
   const bool transposed = !p.fixed_order && rows >= kTransposeRows;
+#if defined(JAXSERVE_ATTEND_AVX512)
+  constexpr int kVectors = kD % 16 == 0 ? kD / 16 : 0;  // a head's row in AVX-512 vectors
+  // Fewer rows (decode): 16 keys scored at once, values into registers. Not in the fixed order,
+  // whose sums must be those of a prefill chunk's rows.
+  const bool decode = kVectors > 0 && !transposed && !p.fixed_order;
+#else
+  const bool decode = false;
+#endif
   thread_local std::vector<float> buf;
   buf.resize(rows * (2 * d + 2 + 2 * kKeyChunk) + d * kKeyChunk);
   float* qf = buf.data();               // [rows, d]: row i * groups + g, scaled
@@ -160,13 +248,28 @@ void attend(const Problem& p, const Unit& u) {
   const KT* v_rows[kKeyChunk];
   for (int64_t start = lo; start <= last && start < kv_len; start += kKeyChunk) {
     const int64_t n = std::min<int64_t>({kKeyChunk, last + 1 - start, kv_len - start});
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t pos = start + c;
+    const auto offset_of = [&](int64_t pos) {
       const int64_t page = std::clamp<int64_t>(table[pos / p.page_size], 0, p.num_pages - 1);
-      const int64_t offset = ((page * p.page_size + pos % p.page_size) * p.num_kv_heads + u.kv_head) * d;
+      return ((page * p.page_size + pos % p.page_size) * p.num_kv_heads + u.kv_head) * d;
+    };
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t offset = offset_of(start + c);
       k_rows[c] = k_pages + offset;
       v_rows[c] = v_pages + offset;
     }
+#if defined(JAXSERVE_ATTEND_AVX512)
+    if (decode) {  // the next chunk's rows, while this one is computed: its pages lie anywhere
+      const int64_t next_end = std::min<int64_t>({start + 2 * kKeyChunk, last + 1, kv_len});
+      constexpr int64_t kLine = 64 / sizeof(KT);
+      for (int64_t pos = start + kKeyChunk; pos < next_end; ++pos) {
+        const int64_t offset = offset_of(pos);
+        for (int64_t e = 0; e < d; e += kLine) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_pages + offset + e), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_pages + offset + e), _MM_HINT_T0);
+        }
+      }
+    }
+#endif
     if (transposed) {  // scores of all rows at once: keys as columns, no per-dot horizontal sum
       for (int64_t c = 0; c < n; ++c)
         for (int64_t e = 0; e < d; ++e) kt[e * kKeyChunk + c] = load(k_rows[c][e]);
@@ -191,7 +294,11 @@ void attend(const Problem& p, const Unit& u) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t r = i * groups + g;
         float* sr = s + r * kKeyChunk;
-        if (!transposed)
+#if defined(JAXSERVE_ATTEND_AVX512)
+        if constexpr (kVectors > 0)
+          if (decode) decode_scores<kVectors>(qf + r * d, k_rows, n, sr);
+#endif
+        if (!transposed && !decode)
           for (int64_t c = 0; c < n; ++c) sr[c] = dot(qf + r * d, k_rows[c], d);
         if (p.soft_cap > 0)
           for (int64_t c = 0; c < n; ++c) sr[c] = p.soft_cap * std::tanh(sr[c] / p.soft_cap);
@@ -232,6 +339,13 @@ void attend(const Problem& p, const Unit& u) {
         }
       }
     }
+#if defined(JAXSERVE_ATTEND_AVX512)
+    if constexpr (kVectors > 0)
+      if (decode) {
+        decode_values<kVectors>(pr, v_rows, n, acc, rows);
+        continue;
+      }
+#endif
     for (int64_t c = 0; c < n; ++c) {  // each value row once, into every row that saw it
       const KT* v = v_rows[c];
       for (int64_t r = 0; r < rows; ++r) {
@@ -414,7 +528,13 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
   const int64_t row = p.num_heads * p.head_dim;
   for (int64_t t = 0; t < p.num_tokens; ++t)
     if (!owned[t]) (q32 ? zero_rows<float> : zero_rows<uint16_t>)(p.out, t, t + 1, row);
-  run_units(pool, int64_t(units.size()), [&p, &units, run](int64_t i) { run(p, units[i]); });
+  // With many units, a thread takes a block of query tokens for all KV heads at once: a page holds
+  // a token's heads side by side, so one thread then reads it whole, from memory once (11 % faster
+  // on 64 decode rows). With few, every head is a unit of its own, so that both cores have work.
+  const int64_t heads = int64_t(units.size()) >= kHeadsTogetherUnits * p.num_kv_heads ? p.num_kv_heads : 1;
+  run_units(pool, int64_t(units.size()) / heads, [&p, &units, run, heads](int64_t i) {
+    for (int64_t h = 0; h < heads; ++h) run(p, units[i * heads + h]);
+  });
   return ffi::Error::Success();
 }
 

@@ -37,6 +37,16 @@ def test_ngram_lookup_json():
     assert row["context"] == 600 and row["steps"] == 20  # the script asserts the two lookups agree
 
 
+def test_cpu_kernel_benchmarks_json():
+    """The C++ kernels' benchmarks: their paths agree (the scripts report the difference)."""
+    args = ("--layers", "2", "--rounds", "1", "--repeats", "1", "--json")
+    attention = json.loads(run("benchmarks/attention_cpu.py", "--rows", "3,20", *args))
+    assert [r["rows"] for r in attention["results"]] == [3, 20]
+    assert all(r["max_abs_diff"] < 1e-5 and r["kernel"]["gb_s"] > 0 for r in attention["results"])
+    dense = json.loads(run("benchmarks/dense_cpu.py", "--rows", "17", *args))
+    assert dense["results"][0]["max_rel_diff"] < 1e-5 and dense["results"][0]["kernel"]["gflops"] > 0
+
+
 @pytest.mark.slow
 def test_kernel_benchmark_smoke_on_cpu(tmp_path):
     run("benchmarks/kernels.py", "--smoke", "--runs", "2", "--json", str(tmp_path / "k.json"))

@@ -30,7 +30,7 @@ def run_kernel(case, **kwargs):
     return np.asarray(out, np.float64)
 
 
-@pytest.mark.parametrize("groups,head_dim", [(1, 16), (3, 64), (8, 128)])
+@pytest.mark.parametrize("groups,head_dim", [(1, 16), (3, 64), (5, 64), (1, 128), (2, 128), (4, 128), (8, 128)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 2.0), (40, 3.0)])
 def test_mixed_prefill_and_decode(groups, head_dim, window, soft_cap):
     """A prefill longer than a query block (16) and a key chunk (32), a chunk continuing an
@@ -76,6 +76,21 @@ def test_tree_verification_in_a_mixed_batch(window):
     kwargs = dict(sm_scale=0.25, sliding_window=window)
     want = dense_attention(case, tree_mask=mask, **kwargs)
     assert not np.allclose(want, dense_attention(case, **kwargs)), "the trees must change something"
+    np.testing.assert_allclose(run_kernel(case, tree_mask=mask, **kwargs), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_small_trees_on_the_decode_path(head_dim):
+    """Trees of 2 and 3 nodes with two query heads a KV head: fewer than 8 query rows a unit,
+    which score 16 keys at a time (the AVX-512 decode path), beside plain decodes."""
+    rng = np.random.default_rng(13)
+    pair, fork = kary_tree(2, 1), kary_tree(3, 2)
+    q_lens, kv_lens = [1, len(pair), 1, len(fork)], [77, 40, 5, 130]
+    case = make_case(rng, q_lens, kv_lens, num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, pad_tokens=2)
+    mask = batch_tree_mask(case, {1: pair, 3: fork})
+    kwargs = dict(sm_scale=head_dim**-0.5)
+    want = dense_attention(case, tree_mask=mask, **kwargs)
+    assert not np.allclose(want, dense_attention(case, **kwargs)), "the fork must change something"
     np.testing.assert_allclose(run_kernel(case, tree_mask=mask, **kwargs), want, atol=2e-5, rtol=1e-5)
 
 
