@@ -17,7 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cpu_time import best_alternated  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
@@ -84,14 +88,8 @@ def main(argv=None) -> int:
         paths = {name: chain(fns[name]) for name in names}
         outs = {name: np.asarray(path(q, kv)) for name, path in paths.items()}
         err = max(float(np.abs(o - outs[names[0]]).max()) for o in outs.values())
-        best = {name: (float("inf"), float("inf")) for name in paths}
-        order_a = names + names[::-1]
-        for r in range(args.rounds):
-            for name in order_a if r % 2 == 0 else order_a[::-1]:
-                for _ in range(args.repeats):
-                    wall, cpu = time.perf_counter(), time.process_time()
-                    paths[name](q, kv).block_until_ready()
-                    best[name] = min(best[name], (time.perf_counter() - wall, time.process_time() - cpu))
+        calls = {name: lambda path=path: path(q, kv).block_until_ready() for name, path in paths.items()}
+        best = best_alternated(calls, args.rounds, args.repeats)
         kv_bytes = int(kv_lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 2 * 4 * args.layers
         row = {"rows": rows, "mean_context": float(kv_lens.mean()), "kv_mb": kv_bytes / 1e6, "max_abs_diff": err}
         for name, (wall, cpu) in best.items():

@@ -98,3 +98,20 @@ class Timed:
             "cpu_ms_per_token": 1e3 * self.cpu_seconds / tokens,
             "cores_busy": self.cpu_seconds / self.seconds,
         }
+
+
+def best_alternated(calls: dict, rounds: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """The best (wall, CPU) seconds of each of `calls` (name -> a function that runs one timed
+    pass and waits for it), run A B B A, then B A A B, and so on (each round every call twice,
+    the next round starting at the other end), `repeats` passes each time. CPU time is this
+    process's, all threads."""
+    names = list(calls)
+    best = {name: (float("inf"), float("inf")) for name in names}
+    for r in range(rounds):
+        first = names if r % 2 == 0 else names[::-1]
+        for name in first + first[::-1]:
+            for _ in range(repeats):
+                wall, cpu = time.perf_counter(), time.process_time()
+                calls[name]()
+                best[name] = min(best[name], (time.perf_counter() - wall, time.process_time() - cpu))
+    return best

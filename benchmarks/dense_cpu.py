@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cpu_time import best_alternated  # noqa: E402
 
 HIDDEN, QKV, INTERMEDIATE = 576, (576, 192, 192), 1536
 
@@ -93,13 +97,8 @@ def main(argv=None) -> int:
         want = np.asarray(paths["xla"](x, layers))
         got = np.asarray(paths["kernel"](x, layers))
         err = float(np.abs(got - want).max() / np.abs(want).max())
-        best = {name: (float("inf"), float("inf")) for name in paths}
-        for r in range(args.rounds):
-            for name in ("xla", "kernel", "kernel", "xla") if r % 2 == 0 else ("kernel", "xla", "xla", "kernel"):
-                for _ in range(args.repeats):
-                    wall, cpu = time.perf_counter(), time.process_time()
-                    paths[name](x, layers).block_until_ready()
-                    best[name] = min(best[name], (time.perf_counter() - wall, time.process_time() - cpu))
+        calls = {name: lambda path=path: path(x, layers).block_until_ready() for name, path in paths.items()}
+        best = best_alternated(calls, args.rounds, args.repeats)
         flops = layer_flops(rows) * args.layers
         row = {"rows": rows, "max_rel_diff": err}
         for name, (wall, cpu) in best.items():

@@ -47,3 +47,13 @@ def test_contenders_run_only_inside_the_block():
         time.sleep(0.3)
         assert procs[0].poll() is None and cpu_seconds(procs[0].pid) > 0
     assert procs[0].poll() is not None
+
+
+def test_best_alternated_runs_a_b_b_a_and_keeps_each_best():
+    from benchmarks.cpu_time import best_alternated
+
+    ran = []
+    calls = {"a": lambda: ran.append("a"), "b": lambda: ran.append("b")}
+    best = best_alternated(calls, rounds=2, repeats=2)
+    assert ran == ["a", "a", "b", "b", "b", "b", "a", "a"] + ["b", "b", "a", "a", "a", "a", "b", "b"]
+    assert set(best) == {"a", "b"} and all(0 <= wall < 1 and 0 <= cpu < 1 for wall, cpu in best.values())
