@@ -64,9 +64,26 @@ def add_contend_argument(parser) -> None:
 
 
 @contextlib.contextmanager
+def on_every_core():
+    """Processes started in the block run on every core of this process, not only on those of the
+    thread that starts them (jaxserve's --cpu-compute-cores leaves its host thread the cores jax's
+    threads do not use). Affinity is a thread's own, so other threads are not touched."""
+    from jaxserve.parallel.devices import process_cores
+
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, process_cores())
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+@contextlib.contextmanager
 def contention(n: int):
     """`n` busy processes (one core each) while the block runs; none for n = 0."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL) for _ in range(n)]
+    with on_every_core():
+        busy = [sys.executable, "-c", "while True: pass"]
+        procs = [subprocess.Popen(busy, stdin=subprocess.DEVNULL) for _ in range(n)]
     try:
         yield procs
     finally:

@@ -11,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.cpu_time import on_every_core
+
 
 class RunnerSession:
     """A baseline's runner script kept running in its own venv: `ready` is its first JSON
@@ -22,9 +24,10 @@ class RunnerSession:
         self.name = name
         self.log = tempfile.NamedTemporaryFile("w+", prefix="runner-", suffix=".log", delete=False)
         self.spawned_at = time.time()
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
+        with on_every_core():
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+            )
         self.pid = self.proc.pid
         self.ready = self._read()
 

@@ -429,6 +429,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     servers.add_argument("--max-num-batched-tokens", type=int, default=512)
     servers.add_argument("--max-model-len", type=int, default=1024)
     servers.add_argument("--kv-cache-memory-mb", type=int, default=1024)
+    servers.add_argument(
+        "--cpu-compute-cores",
+        type=int,
+        metavar="N",
+        help="jaxserve's server only: its steps on N cores, its host on the others (vLLM's split)",
+    )
     add_contend_argument(servers)
     args = p.parse_args(argv)
     if args.baseline and (args.base_url or args.model or args.plot):
@@ -555,6 +561,7 @@ def server_commands(args, vllm_python: str) -> dict[str, tuple]:
             "--no-access-log",
             "--log-level",
             "warning",
+            *(["--cpu-compute-cores", str(args.cpu_compute_cores)] if args.cpu_compute_cores else []),
         ]
 
     model_dir = vllm_baseline.converted_model_dir()

@@ -20,6 +20,7 @@ run: the busy-machine mode.
     python benchmarks/throughput.py [--num-requests 128] [--mix short-long] [--json]
     python benchmarks/throughput.py --baseline vllm --vllm-python .venv-vllm/bin/python
     python benchmarks/throughput.py --baseline vllm --mix chat --num-requests 96 [--contend 1]
+    python benchmarks/throughput.py --baseline vllm --contend 1 --cpu-compute-cores 1   # jaxserve's steps on one core
     python benchmarks/throughput.py --baseline none --profile [--no-async-scheduling]
     python benchmarks/throughput.py --baseline none --quantization gguf   # a quantized model's figure
     python benchmarks/throughput.py --tensor-parallel-size 3 --data-parallel-size 1 --devices 0,1,2
@@ -72,6 +73,7 @@ def build_jaxserve(args):
         kv_cache_memory=args.kv_cache_memory_mb << 20,
         async_scheduling=not args.no_async_scheduling,
         quantization=args.quantization,
+        cpu_compute_cores=args.cpu_compute_cores,
     )
     if args.profile:
         from jaxserve.engine.profiling import StepProfiler
@@ -496,6 +498,12 @@ def main(argv=None) -> int:
     p.add_argument("--hf-batch-sizes", default="4,8,16,32", help="sweep for the transformers baseline")
     p.add_argument("--hf-calibration", type=int, default=32, help="requests the sweep runs on")
     p.add_argument("--no-async-scheduling", action="store_true", help="jaxserve's serial step loop")
+    p.add_argument(
+        "--cpu-compute-cores",
+        type=int,
+        metavar="N",
+        help="jaxserve's steps on N cores, its host on the others (vLLM's split; jaxserve.parallel.devices)",
+    )
     p.add_argument(
         "--profile",
         action="store_true",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.cpu_time import on_every_core
 from benchmarks.runner_session import RunnerSession
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,8 @@ def running_server(cmd: list[str], port: int, name: str, env: dict | None = None
     SIGKILL) on the way out."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-server-", suffix=".log", delete=False)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with on_every_core():
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     ok = False  # the log is kept when anything failed
     try:

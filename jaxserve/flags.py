@@ -30,8 +30,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--revision, --generation-config, --no-async-scheduling, --dtype, --quantization,
     --kv-cache-dtype, --attention-backend, --matmul-backend, --batch-invariant, --enforce-eager,
-    --speculative-config, --tensor-parallel-size, --enable-expert-parallel, --expert-dispatch, and the several-hosts
-    flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout, ...)."""
+    --speculative-config, --tensor-parallel-size, --enable-expert-parallel, --expert-dispatch, --cpu-compute-cores,
+    and the several-hosts flags (--nnodes, --node-rank, --dist-init-addr, --dist-timeout, ...)."""
     p.add_argument(
         "--revision",
         metavar="REV",
@@ -137,6 +137,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "experts on the whole batch's rows for them, one all-reduce combines; the faster as measured) or "
         "all-to-all (each device sends its share of the tokens to their experts' devices and back)",
     )
+    p.add_argument(
+        "--cpu-compute-cores",
+        type=int,
+        default=None,
+        metavar="N",
+        help="on the CPU, vLLM's split of the machine: jax's threads (the model's steps) on N cores of this "
+        "process's, the host (scheduler, tokenizers, HTTP server) on the others. On a busy machine it spends "
+        "less CPU per token; on an idle one the steps get fewer cores. Default: every thread on every core",
+    )
     g = p.add_argument_group(
         "several hosts",
         "one model over N nodes (jaxserve.parallel.multihost): the same command on "
@@ -225,11 +234,14 @@ def start_devices(args: argparse.Namespace, host_devices: int):
     CPU devices (see ensure_host_devices) and return None. A ValueError says what is wrong
     with the flags."""
     from jaxserve.parallel import multihost
-    from jaxserve.parallel.devices import ensure_host_devices
+    from jaxserve.parallel.devices import ensure_host_devices, pin_cpu_compute
 
     if args.nnodes <= 1:
         ensure_host_devices(host_devices)
+        pin_cpu_compute(args.cpu_compute_cores)  # starts jax
         return None
+    if args.cpu_compute_cores is not None:  # multihost.start starts jax before it could pin its threads
+        raise ValueError("--cpu-compute-cores is for one node; with --nnodes leave it out")
     spec = args.speculative_config
     if spec is not None and spec.method != "ngram":
         raise ValueError(
@@ -274,6 +286,7 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "expert_dispatch": args.expert_dispatch,
+        "cpu_compute_cores": args.cpu_compute_cores,
     }
 
 

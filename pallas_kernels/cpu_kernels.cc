@@ -23,6 +23,9 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -452,6 +455,25 @@ Helpers& helpers() {
   return *h;
 }
 
+// The cores the calling thread may run on: the process's, or fewer where jaxserve pinned jax's
+// threads (jaxserve.parallel.devices.pin_cpu_compute). Read once per thread: a pinned thread stays so.
+int64_t usable_cores() {
+  thread_local const int64_t n = [] {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max<int64_t>(1, CPU_COUNT(&set));
+#endif
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return n;
+}
+
+// Helpers for a call that could use up to `most`: no more than the pool has, nor than the other
+// cores this thread may use. On one core a helper would only take turns with the caller, spinning.
+int64_t helper_count(ffi::ThreadPool& pool, int64_t most) {
+  return std::max<int64_t>(0, std::min({most, int64_t(pool.num_threads()), usable_cores() - 1}));
+}
+
 // Runs run(i) for i in [0, n) on this thread and up to the pool's threads; returns when all are done.
 // Helpers that start late find no work left, and hold `shared` (not this frame) meanwhile.
 template <typename Run>
@@ -469,7 +491,7 @@ void run_units(ffi::ThreadPool& pool, int64_t n, Run run) {
     }
   };
   auto shared = std::make_shared<Shared>(std::move(run), n);
-  helpers().start(pool, shared, std::min<int64_t>(pool.num_threads(), n - 1));
+  helpers().start(pool, shared, helper_count(pool, n - 1));
   shared->work();
   while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
@@ -770,7 +792,7 @@ void dense_matmuls(ffi::ThreadPool& pool, const XT* x, int64_t m, int64_t k, con
     }
   // run_units hands out units in turn, so a worker's next unit is about `workers` further on.
   const int64_t units = int64_t(tiles.size());
-  const int64_t workers = 1 + std::min<int64_t>(pool.num_threads(), std::max<int64_t>(units - 1, 0));
+  const int64_t workers = 1 + helper_count(pool, units - 1);
   run_units(pool, units, [&](int64_t u) {
     const int64_t after = u + workers;
     dense_tile(x, m, k, tiles[u], outs[u], after < units ? &tiles[after] : nullptr);
@@ -1431,7 +1453,7 @@ void run_phases(ffi::ThreadPool& pool, std::vector<int64_t> sizes, Run run) {
     }
   };
   auto shared = std::make_shared<Shared>(std::move(sizes), std::move(run));
-  helpers().start(pool, shared, std::min<int64_t>(pool.num_threads(), cores() - 1));
+  helpers().start(pool, shared, helper_count(pool, cores() - 1));
   shared->work();
 }
 

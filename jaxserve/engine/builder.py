@@ -31,7 +31,7 @@ from jaxserve.engine.kv_memory import kv_memory_bytes, require_memory_stats
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import kv_dtype_label, resolve_kv_cache_dtype
 from jaxserve.model.sizing import both_units, plan_kv
-from jaxserve.parallel.devices import ensure_host_devices
+from jaxserve.parallel.devices import ensure_host_devices, pin_cpu_compute
 from jaxserve.parallel.experts import check_expert_parallel
 from jaxserve.parallel.sharding import check_tensor_parallel, make_mesh, resident_bytes
 from jaxserve.runner.kernels import select_attention, select_matmul
@@ -75,6 +75,7 @@ class EngineParts:
 
 def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = False) -> EngineParts:
     """Wire an engine's parts (see the module docstring for the order); `progress`: a bar while it compiles."""
+    pin_cpu_compute(config.cpu_compute_cores)  # a no-op after load(); else it says that jax started too soon
     mcfg = loaded.config
     generation = read_generation_config(loaded.source, config.generation_config)
     eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + generation.eos_token_ids))
@@ -225,6 +226,7 @@ def load(
     fields) before that: ask jax for the CPU devices they need, refuse what cannot work here."""
     config = EngineConfig(**engine_kwargs)
     ensure_host_devices(config.tensor_parallel_size if config.device_ids is None else max(config.device_ids) + 1)
+    pin_cpu_compute(config.cpu_compute_cores)  # starts jax's backends
     if config.gpu_memory_utilization is not None and config.kv_cache_memory is None and config.num_blocks is None:
         require_memory_stats(jax.devices()[0])  # before the weights load: fail fast on the CPU
     mesh = load_mesh(model, config.tensor_parallel_size, config.device_ids, config)
@@ -243,13 +245,14 @@ def load(
     return loaded, config
 
 
-# EngineConfig fields that only node 0's scheduler reads: nodes of several may differ in them.
+# EngineConfig fields nodes of several may differ in: what only node 0's scheduler reads, and the machine's own.
 _LEADER_ONLY = {
     "enable_prefix_caching",
     "long_prefill_token_threshold",
     "generation_config",
     "async_scheduling",
     "seed",
+    "cpu_compute_cores",  # which cores of its own machine a node computes on
 }
 
 

@@ -60,6 +60,9 @@ class EngineConfig:
     # rows of the whole batch, one psum combines) or "all-to-all" (each device sends its slice of the
     # tokens to their experts' devices and back); same results, docs/benchmarks.md measures them
     expert_dispatch: str = EXPERT_DISPATCHES[0]
+    # On the CPU, vLLM's split: jax's threads on this many cores, the host (scheduler, tokenizers, HTTP) on
+    # the rest (jaxserve.parallel.devices.pin_cpu_compute; set before jax starts). None: all share all cores.
+    cpu_compute_cores: int | None = None
     # LoRA adapters (jaxserve.lora), vLLM's names and defaults: requests may name a PEFT adapter;
     # max_loras of them sit in device slots at once, each of rank up to max_lora_rank, and
     # max_cpu_loras (None: max_loras) stay read in host memory.

@@ -1,8 +1,10 @@
-"""How many devices jax offers: on the CPU, as many as asked for, if asked before jax starts."""
+"""How many devices jax offers (on the CPU, as many as asked for, if asked before jax starts), and
+which cores its CPU threads run on."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 
 def ensure_host_devices(count: int) -> None:
@@ -23,3 +25,58 @@ def ensure_host_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as e:  # the backend started already: make_mesh will say if too few devices exist
         logging.getLogger(__name__).debug("jax_num_cpu_devices not set: %s", e)
+
+
+# The cores jax's threads were given by pin_cpu_compute (None: not pinned, every thread may use every core),
+# and those the process had before.
+_compute_cores: tuple[int, ...] | None = None
+_process_cores: tuple[int, ...] | None = None
+
+
+def process_cores() -> tuple[int, ...]:
+    """The cores this process may run on, as before pin_cpu_compute split them: a child process
+    started from a pinned host thread would inherit only the host's (set this in the child)."""
+    return _process_cores or tuple(sorted(os.sched_getaffinity(0)))
+
+
+def pin_cpu_compute(count: int | None) -> None:
+    """vLLM's split of a CPU machine between compute and host: jax's threads (the CPU client's
+    pools, which run XLA's ops and the C++ kernels with their helpers) on the first `count`
+    cores this process may use, and the calling thread, with every thread it starts later
+    (the scheduler, tokenizers, the HTTP server), on the others. On a busy machine the
+    compute threads then do not take turns with the host's. None: no split.
+
+    It must run before jax starts its backends, because their threads take the cores of the
+    thread that starts them; once pinned, asking again for the same count is a no-op. A
+    ValueError says which counts this machine allows, a RuntimeError that jax started already."""
+    global _compute_cores, _process_cores
+    if count is None:
+        return
+    if _compute_cores is not None:
+        if len(_compute_cores) == count:
+            return
+        raise RuntimeError(f"cpu_compute_cores={count}: jax's threads run on {len(_compute_cores)} core(s) already")
+    allowed = sorted(os.sched_getaffinity(0))
+    if not isinstance(count, int) or not 1 <= count < len(allowed):
+        raise ValueError(
+            f"cpu_compute_cores must be 1 to {len(allowed) - 1} (this process may run on {len(allowed)} "
+            f"core(s), and the host needs one of them), got {count!r}"
+        )
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "cpu_compute_cores must be set before jax starts its backends (their threads take the cores of "
+            "the thread that starts them): pass it to LLM(...) or jaxserve.engine.builder.load, or as "
+            "--cpu-compute-cores, before anything makes a jax array or asks for jax.devices()"
+        )
+    import jax
+
+    compute = allowed[:count]
+    os.sched_setaffinity(0, compute)  # this thread only: its children inherit the set
+    try:
+        jax.devices()  # starts the backends, whose threads now run on `compute`
+    finally:
+        os.sched_setaffinity(0, allowed[count:])
+    _compute_cores, _process_cores = tuple(compute), tuple(allowed)
+    logging.getLogger(__name__).info("jax's threads on core(s) %s, the host on %s", compute, allowed[count:])
