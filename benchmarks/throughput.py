@@ -541,6 +541,10 @@ def main(argv=None) -> int:
     add_contend_argument(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.cpu_compute_cores and (
+        args.baseline == "transformers" or args.nnodes * args.tensor_parallel_size * args.data_parallel_size > 1
+    ):  # transformers runs in this process, where it would get only the host's cores
+        p.error("--cpu-compute-cores goes with --baseline vllm or none, one engine on one device")
     if args.nnodes > 1:
         return run_nodes(args) if args.node_rank is None else run_node(args)
     if args.tensor_parallel_size * args.data_parallel_size > 1:

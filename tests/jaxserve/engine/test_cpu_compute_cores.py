@@ -112,3 +112,15 @@ def test_the_cli_says_what_is_wrong_with_the_flag():
     )
     assert proc.returncode == 2, proc.stderr
     assert "cpu_compute_cores must be 1 to" in proc.stderr
+
+
+@pytest.mark.parametrize("flags", [[], ["--baseline", "none", "--tensor-parallel-size", "2"]])
+def test_throughput_refuses_the_split_where_it_would_not_be_fair(flags, capsys):
+    """The transformers baseline runs in the benchmark's process, where the split would leave it
+    the host's cores; several engines or devices do not take the setting."""
+    from benchmarks import throughput
+
+    with pytest.raises(SystemExit) as e:
+        throughput.main(["--cpu-compute-cores", "1", *flags])
+    assert e.value.code == 2
+    assert "--cpu-compute-cores goes with --baseline vllm or none" in capsys.readouterr().err
