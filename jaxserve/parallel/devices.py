@@ -27,9 +27,9 @@ def ensure_host_devices(count: int) -> None:
         logging.getLogger(__name__).debug("jax_num_cpu_devices not set: %s", e)
 
 
-# The cores jax's threads were given by pin_cpu_compute (None: not pinned, every thread may use every core),
-# and those the process had before.
-_compute_cores: tuple[int, ...] | None = None
+# How many cores jax's threads were given by pin_cpu_compute (None: not pinned, every thread may use every
+# core), and the cores the process had before.
+_compute_count: int | None = None
 _process_cores: tuple[int, ...] | None = None
 
 
@@ -49,13 +49,13 @@ def pin_cpu_compute(count: int | None) -> None:
     It must run before jax starts its backends, because their threads take the cores of the
     thread that starts them; once pinned, asking again for the same count is a no-op. A
     ValueError says which counts this machine allows, a RuntimeError that jax started already."""
-    global _compute_cores, _process_cores
+    global _compute_count, _process_cores
     if count is None:
         return
-    if _compute_cores is not None:
-        if len(_compute_cores) == count:
+    if _compute_count is not None:
+        if _compute_count == count:
             return
-        raise RuntimeError(f"cpu_compute_cores={count}: jax's threads run on {len(_compute_cores)} core(s) already")
+        raise RuntimeError(f"cpu_compute_cores={count}: jax's threads run on {_compute_count} core(s) already")
     allowed = sorted(os.sched_getaffinity(0))
     if not isinstance(count, int) or not 1 <= count < len(allowed):
         raise ValueError(
@@ -76,7 +76,9 @@ def pin_cpu_compute(count: int | None) -> None:
     os.sched_setaffinity(0, compute)  # this thread only: its children inherit the set
     try:
         jax.devices()  # starts the backends, whose threads now run on `compute`
-    finally:
-        os.sched_setaffinity(0, allowed[count:])
-    _compute_cores, _process_cores = tuple(compute), tuple(allowed)
+    except BaseException:
+        os.sched_setaffinity(0, allowed)  # no split after all: give the caller back every core
+        raise
+    os.sched_setaffinity(0, allowed[count:])
+    _compute_count, _process_cores = count, tuple(allowed)
     logging.getLogger(__name__).info("jax's threads on core(s) %s, the host on %s", compute, allowed[count:])
