@@ -311,7 +311,7 @@ def kv_cache_row(reference, kv_dtype: str, args, ref_out: list[list[int]]) -> di
 
     dtype = resolve_kv_cache_dtype(kv_dtype, reference.model.dtype)
     row = {
-        "label": kv_dtype_label(dtype),
+        "label": kv_dtype_label(dtype, reference.config.kv_scales),
         "bytes_per_token": kv_bytes_per_token(reference.config, dtype),
         "full_bytes_per_token": kv_bytes_per_token(reference.config, reference.model.dtype),
         "windows": {},

@@ -47,6 +47,33 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return q.astype(dtype), scale
 
 
+def quantize_kv_calibrated(x: jax.Array, scale: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., num_kv_heads, head_dim] with a fixed scale per KV head [num_kv_heads] (a
+    checkpoint's calibrated k_scale or v_scale) -> (codes in `dtype`, float32 scales
+    [..., num_kv_heads]: the fixed ones, in the per-token layout attention reads).
+
+    compressed-tensors' rule: x / scale clamped to the type's range (int8: -128 to 127)
+    and rounded; a value past the calibrated range saturates."""
+    dtype = jnp.dtype(dtype)
+    scale = scale.astype(jnp.float32)
+    q = x.astype(jnp.float32) / scale[:, None]
+    if dtype == jnp.int8:
+        q = jnp.round(jnp.clip(q, -128.0, 127.0))
+    else:
+        q = jnp.clip(q, -_QMAX[dtype], _QMAX[dtype])
+    scales = jnp.broadcast_to(scale, x.shape[:-1])
+    if dtype == jnp.uint8:
+        return jax.lax.bitcast_convert_type(q.astype(E4M3), jnp.uint8), scales
+    return q.astype(dtype), scales
+
+
+def rescale_for(scale: jax.Array, calibrated_for: str, dtype) -> jax.Array:
+    """A scale calibrated for one 8-bit type ("fp8" or "int8") as one for `dtype` with the
+    same clipping range (the calibrated absolute maximum)."""
+    ratio = _QMAX[KV_DTYPES[calibrated_for]] / _QMAX[jnp.dtype(dtype)]
+    return scale if ratio == 1.0 else scale * ratio
+
+
 def codes_to_float(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
     """The values of 8-bit codes (before scaling), in `dtype`."""
     if codes.dtype == jnp.uint8:

@@ -73,6 +73,15 @@ class EngineParts:
     grammars: GrammarCompiler
 
 
+def _log_calibrated_kv_scales(mcfg: ModelConfig, kv_cache_dtype: str) -> None:
+    if mcfg.kv_scales is not None and kv_cache_dtype in (None, "auto"):
+        logger.info(
+            "the checkpoint ships calibrated %s KV-cache scales: --kv-cache-dtype %s stores K and V with them",
+            mcfg.kv_scales,
+            mcfg.kv_scales,
+        )
+
+
 def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = False) -> EngineParts:
     """Wire an engine's parts (see the module docstring for the order); `progress`: a bar while it compiles."""
     pin_cpu_compute(config.cpu_compute_cores)  # a no-op after load(); else it says that jax started too soon
@@ -81,6 +90,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
     eos_token_ids = tuple(dict.fromkeys(mcfg.eos_token_ids + generation.eos_token_ids))
     dtype = loaded.model.dtype
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    _log_calibrated_kv_scales(mcfg, config.kv_cache_dtype)
     spec = config.speculative_config
     num_spec = spec.num_draft_tokens if spec else 0
     max_model_len = config.resolve_max_model_len(mcfg.max_position_embeddings)
@@ -171,7 +181,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, progress: bool = Fals
         num_blocks,
         config.block_size,
         capacity,
-        kv_dtype_label(kv_dtype),
+        kv_dtype_label(kv_dtype, mcfg.kv_scales),
         runner.kv.nbytes / 2**20,
     )
     log_resident_bytes(runner)

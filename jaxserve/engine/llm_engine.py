@@ -111,7 +111,7 @@ class LLMEngine:
         return {
             "block_size": str(kv.block_size),
             "cache_dtype": self.config.kv_cache_dtype,
-            "kv_cache_dtype": kv_dtype_label(kv.dtype),
+            "kv_cache_dtype": kv_dtype_label(kv.dtype, self.runner.config.kv_scales),
             "num_gpu_blocks": str(kv.num_blocks - 1),
             "kv_cache_bytes": str(kv.nbytes),
             "tokens": str((kv.num_blocks - 1) * kv.block_size),

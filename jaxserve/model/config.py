@@ -19,6 +19,11 @@ to sum to one when `norm_topk_prob` (always for Mixtral). Qwen's MoE models keep
 MLP on the layers in `mlp_only_layers` and on those whose index + 1 is not a multiple of
 `decoder_sparse_step`.
 
+A compressed-tensors checkpoint may ship calibrated KV-cache scales (`kv_cache_scheme`:
+a static `k_scale` and `v_scale` per attention layer, or per layer and KV head); `kv_scales`
+names the 8-bit type they were calibrated for, and an 8-bit cache then stores K and V with
+them (jaxserve.model.kv_cache) instead of a scale per token.
+
 Anything outside that table is refused with an error that names the field.
 """
 
@@ -88,6 +93,7 @@ class ModelConfig:
     routing_weights_in_float32: bool = False  # Mixtral keeps them in float32; Qwen casts to the model dtype
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
     dense_mlp_layers: tuple[int, ...] = ()  # layers of a MoE model that have a dense MLP instead
+    kv_scales: str | None = None  # "fp8" or "int8": the checkpoint's k_scale / v_scale are for that type
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -180,6 +186,7 @@ class ModelConfig:
             sliding_window=_sliding_window(hf, arch),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            kv_scales=_kv_scales(hf),
             **_moe_fields(hf, arch),
         )
 
@@ -229,6 +236,32 @@ def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         ),
         dense_mlp_layers=tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step),
     )
+
+
+_KV_SCHEME_TYPES = {"float": "fp8", "int": "int8"}
+
+
+def _kv_scales(hf: dict[str, Any]) -> str | None:
+    """The 8-bit type of a compressed-tensors `kv_cache_scheme` with static scales (None: no
+    scheme, or a dynamic one, which ships no scales); refuses what an 8-bit cache cannot hold."""
+    quant = hf.get("quantization_config") or {}
+    scheme = quant.get("kv_cache_scheme") if quant.get("quant_method") == "compressed-tensors" else None
+    if scheme is None or scheme.get("dynamic", False) is not False:
+        return None
+    kind = _KV_SCHEME_TYPES.get(scheme.get("type", "int"))
+    if scheme.get("num_bits") != 8 or kind is None:
+        raise UnsupportedModelError(
+            f"kv_cache_scheme with num_bits={scheme.get('num_bits')!r} and type={scheme.get('type')!r} is not "
+            "supported; the KV cache holds 8-bit floats (fp8) or integers (int8)"
+        )
+    if not scheme.get("symmetric", True):
+        raise UnsupportedModelError("kv_cache_scheme with symmetric=false (a zero point) is not supported")
+    if scheme.get("strategy", "tensor") not in ("tensor", "attn_head"):
+        raise UnsupportedModelError(
+            f"kv_cache_scheme strategy {scheme.get('strategy')!r} is not supported; 'tensor' (a scale per "
+            "layer) and 'attn_head' (a scale per layer and KV head) are"
+        )
+    return kind
 
 
 def _refuse_unsupported_fields(hf: dict[str, Any]) -> None:

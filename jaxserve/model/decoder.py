@@ -27,6 +27,7 @@ from jaxserve.model.mlp import MLP, linear
 from jaxserve.model.moe import SparseMoE
 from jaxserve.model.quantization import Int8Table, QuantConfig, QuantizedLinear, project
 from pallas_kernels import cpu_kernels
+from pallas_kernels.quantized_kv import rescale_for
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 AttentionFn = Callable[..., jax.Array]  # the signature of ragged_paged_attention_reference
@@ -102,6 +103,9 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype)
+        if cfg.kv_scales is not None:  # the checkpoint's calibrated scales per KV head, for an 8-bit cache
+            self.k_scale = nnx.Param(jnp.ones(kv, jnp.float32))
+            self.v_scale = nnx.Param(jnp.ones(kv, jnp.float32))
         self.cfg = cfg
 
     def __call__(self, x, inputs: ModelInputs, kv: KVCache, layer_idx, inv_freq, attention: AttentionFn):
@@ -150,7 +154,7 @@ class Attention(nnx.Module):
         # Write this step's K/V first; attention then reads the whole context from the pages
         # of every layer folded into one pool (layer l's pages start at l * num_blocks).
         with jax.named_scope("kv_write"):
-            kv = write_kv(kv, layer_idx, inputs.slot_mapping, k, v)
+            kv = write_kv(kv, layer_idx, inputs.slot_mapping, k, v, self.calibrated_kv_scales(kv, k.shape[1]))
         pages, block_offset = fold_layers(kv), layer_idx * kv.num_blocks
         with jax.named_scope("attention"):
             out = attention(
@@ -166,6 +170,17 @@ class Attention(nnx.Module):
                 **({} if inputs.tree_mask is None else {"tree_mask": inputs.tree_mask}),
             )
         return out.reshape(t, cfg.num_heads * cfg.head_dim), kv
+
+    def calibrated_kv_scales(self, kv: KVCache, kv_heads: int) -> tuple[jax.Array, jax.Array] | None:
+        """The checkpoint's K and V scales for an 8-bit cache [kv_heads], as scales of the
+        cache's dtype (None: the cache keeps full precision, or scales each token itself).
+        Under tensor parallelism the KV heads may be repeated (jaxserve.parallel.sharding)."""
+        if self.cfg.kv_scales is None or kv.k_scale is None:
+            return None
+        repeat = kv_heads // self.cfg.num_kv_heads
+        return tuple(
+            jnp.repeat(rescale_for(s[...], self.cfg.kv_scales, kv.dtype), repeat) for s in (self.k_scale, self.v_scale)
+        )
 
 
 class DecoderLayer(nnx.Module):

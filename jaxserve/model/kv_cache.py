@@ -12,8 +12,10 @@ slice (which would cost a copy of the layer's cache every step).
 
 `--kv-cache-dtype` fp8 or int8 stores K and V in 8 bits with a float32 scale per token
 and KV head beside the pages (see `pallas_kernels.quantized_kv`): quantized as they are
-written, dequantized by attention right after it loads a page. Every per-block array has
-the block axis second, so copy-on-write and prefix caching move scales with their block.
+written, dequantized by attention right after it loads a page. A checkpoint's calibrated
+scales (ModelConfig.kv_scales), where it ships them, take the place of each token's own.
+Every per-block array has the block axis second, so copy-on-write and prefix caching move
+scales with their block.
 
 Block 0 is the null block: padding tokens write into slot 0 and no sequence owns it.
 """
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
-from pallas_kernels.quantized_kv import KV_DTYPES, is_quantized_kv, quantize_kv
+from pallas_kernels.quantized_kv import KV_DTYPES, is_quantized_kv, quantize_kv, quantize_kv_calibrated
 
 NULL_BLOCK = 0
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES)
@@ -99,12 +101,15 @@ def resolve_kv_cache_dtype(name: str | None, model_dtype) -> jnp.dtype:
     return jnp.dtype(KV_DTYPES[name])
 
 
-def kv_dtype_label(dtype) -> str:
-    """How a cache of code dtype `dtype` stores K and V, in words."""
+def kv_dtype_label(dtype, calibrated: str | None = None) -> str:
+    """How a cache of code dtype `dtype` stores K and V, in words; `calibrated`: the model's
+    kv_scales (the 8-bit type its checkpoint's scales were calibrated for)."""
     dtype = jnp.dtype(dtype)
     if not is_quantized_kv(dtype):
         return dtype.name
     codes = "fp8 e4m3 (uint8 bit patterns)" if dtype == jnp.uint8 else dtype.name
+    if calibrated is not None:
+        return f"{codes} with the checkpoint's scales (calibrated for {calibrated})"
     return f"{codes} with float32 scales per token and KV head"
 
 
@@ -179,9 +184,18 @@ def move_slots(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return out
 
 
-def write_kv(kv: KVCache, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+def write_kv(
+    kv: KVCache,
+    layer: jax.Array,
+    slots: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    calibrated: tuple[jax.Array, jax.Array] | None = None,
+) -> KVCache:
     """Store each token's K and V [T, KV, D] at its slot (`block * block_size + offset`) of
-    layer `layer`, quantizing them first if the cache is 8-bit.
+    layer `layer`, quantizing them first if the cache is 8-bit: with `calibrated` (this
+    layer's fixed K and V scales per KV head [KV], for the cache's dtype), else with each
+    token's own.
 
     NOTE: it writes the unfolded cache [L, num_blocks, ...], not the folded pages attention
     reads: XLA gives a scatter into a reshaped view a layout of its own when an axis has
@@ -191,7 +205,10 @@ def write_kv(kv: KVCache, layer: jax.Array, slots: jax.Array, k: jax.Array, v: j
         return KVCache(
             _write_slots(kv.k, layer, slots, k.astype(kv.dtype)), _write_slots(kv.v, layer, slots, v.astype(kv.dtype))
         )
-    (k, k_scale), (v, v_scale) = quantize_kv(k, kv.dtype), quantize_kv(v, kv.dtype)
+    if calibrated is None:
+        (k, k_scale), (v, v_scale) = quantize_kv(k, kv.dtype), quantize_kv(v, kv.dtype)
+    else:
+        (k, k_scale), (v, v_scale) = (quantize_kv_calibrated(x, s, kv.dtype) for x, s in zip((k, v), calibrated))
     return KVCache(
         _write_slots(kv.k, layer, slots, k),
         _write_slots(kv.v, layer, slots, v),

@@ -73,6 +73,12 @@ class MedusaHeads(nnx.Module):
         return jnp.stack([target.logits(block(h)) for block in self.blocks])
 
 
+def head_config(cfg: ModelConfig) -> ModelConfig:
+    """An EAGLE head's config from its target's: one layer (its KV cache has one), in full
+    precision (the target checkpoint's calibrated KV scales are not the head's)."""
+    return dataclasses.replace(cfg, num_layers=1, kv_scales=None)
+
+
 class EagleHead(nnx.Module):
     """fc(concat[feature, embedding of the next token]) and one decoder layer of the target's shape."""
 
@@ -80,9 +86,9 @@ class EagleHead(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
         d = cfg.hidden_size
-        self.cfg = dataclasses.replace(cfg, num_layers=1)  # the head's KV cache has one layer
+        self.cfg = head_config(cfg)
         self.fc = nnx.Linear(2 * d, d, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layer = DecoderLayer(cfg, dtype, rngs)
+        self.layer = DecoderLayer(self.cfg, dtype, rngs)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> KVCache:
         return allocate_kv_cache(self.cfg, num_blocks, block_size, self.fc.kernel.dtype)
@@ -138,11 +144,11 @@ class Eagle3Head(EagleHead):
         rngs: nnx.Rngs,
     ):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.cfg = dataclasses.replace(cfg, num_layers=1)
+        self.cfg = head_config(cfg)
         self.feature_layers = tuple(sorted(feature_layers))
         self.norm_before_residual = norm_before_residual
         self.fc = nnx.Linear(len(self.feature_layers) * d, d, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layer = DecoderLayer(cfg, dtype, rngs)
+        self.layer = DecoderLayer(self.cfg, dtype, rngs)
         attn = self.layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
             out = getattr(attn, name).kernel.shape[1]

@@ -41,7 +41,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import DecoderLayer, DecoderLM
-from jaxserve.spec_decode.heads import Eagle3Head, EagleHead, MedusaBlock, load_heads
+from jaxserve.spec_decode.heads import Eagle3Head, EagleHead, MedusaBlock, head_config, load_heads
 from jaxserve.weights.hub import parse_hub_reference
 from jaxserve.weights.params import flatten_tree, param_path, unflatten_tree
 from jaxserve.weights.safetensors_reader import read_tensors
@@ -84,9 +84,9 @@ class _NoNorm(nnx.Module):
 class PublishedEagleHead(EagleHead):
     def __init__(self, cfg: ModelConfig, fc_bias: bool, dtype=jnp.float32, *, rngs: nnx.Rngs):
         d = cfg.hidden_size
-        self.cfg = dataclasses.replace(cfg, num_layers=1)
+        self.cfg = head_config(cfg)
         self.fc = nnx.Linear(2 * d, d, use_bias=fc_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layer = DecoderLayer(cfg, dtype, rngs)
+        self.layer = DecoderLayer(self.cfg, dtype, rngs)
         self.layer.input_layernorm = _NoNorm()  # EAGLE-1's only layer has none
 
     def target_features(self, target: DecoderLM, hidden: jax.Array) -> jax.Array:

@@ -66,7 +66,7 @@ _QPARAMS = {
     "input_global_scale",
 }
 _UNUSED = {"input_scale", "input_zero_point"}  # activations are quantized per token at run time
-_KV_SCALES = {"k_scale", "v_scale", "q_scale"}
+_Q_SCALE = "q_scale"  # attention's query quantization: not done here (k_scale, v_scale: ModelConfig.kv_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,6 @@ def checkpoint_quant_config(spec: dict, hf_config: dict | None = None) -> QuantC
         )
     elif scheme.activations == "none" and scheme.quant.kind == "fp8":
         logger.info("compressed-tensors: fp8 weight-only checkpoint; activations are still quantized per token (W8A8)")
-    if spec.get("kv_cache_scheme") is not None:
-        logger.info("compressed-tensors: kv_cache_scheme is ignored; the KV cache stays in the model dtype")
     return scheme.quant
 
 
@@ -112,11 +110,10 @@ def read_tensors(
     A projection's pieces are held only until the last of them arrives (tensors come in
     name order within a shard, so that is normally the next few tensors)."""
     scheme = _parse(spec, hf_config)
-    skip_kv_scales = spec.get("kv_cache_scheme") is not None
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in read_raw_tensors(files):
         module, _, leaf = name.rpartition(".")
-        if (skip_kv_scales and leaf in _KV_SCALES) or (leaf in _UNUSED and PROJECTION_MODULE.match(module)):
+        if leaf == _Q_SCALE or (leaf in _UNUSED and PROJECTION_MODULE.match(module)):
             continue
         if PROJECTION_MODULE.match(module) and leaf != "bias":
             if leaf not in scheme.pieces:

@@ -115,7 +115,7 @@ def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None
     spec = hf_config.get("quantization_config")
     if method == "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks; {source} is not a .gguf file")
-    if spec is None:
+    if spec is None or _kv_cache_only(spec):  # unquantized weights (calibrated KV scales: ModelConfig.kv_scales)
         return QuantConfig.for_method(method)
     if spec.get("quant_method") in gptq_awq.METHODS:
         quant = gptq_awq.checkpoint_quant_config(spec)
@@ -126,6 +126,16 @@ def resolve_quantization(source: Path, method: str | None) -> QuantConfig | None
     if method not in (None, "none", quant.kind):
         raise ValueError(f"{source} is already quantized ({quant.label}); it cannot be loaded as {method!r}")
     return quant
+
+
+def _kv_cache_only(spec: dict) -> bool:
+    """A compressed-tensors checkpoint that quantizes only the KV cache (llm-compressor's
+    kv_cache_scheme with no config_groups): its weights are plain tensors."""
+    return (
+        spec.get("quant_method") == "compressed-tensors"
+        and not spec.get("config_groups")
+        and bool(spec.get("kv_cache_scheme"))
+    )
 
 
 def resolve_source(model: str | None) -> Path:

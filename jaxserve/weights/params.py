@@ -16,7 +16,8 @@ from jaxserve.model.quantization import QuantConfig, QuantizedWeight, quantize
 from jaxserve.parallel.sharding import param_shardings, place_from_host, replicate_kv_heads, tensor_parallel_size
 
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate", "shared_expert_gate"}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|k_scale|v_scale)$")
+_KV_SCALES = ("k_scale", "v_scale")  # an attention layer's calibrated KV-cache scales (ModelConfig.kv_scales)
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")  # one expert's projection, stacked on [E]
 # Mixtral's names for the same modules.
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -104,6 +105,9 @@ class ParamAssembler:
             raise WeightError(f"tensor {name!r} has no place in {self.cfg.architecture} with this config")
         value = tensor.T if transpose else tensor
         want = self.specs[path].shape[0 if expert is None else 1 :]
+        if path[-1] in _KV_SCALES and np.size(value) in (1, self.cfg.num_kv_heads):
+            # one per layer (strategy "tensor": [1]) or per KV head ("attn_head": [KV, 1, 1])
+            value = np.broadcast_to(np.reshape(value, -1), want)
         if tuple(value.shape) != tuple(want):
             got, implied = tuple(tensor.shape), tuple(want[::-1]) if transpose else tuple(want)
             raise WeightError(f"tensor {name!r} has shape {got}, but the config implies {implied}")
@@ -215,7 +219,7 @@ def _hf_name(path: tuple, expert: int | None = None) -> str:
         return "model.embed_tokens.weight"
     if path == ("lm_head", "kernel"):
         return "lm_head.weight"
-    leaf = "bias" if path[-1] == "bias" else "weight"
+    leaf = path[-1] if path[-1] in ("bias", *_KV_SCALES) else "weight"
     if path[0] == "layers":
         return f"model.layers.{path[1]}.{'.'.join(path[2:-1])}.{leaf}"
     return f"model.{'.'.join(path[:-1])}.{leaf}"
