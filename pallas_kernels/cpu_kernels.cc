@@ -116,6 +116,7 @@ struct Problem {
 struct Unit {
   int32_t seq, kv_head;
   int64_t first, count;  // query tokens [first, first + count) of the sequence's new tokens
+  int64_t kv_heads = 1;  // KV heads kv_head.. taken together (one decode token: see attend)
 };
 
 #if defined(__AVX512F__)
@@ -147,13 +148,13 @@ inline __m512 sums_of_16(const __m512* v) {
 
 // sr[c] = qr . k_rows[c] for c < n <= kKeyChunk (sr is written up to the next multiple of 16).
 template <int NV, typename KT>
-void decode_scores(const float* qr, const KT* const* k_rows, int64_t n, float* sr) {
+void decode_scores(const float* qr, const KT* const* k_rows, int64_t n, float* sr, int64_t off) {
   __m512 q[NV];
   for (int j = 0; j < NV; ++j) q[j] = _mm512_loadu_ps(qr + 16 * j);
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     __m512 t[16];
     for (int c = 0; c < 16; ++c) {
-      const KT* k = k_rows[std::min<int64_t>(c0 + c, n - 1)];  // past n: the last key again, unused
+      const KT* k = k_rows[std::min<int64_t>(c0 + c, n - 1)] + off;  // past n: the last key again, unused
       __m512 s = _mm512_mul_ps(q[0], floats16(k));
       for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(q[j], floats16(k + 16 * j), s);
       t[c] = s;
@@ -164,13 +165,13 @@ void decode_scores(const float* qr, const KT* const* k_rows, int64_t n, float* s
 
 // acc[r] += sum over c < n of pr[r][c] * v_rows[c] for MR rows (pr's rows kKeyChunk apart).
 template <int NV, int MR, typename KT>
-void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* acc) {
+void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* acc, int64_t off) {
   __m512 a[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + (r * NV + j) * 16);
   for (int64_t c = 0; c < n; ++c) {
     __m512 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = floats16(v_rows[c] + 16 * j);
+    for (int j = 0; j < NV; ++j) v[j] = floats16(v_rows[c] + off + 16 * j);
     for (int r = 0; r < MR; ++r) {
       const __m512 w = _mm512_set1_ps(pr[r * kKeyChunk + c]);
       for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(w, v[j], a[r][j]);
@@ -182,16 +183,17 @@ void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* a
 
 // decode_values for any number of rows: blocks of as many as fit in registers with a value row.
 template <int NV, typename KT>
-void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* acc, int64_t rows) {
+void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* acc, int64_t rows, int64_t off) {
   constexpr int kRows = NV <= 4 ? 4 : 2;
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) decode_values<NV, kRows>(pr + r * kKeyChunk, v_rows, n, acc + r * NV * 16);
+  for (; r + kRows <= rows; r += kRows)
+    decode_values<NV, kRows>(pr + r * kKeyChunk, v_rows, n, acc + r * NV * 16, off);
   const float* pr_left = pr + r * kKeyChunk;
   float* acc_left = acc + r * NV * 16;
   switch (rows - r) {
-    case 3: decode_values<NV, 3>(pr_left, v_rows, n, acc_left); break;
-    case 2: decode_values<NV, 2>(pr_left, v_rows, n, acc_left); break;
-    case 1: decode_values<NV, 1>(pr_left, v_rows, n, acc_left); break;
+    case 3: decode_values<NV, 3>(pr_left, v_rows, n, acc_left, off); break;
+    case 2: decode_values<NV, 2>(pr_left, v_rows, n, acc_left, off); break;
+    case 1: decode_values<NV, 1>(pr_left, v_rows, n, acc_left, off); break;
     default: break;
   }
 }
@@ -199,9 +201,12 @@ void decode_values(const float* pr, const KT* const* v_rows, int64_t n, float* a
 
 // One unit: the query heads of `kv_head` for `count` new tokens of `seq`, over its context.
 // kD: the head dim when known at compile time (the loops over it unroll), else 0.
+// A decode token's unit may take `kv_heads` KV heads together: a page holds a token's heads side by
+// side, so each key chunk is then read as one contiguous run per token instead of one per head.
 template <typename QT, typename KT, int kD>
 void attend(const Problem& p, const Unit& u) {
-  const int64_t groups = p.num_heads / p.num_kv_heads, d = kD ? kD : p.head_dim, rows = u.count * groups;
+  const int64_t groups = p.num_heads / p.num_kv_heads, d = kD ? kD : p.head_dim;
+  const int64_t heads_rows = u.kv_heads * groups, rows = u.count * heads_rows;  // query rows per token, in all
   const int64_t q_len = p.query_start_loc[u.seq + 1] - p.query_start_loc[u.seq];
   const int64_t kv_len = std::min<int64_t>(p.kv_lens[u.seq], p.max_pages * p.page_size);
   const int64_t new0 = kv_len - q_len;  // position of the sequence's first new token
@@ -213,7 +218,7 @@ void attend(const Problem& p, const Unit& u) {
   const int32_t* table = p.block_tables + int64_t(u.seq) * p.max_pages;
 
   // Many rows (a prefill block): score against a transposed copy of each key chunk.
-  const bool transposed = !p.fixed_order && rows >= kTransposeRows;
+  const bool transposed = !p.fixed_order && u.count * groups >= kTransposeRows;
 #if defined(JAXSERVE_ATTEND_AVX512)
   constexpr int kVectors = kD % 16 == 0 ? kD / 16 : 0;  // a head's row in AVX-512 vectors
   // Fewer rows (decode): 16 keys scored at once, values into registers. Not in the fixed order,
@@ -222,6 +227,10 @@ void attend(const Problem& p, const Unit& u) {
 #else
   const bool decode = false;
 #endif
+  if (u.kv_heads > 1 && !(decode && u.count == 1)) {  // heads together only where the decode path runs
+    for (int64_t h = 0; h < u.kv_heads; ++h) attend<QT, KT, kD>(p, {u.seq, int32_t(u.kv_head + h), u.first, u.count});
+    return;
+  }
   thread_local std::vector<float> buf;
   buf.resize(rows * (2 * d + 2 + 2 * kKeyChunk) + d * kKeyChunk);
   float* qf = buf.data();               // [rows, d]: row i * groups + g, scaled
@@ -232,9 +241,9 @@ void attend(const Problem& p, const Unit& u) {
   float* pr = s + rows * kKeyChunk;     // [rows, kKeyChunk]: probabilities
   float* kt = pr + rows * kKeyChunk;    // [d, kKeyChunk]: the key chunk, transposed
   for (int64_t i = 0; i < u.count; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < heads_rows; ++g) {
       const QT* src = q + ((token0 + i) * p.num_heads + u.kv_head * groups + g) * d;
-      float* dst = qf + (i * groups + g) * d;
+      float* dst = qf + (i * heads_rows + g) * d;
       for (int64_t e = 0; e < d; ++e) dst[e] = load(src[e]) * p.sm_scale;
     }
   std::fill(acc, acc + rows * d, 0.0f);
@@ -266,7 +275,7 @@ void attend(const Problem& p, const Unit& u) {
       constexpr int64_t kLine = 64 / sizeof(KT);
       for (int64_t pos = start + kKeyChunk; pos < next_end; ++pos) {
         const int64_t offset = offset_of(pos);
-        for (int64_t e = 0; e < d; e += kLine) {
+        for (int64_t e = 0; e < u.kv_heads * d; e += kLine) {
           _mm_prefetch(reinterpret_cast<const char*>(k_pages + offset + e), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(v_pages + offset + e), _MM_HINT_T0);
         }
@@ -294,12 +303,12 @@ void attend(const Problem& p, const Unit& u) {
     for (int64_t i = 0; i < u.count; ++i) {
       const int64_t qpos = pos0 + i;
       const int32_t* words = p.tree_mask + (token0 + i) * p.tree_words;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t r = i * groups + g;
+      for (int64_t g = 0; g < heads_rows; ++g) {
+        const int64_t r = i * heads_rows + g;
         float* sr = s + r * kKeyChunk;
 #if defined(JAXSERVE_ATTEND_AVX512)
         if constexpr (kVectors > 0)
-          if (decode) decode_scores<kVectors>(qf + r * d, k_rows, n, sr);
+          if (decode) decode_scores<kVectors>(qf + r * d, k_rows, n, sr, g / groups * d);
 #endif
         if (!transposed && !decode)
           for (int64_t c = 0; c < n; ++c) sr[c] = dot(qf + r * d, k_rows[c], d);
@@ -344,8 +353,10 @@ void attend(const Problem& p, const Unit& u) {
     }
 #if defined(JAXSERVE_ATTEND_AVX512)
     if constexpr (kVectors > 0)
-      if (decode) {
-        decode_values<kVectors>(pr, v_rows, n, acc, rows);
+      if (decode) {  // a unit of several heads has one token: each head's rows lie together
+        for (int64_t h = 0; h < u.kv_heads; ++h)
+          decode_values<kVectors>(pr + h * groups * kKeyChunk, v_rows, n, acc + h * groups * d,
+                                  u.kv_heads == 1 ? rows : groups, h * d);
         continue;
       }
 #endif
@@ -361,8 +372,8 @@ void attend(const Problem& p, const Unit& u) {
     }
   }
   for (int64_t i = 0; i < u.count; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t r = i * groups + g;
+    for (int64_t g = 0; g < heads_rows; ++g) {
+      const int64_t r = i * heads_rows + g;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
       QT* dst = out + ((token0 + i) * p.num_heads + u.kv_head * groups + g) * d;
       for (int64_t e = 0; e < d; ++e) store(acc[r * d + e] * inv, dst + e);
@@ -555,7 +566,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
   // on 64 decode rows). With few, every head is a unit of its own, so that both cores have work.
   const int64_t heads = int64_t(units.size()) >= kHeadsTogetherUnits * p.num_kv_heads ? p.num_kv_heads : 1;
   run_units(pool, int64_t(units.size()) / heads, [&p, &units, run, heads](int64_t i) {
-    for (int64_t h = 0; h < heads; ++h) run(p, units[i * heads + h]);
+    const Unit& u = units[i * heads];
+    run(p, {u.seq, u.kv_head, u.first, u.count, heads});  // one decode token: its heads read together
   });
   return ffi::Error::Success();
 }

@@ -56,7 +56,8 @@ def test_mixed_prefill_and_decode(groups, head_dim, window, soft_cap):
 
 
 def test_many_decodes_split_over_threads():
-    """Enough units (sequences x KV heads) that XLA's thread pool takes some of them."""
+    """Enough units (sequences x KV heads) that XLA's thread pool takes some of them, and
+    that a decode token's KV heads are read in one unit."""
     rng = np.random.default_rng(3)
     kv_lens = list(rng.integers(1, 300, 48))
     case = make_case(
@@ -64,6 +65,32 @@ def test_many_decodes_split_over_threads():
     )
     got = run_kernel(case, sm_scale=0.125)
     np.testing.assert_allclose(got, dense_attention(case, sm_scale=0.125), atol=2e-5, rtol=1e-5)
+    # The first four sequences alone are too few units to take their heads together: the same bits.
+    few = dataclasses.replace(
+        case,
+        q=case.q[:4],
+        kv_lens=case.kv_lens[:4],
+        block_tables=case.block_tables[:4],
+        query_start_loc=case.query_start_loc[:5],
+    )
+    np.testing.assert_array_equal(run_kernel(few, sm_scale=0.125), got[:4])
+
+
+@pytest.mark.parametrize("head_dim,window", [(128, None), (64, 37)])
+def test_many_decodes_beside_longer_rows(head_dim, window):
+    """Units of several KV heads (one decode token each) beside units of several tokens, which
+    take their heads one by one: against the dense oracle, in float32 and in bfloat16."""
+    rng = np.random.default_rng(4)
+    q_lens = [1] * 40 + [5, 18, 1, 3]
+    kv_lens = [int(n) for n in rng.integers(20, 300, 40)] + [60, 18, 1, 90]
+    case = make_case(rng, q_lens, kv_lens, num_heads=8, num_kv_heads=4, head_dim=head_dim, page_size=16, pad_tokens=5)
+    kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=window)
+    np.testing.assert_allclose(run_kernel(case, **kwargs), dense_attention(case, **kwargs), atol=2e-5, rtol=1e-5)
+    args = [jnp.asarray(x, "bfloat16") for x in (case.q, case.k_pages, case.v_pages)]
+    args += [case.kv_lens, case.block_tables, case.query_start_loc]
+    got = cpu_kernels.ragged_paged_attention(*args, **kwargs)
+    want = ragged_paged_attention_reference(*args, **kwargs)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("window", [None, 7])
