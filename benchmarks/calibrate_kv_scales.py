@@ -86,17 +86,15 @@ def write_folder(model, tokenizer, scales, out: Path, strategy: str, kind: str) 
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def calibration_tokens(tokenizer) -> list[list[int]]:
-    """Each prompt of the spec-decode sets, chat-templated."""
+def calibration_tokens(tokenizer, vocab_size: int) -> list[list[int]]:
+    """Each prompt of the spec-decode sets, chat-templated as the engine does."""
+    from jaxserve.engine.tokenization import encode_chat
+
     out = []
     for path in PROMPT_SETS:
         for line in path.read_text().splitlines():
             if line.strip():
-                messages = json.loads(line)["messages"]
-                ids = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=True
-                )["input_ids"]
-                out.append(list(ids))
+                out.append(encode_chat(tokenizer, json.loads(line)["messages"], vocab_size)[1])
     return out
 
 
@@ -119,7 +117,7 @@ def main(argv=None) -> int:
     folder = source.parent if source.is_file() else source
     tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **gguf).eval()
-    tokens = calibration_tokens(tokenizer)
+    tokens = calibration_tokens(tokenizer, model.config.vocab_size)
     scales = calibrate(model, tokens, args.strategy, args.type)
     write_folder(model, tokenizer, scales, args.out, args.strategy, args.type)
     k_range = [float(k.max()) for k, _ in scales.values()]
