@@ -70,7 +70,7 @@ def write_folder(model, tokenizer, scales, out: Path, strategy: str, kind: str) 
     from safetensors.torch import save_file
 
     # NOTE: by hand, not save_pretrained: transformers refuses to save a model it read from a GGUF.
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)  # main() refuses a folder that exists
     shared = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # safetensors keeps one copy
     tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n not in shared}
     for layer, (k_scale, v_scale) in scales.items():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from safetensors.torch import load_file, save_file
 
@@ -70,18 +70,10 @@ def calibrate(model, args: QuantizationArgs):
 def write_checkpoint(folder, kind: str, strategy: str):
     """A tiny llama whose quantization_config quantizes only the KV cache (as llm-compressor
     writes it), with its calibrated scales; and the torch model, scales and scheme."""
-    model = make_tiny_model("llama", folder)
+    model = make_tiny_model("llama", folder.with_name(folder.name + "-float"))
     args = scheme(kind, strategy)
     scales = calibrate(model, args)
-    tensors = load_file(folder / "model.safetensors")
-    for layer, (k_scale, v_scale) in scales.items():
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = k_scale.contiguous()
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = v_scale.contiguous()
-    save_file(tensors, folder / "model.safetensors")
-    config = json.loads((folder / "config.json").read_text())
-    spec = QuantizationConfig(config_groups={}, kv_cache_scheme=args, quantization_status="frozen")
-    config["quantization_config"] = {**spec.model_dump(mode="json"), "quant_method": "compressed-tensors"}
-    (folder / "config.json").write_text(json.dumps(config))
+    calibrate_kv_scales.write_folder(model, None, scales, folder, strategy, TYPES[kind])
     return model, scales, args
 
 
